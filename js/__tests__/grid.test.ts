@@ -1,0 +1,101 @@
+import { describe, expect, it } from 'vitest';
+import { normalizeState } from '../data';
+import { GridView } from '../grid';
+import { documentToState } from '../mime';
+import { f32bytes, f32spec, toBase64 } from './helpers';
+
+function sample(status = 'running') {
+  return normalizeState({
+    title: '<b>title</b>',
+    views: ['resid', 'mlp'],
+    n_seeds: 2,
+    metric: 'p(answer)',
+    row_labels: ['0', '1', '2'],
+    col_labels: ['<img src=x onerror=alert(1)>', '\u202Eevil', 'x'.repeat(10000)],
+    rows_done: { resid: 2, mlp: 0 },
+    total_rows: 6,
+    status,
+    stoppable: true,
+    warnings: ['<script>alert(1)</script>'],
+    arrays: {
+      'resid/mean': f32spec([0.1, 0.5, NaN, 1, 0, -0.2, 0, 0, 0], [3, 3]),
+      'resid/std': f32spec(Array(9).fill(0.05), [3, 3]),
+      'resid/raw_mean': f32spec(Array(9).fill(0.3), [3, 3]),
+    },
+  });
+}
+
+describe('GridView (DOM)', () => {
+  it('renders text only: no element is created from label or message text', () => {
+    const el = document.createElement('div');
+    document.body.appendChild(el);
+    const g = new GridView(el, {});
+    g.update(sample());
+    expect(el.querySelector('img')).toBeNull();
+    expect(el.querySelector('script')).toBeNull();
+    expect(el.querySelector('b')).toBeNull();
+    const labels = Array.from(el.querySelectorAll('.pipatch-collabel')).map((e) => e.textContent);
+    expect(labels[0]!.startsWith('<img src')).toBe(true);
+    const titles = Array.from(el.querySelectorAll('.pipatch-collabel')).map((e) => e.getAttribute('title'));
+    expect(titles[0]).toBe('<img src=x onerror=alert(1)>');
+    expect(titles[2]!.length).toBeLessThanOrEqual(400);
+    expect(labels.some((l) => l!.startsWith('⟨U+202E⟩'))).toBe(true);
+    expect(el.querySelector('.pipatch-title')!.textContent).toBe('<b>title</b>');
+    expect(el.querySelector('.pipatch-warnings')!.textContent).toContain('<script>');
+    g.destroy();
+  });
+  it('shows the stop button only while running and stoppable', () => {
+    const el = document.createElement('div');
+    let stopped = 0;
+    const g = new GridView(el, { onStop: () => stopped++ });
+    g.update(sample('running'));
+    const btn = el.querySelector<HTMLButtonElement>('.pipatch-stop')!;
+    expect(btn.style.display).toBe('');
+    btn.click();
+    expect(stopped).toBe(1);
+    g.update(sample('done'));
+    expect(btn.style.display).toBe('none');
+  });
+  it('describes cells with value, spread, raw and pending rows', () => {
+    const el = document.createElement('div');
+    const g = new GridView(el, {});
+    g.update(sample(), { view: 'resid', seed: -1, mode: 'recovery' });
+    const info = g.cellInfo(0, 1).join('\n');
+    expect(info).toContain('recovery: 0.500 ± 0.050');
+    expect(info).toContain('raw p(answer): 0.300');
+    expect(g.cellInfo(0, 2).join('\n')).toContain('NaN');
+    expect(g.cellInfo(2, 0).join('\n')).toContain('pending');
+    expect(el.querySelector('.pipatch-grid')!.getAttribute('data-rows-done')).toBe('2');
+  });
+  it('switches view through the select and reports it', () => {
+    const el = document.createElement('div');
+    const changes: unknown[] = [];
+    const g = new GridView(el, { onUiChange: (p) => changes.push(p) });
+    g.update(sample());
+    const sel = el.querySelector<HTMLSelectElement>('.pipatch-view')!;
+    sel.value = 'mlp';
+    sel.dispatchEvent(new Event('change'));
+    expect(changes[0]).toEqual({ view: 'mlp', selected: {} });
+    expect(g.getUi().view).toBe('mlp');
+  });
+});
+
+describe('MIME document', () => {
+  it('decodes base64 arrays and marks a saved running grid as interrupted', () => {
+    const { state, errors } = documentToState({
+      version: 1,
+      views: ['resid'],
+      status: 'running',
+      stoppable: true,
+      arrays: { 'resid/mean': { dtype: 'float32', shape: [1, 2], data: toBase64(f32bytes([1, 2])) } },
+    });
+    expect(errors).toEqual([]);
+    expect(Array.from(state.arrays['resid/mean'].data)).toEqual([1, 2]);
+    expect(state.status).toBe('interrupted');
+    expect(state.stoppable).toBe(false);
+  });
+  it('warns on a newer version and accepts a JSON string', () => {
+    const { errors } = documentToState(JSON.stringify({ version: 2 }));
+    expect(errors[0]).toMatch(/version 2/);
+  });
+});

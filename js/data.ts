@@ -1,0 +1,258 @@
+/**
+ * State decoding shared by the anywidget entry and the JupyterLab MIME renderer.
+ *
+ * Arrays arrive in one of two forms:
+ *  - from the live widget: `{data: DataView | ArrayBuffer | Uint8Array, dtype, shape}`
+ *    (ipywidgets turns the kernel's binary buffers into DataViews);
+ *  - from a saved `application/vnd.pipatch.grid+json` document: `{data: <base64 str>, dtype, shape}`.
+ * Both decode to a little-endian Float32Array plus its shape.
+ */
+
+export type Mode = 'recovery' | 'raw';
+export type Status = 'running' | 'done' | 'stopped' | 'interrupted' | 'failed' | string;
+
+export interface DecodedArray {
+  data: Float32Array;
+  shape: number[];
+}
+
+export interface TopToken {
+  token: string;
+  prob: number;
+}
+
+export interface Detail {
+  view?: string;
+  seed?: number;
+  row?: number;
+  col?: number;
+  value?: number;
+  raw?: number;
+  top?: TopToken[];
+}
+
+export interface Selection {
+  view: string;
+  seed: number;
+  row: number;
+  col: number;
+}
+
+/** Everything the kernel (or a saved document) tells the grid. */
+export interface GridState {
+  title: string;
+  kind: string;
+  model_name: string;
+  metric: string;
+  row_labels: string[];
+  col_labels: string[];
+  col_axis: string;
+  views: string[];
+  n_seeds: number;
+  arrays: Record<string, DecodedArray>;
+  rows_done: Record<string, number>;
+  total_rows: number;
+  status: Status;
+  message: string;
+  warnings: string[];
+  elapsed: number;
+  eta: number;
+  baselines: Record<string, number>;
+  detail: Detail;
+  stoppable: boolean;
+}
+
+/** What the user chose in the UI (synced back to the kernel by the widget). */
+export interface UiState {
+  view: string;
+  seed: number;
+  mode: Mode;
+  selected: Selection | Record<string, never>;
+}
+
+function bytesFromBase64(b64: string): Uint8Array {
+  const clean = b64.replace(/[^A-Za-z0-9+/=_-]/g, '').replace(/-/g, '+').replace(/_/g, '/');
+  if (typeof atob === 'function') {
+    const bin = atob(clean);
+    const out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+  // Node without atob (very old); vitest on Node 20 has atob, kept for safety.
+  const B = (globalThis as unknown as { Buffer?: { from(s: string, e: string): Uint8Array } }).Buffer;
+  if (B) return new Uint8Array(B.from(clean, 'base64'));
+  throw new Error('no base64 decoder available');
+}
+
+/** Raw bytes of any supported buffer form, as a Uint8Array view (no copy where possible). */
+export function toBytes(data: unknown): Uint8Array {
+  if (data == null) return new Uint8Array(0);
+  if (typeof data === 'string') return bytesFromBase64(data);
+  if (data instanceof Uint8Array) return data;
+  if (data instanceof ArrayBuffer) return new Uint8Array(data);
+  if (ArrayBuffer.isView(data)) {
+    const v = data as ArrayBufferView;
+    return new Uint8Array(v.buffer, v.byteOffset, v.byteLength);
+  }
+  if (typeof data === 'object' && data !== null && 'buffer' in data) {
+    return toBytes((data as { buffer: unknown }).buffer);
+  }
+  throw new Error('unsupported array data');
+}
+
+const ITEM: Record<string, number> = { float32: 4, float64: 8, float16: 2, uint8: 1, bool: 1, int32: 4 };
+
+function halfToFloat(h: number): number {
+  const s = h & 0x8000 ? -1 : 1;
+  const e = (h >> 10) & 0x1f;
+  const f = h & 0x3ff;
+  if (e === 0) return s * 2 ** -14 * (f / 1024);
+  if (e === 31) return f ? NaN : s * Infinity;
+  return s * 2 ** (e - 15) * (1 + f / 1024);
+}
+
+/** Decode `{data, dtype, shape}` to a Float32Array (little-endian source) with its shape. */
+export function decodeArray(spec: unknown): DecodedArray {
+  if (spec == null || typeof spec !== 'object') throw new Error('array spec must be an object');
+  const s = spec as { data?: unknown; dtype?: string; shape?: unknown };
+  if (Array.isArray(s.data)) {
+    // Plain JSON numbers (never produced by pipatch, tolerated for hand-written documents).
+    const arr = Float32Array.from(s.data as number[], (x) => (x == null ? NaN : Number(x)));
+    const shape = Array.isArray(s.shape) ? (s.shape as number[]).map(Number) : [arr.length];
+    return { data: arr, shape };
+  }
+  const dtype = (s.dtype || 'float32').toLowerCase();
+  const item = ITEM[dtype];
+  if (!item) throw new Error(`unsupported dtype ${dtype}`);
+  const bytes = toBytes(s.data);
+  const n = Math.floor(bytes.byteLength / item);
+  let shape = Array.isArray(s.shape) ? (s.shape as unknown[]).map((x) => Number(x)) : [n];
+  const expected = shape.reduce((a, b) => a * b, 1);
+  if (!Number.isFinite(expected) || expected !== n) {
+    throw new Error(`array of ${n} ${dtype} items does not match shape [${shape.join(', ')}]`);
+  }
+  let out: Float32Array;
+  if (dtype === 'float32' && bytes.byteOffset % 4 === 0 && isLittleEndian()) {
+    out = new Float32Array(bytes.buffer, bytes.byteOffset, n);
+  } else {
+    out = new Float32Array(n);
+    const dv = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    for (let i = 0; i < n; i++) {
+      switch (dtype) {
+        case 'float32': out[i] = dv.getFloat32(i * 4, true); break;
+        case 'float64': out[i] = dv.getFloat64(i * 8, true); break;
+        case 'float16': out[i] = halfToFloat(dv.getUint16(i * 2, true)); break;
+        case 'int32': out[i] = dv.getInt32(i * 4, true); break;
+        default: out[i] = dv.getUint8(i);
+      }
+    }
+  }
+  if (shape.length === 0) shape = [];
+  return { data: out, shape };
+}
+
+let _le: boolean | null = null;
+function isLittleEndian(): boolean {
+  if (_le === null) _le = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
+  return _le;
+}
+
+function asStringList(x: unknown): string[] {
+  if (!Array.isArray(x)) return [];
+  return x.map((v) => (typeof v === 'string' ? v : String(v)));
+}
+
+function asNumber(x: unknown, d: number): number {
+  const n = typeof x === 'number' ? x : Number(x);
+  return Number.isFinite(n) ? n : d;
+}
+
+/** Normalise a raw state (traits or a saved document) into a GridState. Never throws on bad arrays. */
+export function normalizeState(raw: Record<string, unknown>, errors: string[] = []): GridState {
+  const arrays: Record<string, DecodedArray> = {};
+  const rawArrays = (raw.arrays ?? {}) as Record<string, unknown>;
+  if (rawArrays && typeof rawArrays === 'object') {
+    for (const [name, spec] of Object.entries(rawArrays)) {
+      try {
+        arrays[name] = decodeArray(spec);
+      } catch (e) {
+        errors.push(`array ${name}: ${(e as Error).message}`);
+      }
+    }
+  }
+  const rowsDone: Record<string, number> = {};
+  const rd = raw.rows_done;
+  if (rd && typeof rd === 'object') {
+    for (const [k, v] of Object.entries(rd as Record<string, unknown>)) rowsDone[k] = asNumber(v, 0);
+  }
+  const baselines: Record<string, number> = {};
+  const bl = raw.baselines;
+  if (bl && typeof bl === 'object') {
+    for (const [k, v] of Object.entries(bl as Record<string, unknown>)) baselines[k] = asNumber(v, NaN);
+  }
+  let views = asStringList(raw.views);
+  if (views.length === 0) {
+    const found = new Set<string>();
+    for (const k of Object.keys(arrays)) if (k.includes('/')) found.add(k.slice(0, k.lastIndexOf('/')));
+    views = [...found];
+  }
+  const detail = raw.detail && typeof raw.detail === 'object' ? (raw.detail as Detail) : {};
+  return {
+    title: typeof raw.title === 'string' ? raw.title : '',
+    kind: typeof raw.kind === 'string' ? raw.kind : '',
+    model_name: typeof raw.model_name === 'string' ? raw.model_name : '',
+    metric: typeof raw.metric === 'string' ? raw.metric : '',
+    row_labels: asStringList(raw.row_labels),
+    col_labels: asStringList(raw.col_labels),
+    col_axis: typeof raw.col_axis === 'string' ? raw.col_axis : 'token',
+    views,
+    n_seeds: Math.max(0, Math.floor(asNumber(raw.n_seeds, 1))),
+    arrays,
+    rows_done: rowsDone,
+    total_rows: asNumber(raw.total_rows, 0),
+    status: typeof raw.status === 'string' ? raw.status : 'done',
+    message: typeof raw.message === 'string' ? raw.message : '',
+    warnings: asStringList(raw.warnings),
+    elapsed: asNumber(raw.elapsed, 0),
+    eta: asNumber(raw.eta, -1),
+    baselines,
+    detail,
+    stoppable: raw.stoppable === true,
+  };
+}
+
+/** Grid dimensions: rows from labels or the first array found for the view. */
+export function gridShape(state: GridState, view: string): { rows: number; cols: number } {
+  const a = state.arrays[`${view}/mean`] ?? state.arrays[`${view}/raw_mean`];
+  if (a && a.shape.length >= 2) {
+    return { rows: a.shape[a.shape.length - 2], cols: a.shape[a.shape.length - 1] };
+  }
+  return { rows: state.row_labels.length, cols: state.col_labels.length };
+}
+
+export interface Matrix {
+  data: Float32Array | null;
+  rows: number;
+  cols: number;
+}
+
+/** The [rows, cols] slice shown for this view / seed (-1 = mean) / mode; seed slices are views. */
+export function selectMatrix(state: GridState, view: string, seed: number, mode: Mode): Matrix {
+  const { rows, cols } = gridShape(state, view);
+  const base = mode === 'raw' ? 'raw_' : '';
+  if (seed >= 0) {
+    const a = state.arrays[`${view}/${base}seeds`];
+    if (a && a.shape.length === 3 && seed < a.shape[0]) {
+      const n = a.shape[1] * a.shape[2];
+      return { data: a.data.subarray(seed * n, (seed + 1) * n), rows: a.shape[1], cols: a.shape[2] };
+    }
+  }
+  const m = state.arrays[`${view}/${mode === 'raw' ? 'raw_mean' : 'mean'}`];
+  if (m && m.data.length === rows * cols) return { data: m.data, rows, cols };
+  return { data: null, rows, cols };
+}
+
+export function matrixFor(state: GridState, name: string, rows: number, cols: number): Float32Array | null {
+  const a = state.arrays[name];
+  return a && a.data.length === rows * cols ? a.data : null;
+}

@@ -1,0 +1,87 @@
+/**
+ * JupyterLab MIME renderer for `application/vnd.pipatch.grid+json`: draws a saved PatchGrid
+ * with the same GridView as the live widget, no kernel needed. View / seed / mode switching,
+ * hover, PNG and CSV work locally; top-5 predictions need the live widget.
+ */
+import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
+import { Widget } from '@lumino/widgets';
+import { normalizeState, type UiState } from './data';
+import { GridView } from './grid';
+
+export const MIME_TYPE = 'application/vnd.pipatch.grid+json';
+export const SUPPORTED_VERSION = 1;
+
+/** Parse the document (object, or a JSON string from some pipelines) into a state. */
+export function documentToState(doc: unknown) {
+  let d = doc;
+  if (typeof d === 'string') d = JSON.parse(d);
+  if (!d || typeof d !== 'object') throw new Error('pipatch grid document is not an object');
+  const raw = d as Record<string, unknown>;
+  const errors: string[] = [];
+  const version = Number(raw.version ?? 1);
+  if (version > SUPPORTED_VERSION) {
+    errors.push(`document version ${version} is newer than this renderer (${SUPPORTED_VERSION}); showing what it can`);
+  }
+  const state = normalizeState(raw, errors);
+  // A saved document is final: a 'running' status means the kernel died before the last update.
+  if (state.status === 'running') {
+    state.status = 'interrupted';
+    if (!state.message) state.message = 'saved while running';
+  }
+  state.stoppable = false;
+  return { state, errors, ui: raw.ui as Partial<UiState> | undefined };
+}
+
+export class GridRenderer extends Widget implements IRenderMime.IRenderer {
+  private grid: GridView | null = null;
+  private ui: Partial<UiState> = {};
+
+  constructor(private options: IRenderMime.IRendererOptions) {
+    super();
+    this.addClass('pipatch-mime');
+  }
+
+  async renderModel(model: IRenderMime.IMimeModel): Promise<void> {
+    const data = model.data[this.options.mimeType];
+    if (!this.grid) {
+      this.grid = new GridView(this.node, {
+        live: false,
+        onUiChange: (p) => {
+          this.ui = { ...this.ui, ...p };
+        },
+      });
+    }
+    try {
+      const { state, errors, ui } = documentToState(data);
+      if (ui && Object.keys(this.ui).length === 0) this.ui = { ...ui };
+      this.grid.setErrors(errors);
+      this.grid.update(state, this.ui);
+    } catch (e) {
+      this.grid.setErrors([`cannot draw pipatch grid: ${(e as Error).message}`]);
+    }
+  }
+
+  dispose(): void {
+    this.grid?.destroy();
+    this.grid = null;
+    super.dispose();
+  }
+}
+
+export const rendererFactory: IRenderMime.IRendererFactory = {
+  safe: true,
+  mimeTypes: [MIME_TYPE],
+  defaultRank: 0,
+  createRenderer: (options) => new GridRenderer(options),
+};
+
+const extension: IRenderMime.IExtension = {
+  id: 'pipatch:grid',
+  rendererFactory,
+  // Below image/png (90) so a bundle that carries both shows the interactive grid;
+  // above the widget view (-10) which the live session uses while the kernel runs.
+  rank: 0,
+  dataType: 'json',
+};
+
+export default extension;

@@ -1,0 +1,94 @@
+/**
+ * anywidget entry for pipatch.PatchGrid: adapts the model's traits to GridView.
+ *
+ * Kernel → JS traits are read on every change (coalesced into one redraw per frame, since
+ * `hold_sync()` delivers many `change:<trait>` events at once); UI choices are written back
+ * with `model.set(...)` + `model.save_changes()`.
+ */
+import { normalizeState, type UiState } from './data';
+import { GridView } from './grid';
+
+export const STATE_KEYS = [
+  'title',
+  'kind',
+  'model_name',
+  'metric',
+  'row_labels',
+  'col_labels',
+  'col_axis',
+  'views',
+  'n_seeds',
+  'arrays',
+  'rows_done',
+  'total_rows',
+  'status',
+  'message',
+  'warnings',
+  'elapsed',
+  'eta',
+  'baselines',
+  'detail',
+  'stoppable',
+] as const;
+
+const UI_KEYS = ['view', 'seed', 'mode', 'selected'] as const;
+
+interface AnyModel {
+  get(name: string): unknown;
+  set(name: string, value: unknown): void;
+  save_changes(): void;
+  on(event: string, cb: () => void): void;
+  off(event?: string | null, cb?: (() => void) | null): void;
+}
+
+function readUi(model: AnyModel): Partial<UiState> {
+  const ui: Partial<UiState> = {};
+  const v = model.get('view');
+  if (typeof v === 'string') ui.view = v;
+  const s = model.get('seed');
+  if (typeof s === 'number') ui.seed = s;
+  const m = model.get('mode');
+  if (m === 'raw' || m === 'recovery') ui.mode = m;
+  const sel = model.get('selected');
+  ui.selected = sel && typeof sel === 'object' ? (sel as UiState['selected']) : {};
+  return ui;
+}
+
+function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void {
+  const grid = new GridView(el, {
+    live: true,
+    onUiChange(partial) {
+      for (const [k, v] of Object.entries(partial)) model.set(k, v);
+      model.save_changes();
+    },
+    onStop() {
+      model.set('stop_requested', true);
+      model.save_changes();
+    },
+  });
+
+  let queued = false;
+  const redraw = () => {
+    queued = false;
+    const raw: Record<string, unknown> = {};
+    for (const k of STATE_KEYS) raw[k] = model.get(k);
+    const errors: string[] = [];
+    const state = normalizeState(raw, errors);
+    grid.setErrors(errors);
+    grid.update(state, readUi(model));
+  };
+  const schedule = () => {
+    if (queued) return;
+    queued = true;
+    queueMicrotask(redraw);
+  };
+  const events = [...STATE_KEYS, ...UI_KEYS].map((k) => `change:${k}`);
+  for (const ev of events) model.on(ev, schedule);
+  redraw();
+  return () => {
+    for (const ev of events) model.off(ev, schedule);
+    grid.destroy();
+  };
+}
+
+export default { render };
