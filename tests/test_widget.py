@@ -1,0 +1,208 @@
+"""PatchGrid serialization, throttling and saved-bundle tests (no browser, no model).
+
+The states here are hand-made numpy arrays: they test the widget plumbing only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from ipywidgets.widgets.widget import _remove_buffers
+
+from pipatch._widget import (
+    MIME_TYPE,
+    STATE_KEYS,
+    PatchGrid,
+    escape_label,
+    final_bundle_from_state,
+    state_to_mime,
+)
+
+
+def fake_state(
+    n_layers: int = 4, n_tokens: int = 5, n_seeds: int = 3, done: int | None = None
+) -> dict:
+    rng = np.random.default_rng(0)
+    seeds = rng.normal(size=(n_seeds, n_layers, n_tokens)).astype(np.float32)
+    raw = rng.random(size=(n_seeds, n_layers, n_tokens)).astype(np.float32)
+    mean = seeds.mean(0)
+    mean[0, 0] = np.nan
+    arrays = {}
+    for view in ("resid", "mlp"):
+        arrays[f"{view}/mean"] = mean
+        arrays[f"{view}/std"] = seeds.std(0)
+        arrays[f"{view}/raw_mean"] = raw.mean(0)
+        arrays[f"{view}/seeds"] = seeds
+        arrays[f"{view}/raw_seeds"] = raw
+    return {
+        "title": "<img src=x onerror=alert(1)>",
+        "kind": "trace",
+        "model_name": "fake",
+        "metric": "p(answer)",
+        "row_labels": [str(i) for i in range(n_layers)],
+        "col_labels": ["<img src=x onerror=alert(1)>", "\u202eevil", "a\x00b", "x" * 10_000, "$x$"][
+            :n_tokens
+        ]
+        + [f"t{i}" for i in range(max(0, n_tokens - 5))],
+        "col_axis": "token",
+        "views": ["resid", "mlp"],
+        "n_seeds": n_seeds,
+        "arrays": arrays,
+        "rows_done": {"resid": n_layers if done is None else done, "mlp": 0},
+        "total_rows": 2 * n_layers,
+        "status": "running",
+        "message": "",
+        "warnings": [],
+        "elapsed": 1.5,
+        "eta": 3.0,
+        "baselines": {"clean": 0.9, "corrupt": 0.1},
+        "detail": {},
+        "stoppable": True,
+    }
+
+
+class Recorder:
+    def __init__(self, widget: PatchGrid) -> None:
+        self.messages: list[tuple[dict, list]] = []
+        widget._send = self._send  # type: ignore[method-assign]
+
+    def _send(self, msg: dict, buffers=None) -> None:
+        self.messages.append((msg, list(buffers or [])))
+
+
+def test_from_state_sets_traits_and_arrays_are_binary():
+    w = PatchGrid.from_state(fake_state())
+    assert w.title == "<img src=x onerror=alert(1)>"
+    assert w.view == "resid"
+    spec = w.arrays["resid/mean"]
+    assert (
+        isinstance(spec["data"], bytes) and spec["dtype"] == "float32" and spec["shape"] == [4, 5]
+    )
+    back = np.frombuffer(spec["data"], dtype="<f4").reshape(4, 5)
+    assert np.isnan(back[0, 0])
+    np.testing.assert_array_equal(back[1:], fake_state()["arrays"]["resid/mean"][1:])
+    state, buffer_paths, buffers = _remove_buffers(w.get_state())
+    assert ["arrays", "resid/mean", "data"] in buffer_paths
+    assert len(buffers) == 10
+    json.dumps(state)  # everything else is JSON
+
+
+def test_update_state_is_one_message():
+    w = PatchGrid.from_state(fake_state(done=1))
+    rec = Recorder(w)
+    w.update_state(
+        {"rows_done": {"resid": 2, "mlp": 0}, "elapsed": 2.0, "eta": 1.0, "status": "running"}
+    )
+    assert len(rec.messages) == 1
+    msg = rec.messages[0][0]
+    assert msg["method"] == "update"
+    assert set(msg["state"]) == {"rows_done", "elapsed", "eta"}
+
+
+def test_push_coalesces_and_flush_ends_equal():
+    w = PatchGrid.from_state(fake_state(done=0), min_interval=0.05)
+    rec = Recorder(w)
+    start = time.monotonic()
+    for i in range(200):
+        w.push({"rows_done": {"resid": i, "mlp": 0}, "elapsed": float(i)})
+    took = time.monotonic() - start
+    w.flush({"status": "done", "rows_done": {"resid": 4, "mlp": 4}})
+    updates = [m for m, _ in rec.messages if m["method"] == "update"]
+    # At most one message per 50 ms interval (+ timer + final full sync).
+    assert len(updates) <= 3 + int(took / 0.05) + 2
+    assert w.rows_done == {"resid": 4, "mlp": 4} and w.status == "done" and w.elapsed == 199.0
+    last = updates[-1]["state"]
+    assert set(STATE_KEYS) <= set(last)  # full sync
+
+
+def test_push_timer_delivers_held_state():
+    w = PatchGrid.from_state(fake_state(done=0), min_interval=0.1)
+    w.push({"elapsed": 1.0})
+    w.push({"elapsed": 2.0})  # held back
+    assert w.elapsed == 1.0
+    time.sleep(0.3)
+    assert w.elapsed == 2.0
+
+
+def test_hooks_fire_from_other_threads():
+    w = PatchGrid.from_state(fake_state())
+    hits: list = []
+    stop = threading.Event()
+    unsub = w.on_stop(stop.set)
+    w.on_select(hits.append)
+    th = threading.Thread(target=lambda: setattr(w, "stop_requested", True))
+    th.start()
+    th.join()
+    assert stop.is_set()
+    w.selected = {"view": "resid", "seed": -1, "row": 1, "col": 2}
+    assert hits == [{"view": "resid", "seed": -1, "row": 1, "col": 2}]
+    unsub()
+
+
+def test_mime_document_roundtrip():
+    st = fake_state()
+    doc = state_to_mime(st, {"view": "mlp", "seed": 1, "mode": "raw"})
+    text = json.dumps(doc)
+    assert doc["version"] == 1 and doc["stoppable"] is False and doc["ui"]["view"] == "mlp"
+    a = doc["arrays"]["resid/seeds"]
+    back = np.frombuffer(base64.b64decode(a["data"]), dtype="<f4").reshape(a["shape"])
+    np.testing.assert_array_equal(back, st["arrays"]["resid/seeds"])
+    # The widget accepts the document form too.
+    w = PatchGrid.from_state(json.loads(text))
+    assert w.arrays["resid/seeds"]["shape"] == [3, 4, 5]
+
+
+def test_final_bundle_has_no_widget_view():
+    w = PatchGrid.from_state(fake_state())
+    bundle = w.final_bundle({"status": "done", "stoppable": False})
+    assert set(bundle) == {MIME_TYPE, "image/png", "text/plain"}
+    assert base64.b64decode(bundle["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bundle[MIME_TYPE]["status"] == "done"
+    assert "PatchGrid" in bundle["text/plain"]
+    json.dumps(bundle)
+
+
+def test_final_bundle_survives_partial_and_empty_states():
+    st = fake_state(done=2)
+    st["arrays"]["resid/mean"] = np.full((4, 5), np.nan, dtype=np.float32)
+    b = final_bundle_from_state(st)
+    assert "image/png" in b
+    b2 = final_bundle_from_state({"title": "empty"})
+    assert MIME_TYPE in b2
+
+
+def test_display_final_updates_the_handle():
+    w = PatchGrid.from_state(fake_state())
+    calls = []
+
+    class Handle:
+        def update(self, obj, **kw):
+            calls.append((obj, kw))
+
+    w.display_final(Handle(), {"status": "done"}, png=b"\x89PNG\r\n\x1a\nfake")
+    ((obj, kw),) = calls
+    assert kw == {"raw": True} and MIME_TYPE in obj
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("a\x00b", "a⟨U+0000⟩b"),
+        ("\u202eevil", "⟨U+202E⟩evil"),
+        ("x\u200dy", "x⟨U+200D⟩y"),
+        ("\ud800", "⟨U+D800⟩"),
+        ("  ", "␣␣"),
+        (" Paris", " Paris"),
+    ],
+)
+def test_escape_label(raw, shown):
+    assert escape_label(raw) == shown
+
+
+def test_escape_label_truncates():
+    assert escape_label("x" * 10_000, 16) == "x" * 15 + "…"
