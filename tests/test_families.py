@@ -1,0 +1,362 @@
+"""The adapter on every supported family, proven on tiny random-weight models (no download).
+
+Real transformers models, real nnsight traces, no mocks. For each family:
+
+* the adapter finds every site and reads the sizes off the config (GQA included);
+* every site reads with the shape the engine expects;
+* ``Adapter.logits`` on the unembedding's input reproduces the model's own logits (softcap);
+* writing a site's own clean value back changes nothing;
+* a real patch (corrupt run, clean value written at one layer/position/head) through nnsight
+  equals the same patch done with plain PyTorch hooks, and changes the output;
+* the quirks the engine relies on: which blocks return tuples and what ``skip()`` needs, and
+  Falcon's MLP output being modified in place after the module returns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pipatch._models import PipatchError, _get, adapter_for, first
+from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, VOCAB_SIZE, tiny_model
+
+CLEAN = "The Eiffel Tower is in the city of"
+CORRUPT = "The Big Ben is in the city of"  # same length, subject differs
+SITES = ("resid", "attn", "mlp", "head")
+ATOL = 1e-5
+ALL = FAMILIES + VARIANTS  # every layout with attention / MLP / head sites
+
+# What each tiny config asks for: (n_kv_heads, block output is a tuple).
+EXPECTED = {
+    "gemma2": (2, False),
+    "gemma3": (2, False),
+    "llama": (2, False),
+    "mistral": (2, False),
+    "qwen2": (2, False),
+    "qwen3": (2, False),
+    "gpt2": (4, False),
+    "gpt_neox": (4, False),
+    "phi3": (2, False),
+    "falcon": (1, True),  # Falcon-7B layout: multi-query attention
+    "falcon_new": (2, True),  # Falcon-40B layout: grouped-query attention
+    "bloom": (4, True),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def model_for(family: str):
+    return tiny_model(family)
+
+
+def ids(model, text: str) -> torch.Tensor:
+    return model.tokenizer(text, return_tensors="pt").input_ids
+
+
+def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model._module(input_ids).logits
+
+
+def subject_position(model) -> int:
+    """Index of the last subject token ("Tower"): differs between clean and corrupt."""
+    a, b = ids(model, CLEAN)[0], ids(model, CORRUPT)[0]
+    assert a.shape == b.shape
+    differ = (a != b).nonzero().flatten().tolist()
+    assert differ, "clean and corrupt tokenize the same"
+    return differ[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny models themselves
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
+def test_tiny_tokenizer_has_the_words(family):
+    model = model_for(family)
+    tok = model.tokenizer
+    assert len(tok) == VOCAB_SIZE == model._module.config.vocab_size
+    for answer in (" Paris", " Rome"):
+        assert len(tok(answer, add_special_tokens=False).input_ids) == 1
+    enc = tok(CLEAN, return_offsets_mapping=True, add_special_tokens=False)
+    assert tok.unk_token_id not in enc.input_ids
+    words = [CLEAN[s:e] for s, e in enc.offset_mapping]
+    assert words == CLEAN.split()
+    assert tok.decode(enc.input_ids) == CLEAN
+
+
+# --------------------------------------------------------------------------------------------
+# Sites and sizes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
+def test_adapter_finds_sites_and_sizes(family):
+    model = model_for(family)
+    hf = model._module
+    config = hf.config
+    adapter = adapter_for(model)
+    assert adapter is adapter_for(hf)  # cached on the HF module, same for both handles
+    assert adapter.n_layers == config.num_hidden_layers
+    assert adapter.n_heads == config.num_attention_heads
+    assert adapter.d_model == config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert adapter.head_dim == head_dim
+    if family in ("gemma2", "gemma3", "qwen3"):
+        assert adapter.n_heads * adapter.head_dim != adapter.d_model  # z wider than the stream
+    assert adapter.n_kv_heads == EXPECTED[family][0]
+    assert adapter.final_norm is not None
+    assert adapter.softcap == (1.0 if family == "gemma2" else None)
+
+    block = _get(hf, adapter.blocks)[0]
+    assert "Attention" in type(_get(block, adapter.attn)).__name__
+    assert "MLP" in type(_get(block, adapter.mlp)).__name__
+    proj = _get(_get(block, adapter.attn), adapter.out_proj)
+    # Linear (in_features) or GPT-2's Conv1D (nx): z is n_heads * head_dim wide.
+    width = getattr(proj, "in_features", None) or getattr(proj, "nx")
+    assert width == adapter.n_heads * adapter.head_dim
+    unembed = adapter.unembedding(hf)
+    assert unembed.weight.shape == (VOCAB_SIZE, adapter.d_model)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_site_shapes_inside_a_trace(family):
+    model = model_for(family)
+    a = adapter_for(model)
+    T = ids(model, CLEAN).shape[1]
+    d, z_width = a.d_model, a.n_heads * a.head_dim
+    with torch.no_grad(), model.trace(CLEAN):
+        got = list().save()
+        for layer in range(a.n_layers):
+            # Modules must be read in the order they run: z, attention, MLP, block.
+            z = a.site_module(model, "head", layer).input
+            attn = first(a.site_module(model, "attn", layer).output)
+            mlp = first(a.site_module(model, "mlp", layer).output)
+            block = first(a.site_module(model, "resid", layer).output)
+            got.append((tuple(z.shape), tuple(attn.shape), tuple(mlp.shape), tuple(block.shape)))
+        unembed_in = a.unembedding(model).input.save()
+        logits = model.output.logits.save()
+    for layer_shapes in got:
+        assert layer_shapes == ((1, T, z_width), (1, T, d), (1, T, d), (1, T, d))
+    assert unembed_in.shape == (1, T, d)
+    assert logits.shape == (1, T, VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
+def test_logits_from_unembedding_input(family):
+    model = model_for(family)
+    a = adapter_for(model)
+    with torch.no_grad(), model.trace(CLEAN):
+        hidden = a.unembedding(model).input[:, -1].save()
+        logits = model.output.logits[:, -1].save()
+    assert torch.allclose(a.logits(model, hidden), logits, atol=ATOL, rtol=0)
+    paris, rome = (model.tokenizer(w, add_special_tokens=False).input_ids[0] for w in (" Paris", " Rome"))
+    subset = a.logits(model, hidden, [paris, rome])
+    assert torch.allclose(subset, logits[:, [paris, rome]], atol=ATOL, rtol=0)
+    if a.softcap:
+        # The cap really is on: the raw product differs and the capped logits are bounded.
+        raw = torch.nn.functional.linear(hidden, a.unembedding(model._module).weight)
+        assert (raw - logits).abs().max() > 1e-2
+        assert logits.abs().max() < a.softcap
+
+
+def test_bloom_refuses_sublayer_sites():
+    model = model_for("bloom")
+    a = adapter_for(model)
+    assert not a.sublayers_are_contributions
+    for site in ("attn", "mlp", "head"):
+        with pytest.raises(PipatchError, match="resid"):
+            a.site_module(model, site, 0)
+    assert a.site_module(model, "resid", 0) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Writes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("site", SITES)
+@pytest.mark.parametrize("family", ALL)
+def test_writing_clean_back_changes_nothing(family, site):
+    """Save every layer's site value, then write it back position by position: same logits."""
+    model = model_for(family)
+    a = adapter_for(model)
+    T = ids(model, CLEAN).shape[1]
+    positions = sorted({0, subject_position(model), T - 2, T - 1})
+
+    def read(layer):
+        module = a.site_module(model, site, layer)
+        return module.input if site == "head" else first(module.output)
+
+    with torch.no_grad(), model.trace(CLEAN):
+        saved = list().save()
+        for layer in range(a.n_layers):
+            saved.append(read(layer).clone())
+        clean = model.output.logits.save()
+    with torch.no_grad(), model.trace(CLEAN):
+        for layer in range(a.n_layers):
+            value = read(layer)
+            for pos in positions:
+                value[:, pos] = saved[layer][:, pos]
+        patched = model.output.logits.save()
+    assert torch.allclose(patched, clean, atol=ATOL, rtol=0)
+
+
+def _torch_patch(model, site: str, layer: int, pos: int, head: int | None, clean_ids, corrupt_ids):
+    """The reference: the same patch with plain PyTorch forward hooks, no nnsight at all."""
+    hf = model._module
+    a = adapter_for(model)
+    block = _get(hf, a.blocks)[layer]
+    module = {"resid": block, "attn": _get(block, a.attn) if site != "resid" else None}.get(site)
+    if site == "mlp":
+        module = _get(block, a.mlp)
+    if site == "head":
+        module = _get(_get(block, a.attn), a.out_proj)
+    store = {}
+
+    def grab(mod, args, output):
+        store["v"] = (args[0] if site == "head" else first(output)).detach().clone()
+
+    def grab_pre(mod, args):
+        store["v"] = args[0].detach().clone()
+
+    def put(mod, args, output):
+        hidden = first(output).clone()  # clone: Falcon adds into its MLP output in place
+        hidden[:, pos] = store["v"][:, pos]
+        return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+    def put_pre(mod, args):
+        z = args[0].clone()
+        sl = slice(head * a.head_dim, (head + 1) * a.head_dim)
+        z[:, pos, sl] = store["v"][:, pos, sl]
+        return (z,) + tuple(args[1:])
+
+    handle = module.register_forward_pre_hook(grab_pre) if site == "head" else module.register_forward_hook(grab)
+    try:
+        hf_logits(model, clean_ids)
+    finally:
+        handle.remove()
+    handle = module.register_forward_pre_hook(put_pre) if site == "head" else module.register_forward_hook(put)
+    try:
+        return hf_logits(model, corrupt_ids)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("site", SITES)
+@pytest.mark.parametrize("family", ALL)
+def test_nnsight_patch_equals_torch_hook_patch(family, site):
+    """Clean value into the corrupt run at (layer, subject position[, head 1]), two ways."""
+    model = model_for(family)
+    a = adapter_for(model)
+    clean_ids, corrupt_ids = ids(model, CLEAN), ids(model, CORRUPT)
+    pos = subject_position(model)
+    layer = 1
+    head = 1 if site == "head" else None
+    sl = slice(head * a.head_dim, (head + 1) * a.head_dim) if head is not None else slice(None)
+
+    def read():
+        module = a.site_module(model, site, layer)
+        return module.input if site == "head" else first(module.output)
+
+    with torch.no_grad(), model.trace(clean_ids):
+        donor = read().clone().save()
+    with torch.no_grad(), model.trace(corrupt_ids):
+        read()[:, pos, sl] = donor[:, pos, sl]
+        patched = model.output.logits.save()
+    corrupt = hf_logits(model, corrupt_ids)
+    reference = _torch_patch(model, site, layer, pos, head, clean_ids, corrupt_ids)
+    assert torch.allclose(patched, reference, atol=ATOL, rtol=0)
+    # The patch did something: the logits after the subject moved.
+    assert (patched[:, pos:] - corrupt[:, pos:]).abs().max() > 1e-4
+    # ... and nothing before it (causal masking).
+    assert torch.allclose(patched[:, :pos], corrupt[:, :pos], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
+def test_whole_residual_patch_restores_clean(family):
+    """Clean residual at every position of layer L into the corrupt run gives the clean logits."""
+    model = model_for(family)
+    a = adapter_for(model)
+    clean_ids, corrupt_ids = ids(model, CLEAN), ids(model, CORRUPT)
+    clean = hf_logits(model, clean_ids)
+    for layer in range(a.n_layers):
+        with torch.no_grad(), model.trace(clean_ids):
+            donor = first(a.block(model, layer).output).clone().save()
+        with torch.no_grad(), model.trace(corrupt_ids):
+            first(a.block(model, layer).output)[:] = donor
+            patched = model.output.logits.save()
+        assert torch.allclose(patched, clean, atol=ATOL, rtol=0), layer
+
+
+# --------------------------------------------------------------------------------------------
+# Quirks the engine must respect
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
+def test_block_output_structure_and_skip(family):
+    """Falcon and BLOOM blocks return ``(hidden, attn_weights)``; the rest a bare tensor.
+
+    ``skip()`` must hand back the block's own structure: a tuple where the block returns one
+    (the caller does ``outputs[0]``), a tensor elsewhere. Skipping with the captured clean
+    output reproduces the clean logits.
+    """
+    model = model_for(family)
+    a = adapter_for(model)
+    tuple_block = EXPECTED[family][1]
+    with torch.no_grad(), model.trace(CLEAN):
+        out = a.block(model, 0).output
+        saved = (tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+                 if isinstance(out, tuple) else out.clone()).save()
+        clean = model.output.logits.save()
+    assert isinstance(saved, tuple) == tuple_block
+    if tuple_block:
+        hidden, weights = saved  # eager attention: weights [1, heads, T, T]; None under sdpa
+        assert hidden.shape[-1] == a.d_model
+        assert weights is None or weights.shape[1] == a.n_heads
+    with torch.no_grad(), model.trace(CLEAN):
+        a.block(model, 0).skip(saved)
+        skipped = model.output.logits.save()
+    assert torch.allclose(skipped, clean, atol=ATOL, rtol=0)
+    if tuple_block:
+        # A bare tensor in its place breaks the caller's ``outputs[0]``.
+        with pytest.raises(Exception):
+            with torch.no_grad(), model.trace(CLEAN):
+                a.block(model, 0).skip(saved[0])
+                model.output.logits.save()
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_attention_skip_needs_its_tuple(family):
+    """Every attention module returns ``(out, weights)`` and its caller unpacks two values.
+
+    ``skip(tensor)`` with batch 2 silently unpacks the *batch* (wrong numbers, no error);
+    ``skip((tensor, None))`` is right.
+    """
+    model = model_for(family)
+    a = adapter_for(model)
+    with torch.no_grad(), model.trace([CLEAN, CLEAN]):
+        out = a.site_module(model, "attn", 1).output
+        assert isinstance(out, tuple) and len(out) == 2
+        value = out[0].clone().save()
+        clean = model.output.logits.save()
+    with torch.no_grad(), model.trace([CLEAN, CLEAN]):
+        a.site_module(model, "attn", 1).skip((value, None))
+        skipped = model.output.logits.save()
+    assert torch.allclose(skipped, clean, atol=ATOL, rtol=0)
+
+
+def test_falcon_mlp_output_is_modified_in_place():
+    """Falcon's block does ``mlp_output += attention_output``: a saved *reference* to the MLP
+    output ends up holding MLP + attention. Clone site values when capturing them."""
+    model = model_for("falcon")
+    a = adapter_for(model)
+    with torch.no_grad(), model.trace(CLEAN):
+        attn = first(a.site_module(model, "attn", 0).output).clone().save()
+        mlp_ref = a.site_module(model, "mlp", 0).output.save()
+        mlp_copy = a.site_module(model, "mlp", 0).output.clone().save()
+    assert torch.allclose(mlp_ref, mlp_copy + attn, atol=ATOL, rtol=0)
+    assert not torch.allclose(mlp_ref, mlp_copy, atol=ATOL)
