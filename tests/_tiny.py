@@ -45,12 +45,14 @@ FAMILIES = [
 ]
 # Other layouts of a family above, worth covering: Falcon-40B/180B style (grouped-query
 # attention, separate layer norms for attention and MLP, new_decoder_architecture=True).
-VARIANTS = ["falcon_new"]
+# Gemma 3 image-text (what AutoModelForCausalLM loads for Gemma 3 4B and up): the language
+# model sits at model.language_model, sizes in config.text_config.
+VARIANTS = ["falcon_new", "gemma3_mm"]
 # Families whose attention / MLP modules add the residual themselves: only site="resid" works.
 SUBLAYER_REFUSED = ["bloom"]
 
 _SPECIALS = ["<pad>", "<unk>", "<bos>", "<eos>"]
-_ADDS_BOS = {"gemma2", "gemma3", "llama", "mistral", "phi3"}
+_ADDS_BOS = {"gemma2", "gemma3", "gemma3_mm", "llama", "mistral", "phi3"}
 
 WORDS = """
 The the A a An an Eiffel Tower is in city of Paris Rome London Berlin Madrid Tokyo Moscow
@@ -206,6 +208,21 @@ def _config(family: str):
             new_decoder_architecture=False,
             **common,
         )
+    if family == "gemma3_mm":
+        # A one-layer 28-pixel SigLIP tower; text-only prompts never run it. The image
+        # special tokens are filler ids no test prompt uses.
+        return T.Gemma3Config(
+            text_config=_config("gemma3").to_dict(),
+            vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+            boi_token_index=VOCAB_SIZE - 3,
+            eoi_token_index=VOCAB_SIZE - 2,
+            image_token_index=VOCAB_SIZE - 1,
+            **_ids(),
+        )
     if family == "falcon_new":
         return T.FalconConfig(
             hidden_size=D_MODEL,
@@ -245,6 +262,7 @@ _CLASSES = {
     "phi3": "Phi3ForCausalLM",
     "falcon": "FalconForCausalLM",
     "falcon_new": "FalconForCausalLM",
+    "gemma3_mm": "Gemma3ForConditionalGeneration",
     "bloom": "BloomForCausalLM",
 }
 

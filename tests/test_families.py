@@ -41,8 +41,19 @@ EXPECTED = {
     "phi3": (2, False),
     "falcon": (1, True),  # Falcon-7B layout: multi-query attention
     "falcon_new": (2, True),  # Falcon-40B layout: grouped-query attention
+    "gemma3_mm": (2, False),
     "bloom": (4, True),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core machine the
+    spinning threads make this file 3-4x slower; restore the setting for the next module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +88,8 @@ def subject_position(model) -> int:
 def test_tiny_tokenizer_has_the_words(family):
     model = model_for(family)
     tok = model.tokenizer
-    assert len(tok) == VOCAB_SIZE == model._module.config.vocab_size
+    config = getattr(model._module.config, "text_config", None) or model._module.config
+    assert len(tok) == VOCAB_SIZE == config.vocab_size
     for answer in (" Paris", " Rome"):
         assert len(tok(answer, add_special_tokens=False).input_ids) == 1
     enc = tok(CLEAN, return_offsets_mapping=True, add_special_tokens=False)
@@ -96,7 +108,7 @@ def test_tiny_tokenizer_has_the_words(family):
 def test_adapter_finds_sites_and_sizes(family):
     model = model_for(family)
     hf = model._module
-    config = hf.config
+    config = getattr(hf.config, "text_config", None) or hf.config
     adapter = adapter_for(model)
     assert adapter is adapter_for(hf)  # cached on the HF module, same for both handles
     assert adapter.n_layers == config.num_hidden_layers
@@ -104,11 +116,14 @@ def test_adapter_finds_sites_and_sizes(family):
     assert adapter.d_model == config.hidden_size
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert adapter.head_dim == head_dim
-    if family in ("gemma2", "gemma3", "qwen3"):
+    if family in ("gemma2", "gemma3", "gemma3_mm", "qwen3"):
         assert adapter.n_heads * adapter.head_dim != adapter.d_model  # z wider than the stream
     assert adapter.n_kv_heads == EXPECTED[family][0]
     assert adapter.final_norm is not None
     assert adapter.softcap == (1.0 if family == "gemma2" else None)
+    if family == "gemma3_mm":
+        assert adapter.blocks == "model.language_model.layers"
+        assert adapter.family == "gemma3_text"
 
     block = _get(hf, adapter.blocks)[0]
     assert "Attention" in type(_get(block, adapter.attn)).__name__
