@@ -323,6 +323,21 @@ def final_bundle_from_state(
 # --------------------------------------------------------------------------- widget
 
 
+def _prefer_frontend_subshell(comm: Any) -> None:
+    """Let the front end's subshell handle this comm's messages.
+
+    ipykernel >= 7.3 routes an incoming ``comm_msg`` to the subshell that last *published*
+    on the comm (``BaseComm._reply_subshell_for``), so that request/reply widgets answer the
+    loop that asked. A PatchGrid is created and updated from the main shell, so every click
+    would be routed back to the main shell and wait for the running cell to end. PatchGrid
+    has no request/reply traffic: keep the subshell JupyterLab chose (``default``).
+    """
+    if comm is not None and hasattr(comm, "_reply_subshell_for"):
+        comm._reply_subshell_for = lambda data, default: default
+
+
+
+
 class PatchGrid(anywidget.AnyWidget):
     """Live recovery heatmap: rows are layers, columns are tokens or heads.
 
@@ -376,6 +391,10 @@ class PatchGrid(anywidget.AnyWidget):
         self._timer: threading.Timer | None = None
         if state:
             self.update_state(state)
+
+    @t.observe("comm")
+    def _observe_comm(self, change: dict[str, Any]) -> None:
+        _prefer_frontend_subshell(change["new"])
 
     # ---- state in
 

@@ -1,0 +1,175 @@
+"""PatchGrid in a real JupyterLab + Chromium, fed by hand-made states (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import code_cell, open_notebook, run_all, run_command, shot, wait_kernel_idle
+from .fake_state import FAKE_STATE_SRC
+
+pytestmark = pytest.mark.e2e
+
+GRID = ".jp-OutputArea-output .pipatch-grid"
+
+
+def _hover_cell(page, grid, row: int, col: int) -> None:
+    overlay = page.locator(f"{grid} canvas.pipatch-overlay").first
+    box = overlay.bounding_box()
+    rows = int(page.locator(grid).first.get_attribute("data-rows"))
+    cols = int(page.locator(grid).first.get_attribute("data-cols"))
+    page.mouse.move(box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows)
+
+
+def test_widget_grid_hover_and_text_only_labels(page, lab_server):
+    name = lab_server.write_notebook(
+        "widget.ipynb",
+        [code_cell(FAKE_STATE_SRC), code_cell("w = PatchGrid.from_state(fake_state())\nw")],
+    )
+    open_notebook(page, lab_server, name)
+    run_all(page)
+    page.wait_for_selector(f"{GRID}[data-status='done']")
+    grid = page.locator(GRID).first
+    assert grid.get_attribute("data-rows") == "6"
+    assert grid.get_attribute("data-cols") == "7"
+    # Token text is text: no <img> created from the label, no alert fired.
+    labels = grid.locator(".pipatch-collabel")
+    assert labels.first.text_content().startswith("<img src")
+    assert labels.first.get_attribute("title") == "<img src=x onerror=alert(1)>"
+    assert page.locator(".jp-OutputArea img[src='x']").count() == 0
+    assert grid.locator("img, b, i, script").count() == 0
+    titles = [labels.nth(i).get_attribute("title") for i in range(labels.count())]
+    assert "⟨U+202E⟩evil" in titles and "a⟨U+0000⟩b" in titles
+    assert any(t.endswith("…") and len(t) <= 400 for t in titles)  # the 10,000-char token
+    assert grid.locator(".pipatch-title").text_content() == "fake trace <b>bold?</b>"
+    # Hover shows layer, token, value ± std and the raw metric.
+    _hover_cell(page, GRID, 1, 1)
+    tip = grid.locator(".pipatch-tooltip")
+    tip.wait_for(state="visible")
+    text = tip.text_content()
+    assert "layer: 1" in text and "Eiffel" in text and "recovery:" in text and "±" in text
+    assert "raw p( Paris)" in text
+    shot(page, "widget-hover")
+    # NaN cell and long-label tooltip.
+    _hover_cell(page, GRID, 0, 0)
+    assert "NaN" in tip.text_content()
+    # Switching view writes the trait back to the kernel.
+    grid.locator("select.pipatch-view").select_option("mlp")
+    page.wait_for_timeout(300)
+    assert page.dialogs == []
+    assert page.console_errors == []
+
+
+def test_stop_button_reaches_a_running_cell(page, lab_server):
+    """The Stop click (a comm message) is handled while another cell is still executing."""
+    name = lab_server.write_notebook(
+        "stop.ipynb",
+        [
+            code_cell(FAKE_STATE_SRC),
+            code_cell(
+                "import threading\n"
+                "flag = threading.Event()\n"
+                "w = PatchGrid.from_state(fake_state(done=2, status='running'))\n"
+                "w.on_stop(flag.set)\n"
+                "w"
+            ),
+            code_cell(
+                "import time\n"
+                "for i in range(600):\n"
+                "    if flag.is_set():\n"
+                "        break\n"
+                "    time.sleep(0.1)\n"
+                "w.update_state({'status': 'stopped', 'stoppable': False})\n"
+                "print('STOPPED' if flag.is_set() else 'TIMEOUT', i)"
+            ),
+        ],
+    )
+    open_notebook(page, lab_server, name)
+    run_all(page)
+    stop = page.locator(f"{GRID} button.pipatch-stop")
+    stop.wait_for(state="visible")
+    page.wait_for_timeout(1500)  # the loop cell is now executing
+    # The loop cell is still executing (its prompt shows [*]). kernel.status is no proof:
+    # with subshells, the comm handling publishes busy/idle of its own.
+    prompt = page.locator(".jp-NotebookPanel .jp-CodeCell").nth(2).locator(".jp-InputPrompt")
+    assert "*" in prompt.text_content()
+    stop.click()
+    out = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stdout']").filter(
+        has_text="STOPPED"
+    )
+    out.first.wait_for(timeout=30_000)
+    loops = int(out.first.text_content().split()[-1])
+    assert loops < 590  # the flag arrived while the loop was running, not after it
+    page.wait_for_selector(f"{GRID}[data-status='stopped']")
+    assert page.locator(f"{GRID} button.pipatch-stop").is_hidden()
+    shot(page, "stop-button")
+
+
+def test_final_bundle_survives_save_shutdown_reload(page, lab_server):
+    name = lab_server.write_notebook(
+        "saved.ipynb",
+        [
+            code_cell(FAKE_STATE_SRC),
+            code_cell(
+                "w = PatchGrid.from_state(fake_state(done=0, status='running'))\n"
+                "h = w.display()\n"
+                "for r in range(1, 7):\n"
+                "    w.push({'rows_done': {'resid': r, 'mlp': r}, 'elapsed': r * 0.1})\n"
+                "w.display_final(h, {'status': 'done', 'stoppable': False, 'eta': -1})\n"
+                "None"
+            ),
+        ],
+    )
+    open_notebook(page, lab_server, name)
+    run_all(page)
+    page.wait_for_selector(f".pipatch-mime {GRID.split(' ')[-1]}[data-status='done']")
+    wait_kernel_idle(page)
+    run_command(page, "docmanager:save")
+    page.wait_for_timeout(1000)
+    saved = json.loads((lab_server.root / name).read_text())
+    outputs = saved["cells"][1]["outputs"]
+    kinds = [sorted(o.get("data", {})) for o in outputs]
+    assert ["application/vnd.pipatch.grid+json", "image/png", "text/plain"] in kinds, kinds
+    assert not any("application/vnd.jupyter.widget-view+json" in k for k in kinds)
+    # Shut the kernel down, reload: the grid is drawn from the saved document alone.
+    for k in lab_server.api("GET", "/api/kernels"):
+        lab_server.api("DELETE", f"/api/kernels/{k['id']}")
+    page.reload()
+    page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='done']", timeout=90_000)
+    assert page.locator("text=Error displaying widget").count() == 0
+    grid = page.locator(".pipatch-mime .pipatch-grid").first
+    grid.locator("select.pipatch-view").select_option("mlp")
+    grid.locator("select.pipatch-seed").select_option("1")
+    grid.locator("select.pipatch-mode").select_option("raw")
+    _hover_cell(page, ".pipatch-mime .pipatch-grid", 2, 3)
+    tip = grid.locator(".pipatch-tooltip")
+    tip.wait_for(state="visible")
+    assert "seed 1" in tip.text_content()
+    shot(page, "saved-reloaded")
+    assert page.dialogs == []
+
+
+def test_mime_renderer_without_kernel(page, lab_server):
+    """A notebook written on disk with only the saved bundle renders with no kernel at all."""
+    import base64
+    import runpy
+    import tempfile
+    from pathlib import Path
+
+    from pipatch._widget import final_bundle_from_state
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "fs.py"
+        p.write_text(FAKE_STATE_SRC)
+        fake_state = runpy.run_path(str(p))["fake_state"]
+    bundle = final_bundle_from_state(fake_state(n_layers=40, n_tokens=300))
+    assert base64.b64decode(bundle["image/png"])[:4] == b"\x89PNG"
+    output = {"output_type": "display_data", "data": bundle, "metadata": {}}
+    nb = lab_server.write_notebook("mime_only.ipynb", [code_cell("# saved", outputs=[output])])
+    open_notebook(page, lab_server, nb)
+    page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='done']")
+    grid = page.locator(".pipatch-mime .pipatch-grid").first
+    assert grid.get_attribute("data-cols") == "300"
+    assert page.locator(".jp-OutputArea img[src='x']").count() == 0
+    shot(page, "mime-only")
