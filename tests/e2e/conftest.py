@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -192,7 +191,7 @@ def page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     ARTIFACTS.mkdir(exist_ok=True)
     try:
         pg.screenshot(path=str(ARTIFACTS / f"{request.node.name}-final.png"), full_page=True)
-    except Exception:  # noqa: BLE001 - a missing screenshot must not hide the real failure
+    except Exception:  # noqa: BLE001, S110 - a missing screenshot must not hide the real failure
         pass
     context.close()
 
