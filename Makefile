@@ -1,0 +1,56 @@
+# pipatch — two commands: `make demo` (the main job) and `make test` (every test).
+# Both install what they need into .venv (Python) and node_modules (JS) first.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pipatch-installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test test-py test-js test-e2e bench js lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml package.json
+	test -x $(PY) || python3 -m venv $(VENV)
+	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder
+	$(MAKE) js
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
+	touch $@
+
+js:
+	npm ci --no-audit --no-fund
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH npm run build
+
+demo: $(STAMP)
+	$(VENV)/bin/pipatch trace "The Eiffel Tower is in the city of" \
+		--subject "Eiffel Tower" --answer " Paris" --json trace.json --png trace.png
+
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) chromium
+	npm test
+	$(PY) -m pytest -q -ra
+
+test-py: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not e2e"
+
+test-js:
+	npm test
+
+test-e2e: $(STAMP) chromium
+	$(PY) -m pytest -q -ra -m e2e
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pipatch tests bench
+
+clean:
+	rm -rf $(VENV) node_modules pipatch/static pipatch/labextension artifacts

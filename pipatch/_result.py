@@ -1,0 +1,366 @@
+"""The one result type every protocol returns, and its files.
+
+A :class:`Result` holds the *raw* metric of every patched run — ``raw[view]`` is
+[seeds, layers, columns] — and the two baselines it is read against: the clean run's metric and
+the corrupt (base) runs' metric, one per seed. Everything else is derived on demand:
+
+* normalized recovery ``(patched − corrupt) / (clean − corrupt)`` per seed: 0 is the corrupt
+  run, 1 the clean one. Where ``clean − corrupt`` is too small to divide by, recovery is NaN and
+  a warning says so (never ±1e7);
+* the mean over seeds (``grid``) and the spread (``std``).
+
+Files are safetensors with the metadata as JSON inside the header, never pickle:
+``result.save("eiffel.safetensors")`` and ``pipatch.load_result("eiffel.safetensors")``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._models import PipatchError
+
+__all__ = ["Result", "load_result", "SCHEMA_VERSION", "MIME_TYPE"]
+
+SCHEMA_VERSION = 1
+MIME_TYPE = "application/vnd.pipatch.grid+json"
+STATUSES = ("running", "done", "stopped", "interrupted", "failed")
+
+
+def _denominator_too_small(clean: float, corrupt: float) -> bool:
+    """Whether clean − corrupt is too close to zero for recovery to mean anything."""
+    return abs(clean - corrupt) <= 1e-6 + 1e-3 * max(abs(clean), abs(corrupt))
+
+
+@dataclass
+class Result:
+    """A finished (or partial) sweep: grids with labelled axes, baselines and metadata.
+
+    Attributes
+    ----------
+    kind
+        ``"trace"`` (causal tracing) or ``"patch"`` (activation patching).
+    tokens
+        The prompt's tokens as text (the base prompt's; both prompts for patching are in
+        ``meta``).
+    columns
+        Column labels: tokens for position sweeps, ``"H0"``, ``"H1"``, ... for ``site="head"``.
+    layers
+        Row labels, one per layer.
+    metric
+        ``"prob"``, ``"logprob"`` or ``"logit_diff"``.
+    raw
+        ``{view: tensor[seeds, layers, columns]}``, the metric of every patched run (NaN where
+        not computed).
+    clean, corrupt
+        The clean run's metric (float) and the corrupt runs' metric (tensor[seeds]).
+    rows_done
+        ``{view: n}``: rows ``0 .. n-1`` of that view are finished.
+    status
+        ``"done"``, ``"running"``, ``"stopped"``, ``"interrupted"`` or ``"failed"``.
+    """
+
+    kind: str
+    tokens: list[str]
+    columns: list[str]
+    layers: list[str]
+    metric: str
+    raw: dict[str, torch.Tensor]
+    clean: float
+    corrupt: torch.Tensor
+    meta: dict[str, Any] = field(default_factory=dict)
+    rows_done: dict[str, int] = field(default_factory=dict)
+    status: str = "done"
+    message: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    # -- derived values -------------------------------------------------------------------
+    @property
+    def views(self) -> list[str]:
+        """The grids this result holds, e.g. ``["resid", "mlp", "attn"]``."""
+        return list(self.raw)
+
+    def _view(self, view: str | None) -> str:
+        if view is None:
+            return self.views[0]
+        if view not in self.raw:
+            raise PipatchError(f"this result has no view {view!r}: it has {', '.join(self.views)}")
+        return view
+
+    def recovery(self, view: str | None = None) -> torch.Tensor:
+        """Normalized recovery per seed, tensor[seeds, layers, columns]."""
+        raw = self.raw[self._view(view)]
+        clean = torch.tensor(float(self.clean))
+        corrupt = self.corrupt.reshape(-1, 1, 1).float()
+        out = (raw - corrupt) / (clean - corrupt)
+        bad = torch.tensor([_denominator_too_small(float(self.clean), float(c)) for c in self.corrupt])
+        out[bad] = float("nan")
+        return out
+
+    @property
+    def per_seed(self) -> torch.Tensor:
+        """Recovery per seed of the first view, tensor[seeds, layers, columns]."""
+        return self.recovery()
+
+    @property
+    def grid(self) -> torch.Tensor:
+        """Normalized recovery of the first view, mean over seeds: tensor[layers, columns]."""
+        return self.mean()
+
+    @property
+    def grids(self) -> dict[str, torch.Tensor]:
+        """``{view: mean recovery}`` for every view."""
+        return {view: self.mean(view) for view in self.views}
+
+    def mean(self, view: str | None = None) -> torch.Tensor:
+        """Mean recovery over the seeds that could be normalized, tensor[layers, columns]."""
+        return _nanmean(self.recovery(view))
+
+    def std(self, view: str | None = None) -> torch.Tensor:
+        """Spread of recovery over seeds (population std; 0 with one seed)."""
+        rec = self.recovery(view)
+        mean = _nanmean(rec)
+        return _nanmean((rec - mean) ** 2).sqrt()
+
+    def raw_mean(self, view: str | None = None) -> torch.Tensor:
+        """The raw metric averaged over seeds, tensor[layers, columns]."""
+        return _nanmean(self.raw[self._view(view)])
+
+    @property
+    def n_seeds(self) -> int:
+        return int(self.corrupt.numel())
+
+    def top_cells(self, k: int = 5, view: str | None = None) -> list[tuple[int, int, float]]:
+        """The ``k`` cells with the highest mean recovery as ``(layer, column, value)``."""
+        grid = self.mean(view).clone()
+        grid[torch.isnan(grid)] = -math.inf
+        flat = grid.flatten()
+        k = min(k, flat.numel())
+        values, index = flat.topk(k)
+        cols = grid.shape[1]
+        return [(int(i) // cols, int(i) % cols, float(v)) for v, i in zip(values, index) if v > -math.inf]
+
+    # -- presentation ---------------------------------------------------------------------
+    @property
+    def title(self) -> str:
+        meta = self.meta
+        if self.kind == "trace":
+            return f"Causal trace · {meta.get('model', '?')} · subject {meta.get('subject', '')!r} → {meta.get('answer', '')!r}"
+        return (f"Activation patching ({meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}) · "
+                f"{meta.get('model', '?')} · {meta.get('answer', '')!r}"
+                + (f" vs {meta.get('foil')!r}" if meta.get("foil") else ""))
+
+    def __repr__(self) -> str:
+        shape = "×".join(str(n) for n in self.raw[self.views[0]].shape[1:])
+        return (f"<pipatch.Result {self.kind} {self.status}: views {', '.join(self.views)} [{shape}], "
+                f"metric {self.metric}, clean {self.clean:.4g}, corrupt {float(self.corrupt.mean()):.4g}, "
+                f"{self.n_seeds} seed(s)>")
+
+    def text(self, view: str | None = None, width: int = 7) -> str:
+        """A text heatmap: tokens as columns, layers as rows, block characters ``░▒▓█``."""
+        from ._text import text_heatmap
+
+        return text_heatmap(self, self._view(view), width=width)
+
+    def plot(self, view: str | None = None, ax=None):
+        """A matplotlib heatmap of mean recovery: layers × columns, diverging map centred at 0.
+
+        Returns the figure.
+        """
+        from ._plot import plot_result
+
+        return plot_result(self, self._view(view), ax=ax)
+
+    def to_dataframe(self):
+        """A long pandas DataFrame: one row per (view, layer, column) with mean, std, raw."""
+        import pandas as pd
+
+        rows = []
+        for view in self.views:
+            mean, std, raw = self.mean(view), self.std(view), self.raw_mean(view)
+            for layer in range(mean.shape[0]):
+                for col in range(mean.shape[1]):
+                    rows.append({
+                        "view": view, "layer": layer, "column": col, "label": self.columns[col],
+                        "recovery": float(mean[layer, col]), "std": float(std[layer, col]),
+                        "raw": float(raw[layer, col]),
+                    })
+        return pd.DataFrame(rows)
+
+    # -- serialization --------------------------------------------------------------------
+    def _header(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION, "kind": self.kind, "tokens": self.tokens, "columns": self.columns,
+            "layers": self.layers, "metric": self.metric, "views": self.views, "clean": self.clean,
+            "rows_done": self.rows_done, "status": self.status, "message": self.message,
+            "warnings": self.warnings, "meta": self.meta,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain-JSON summary: the first view's mean grid as a list of rows, plus every view.
+
+        Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``.
+        NaN becomes ``null``.
+        """
+        def rows(t: torch.Tensor):
+            return [[None if math.isnan(v) else v for v in row] for row in t.tolist()]
+
+        out = {
+            "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
+            "columns": self.columns, "layers": self.layers, "grid": rows(self.grid),
+            "metric": self.metric, "clean": self.clean, "corrupt": self.corrupt.tolist(),
+            "status": self.status, "warnings": self.warnings, "meta": self.meta,
+            "views": {v: {"mean": rows(self.mean(v)), "std": rows(self.std(v)), "raw": rows(self.raw_mean(v))}
+                      for v in self.views},
+        }
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        """Write the result as one safetensors file (tensors + JSON metadata in its header)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors = {f"raw/{view}": t.contiguous().float() for view, t in self.raw.items()}
+        tensors["corrupt"] = self.corrupt.contiguous().float()
+        header = json.dumps(self._header(), ensure_ascii=False)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"pipatch": header})
+        tmp.replace(path)
+        return path
+
+    def arrays(self, views: list[str] | None = None, *, live: bool = False) -> dict[str, np.ndarray]:
+        """The float32 arrays a front end draws, by name ``"<view>/<what>"``.
+
+        ``live=True`` keeps just the means (what a running grid shows) to keep updates small.
+        """
+        out: dict[str, np.ndarray] = {}
+        for view in views or self.views:
+            out[f"{view}/mean"] = self.mean(view).numpy().astype("<f4")
+            out[f"{view}/raw_mean"] = self.raw_mean(view).numpy().astype("<f4")
+            if live:
+                continue
+            out[f"{view}/std"] = self.std(view).numpy().astype("<f4")
+            out[f"{view}/seeds"] = self.recovery(view).numpy().astype("<f4")
+            out[f"{view}/raw_seeds"] = self.raw[view].numpy().astype("<f4")
+            verified = self.meta.get("verified", {}).get(view) if isinstance(self.meta.get("verified"), dict) else None
+            if verified is not None:
+                out[f"{view}/verified"] = np.asarray(verified, dtype="<f4")
+        return out
+
+    def to_state(self, *, live: bool = False) -> dict[str, Any]:
+        """The PatchGrid widget's state: labels, status and binary float32 arrays."""
+        arrays = {
+            name: {"data": a.tobytes(), "dtype": "float32", "shape": list(a.shape)}
+            for name, a in self.arrays(live=live).items()
+        }
+        meta = self.meta
+        return {
+            "title": self.title, "kind": self.kind, "model_name": str(meta.get("model", "")),
+            "metric": self.metric, "row_labels": list(self.layers), "col_labels": list(self.columns),
+            "col_axis": "head" if meta.get("site") == "head" else "token", "views": self.views,
+            "n_seeds": self.n_seeds, "arrays": arrays, "rows_done": dict(self.rows_done),
+            "total_rows": len(self.layers) * len(self.views), "status": self.status,
+            "message": self.message, "warnings": list(self.warnings),
+            "baselines": {"clean": float(self.clean), "corrupt": float(np.nanmean(self.corrupt.numpy()))},
+        }
+
+    def to_mime(self) -> dict[str, Any]:
+        """The ``application/vnd.pipatch.grid+json`` document: the state with base64 arrays."""
+        state = self.to_state()
+        state["arrays"] = {
+            name: {"dtype": spec["dtype"], "shape": spec["shape"], "data": base64.b64encode(spec["data"]).decode("ascii")}
+            for name, spec in state["arrays"].items()
+        }
+        state["version"] = SCHEMA_VERSION
+        state["elapsed"] = float(self.meta.get("elapsed", 0.0))
+        state["eta"] = -1
+        return _json_safe(state)
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        from ._plot import png_bytes
+
+        return {
+            MIME_TYPE: self.to_mime(),
+            "image/png": base64.b64encode(png_bytes(self)).decode("ascii"),
+            "text/plain": repr(self),
+        }
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/Inf → None so the document is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _nanmean(t: torch.Tensor) -> torch.Tensor:
+    """Mean over dim 0 ignoring NaN; all-NaN stays NaN, without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.nanmean(t, dim=0)
+
+
+def load_result(path: str | Path) -> Result:
+    """Read a file written by :meth:`Result.save`.
+
+    Refuses, with one clear line, anything that is not a complete pipatch safetensors file of a
+    known schema: a truncated file, another format (a pickle renamed, say), a newer schema, or
+    tensors whose shapes disagree with the labels. Nothing is half-loaded.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise PipatchError(f"no result file at {str(path)!r}: check the path")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as error:  # noqa: BLE001 - any parse failure means "not ours / damaged"
+        raise PipatchError(
+            f"{str(path)!r} is not a readable pipatch result ({type(error).__name__}): it is truncated "
+            "or another format; re-save it with Result.save()"
+        ) from None
+    if "pipatch" not in metadata:
+        raise PipatchError(f"{str(path)!r} is a safetensors file but not a pipatch result: no pipatch header")
+    try:
+        header = json.loads(metadata["pipatch"])
+    except json.JSONDecodeError:
+        raise PipatchError(f"{str(path)!r} has a damaged pipatch header: re-save the result") from None
+    if header.get("schema") != SCHEMA_VERSION:
+        raise PipatchError(
+            f"{str(path)!r} has result schema {header.get('schema')!r}, this pipatch reads {SCHEMA_VERSION}: "
+            "upgrade pipatch or re-save the result"
+        )
+    views = header.get("views") or []
+    raw = {}
+    corrupt = tensors.get("corrupt")
+    for view in views:
+        t = tensors.get(f"raw/{view}")
+        expected = (corrupt.numel() if corrupt is not None else -1, len(header["layers"]), len(header["columns"]))
+        if t is None or tuple(t.shape) != expected:
+            raise PipatchError(
+                f"{str(path)!r} is inconsistent: view {view!r} has shape "
+                f"{None if t is None else tuple(t.shape)}, labels say {expected}; re-save the result"
+            )
+        raw[view] = t
+    if not raw or corrupt is None:
+        raise PipatchError(f"{str(path)!r} holds no grid: re-save the result")
+    return Result(
+        kind=header["kind"], tokens=header["tokens"], columns=header["columns"], layers=header["layers"],
+        metric=header["metric"], raw=raw, clean=float(header["clean"]), corrupt=corrupt,
+        meta=header.get("meta", {}), rows_done=header.get("rows_done", {}), status=header.get("status", "done"),
+        message=header.get("message", ""), warnings=header.get("warnings", []),
+    )

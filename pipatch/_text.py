@@ -1,0 +1,42 @@
+"""Plain-text rendering of a grid for terminals: block characters, tokens as columns."""
+
+from __future__ import annotations
+
+import math
+
+_SHADES = " ░▒▓█"
+
+
+def token_label(text: str, width: int) -> str:
+    """A token as a fixed-width column header, with control characters made visible."""
+    shown = "".join(ch if ch.isprintable() and ch != "\u202e" else f"\\x{ord(ch):02x}" if ord(ch) < 256
+                    else f"\\u{ord(ch):04x}" for ch in text)
+    shown = shown.replace(" ", "·") if shown.strip() == "" else shown
+    return shown[: width - 1].rjust(width)
+
+
+def shade(value: float) -> str:
+    """``░▒▓█`` for recovery in [0, 1]; ``?`` for NaN; values outside are clipped."""
+    if value is None or math.isnan(value):
+        return "?"
+    return _SHADES[int(min(max(value, 0.0), 0.999) * len(_SHADES))]
+
+
+def text_heatmap(result, view: str, width: int = 7, top: int = 5) -> str:
+    """Rows = layers, columns = tokens (or heads); then the top cells by recovery."""
+    grid = result.mean(view)
+    lines = [f"{result.title}  [{view}, {result.metric}; clean {result.clean:.4g}, "
+             f"corrupt {float(result.corrupt.mean()):.4g}]"]
+    lines.append(" " * 5 + "".join(token_label(c, width) for c in result.columns))
+    for layer, label in enumerate(result.layers):
+        cells = "".join(shade(float(v)).rjust(width) for v in grid[layer].tolist())
+        lines.append(f"L{str(label):<4}"[:5] + cells)
+    best = result.top_cells(top, view)
+    for layer, col, value in best:
+        lines.append(f"layer {layer:3d}  {('head' if result.meta.get('site') == 'head' else 'pos')} {col:4d} "
+                     f"({result.columns[col]!r})  recovery {value:.3f}")
+    for warning in result.warnings:
+        lines.append(f"warning: {warning}")
+    if result.status != "done":
+        lines.append(f"status: {result.status}" + (f" — {result.message}" if result.message else ""))
+    return "\n".join(lines)

@@ -1,0 +1,33 @@
+"""Shared fixtures: the real embedded model, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+EIFFEL = "The Eiffel Tower is in the city of"
+COLOSSEUM = "The Colosseum is in the city of"
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The embedded default (Gemma 3 270M, float32, CPU) as an nnsight model."""
+    from pipatch._models import shared_model
+
+    torch.set_grad_enabled(False)
+    return shared_model()
+
+
+@pytest.fixture(scope="session")
+def eiffel_trace(model):
+    """The acceptance causal trace: 10 seeds, automatic scale, residual restoration."""
+    import pipatch
+
+    return pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris")
+
+
+@pytest.fixture(scope="session")
+def eiffel_patch(model):
+    import pipatch
+
+    return pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")

@@ -1,0 +1,64 @@
+"""Loading the embedded default and failing clearly where a model cannot be had."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from nnsight.modeling.transformers import TransformersModel
+
+import pipatch
+from pipatch._models import adapter_for, default_cache_dir
+from tests.conftest import EIFFEL
+
+
+def test_embedded_default_is_an_nnsight_model_that_knows_paris(model):
+    assert isinstance(model, TransformersModel)
+    ids = model.tokenizer(EIFFEL, return_tensors="pt").input_ids
+    paris = model.tokenizer(" Paris", add_special_tokens=False).input_ids[0]
+    with model.trace(ids):
+        logits = model.output.logits[0, -1].save()
+    p = float(logits.softmax(-1)[paris])
+    assert 0.4 < p < 0.6, p
+
+
+def test_embedded_default_is_cached_as_safetensors(model):
+    folders = list(default_cache_dir().glob("gemma-3-270m-*"))
+    assert folders, "the converted cache folder is missing"
+    files = {p.name for p in folders[0].iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    assert "quantization_config" not in (folders[0] / "config.json").read_text()
+
+
+def test_adapter_of_the_embedded_default(model):
+    a = adapter_for(model)
+    assert (a.family, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.d_model) == (
+        "gemma3_text", 18, 4, 1, 256, 640)
+
+
+def test_hub_id_offline_fails_fast_in_one_line():
+    started = time.perf_counter()
+    with pytest.raises(pipatch.PipatchError) as info:
+        pipatch.load_model("openai-community/gpt2")
+    assert time.perf_counter() - started < 20  # no minute of retries
+    message = str(info.value)
+    assert "\n" not in message and "unreachable" in message and "gpt2" in message
+
+
+def test_missing_local_folder_is_named():
+    with pytest.raises(pipatch.PipatchError, match="does not exist"):
+        pipatch.load_model("./no-such-model-folder")
+
+
+def test_adapter_logits_equal_the_models_own(model):
+    ids = model.tokenizer(EIFFEL, return_tensors="pt").input_ids
+    a = adapter_for(model)
+    with model.trace(ids):
+        hidden = a.unembedding(model).input[:, -1].save()
+        logits = model.output.logits[:, -1].save()
+    mine = a.logits(model, hidden)
+    assert torch.allclose(mine, logits.float(), atol=1e-4)
+    pair = a.logits(model, hidden, [9079, 13706])
+    assert torch.allclose(pair, logits[:, [9079, 13706]].float(), atol=1e-4)

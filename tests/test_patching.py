@@ -1,0 +1,148 @@
+"""Activation patching on the real embedded model, checked against a one-forward-per-cell
+PyTorch hook loop (the reference every faster method must reproduce)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipatch
+from tests.conftest import COLOSSEUM, EIFFEL
+
+PARIS, ROME = 9079, 13706
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+def hook_loop(model, site: str, positions=None) -> torch.Tensor:
+    """Denoising logit difference per (layer, position or head), one forward per cell."""
+    hf = model._module
+    layers = hf.model.layers
+    tok = model.tokenizer
+    clean = tok(EIFFEL, return_tensors="pt").input_ids
+    corrupt = tok(COLOSSEUM, return_tensors="pt").input_ids
+    T = clean.shape[1]
+
+    def module(layer):
+        block = layers[layer]
+        return {"resid": block, "attn": block.self_attn, "mlp": block.mlp, "head": block.self_attn.o_proj}[site]
+
+    cache = {}
+    handles = []
+    for i in range(len(layers)):
+        if site == "head":
+            handles.append(module(i).register_forward_pre_hook(
+                lambda m, args, i=i: cache.__setitem__(i, args[0].detach().clone())))
+        else:
+            handles.append(module(i).register_forward_hook(
+                lambda m, a, out, i=i: cache.__setitem__(i, _first(out).detach().clone())))
+    with torch.no_grad():
+        hf(clean)
+    for h in handles:
+        h.remove()
+
+    def metric(logits):
+        return float(logits[0, -1, PARIS] - logits[0, -1, ROME])
+
+    cols = range(4) if site == "head" else (positions or range(T))
+    grid = torch.zeros(len(layers), len(cols))
+    for layer in range(len(layers)):
+        for j, c in enumerate(cols):
+            if site == "head":
+                def pre(m, args, layer=layer, h=c):
+                    z = args[0].clone()
+                    z[:, :, h * 256:(h + 1) * 256] = cache[layer][:, :, h * 256:(h + 1) * 256]
+                    return (z,) + tuple(args[1:])
+                handle = module(layer).register_forward_pre_hook(pre)
+            else:
+                def post(m, a, out, layer=layer, p=c):
+                    hidden = _first(out).clone()
+                    hidden[:, p] = cache[layer][:, p]
+                    return (hidden,) + tuple(out[1:]) if isinstance(out, tuple) else hidden
+                handle = module(layer).register_forward_hook(post)
+            with torch.no_grad():
+                grid[layer, j] = metric(hf(corrupt).logits)
+            handle.remove()
+    return grid
+
+
+@pytest.mark.parametrize("site", ["resid", "attn", "mlp", "head"])
+def test_grid_equals_a_hook_loop(model, site):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", site=site)
+    reference = hook_loop(model, site)
+    assert r.raw[site].shape == (1, *reference.shape)
+    assert torch.allclose(r.raw[site][0], reference, atol=1e-4), (r.raw[site][0] - reference).abs().max()
+    normalized = (reference - r.corrupt[0]) / (r.clean - r.corrupt[0])
+    assert torch.allclose(r.grid, normalized, atol=1e-4)
+
+
+def test_baselines_and_raw_values_are_kept(eiffel_patch):
+    r = eiffel_patch
+    assert r.metric == "logit_diff" and r.clean > 0 > float(r.corrupt[0])
+    assert r.meta["engine"]["max_invokes"] <= r.meta["engine"]["batch_size"]
+    # Last layer, last position reproduces the clean run; earlier positions there cannot matter.
+    assert r.grid[-1, -1] == pytest.approx(1.0, abs=1e-4)
+    assert float(r.grid[-1, :-1].abs().max()) < 1e-4
+    assert r.to_dataframe().shape[0] == 18 * 9
+
+
+def test_positions_subset_with_negative_index(model, eiffel_patch):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[2, -1])
+    assert r.columns == [" Eiffel", " of"]
+    assert torch.allclose(r.grid, eiffel_patch.grid[:, [2, 8]], atol=1e-4)
+
+
+def test_batch_size_caps_invokes_per_trace(model):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", batch_size=3)
+    stats = r.meta["engine"]
+    assert stats["max_invokes"] == 3
+    assert stats["traces"] >= (stats["cells"] - stats["noop_cells"]) / 3
+
+
+def test_noising_is_the_mirror_direction(model):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", direction="noise")
+    # Pasting the corrupt last-position state at the last layer gives the corrupt run exactly.
+    assert r.grid[-1, -1] == pytest.approx(0.0, abs=1e-4)
+    # Positions the two prompts share (<bos>, The) carry nothing of the difference.
+    assert float((r.grid[:, :2] - 1).abs().max()) < 1e-4
+
+
+def test_mean_ablation_over_the_clean_prompt_alone_changes_nothing(model):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
+                      direction="mean", mean_prompts=[EIFFEL])
+    assert float((r.grid - 1).abs().max()) < 1e-4
+
+
+def test_zero_ablation_runs_and_hurts_somewhere(model):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
+                      direction="zero", site="mlp", positions=[-1])
+    assert torch.isfinite(r.grid).all() and float(r.grid.min()) < 0.9
+
+
+def test_prob_and_logprob_metrics(model):
+    for metric in ("prob", "logprob"):
+        r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", metric=metric, positions=[-1])
+        assert r.metric == metric and r.grid[-1, 0] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(corrupt="The big old Colosseum is in the city of"), r"same length.*'<bos>'"),
+        (dict(answer=" Parisian suburbs"), r"not one.*suburbs"),
+        (dict(foil=None), "needs a foil"),
+        (dict(site="neuron"), "unknown site"),
+        (dict(metric="kl"), "unknown metric"),
+        (dict(direction="sideways"), "unknown direction"),
+        (dict(positions=[9]), "out of range"),
+        (dict(clean=""), "empty"),
+    ],
+)
+def test_bad_input_is_one_clear_line(model, kwargs, match):
+    args = dict(clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")
+    args.update(kwargs)
+    with pytest.raises(pipatch.PipatchError, match=match) as info:
+        pipatch.patch(model, **args)
+    assert "\n" not in str(info.value)
