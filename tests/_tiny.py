@@ -14,10 +14,11 @@ Unknown words become ``<unk>``. Families whose real tokenizer prepends a BOS tok
 from __future__ import annotations
 
 import functools
+import zlib
 
 import torch
 
-__all__ = ["FAMILIES", "VARIANTS", "SUBLAYER_REFUSED", "VOCAB_SIZE", "WORDS", "tiny_model", "tiny_tokenizer"]
+__all__ = ["FAMILIES", "SUBLAYER_REFUSED", "VARIANTS", "VOCAB_SIZE", "WORDS", "tiny_model", "tiny_tokenizer"]
 
 VOCAB_SIZE = 1000
 D_MODEL = 64
@@ -67,11 +68,11 @@ language speaks speak French Italian English German Spanish Japanese Russian peo
 known for named called president king queen born died lives lived plays played sport
 football basketball tennis piano guitar Apple Google Microsoft company founded by CEO
 day night year time man woman child friend mother father brother sister
-""".split()
+""".split()  # noqa: SIM905 - a word list reads better as text
 _PUNCT = [".", ",", "!", "?", ":", ";", "'", '"', "-", "(", ")", "\n"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _vocab() -> dict[str, int]:
     tokens: list[str] = list(_SPECIALS)
     seen = set(tokens)
@@ -123,7 +124,7 @@ def tiny_tokenizer(add_bos: bool = False):
 
 def _ids() -> dict:
     v = _vocab()
-    return dict(pad_token_id=v["<pad>"], bos_token_id=v["<bos>"], eos_token_id=v["<eos>"])
+    return {"pad_token_id": v["<pad>"], "bos_token_id": v["<bos>"], "eos_token_id": v["<eos>"]}
 
 
 def _config(family: str):
@@ -145,6 +146,9 @@ def _config(family: str):
             head_dim=WIDE_HEAD_DIM,
             query_pre_attn_scalar=WIDE_HEAD_DIM,
             sliding_window=4,  # exercise the sliding layers on short prompts
+            # A full final layer: with a sliding one the last position could not see the
+            # subject from layer 1 on, and patching there would change nothing.
+            layer_types=["full_attention", "sliding_attention", "full_attention"][:N_LAYERS],
             # Real Gemma 2 caps at 30; random tiny logits are ~0.5, so cap at 1 to make the
             # cap bite (a logits() that forgot it would be off by ~0.1, not ~1e-7).
             final_logit_softcapping=1.0,
@@ -213,10 +217,10 @@ def _config(family: str):
         # special tokens are filler ids no test prompt uses.
         return T.Gemma3Config(
             text_config=_config("gemma3").to_dict(),
-            vision_config=dict(
-                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                image_size=28, patch_size=14,
-            ),
+            vision_config={
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+            },
             mm_tokens_per_image=4,
             boi_token_index=VOCAB_SIZE - 3,
             eoi_token_index=VOCAB_SIZE - 2,
@@ -273,7 +277,8 @@ def tiny_hf_model(family: str, seed: int = 0):
 
     config = _config(family)
     config._attn_implementation = "eager"
-    torch.manual_seed(seed)
+    # Seeded per family too, so same-architecture families (Llama, Mistral) differ.
+    torch.manual_seed(zlib.crc32(f"{family}:{seed}".encode()))
     model = getattr(T, _CLASSES[family])(config)
     model = model.to(torch.float32).eval()
     model.name_or_path = f"tiny-{family}"
