@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml package.json
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder
+	$(PY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder editables
 	$(MAKE) js
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null

@@ -42,7 +42,7 @@ import torch
 
 from ._models import Adapter, PipatchError, adapter_for, first
 
-__all__ = ["Metric", "Sweep", "Capture", "capture", "run_sweep", "EngineError"]
+__all__ = ["Metric", "Sweep", "Plan", "Capture", "capture", "run_sweep", "execute", "top_predictions", "EngineError"]
 
 
 class EngineError(RuntimeError):
@@ -277,8 +277,12 @@ def _is_noop(sweep: Sweep, writes, seed: int) -> bool:
     return True
 
 
-def _run_trace(model, adapter: Adapter, sweep: Sweep, layer: int, cells: list[_Cell], fast: bool) -> torch.Tensor:
-    """Run ``cells`` (all starting at ``layer``) as invokes of one trace → metric per cell."""
+def _run_trace(model, adapter: Adapter, sweep: Sweep, layer: int, cells: list[_Cell], fast: bool,
+               raw_logits: bool = False) -> torch.Tensor:
+    """Run ``cells`` (all starting at ``layer``) as invokes of one trace → metric per cell.
+
+    ``raw_logits=True`` (with ``fast=False``) returns the last position's logits instead.
+    """
     site, metric = sweep.site, sweep.metric
     plans = [_writes(sweep, adapter, cell) for cell in cells]
     unembed = adapter.unembedding(model)
@@ -308,7 +312,42 @@ def _run_trace(model, adapter: Adapter, sweep: Sweep, layer: int, cells: list[_C
                 else:
                     outs.append(model.output.logits[:, -1])
     stacked = torch.cat(list(outs))
+    if raw_logits:
+        return stacked
     return metric.from_hidden(model, adapter, stacked) if fast else metric.from_logits(stacked)
+
+
+def top_predictions(model, sweep: Sweep, layer: int, col: int, seed: int = 0, k: int = 5) -> list[tuple[str, float]]:
+    """The ``k`` most likely next tokens of one patched run, as ``(token text, probability)``.
+
+    This is what a click on a grid cell shows: the cell's run repeated with full logits.
+    """
+    adapter = adapter_for(model)
+    logits = _run_trace(model, adapter, sweep, layer, [_Cell(layer, col, seed)], fast=False, raw_logits=True)
+    probs = logits.float().softmax(-1)[0]
+    best = probs.topk(k)
+    return [(model.tokenizer.decode([i]), float(p)) for i, p in zip(best.indices.tolist(), best.values.tolist())]
+
+
+@dataclass
+class Plan:
+    """A protocol's output: the result to fill and the sweeps that fill it, not yet run.
+
+    ``plan.run(model)`` runs it; a front end keeps the plan to answer clicks
+    (:func:`top_predictions` needs the sweep) and to drive live updates.
+    """
+
+    result: Any
+    sweeps: list[Sweep]
+    batch_size: int
+    fast: bool = True
+
+    def run(self, model, *, on_row=None, stop=None):
+        return execute(model, self.sweeps, self.result, batch_size=self.batch_size, fast=self.fast,
+                       on_row=on_row, stop=stop)
+
+    def sweep(self, view: str) -> Sweep:
+        return next(s for s in self.sweeps if s.view == view)
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -369,7 +408,13 @@ def run_sweep(
             stats["traces"] += 1
             stats["max_invokes"] = max(stats["max_invokes"], len(batch))
             for cell, value in zip(batch, values.tolist()):
-                out[cell.seed, cell.layer, cell.col] = value if math.isfinite(value) else float("nan")
+                if not math.isfinite(value):
+                    # NaN/Inf from the model itself: store NaN, flag the row (once).
+                    value = float("nan")
+                    flagged = stats.setdefault("nonfinite_rows", [])
+                    if [sweep.view, layer] not in flagged:
+                        flagged.append([sweep.view, layer])
+                out[cell.seed, cell.layer, cell.col] = value
             start += len(batch)
             batch_no += 1
         if on_row is not None:
@@ -456,4 +501,6 @@ def execute(
         result.meta["elapsed"] = now() - started
         raise
     result.meta["elapsed"] = now() - started
+    for view, layer in stats.get("nonfinite_rows", []):
+        result.warnings.append(f"{view} row {layer}: the model produced NaN/Inf in some cells (stored as NaN)")
     return result

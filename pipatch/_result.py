@@ -61,7 +61,8 @@ class Result:
         ``{view: tensor[seeds, layers, columns]}``, the metric of every patched run (NaN where
         not computed).
     clean, corrupt
-        The clean run's metric (float) and the corrupt runs' metric (tensor[seeds]).
+        The clean run's metric (float) and the corrupt runs' metric (tensor[seeds]). A dataset
+        result (many prompts) has one clean value per row too: tensor[prompts × seeds].
     rows_done
         ``{view: n}``: rows ``0 .. n-1`` of that view are finished.
     status
@@ -74,7 +75,7 @@ class Result:
     layers: list[str]
     metric: str
     raw: dict[str, torch.Tensor]
-    clean: float
+    clean: float | torch.Tensor
     corrupt: torch.Tensor
     meta: dict[str, Any] = field(default_factory=dict)
     rows_done: dict[str, int] = field(default_factory=dict)
@@ -98,12 +99,21 @@ class Result:
     def recovery(self, view: str | None = None) -> torch.Tensor:
         """Normalized recovery per seed, tensor[seeds, layers, columns]."""
         raw = self.raw[self._view(view)]
-        clean = torch.tensor(float(self.clean))
-        corrupt = self.corrupt.reshape(-1, 1, 1).float()
-        out = (raw - corrupt) / (clean - corrupt)
-        bad = torch.tensor([_denominator_too_small(float(self.clean), float(c)) for c in self.corrupt])
+        clean = self._clean_rows()
+        corrupt = self.corrupt.float()
+        out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
+        bad = torch.tensor([_denominator_too_small(float(a), float(c)) for a, c in zip(clean, corrupt)])
         out[bad] = float("nan")
         return out
+
+    def _clean_rows(self) -> torch.Tensor:
+        clean = torch.as_tensor(self.clean, dtype=torch.float32).reshape(-1)
+        return clean.expand(self.corrupt.numel()) if clean.numel() == 1 else clean
+
+    @property
+    def clean_value(self) -> float:
+        """The clean baseline as one number (the mean over prompts for a dataset result)."""
+        return float(self._clean_rows().mean())
 
     @property
     def per_seed(self) -> torch.Tensor:
@@ -161,7 +171,7 @@ class Result:
     def __repr__(self) -> str:
         shape = "×".join(str(n) for n in self.raw[self.views[0]].shape[1:])
         return (f"<pipatch.Result {self.kind} {self.status}: views {', '.join(self.views)} [{shape}], "
-                f"metric {self.metric}, clean {self.clean:.4g}, corrupt {float(self.corrupt.mean()):.4g}, "
+                f"metric {self.metric}, clean {self.clean_value:.4g}, corrupt {float(self.corrupt.mean()):.4g}, "
                 f"{self.n_seeds} seed(s)>")
 
     def text(self, view: str | None = None, width: int = 7) -> str:
@@ -199,7 +209,8 @@ class Result:
     def _header(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA_VERSION, "kind": self.kind, "tokens": self.tokens, "columns": self.columns,
-            "layers": self.layers, "metric": self.metric, "views": self.views, "clean": self.clean,
+            "layers": self.layers, "metric": self.metric, "views": self.views,
+            "clean": self.clean if isinstance(self.clean, float) else None,
             "rows_done": self.rows_done, "status": self.status, "message": self.message,
             "warnings": self.warnings, "meta": self.meta,
         }
@@ -216,7 +227,9 @@ class Result:
         out = {
             "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
             "columns": self.columns, "layers": self.layers, "grid": rows(self.grid),
-            "metric": self.metric, "clean": self.clean, "corrupt": self.corrupt.tolist(),
+            "metric": self.metric,
+            "clean": self.clean if isinstance(self.clean, float) else self._clean_rows().tolist(),
+            "corrupt": self.corrupt.tolist(),
             "status": self.status, "warnings": self.warnings, "meta": self.meta,
             "views": {v: {"mean": rows(self.mean(v)), "std": rows(self.std(v)), "raw": rows(self.raw_mean(v))}
                       for v in self.views},
@@ -230,6 +243,8 @@ class Result:
         path = Path(path)
         tensors = {f"raw/{view}": t.contiguous().float() for view, t in self.raw.items()}
         tensors["corrupt"] = self.corrupt.contiguous().float()
+        if not isinstance(self.clean, float):
+            tensors["clean"] = self._clean_rows().contiguous()
         header = json.dumps(self._header(), ensure_ascii=False)
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"pipatch": header})
@@ -269,7 +284,7 @@ class Result:
             "n_seeds": self.n_seeds, "arrays": arrays, "rows_done": dict(self.rows_done),
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),
-            "baselines": {"clean": float(self.clean), "corrupt": float(np.nanmean(self.corrupt.numpy()))},
+            "baselines": {"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))},
         }
 
     def to_mime(self) -> dict[str, Any]:
@@ -356,11 +371,14 @@ def load_result(path: str | Path) -> Result:
                 f"{None if t is None else tuple(t.shape)}, labels say {expected}; re-save the result"
             )
         raw[view] = t
+    if header.get("clean") is None and tensors.get("clean") is None:
+        raise PipatchError(f"{str(path)!r} has no clean baseline: re-save the result")
     if not raw or corrupt is None:
         raise PipatchError(f"{str(path)!r} holds no grid: re-save the result")
     return Result(
         kind=header["kind"], tokens=header["tokens"], columns=header["columns"], layers=header["layers"],
-        metric=header["metric"], raw=raw, clean=float(header["clean"]), corrupt=corrupt,
+        metric=header["metric"], raw=raw, corrupt=corrupt,
+        clean=float(header["clean"]) if header.get("clean") is not None else tensors["clean"],
         meta=header.get("meta", {}), rows_done=header.get("rows_done", {}), status=header.get("status", "done"),
         message=header.get("message", ""), warnings=header.get("warnings", []),
     )

@@ -25,7 +25,7 @@ def shade(value: float) -> str:
 def text_heatmap(result, view: str, width: int = 7, top: int = 5) -> str:
     """Rows = layers, columns = tokens (or heads); then the top cells by recovery."""
     grid = result.mean(view)
-    lines = [f"{result.title}  [{view}, {result.metric}; clean {result.clean:.4g}, "
+    lines = [f"{result.title}  [{view}, {result.metric}; clean {result.clean_value:.4g}, "
              f"corrupt {float(result.corrupt.mean()):.4g}]"]
     lines.append(" " * 5 + "".join(token_label(c, width) for c in result.columns))
     for layer, label in enumerate(result.layers):

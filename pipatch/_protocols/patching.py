@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._engine import METRICS, Metric, Sweep, capture, check_batch_size, execute
+from .._engine import METRICS, Metric, Plan, Sweep, capture, check_batch_size
 from .._models import PipatchError, adapter_for
 from .._result import Result
 from ._inputs import SITES, check_choice, encode, layer_labels, model_meta, normalize_positions, single_token
@@ -49,9 +49,9 @@ def _same_length(model, clean_tokens: list[str], corrupt_tokens: list[str]) -> N
 def patch(
     model,
     *,
-    clean: str,
-    corrupt: str,
-    answer: str,
+    clean: str | Sequence[str],
+    corrupt: str | Sequence[str],
+    answer: str | Sequence[str],
     foil: str | None = None,
     site: str = "resid",
     metric: str = "logit_diff",
@@ -68,7 +68,9 @@ def patch(
     Parameters
     ----------
     clean, corrupt
-        Prompts of equal token length.
+        Prompts of equal token length; or two lists of such prompts (pairs), averaged over
+        named positions (see :mod:`pipatch._protocols.dataset`), with ``answer`` / ``foil``
+        given once or once per pair.
     answer, foil
         Single tokens; ``foil`` is required for ``metric="logit_diff"`` (e.g. ``" Rome"``).
     site
@@ -91,6 +93,36 @@ def patch(
     Result
         ``result.grid``: tensor[layers, positions] (or [layers, heads]) of normalized recovery.
     """
+    if isinstance(clean, (list, tuple)) or isinstance(corrupt, (list, tuple)):
+        from .dataset import patch_many
+
+        if not (isinstance(clean, (list, tuple)) and isinstance(corrupt, (list, tuple)) and len(clean) == len(corrupt)):
+            raise PipatchError("for many prompts pass clean and corrupt as lists of the same length")
+        return patch_many(model, list(zip(clean, corrupt)), answer=answer, foil=foil, site=site, metric=metric,
+                          direction=direction, positions=positions, mean_prompts=mean_prompts,
+                          batch_size=batch_size, on_row=on_row, stop=stop, fast=fast)
+    plan = plan_patch(model, clean=clean, corrupt=corrupt, answer=answer, foil=foil, site=site, metric=metric,
+                      direction=direction, positions=positions, mean_prompts=mean_prompts,
+                      batch_size=batch_size, fast=fast)
+    return plan.run(model, on_row=on_row, stop=stop)
+
+
+def plan_patch(
+    model,
+    *,
+    clean: str,
+    corrupt: str,
+    answer: str,
+    foil: str | None = None,
+    site: str = "resid",
+    metric: str = "logit_diff",
+    direction: str = "denoise",
+    positions: Sequence[int] | None = None,
+    mean_prompts: Sequence[str] | None = None,
+    batch_size: int | None = None,
+    fast: bool = True,
+) -> Plan:
+    """Check the inputs and run the baselines; return the :class:`Plan` of the sweep (see :func:`patch`)."""
     check_choice(site, SITES, "site")
     check_choice(metric, METRICS, "metric")
     check_choice(direction, DIRECTIONS, "direction")
@@ -163,4 +195,4 @@ def patch(
     # For the column → position mapping the engine wants positions; for heads, head indices.
     sweep = Sweep(view=site, site=site, input_ids=base_ids, columns=sweep_cols, positions=head_positions,
                   window=1, base=base, donor=donor, metric=scorer)
-    return execute(model, [sweep], result, batch_size=batch, fast=fast, on_row=on_row, stop=stop)
+    return Plan(result, [sweep], batch, fast)

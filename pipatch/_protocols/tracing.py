@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._engine import Metric, Sweep, capture, check_batch_size, execute
+from .._engine import Metric, Plan, Sweep, capture, check_batch_size
 from .._models import PipatchError, adapter_for
 from .._result import Result
 from ._inputs import check_choice, encode, layer_labels, model_meta, single_token, subject_positions
@@ -67,7 +67,7 @@ def _kinds(kind: str | Sequence[str]) -> list[str]:
 
 def trace(
     model,
-    prompt: str,
+    prompt: str | Sequence[str],
     *,
     subject: str | Sequence[int],
     answer: str,
@@ -89,7 +89,9 @@ def trace(
     model
         An nnsight model (from :func:`pipatch.load_model` or built by the caller).
     prompt
-        The text whose next token should be ``answer``.
+        The text whose next token should be ``answer``; or a list of prompts, averaged over
+        named positions (see :mod:`pipatch._protocols.dataset`), with ``subject`` and
+        ``answer`` given once or once per prompt.
     subject
         The subject's text as it appears in ``prompt`` (every token overlapping it is noised,
         BPE pieces included) or a list of token indices.
@@ -121,6 +123,33 @@ def trace(
     Result
         ``result.grid`` is tensor[layers, tokens] of mean normalized recovery.
     """
+    if isinstance(prompt, (list, tuple)):
+        from .dataset import trace_many
+
+        return trace_many(model, prompt, subject=subject, answer=answer, seeds=seeds, scale=scale, kind=kind,
+                          window=window, metric=metric, control=control, batch_size=batch_size, on_row=on_row,
+                          stop=stop, fast=fast)
+    plan = plan_trace(model, prompt, subject=subject, answer=answer, seeds=seeds, scale=scale, kind=kind,
+                      window=window, metric=metric, control=control, batch_size=batch_size, fast=fast)
+    return plan.run(model, on_row=on_row, stop=stop)
+
+
+def plan_trace(
+    model,
+    prompt: str,
+    *,
+    subject: str | Sequence[int],
+    answer: str,
+    seeds: int = 10,
+    scale: float | str = "auto",
+    kind: str | Sequence[str] = "resid",
+    window: int = 10,
+    metric: str = "prob",
+    control: bool = False,
+    batch_size: int | None = None,
+    fast: bool = True,
+) -> Plan:
+    """Check the inputs and run the baselines; return the :class:`Plan` of the sweep (see :func:`trace`)."""
     kinds = _kinds(kind)
     check_choice(metric, ("prob", "logprob"), "metric for tracing")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
@@ -200,4 +229,4 @@ def trace(
               noise=noise.to(input_ids.device), noise_positions=positions, prune=not control)
         for k in kinds
     ]
-    return execute(model, sweeps, result, batch_size=batch, fast=fast, on_row=on_row, stop=stop)
+    return Plan(result, sweeps, batch, fast)

@@ -1,0 +1,397 @@
+"""Side-by-side benchmark: the same sweeps by four methods, checked equal before any time is shown.
+
+Sweeps, on the embedded default (Gemma 3 270M, float32, CPU):
+
+(a) ``resid`` activation patching, every layer × every position: clean "The Eiffel Tower is in
+    the city of", corrupt "The Colosseum is in the city of", logit difference " Paris" − " Rome".
+(b) the causal trace of the core engine issue: subject "Eiffel Tower", answer " Paris",
+    10 noise seeds at the scale pipatch's ``scale="auto"`` picks, P(answer).
+
+Methods:
+
+1. ``hooks``  — one forward per cell with PyTorch forward hooks (the primer's loop);
+2. ``nnsight`` — the plain nnsight recipe: one trace per position (and seed), one invoke per layer;
+3. ``floor``  — one plain batched forward of all the cells' corrupted inputs, no interventions,
+   logits at the last position only (what any method that runs every cell must at least pay);
+4. ``pipatch``.
+
+Methods 1, 2 and 4 must give the same grid within 1e-4 (checked before printing any time).
+Also reported: pipatch's time to its first finished row after the baselines, peak resident
+memory per method, a ``head`` sweep on a 128-token prompt against the memory target, and
+scaling tables (prompt length 8/32/128; seeds 1/3/10). Figures are written to
+``bench/results/bench.json``.
+
+Run: ``make bench`` (or ``.venv/bin/python bench/run.py [--quick]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pipatch  # noqa: E402
+from pipatch._engine import Metric, capture  # noqa: E402
+from pipatch._protocols.patching import plan_patch  # noqa: E402
+from pipatch._protocols.tracing import noise_draws, plan_trace  # noqa: E402
+
+CLEAN = "The Eiffel Tower is in the city of"
+CORRUPT = "The Colosseum is in the city of"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE
+
+
+class Peak:
+    """Samples resident memory every 5 ms while a block runs; ``peak`` is the maximum seen."""
+
+    def __enter__(self):
+        self.start, self.peak, self._stop = rss(), rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+        return False
+
+
+def timed(fn, *args, **kwargs):
+    with Peak() as p:
+        out = fn(*args, **kwargs)
+    return out, p.seconds, p.peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods for sweep (a): activation patching of the residual stream
+# ---------------------------------------------------------------------------------------------
+
+
+def patch_hooks(model, clean_ids, corrupt_ids, answer, foil):
+    hf, layers = model._module, model._module.model.layers
+    cache = {}
+    handles = [layer.register_forward_hook(lambda m, a, out, i=i: cache.__setitem__(i, out.detach().clone()))
+               for i, layer in enumerate(layers)]
+    hf(clean_ids)
+    for handle in handles:
+        handle.remove()
+    T = clean_ids.shape[1]
+    grid = torch.zeros(len(layers), T)
+    for i, layer in enumerate(layers):
+        for pos in range(T):
+            def patch_hook(m, a, out, i=i, pos=pos):
+                out = out.clone()
+                out[:, pos] = cache[i][:, pos]
+                return out
+            handle = layer.register_forward_hook(patch_hook)
+            logits = hf(corrupt_ids).logits[0, -1]
+            handle.remove()
+            grid[i, pos] = logits[answer] - logits[foil]
+    return grid
+
+
+def patch_nnsight(model, clean_ids, corrupt_ids, answer, foil):
+    """The nnterp recipe: cache the clean run, then one trace per position, one invoke per layer."""
+    layers = model.model.layers
+    n = len(layers)
+    with model.trace(clean_ids):
+        cache = list().save()
+        for layer in layers:
+            cache.append(layer.output)
+    T = clean_ids.shape[1]
+    grid = torch.zeros(n, T)
+    for pos in range(T):
+        with model.trace() as tracer:
+            sweep = list().save()
+            for i in range(n):
+                with tracer.invoke(corrupt_ids):
+                    model.model.layers[i].output[:, pos] = cache[i][:, pos]
+                    sweep.append(model.output.logits[0, -1])
+        for i, logits in enumerate(sweep):
+            grid[i, pos] = logits[answer] - logits[foil]
+    return grid
+
+
+def floor(model, ids: torch.Tensor, n_cells: int, chunk: int = 64):
+    """n_cells copies of the corrupted input through the plain model, last-position logits only."""
+    hf = model._module
+    for start in range(0, n_cells, chunk):
+        batch = ids.expand(min(chunk, n_cells - start), -1)
+        hf(batch, logits_to_keep=1)
+
+
+def floor_noised(model, ids, noise, positions, n_cells_per_seed, chunk: int = 64):
+    """The causal-trace floor: each seed's noised embeddings, run n_cells_per_seed times."""
+    hf = model._module
+    embedded = hf.model.embed_tokens(ids)
+    rows = []
+    for s in range(noise.shape[0]):
+        e = embedded.clone()
+        e[:, positions] += noise[s]
+        rows.append(e.expand(n_cells_per_seed, -1, -1))
+    every = torch.cat(rows)
+    for start in range(0, every.shape[0], chunk):
+        hf(inputs_embeds=every[start : start + chunk], logits_to_keep=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods for sweep (b): the causal trace
+# ---------------------------------------------------------------------------------------------
+
+
+def trace_hooks(model, ids, noise, positions, answer):
+    hf, layers = model._module, model._module.model.layers
+    emb = hf.model.embed_tokens
+    cache = {}
+    handles = [layer.register_forward_hook(lambda m, a, out, i=i: cache.__setitem__(i, out.detach().clone()))
+               for i, layer in enumerate(layers)]
+    hf(ids)
+    for handle in handles:
+        handle.remove()
+    S, L, T = noise.shape[0], len(layers), ids.shape[1]
+    raw = torch.zeros(S, L, T)
+    for s in range(S):
+        def noise_hook(m, a, out, s=s):
+            out = out.clone()
+            out[:, positions] += noise[s]
+            return out
+        nh = emb.register_forward_hook(noise_hook)
+        for i, layer in enumerate(layers):
+            for pos in range(T):
+                def restore(m, a, out, i=i, pos=pos):
+                    out = out.clone()
+                    out[:, pos] = cache[i][:, pos]
+                    return out
+                handle = layer.register_forward_hook(restore)
+                raw[s, i, pos] = hf(ids).logits[0, -1].softmax(-1)[answer]
+                handle.remove()
+        nh.remove()
+    return raw
+
+
+def trace_nnsight(model, ids, noise, positions, answer):
+    """The seed's recipe: per seed and position, one trace with one invoke per layer."""
+    layers = model.model.layers
+    L = len(layers)
+    with model.trace(ids):
+        clean = list().save()
+        for layer in layers:
+            clean.append(layer.output)
+    S, T = noise.shape[0], ids.shape[1]
+    raw = torch.zeros(S, L, T)
+    for s in range(S):
+        for pos in range(T):
+            with model.trace() as tracer:
+                probs = list().save()
+                for i in range(L):
+                    with tracer.invoke(ids):
+                        model.model.embed_tokens.output[:, positions] += noise[s]
+                        model.model.layers[i].output[:, pos] = clean[i][:, pos]
+                        probs.append(model.output.logits[0, -1].softmax(-1)[answer])
+            for i, p in enumerate(probs):
+                raw[s, i, pos] = p
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------
+
+
+def check_same(name: str, reference: torch.Tensor, other: torch.Tensor, label: str) -> float:
+    diff = float((reference - other).abs().max())
+    if not diff <= 1e-4:
+        raise SystemExit(f"{name}: {label} differs from pipatch by {diff:.3g} (> 1e-4); no times printed")
+    return diff
+
+
+def run_pipatch(model, plan_fn, *args, **kwargs):
+    """Plan (baselines included) and run; returns result, total seconds, first-row latency, peak."""
+    marks = {}
+
+    def on_row(result, view, layer):
+        marks.setdefault("first_row", time.perf_counter())
+
+    with Peak() as peak:
+        plan = plan_fn(model, *args, **kwargs)
+        marks["planned"] = time.perf_counter()
+        result = plan.run(model, on_row=on_row)
+    first = marks["first_row"] - marks["planned"]
+    return result, peak.seconds, first, peak.peak
+
+
+def sweep_a(model, quick: bool):
+    tok = model.tokenizer
+    clean_ids = tok(CLEAN, return_tensors="pt").input_ids
+    corrupt_ids = tok(CORRUPT, return_tensors="pt").input_ids
+    answer, foil = tok(" Paris", add_special_tokens=False).input_ids[0], tok(" Rome", add_special_tokens=False).input_ids[0]
+    L, T = len(model.model.layers), clean_ids.shape[1]
+    result, t_pipatch, first_row, m_pipatch = run_pipatch(
+        model, plan_patch, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
+    mine = result.raw["resid"][0]
+    rows = {}
+    grid, t, m = timed(patch_nnsight, model, clean_ids, corrupt_ids, answer, foil)
+    rows["nnsight"] = (t, m, check_same("sweep (a)", mine, grid, "the nnsight recipe"))
+    if not quick:
+        grid, t, m = timed(patch_hooks, model, clean_ids, corrupt_ids, answer, foil)
+        rows["hooks"] = (t, m, check_same("sweep (a)", mine, grid, "the hook loop"))
+    _, t, m = timed(floor, model, corrupt_ids, L * T)
+    rows["floor"] = (t, m, None)
+    rows["pipatch"] = (t_pipatch, m_pipatch, 0.0)
+    return {"cells": L * T, "methods": rows, "first_row_s": first_row}
+
+
+def sweep_b(model, quick: bool, seeds: int = 10):
+    tok = model.tokenizer
+    ids = tok(CLEAN, return_tensors="pt").input_ids
+    answer = tok(" Paris", add_special_tokens=False).input_ids[0]
+    result, t_pipatch, first_row, m_pipatch = run_pipatch(
+        model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=seeds)
+    meta = result.meta
+    positions = meta["subject_positions"]
+    noise = noise_draws(seeds, len(positions), model._module.config.hidden_size, meta["scale"], meta["sigma"])
+    L, T = len(model.model.layers), ids.shape[1]
+    mine = result.raw["resid"]
+    rows = {}
+    raw, t, m = timed(trace_nnsight, model, ids, noise, positions, answer)
+    rows["nnsight"] = (t, m, check_same("sweep (b)", mine, raw, "the nnsight recipe"))
+    if not quick:
+        raw, t, m = timed(trace_hooks, model, ids, noise, positions, answer)
+        rows["hooks"] = (t, m, check_same("sweep (b)", mine, raw, "the hook loop"))
+    _, t, m = timed(floor_noised, model, ids, noise, positions, L * T)
+    rows["floor"] = (t, m, None)
+    rows["pipatch"] = (t_pipatch, m_pipatch, 0.0)
+    return {"cells": seeds * L * T, "scale": meta["scale"], "methods": rows, "first_row_s": first_row}
+
+
+def prompt_of(model, n_tokens: int) -> tuple[str, str]:
+    """A clean/corrupt pair of exactly n_tokens tokens (filler text before the fact)."""
+    tok = model.tokenizer
+    filler = "It was a bright cold day in April, and the clocks were striking thirteen. " * 20
+    words = filler.split(" ")
+    for k in range(len(words) + 1):
+        prefix = " ".join(words[:k]) + (" " if k else "")
+        clean, corrupt = prefix + CLEAN, prefix + CORRUPT
+        if len(tok(clean).input_ids) >= n_tokens:
+            break
+    ids = tok(clean).input_ids
+    while len(ids) > n_tokens:  # trim from the front, keeping the fact
+        clean = clean[1:]
+        corrupt = corrupt[1:]
+        ids = tok(clean).input_ids
+    assert len(tok(corrupt).input_ids) == len(ids)
+    return clean, corrupt
+
+
+def scaling(model, quick: bool):
+    tok = model.tokenizer
+    L = len(model.model.layers)
+    lengths = []
+    for n in (8, 32) if quick else (8, 32, 128):
+        clean, corrupt = prompt_of(model, n)
+        T = len(tok(clean).input_ids)
+        _, t_p, first, _ = run_pipatch(model, plan_patch, clean=clean, corrupt=corrupt, answer=" Paris", foil=" Rome")
+        _, t_f, _ = timed(floor, model, tok(corrupt, return_tensors="pt").input_ids, L * T)
+        lengths.append({"tokens": T, "cells": L * T, "pipatch_s": t_p, "floor_s": t_f, "first_row_s": first})
+    seeds = []
+    for s in (1, 3) if quick else (1, 3, 10):
+        _, t_p, first, _ = run_pipatch(model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=s)
+        seeds.append({"seeds": s, "pipatch_s": t_p, "first_row_s": first})
+    return {"prompt_length": lengths, "seeds": seeds}
+
+
+def head_memory(model):
+    """A head sweep on a 128-token prompt: peak RSS against 2 × (model + one batch)."""
+    clean, corrupt = prompt_of(model, 128)
+    params = sum(p.numel() * p.element_size() for p in model._module.parameters())
+    base = rss()
+    result, seconds, _, peak = run_pipatch(model, plan_patch, clean=clean, corrupt=corrupt, answer=" Paris",
+                                           foil=" Rome", site="head")
+    batch = result.meta["engine"]["batch_size"]
+    # One batch's working set, measured: a plain forward of `batch` copies, logits at the end only.
+    ids = model.tokenizer(corrupt, return_tensors="pt").input_ids
+    with Peak() as one:
+        model._module(ids.expand(batch, -1), logits_to_keep=1)
+    batch_bytes = max(0, one.peak - one.start)
+    return {"tokens": ids.shape[1], "seconds": seconds, "batch_size": batch, "model_bytes": params,
+            "one_batch_bytes": batch_bytes, "rss_before": base, "peak_rss": peak,
+            "bound": 2 * (params + batch_bytes), "within_bound": peak <= 2 * (params + batch_bytes)}
+
+
+def fmt_rows(title: str, block: dict) -> list[str]:
+    rows = block["methods"]
+    t_mine = rows["pipatch"][0]
+    out = [f"{title} — {block['cells']} cells", f"  {'method':<9} {'seconds':>8} {'pipatch/x':>10} {'peak RSS':>9} {'max |Δ|':>9}"]
+    for name in ("hooks", "nnsight", "floor", "pipatch"):
+        if name not in rows:
+            continue
+        t, m, diff = rows[name]
+        out.append(f"  {name:<9} {t:8.2f} {t_mine / t:10.2f} {m / 2**30:8.2f}G {'' if diff is None else f'{diff:.1e}':>9}")
+    out.append(f"  first finished row after the baselines: {block['first_row_s']:.2f} s")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the hook loops and the longest scaling rows")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench.json"))
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model = pipatch.load_model()
+    # Warm up (first-call allocations, nnsight's source parsing) so no method pays for it.
+    pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", positions=[-1])
+    report = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                          "python": platform.python_version(), "torch": torch.__version__},
+              "a": sweep_a(model, args.quick), "b": sweep_b(model, args.quick)}
+    report["scaling"] = scaling(model, args.quick)
+    report["head_memory"] = head_memory(model)
+    lines = fmt_rows("(a) resid activation patching, Eiffel/Colosseum, logit diff", report["a"])
+    lines += fmt_rows(f"(b) causal trace, 10 seeds at {report['b']['scale']:g}σ, P(answer)", report["b"])
+    lines.append("scaling with prompt length (resid patching):")
+    for row in report["scaling"]["prompt_length"]:
+        lines.append(f"  {row['tokens']:4d} tokens  {row['cells']:5d} cells  pipatch {row['pipatch_s']:7.2f}s  "
+                     f"floor {row['floor_s']:7.2f}s  ratio {row['pipatch_s'] / row['floor_s']:.2f}  "
+                     f"first row {row['first_row_s']:.2f}s")
+    lines.append("scaling with seeds (causal trace):")
+    for row in report["scaling"]["seeds"]:
+        lines.append(f"  {row['seeds']:3d} seeds  pipatch {row['pipatch_s']:7.2f}s  first row {row['first_row_s']:.2f}s")
+    hm = report["head_memory"]
+    lines.append(f"head sweep, {hm['tokens']} tokens: {hm['seconds']:.1f}s, peak RSS {hm['peak_rss'] / 2**30:.2f}G "
+                 f"vs bound 2×(model {hm['model_bytes'] / 2**30:.2f}G + one batch {hm['one_batch_bytes'] / 2**30:.2f}G) "
+                 f"= {hm['bound'] / 2**30:.2f}G: {'within' if hm['within_bound'] else 'OVER'}")
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

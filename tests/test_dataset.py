@@ -1,0 +1,67 @@
+"""Averages over many prompts, aligned by named positions, on the real embedded model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._protocols.dataset import named_groups
+from tests.conftest import COLOSSEUM, EIFFEL
+
+NAMES = ["before", "first subject", "middle subject", "last subject", "first after", "further", "last"]
+
+
+def test_named_groups_cover_every_position_once():
+    names, groups = named_groups([2, 3, 4], 9)
+    assert names == NAMES
+    assert groups == [[0, 1], [2], [3], [4], [5], [6, 7], [8]]
+    # A one-token subject right before the last token is both first and last; no middle,
+    # no "first after".
+    names, groups = named_groups([3], 5)
+    assert groups == [[0, 1, 2], [3], [], [3], [], [], [4]]
+
+
+def test_trace_over_prompts_of_different_lengths(model):
+    prompts = [EIFFEL, "The Statue of Liberty is in the city of"]
+    r = pipatch.trace(model, prompts, subject=["Eiffel Tower", "Statue of Liberty"], answer=[" Paris", " New"],
+                      seeds=2, scale=3.0)
+    assert r.columns == NAMES and r.per_seed.shape == (4, 18, 7)  # 2 prompts × 2 seeds
+    singles = [pipatch.trace(model, p, subject=s, answer=a, seeds=2, scale=3.0)
+               for p, s, a in ((EIFFEL, "Eiffel Tower", " Paris"),
+                               ("The Statue of Liberty is in the city of", "Statue of Liberty", " New"))]
+    # Each prompt's rows are normalized against its own baselines.
+    for i, single in enumerate(singles):
+        _, groups = named_groups(single.meta["subject_positions"], len(single.tokens))
+        mine = r.recovery()[2 * i : 2 * i + 2]
+        for k, positions in enumerate(groups):
+            if positions:
+                expected = single.recovery()[:, :, positions].mean(-1)
+                assert torch.allclose(mine[:, :, k], expected, atol=1e-5)
+            else:
+                assert torch.isnan(mine[:, :, k]).all()
+    # Eiffel has no middle subject token; Statue of Liberty does: the mean still has one there.
+    assert not math.isnan(float(r.grid[0, 2]))
+    assert r.std().shape == (18, 7) and float(r.std()[:, -1].max()) > 0
+    assert r.meta["prompts"] == prompts and r.meta["rows_per_prompt"] == [2, 2]
+
+
+def test_patch_over_pairs(model, tmp_path):
+    pairs_clean = [EIFFEL, "The Louvre is in the city of"]
+    pairs_corrupt = [COLOSSEUM, "The Vatican is in the city of"]
+    r = pipatch.patch(model, clean=pairs_clean, corrupt=pairs_corrupt, answer=[" Paris", " Paris"],
+                      foil=[" Rome", " Rome"])
+    assert r.columns[1] == "first changed" and r.n_seeds == 2
+    assert r.grid[-1, -1] == pytest.approx(1.0, abs=1e-4)
+    back = pipatch.load_result(r.save(tmp_path / "pairs.safetensors"))
+    assert torch.allclose(back.grid, r.grid, equal_nan=True)
+    assert torch.equal(back._clean_rows(), r._clean_rows())
+
+
+def test_mismatched_lists_are_one_clear_line(model):
+    with pytest.raises(pipatch.PipatchError, match="2 answers for 3 prompts"):
+        pipatch.trace(model, [EIFFEL] * 3, subject="Eiffel Tower", answer=[" Paris", " Paris"], seeds=1)
+    with pytest.raises(pipatch.PipatchError, match="same length"):
+        pipatch.patch(model, clean=[EIFFEL], corrupt=[COLOSSEUM, COLOSSEUM], answer=" Paris", foil=" Rome")

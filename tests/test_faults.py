@@ -1,0 +1,178 @@
+"""Faults, tried for real: interrupts, failing batches, out of memory, NaN, unsafe folders.
+
+Faults are injected with ordinary PyTorch hooks on the real model (a layer that raises or
+returns NaN); the model, nnsight and pipatch's engine all run for real.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._engine import EngineError
+from tests.conftest import COLOSSEUM, EIFFEL
+
+PAIR = dict(clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")
+
+
+def _hooks(module: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+def test_interrupt_keeps_the_partial_grid_and_leaves_nothing_behind(model):
+    hf = model._module
+    ids = model.tokenizer(EIFFEL, return_tensors="pt").input_ids
+    baseline = hf(ids).logits.clone()
+    hooks_before = _hooks(hf)
+    main = threading.main_thread().ident
+    delay = random.uniform(0.05, 0.6)
+
+    def on_row(result, view, layer):
+        if layer == 2:  # then interrupt at a random moment of a later batch
+            threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT)).start()
+
+    try:
+        r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0,
+                          kind="resid,mlp", batch_size=8, on_row=on_row)
+    except KeyboardInterrupt:  # pragma: no cover - would mean the engine let it through
+        pytest.fail("the interrupt escaped the engine")
+    assert r.status == "interrupted" and "interrupted" in r.message
+    done = r.rows_done["resid"]
+    assert 3 <= done < 18
+    assert torch.isfinite(r.raw["resid"][:, :done]).all()
+    # No hook stays behind: the plain model and a clean nnsight run equal the baseline bit for bit.
+    assert _hooks(hf) == hooks_before
+    assert torch.equal(hf(ids).logits, baseline)
+    with model.trace(ids):
+        again = model.output.logits.save()
+    assert torch.equal(again, baseline)
+
+
+def test_a_failing_batch_is_named_and_finished_rows_are_kept(model):
+    block = model._module.model.layers[5]
+    calls = {"n": 0}
+
+    def fault(module, args, output):
+        if output.shape[0] > 1:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault")
+
+    handle = block.register_forward_hook(fault)
+    try:
+        with pytest.raises(EngineError, match=r"batch 1 of layer 2 .*injected fault") as info:
+            pipatch.patch(model, **PAIR)
+    finally:
+        handle.remove()
+    partial = info.value.partial
+    assert partial.status == "failed" and partial.rows_done["resid"] == 2
+    assert torch.isfinite(partial.raw["resid"][:, :2]).all()
+
+
+def test_out_of_memory_halves_the_batch_and_changes_no_number(model):
+    reference = pipatch.patch(model, **PAIR, batch_size=16)
+    block = model._module.model.layers[-1]
+
+    def small_memory(module, args, output):
+        if output.shape[0] > 4:
+            raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 1 GiB")
+
+    handle = block.register_forward_hook(small_memory)
+    try:
+        r = pipatch.patch(model, **PAIR, batch_size=16)
+    finally:
+        handle.remove()
+    assert r.status == "done" and r.meta["engine"]["max_invokes"] <= 4
+    assert torch.allclose(r.raw["resid"], reference.raw["resid"], atol=1e-5)
+
+
+def test_nan_from_the_model_flags_the_row(model):
+    block = model._module.model.layers[9]
+
+    def poison(module, args, output):
+        if output.shape[0] > 1:
+            return torch.full_like(output, float("nan"))
+
+    handle = block.register_forward_hook(poison)
+    try:
+        r = pipatch.patch(model, **PAIR)
+    finally:
+        handle.remove()
+    assert torch.isnan(r.raw["resid"][0, :10, 2:]).all()  # rows that ran block 9
+    assert torch.isfinite(r.raw["resid"][0, 10:]).all()   # rows above it reuse clean caches
+    flagged = r.meta["engine"]["nonfinite_rows"]
+    assert ["resid", 0] in flagged and ["resid", 12] not in flagged
+    assert any("NaN/Inf" in w for w in r.warnings)
+
+
+def test_identical_baselines_give_nan_and_a_warning_not_huge_numbers(model):
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=EIFFEL, answer=" Paris", foil=" Rome", positions=[-1])
+    assert torch.isnan(r.grid).all() and torch.isfinite(r.raw["resid"]).all()
+    assert any("undefined" in w for w in r.warnings)
+
+
+def test_prompt_longer_than_the_context_is_refused(model):
+    with pytest.raises(pipatch.PipatchError, match="longer than the model's context of 32768"):
+        pipatch.trace(model, "Paris " * 33000, subject="Paris", answer=" Paris", seeds=1)
+
+
+def test_unknown_family_names_the_modules_it_looked_for():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from pipatch._models import adapter_for
+
+    hf = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4))
+    with pytest.raises(pipatch.PipatchError, match=r"'mamba'.*looked for model\.embed_tokens.*model\.layers"):
+        adapter_for(hf)
+
+
+def test_remote_code_is_never_run(tmp_path):
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "config.json").write_text(
+        '{"model_type": "evil", "architectures": ["EvilForCausalLM"],'
+        ' "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",'
+        ' "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}}')
+    code = f"open({str(marker)!r}, 'w').write('executed')\n"
+    (folder / "configuration_evil.py").write_text(code)
+    (folder / "modeling_evil.py").write_text(code)
+    with pytest.raises(pipatch.PipatchError, match="cannot load model"):
+        pipatch.load_model(str(folder))
+    assert not marker.exists()
+
+
+def test_no_pickle_or_remote_code_switch_in_pipatch():
+    source = "\n".join(p.read_text() for p in Path(pipatch.__file__).parent.rglob("*.py"))
+    for needle in ("import pickle", "torch.load(", "allow_pickle=True", "trust_remote_code=True",
+                   "trust_remote_code = True"):
+        assert needle not in source, needle
+
+
+@pytest.mark.slow
+def test_two_processes_converting_the_embedded_model_at_once(tmp_path):
+    script = ("import pipatch, torch; m = pipatch.load_model(); "
+              "ids = m.tokenizer('The Eiffel Tower is in the city of', return_tensors='pt').input_ids; "
+              "p = m._module(ids).logits[0, -1].softmax(-1)[9079]; print(round(float(p), 4))")
+    env = {**__import__("os").environ, "PIPATCH_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert 0.4 < float(out.strip().splitlines()[-1]) < 0.6
+    folders = [f for f in tmp_path.iterdir() if not f.name.startswith(".")]
+    assert len(folders) == 1 and (folders[0] / "model.safetensors").exists()
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".convert-")]  # no debris
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and time.perf_counter() - started < 300
