@@ -40,7 +40,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
-from pipatch._engine import Metric, capture  # noqa: E402
 from pipatch._protocols.patching import plan_patch  # noqa: E402
 from pipatch._protocols.tracing import noise_draws, plan_trace  # noqa: E402
 

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._models import PipatchError
 
@@ -128,8 +128,8 @@ def _run(args) -> int:
 
         _kinds(kinds)  # validate before the (slow) model load
     else:
-        from ._protocols._inputs import SITES, check_choice
         from ._engine import METRICS
+        from ._protocols._inputs import SITES, check_choice
         from ._protocols.patching import DIRECTIONS
 
         check_choice(args.site, SITES, "site")

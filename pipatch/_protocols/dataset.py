@@ -25,7 +25,8 @@ For activation patching the "subject" is the span where the clean and corrupt to
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

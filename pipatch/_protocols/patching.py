@@ -24,7 +24,8 @@ behaviour, 0 the corrupt run's. Raw values and both baselines are kept.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

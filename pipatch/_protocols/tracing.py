@@ -33,7 +33,8 @@ reproduces the donor by construction, whichever run the donor came from.)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -176,7 +177,7 @@ def plan_trace(
     scales_tried = []
 
     def corrupt_at(value: float):
-        noise = noise_draws(seeds, len(positions), adapter.d_model, value, sigma)
+        noise = noise_draws(seeds, len(positions), adapter.d_model, value, sigma).to(input_ids.device)
         return noise, capture(model, input_ids, scorer, sites=sites, noise=noise, noise_positions=positions)
 
     if scale == "auto":
@@ -226,7 +227,7 @@ def plan_trace(
     sweeps = [
         Sweep(view=k, site=k, input_ids=input_ids, columns=list(range(len(tokens))), positions=[],
               window=1 if k == "resid" else window, base=corrupt, donor=donor, metric=scorer,
-              noise=noise.to(input_ids.device), noise_positions=positions, prune=not control)
+              noise=noise, noise_positions=positions, prune=not control)
         for k in kinds
     ]
     return Plan(result, sweeps, batch, fast)
