@@ -35,7 +35,7 @@ The result is the same :class:`~pipatch.Result` as :func:`pipatch.patch` returns
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
