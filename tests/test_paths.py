@@ -1,0 +1,184 @@
+"""Path patching against references written with plain PyTorch hooks (no nnsight).
+
+(a) On a tiny random Llama (GQA: 4 query heads, 2 key/value heads) the three-run procedure
+    is rebuilt with forward hooks and must give the same metric, for head → q/k/v receivers,
+    an MLP sender to the logits, and both directions.
+(b) On the embedded Gemma 3 270M, the direct path of a head to the logits must equal its
+    definition computed by hand: unembed(norm(base final residual + donor contribution − base
+    contribution)), where a head's contribution is what the attention sublayer writes to the
+    residual (Gemma normalizes the attention output before adding it) with that head's ``z``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipatch
+from tests.conftest import COLOSSEUM, EIFFEL
+
+TINY_CLEAN = "The Colosseum is in the city of"
+TINY_CORRUPT = "The Kremlin is in the city of"
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests._tiny import tiny_model
+
+    return tiny_model("llama")
+
+
+def _hooked(module_hooks, run):
+    handles = []
+    try:
+        for module, kind, fn in module_hooks:
+            register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
+            handles.append(register(fn))
+        with torch.no_grad():
+            return run()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def reference_path(model, *, base_text, donor_text, answer, foil, sender, receivers):
+    """IOI-style path patching with torch hooks on the Hugging Face modules (Llama layout)."""
+    hf, tok = model._module, model.tokenizer
+    layers = hf.model.layers
+    cfg = hf.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    base_ids = tok(base_text, return_tensors="pt").input_ids
+    donor_ids = tok(donor_text, return_tensors="pt").input_ids
+    a, f = tok(answer, add_special_tokens=False).input_ids[0], tok(foil, add_special_tokens=False).input_ids[0]
+
+    def metric(logits):
+        return float(logits[0, -1, a] - logits[0, -1, f])
+
+    def cache(ids):
+        c = {"z": {}, "attn": {}, "mlp": {}}
+        hooks = []
+        for i, layer in enumerate(layers):
+            hooks.append((layer.self_attn.o_proj, "pre", lambda m, args, i=i: c["z"].__setitem__(i, args[0].clone())))
+            hooks.append((layer.self_attn, "post", lambda m, args, out, i=i: c["attn"].__setitem__(i, out[0].clone())))
+            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: c["mlp"].__setitem__(i, out.clone())))
+        return c, _hooked(hooks, lambda: metric(hf(ids).logits))
+
+    base, _ = cache(base_ids)
+    donor, _ = cache(donor_ids)
+    kind, sl = sender[0], sender[1]
+
+    hooks = []
+    if kind == "head":
+        h = sender[2]
+
+        def swap_head(m, args):
+            z = args[0].clone()
+            z[:, :, h * hd:(h + 1) * hd] = donor["z"][sl][:, :, h * hd:(h + 1) * hd]
+            return (z,) + tuple(args[1:])
+        hooks.append((layers[sl].self_attn.o_proj, "pre", swap_head))
+    for i, layer in enumerate(layers):
+        if i > sl:
+            hooks.append((layer.self_attn, "post", lambda m, args, out, i=i: (base["attn"][i],) + tuple(out[1:])))
+        if i > sl or (i == sl and kind == "head"):
+            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: base["mlp"][i]))
+        if i == sl and kind == "mlp":
+            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: donor["mlp"][i]))
+
+    def span(receiver):
+        _, layer, head, which = receiver
+        index = head if which == "q" else head // group
+        return getattr(layers[layer].self_attn, which + "_proj"), slice(index * hd, (index + 1) * hd)
+
+    recorded = {}
+    for n, receiver in enumerate(receivers):
+        proj, cols = span(receiver)
+        hooks.append((proj, "post", lambda m, args, out, n=n, cols=cols: recorded.__setitem__(n, out[:, :, cols].clone())))
+    sender_metric = _hooked(hooks, lambda: metric(hf(base_ids).logits))
+    if not receivers:
+        return sender_metric
+
+    def put(n, cols):
+        def hook(m, args, out):
+            out = out.clone()
+            out[:, :, cols] = recorded[n]
+            return out
+        return hook
+    hooks = [(span(r)[0], "post", put(n, span(r)[1])) for n, r in enumerate(receivers)]
+    return _hooked(hooks, lambda: metric(hf(base_ids).logits))
+
+
+CASES = [
+    (("head", 0, 1), [("head", 2, 0, "q"), ("head", 1, 3, "k"), ("head", 2, 1, "v")], "denoise"),
+    (("head", 1, 2), [("head", 2, 3, "k"), ("head", 2, 2, "q")], "noise"),
+    (("mlp", 0), [("head", 1, 0, "v")], "denoise"),
+    (("mlp", 1), "logits", "denoise"),
+    (("head", 0, 3), "logits", "noise"),
+]
+
+
+@pytest.mark.parametrize("sender,receivers,direction", CASES)
+def test_tiny_path_effect_equals_a_hook_reference(tiny, sender, receivers, direction):
+    r = pipatch.path_patch(tiny, clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow",
+                           sender=sender, receivers=receivers, direction=direction)
+    base_text, donor_text = (TINY_CORRUPT, TINY_CLEAN) if direction == "denoise" else (TINY_CLEAN, TINY_CORRUPT)
+    expected = reference_path(tiny, base_text=base_text, donor_text=donor_text, answer=" Rome", foil=" Moscow",
+                              sender=sender, receivers=[] if receivers == "logits" else receivers)
+    assert r.value == pytest.approx(expected, abs=1e-5)
+    assert r.effect == pytest.approx(r.value - r.base)
+    # The path moved something, or this test could not tell a no-op from a patch.
+    assert abs(r.effect) > 1e-6
+
+
+def test_errors_are_one_line(tiny):
+    kwargs = dict(clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow")
+    with pytest.raises(pipatch.PipatchError, match="not after the sender"):
+        pipatch.path_patch(tiny, sender=("head", 1, 0), receivers=[("head", 1, 0, "q")], **kwargs)
+    with pytest.raises(pipatch.PipatchError, match="sender"):
+        pipatch.path_patch(tiny, sender=("attn", 0), **kwargs)
+    with pytest.raises(pipatch.PipatchError, match="out of range"):
+        pipatch.path_patch(tiny, sender=("head", 0, 9), **kwargs)
+    from tests._tiny import tiny_model
+
+    with pytest.raises(pipatch.PipatchError, match="fused"):
+        pipatch.path_patch(tiny_model("gpt2"), sender=("head", 0, 0), receivers=[("head", 1, 0, "q")], **kwargs)
+
+
+def test_direct_path_to_logits_matches_its_definition(model):
+    layer, head = 12, 2
+    r = pipatch.path_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
+                           sender=("head", layer, head), receivers="logits")
+    hf, tok = model._module, model.tokenizer
+    block = hf.model.layers[layer]
+    hd = hf.config.head_dim
+    cache = {}
+
+    def run(text):
+        hooks = [
+            (block.self_attn.o_proj, "pre", lambda m, args: cache.__setitem__("z", args[0].clone())),
+            (hf.model.norm, "pre", lambda m, args: cache.__setitem__("final", args[0].clone())),
+        ]
+        _hooked(hooks, lambda: hf(tok(text, return_tensors="pt").input_ids))
+        return cache["z"], cache["final"]
+
+    z_clean, _ = run(EIFFEL)
+    z_base, final_base = run(COLOSSEUM)
+    z_mix = z_base.clone()
+    z_mix[:, :, head * hd:(head + 1) * hd] = z_clean[:, :, head * hd:(head + 1) * hd]
+
+    def contribution(z):  # what the attention sublayer adds to the residual stream
+        return block.post_attention_layernorm(block.self_attn.o_proj(z))
+
+    with torch.no_grad():
+        final = final_base + contribution(z_mix) - contribution(z_base)
+        logits = hf.lm_head(hf.model.norm(final))[0, -1]
+    paris, rome = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Paris", " Rome"))
+    expected = float(logits[paris] - logits[rome])
+    print(f"\ndirect path head {layer}.{head} → logits: {r.value:.4f} (corrupt {r.corrupt:.4f}, "
+          f"clean {r.clean:.4f}, recovery {r.recovery:.3f}); by hand {expected:.4f}")
+    assert r.value == pytest.approx(expected, abs=1e-4)
+    assert abs(r.effect) > 1e-3
