@@ -10,13 +10,15 @@ In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...``
 """
 
 from ._models import PipatchError, load_model
+from ._protocols.attribution import attribute
 from ._protocols.patching import patch
+from ._protocols.paths import path_patch
 from ._protocols.tracing import trace
 from ._result import Result, load_result
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "trace", "patch", "Result", "load_result", "PipatchError", "__version__"]
+__all__ = ["load_model", "trace", "patch", "attribute", "path_patch", "Result", "load_result", "PipatchError", "__version__"]
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:
