@@ -58,7 +58,7 @@ def test_estimate_ranks_cells_like_real_patching(model, site):
     assert "verified" in " ".join(estimate.arrays())  # the widget gets the mask
 
 
-def test_no_parameter_gradients_are_left_and_errors_are_one_line():
+def test_tiny_model_no_parameter_gradients_file_round_trip_and_errors(tmp_path):
     from tests._tiny import tiny_model
 
     tiny = tiny_model("llama")
@@ -66,6 +66,11 @@ def test_no_parameter_gradients_are_left_and_errors_are_one_line():
                           answer=" Paris", foil=" Rome", site="resid", positions=[-1])
     assert r.raw["resid"].shape == (1, 3, 1) and torch.isfinite(r.raw["resid"]).all()
     assert all(p.grad is None for p in tiny._module.parameters())
+    heads = pipatch.attribute(tiny, clean="The Colosseum is in the city of", corrupt="The Kremlin is in the city of",
+                              answer=" Paris", foil=" Rome", site="head", verify=2)
+    loaded = pipatch.load_result(heads.save(tmp_path / "heads.safetensors"))
+    assert loaded.kind == "attribution" and loaded.meta["agreement"] == heads.meta["agreement"]
+    assert loaded.meta["verified"]["head"] == heads.meta["verified"]["head"]
     with pytest.raises(pipatch.PipatchError, match="verify"):
         pipatch.attribute(tiny, clean="The city", corrupt="The park", answer=" Paris", foil=" Rome", verify=-1)
     with pytest.raises(pipatch.PipatchError, match="foil"):
