@@ -26,8 +26,7 @@ def plot_result(result, view: str, ax=None):
     grid = result.mean(view).numpy()
     finite = grid[~(grid != grid)]
     bound = max(1e-6, float(abs(finite).max())) if finite.size else 1.0
-    cmap = matplotlib.colormaps["RdBu_r"].copy()
-    cmap.set_bad("#b0b0b0")
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="#b0b0b0")
     image = ax.imshow(grid, aspect="auto", origin="lower", cmap=cmap,
                       norm=TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound), interpolation="nearest")
     ax.set_xticks(range(len(result.columns)))

@@ -47,7 +47,8 @@ class Result:
     Attributes
     ----------
     kind
-        ``"trace"`` (causal tracing) or ``"patch"`` (activation patching).
+        ``"trace"`` (causal tracing), ``"patch"`` (activation patching) or ``"attribution"``
+        (attribution patching's first-order estimate of ``patch``).
     tokens
         The prompt's tokens as text (the base prompt's; both prompts for patching are in
         ``meta``).
@@ -164,7 +165,8 @@ class Result:
         meta = self.meta
         if self.kind == "trace":
             return f"Causal trace · {meta.get('model', '?')} · subject {meta.get('subject', '')!r} → {meta.get('answer', '')!r}"
-        return (f"Activation patching ({meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}) · "
+        name = "Attribution patching (estimate)" if self.kind == "attribution" else "Activation patching"
+        return (f"{name} ({meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}) · "
                 f"{meta.get('model', '?')} · {meta.get('answer', '')!r}"
                 + (f" vs {meta.get('foil')!r}" if meta.get("foil") else ""))
 

@@ -117,8 +117,9 @@ def test_mean_ablation_over_the_clean_prompt_alone_changes_nothing(model):
 
 def test_zero_ablation_runs_and_hurts_somewhere(model):
     r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
-                      direction="zero", site="mlp", positions=[-1])
-    assert torch.isfinite(r.grid).all() and float(r.grid.min()) < 0.9
+                      direction="zero", site="resid", positions=[-1])
+    # Zeroing the last position's residual stream late destroys the answer.
+    assert torch.isfinite(r.grid).all() and float(r.grid[-6:].max()) < 0.5
 
 
 def test_prob_and_logprob_metrics(model):
