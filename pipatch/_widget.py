@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import pathlib
 import threading
 import time
@@ -349,7 +350,14 @@ class PatchGrid(anywidget.AnyWidget):
         Smallest time between two coalesced updates sent by :meth:`push` (seconds).
     """
 
-    _esm = _STATIC_ESM if _STATIC_ESM.exists() else _MISSING_ESM
+    # The bundle's text, not its path: for a path anywidget connects every instance to the
+    # file watcher's signal with a strong reference, so no PatchGrid (nor the Result it shows)
+    # would ever be freed. ``ANYWIDGET_HMR=1`` keeps the path (hot reload while developing).
+    _esm = (
+        (_STATIC_ESM if os.environ.get("ANYWIDGET_HMR") == "1" else _STATIC_ESM.read_text("utf-8"))
+        if _STATIC_ESM.exists()
+        else _MISSING_ESM
+    )
 
     # kernel → browser
     title = t.Unicode("").tag(sync=True)
@@ -381,7 +389,7 @@ class PatchGrid(anywidget.AnyWidget):
     stop_requested = t.Bool(False).tag(sync=True)
 
     def __init__(
-        self, state: Mapping[str, Any] | None = None, *, min_interval: float = 0.05, **kwargs: Any
+        self, state: Any = None, *, min_interval: float = 0.05, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self._lock = threading.RLock()
@@ -389,8 +397,40 @@ class PatchGrid(anywidget.AnyWidget):
         self._pending: dict[str, Any] | None = None
         self._last_sent = 0.0
         self._timer: threading.Timer | None = None
+        result = None
+        if state is not None and hasattr(state, "to_state") and hasattr(state, "raw"):
+            # ``PatchGrid(result)``: a pipatch Result; clicks are answered when it was
+            # computed in this process (see ``pipatch._live``).
+            result, state = state, {**state.to_state(), "stoppable": False, "eta": -1.0,
+                                    "elapsed": float(state.meta.get("elapsed", 0.0))}
         if state:
             self.update_state(state)
+        if result is not None:
+            from ._live import attach_result
+
+            attach_result(self, result)
+
+    @classmethod
+    def run(cls, model: Any, kind: str = "trace", **kwargs: Any) -> Any:
+        """Plan and run a sweep with a live grid, without magics; returns the ``Result``.
+
+        ``kind="trace"`` takes :func:`pipatch.trace`'s arguments (``prompt``, ``subject``,
+        ``answer``, ...), ``kind="patch"`` :func:`pipatch.patch`'s (``clean``, ``corrupt``,
+        ``answer``, ...). The grid is displayed at once, fills in row by row, has a Stop
+        button and answers clicks; at the end it is replaced by the static bundle that a saved
+        notebook shows without a kernel. Show ``PatchGrid(result)`` for a clickable grid later.
+        """
+        from ._live import run_live
+        from ._models import PipatchError
+
+        if kind == "trace":
+            from ._protocols.tracing import plan_trace as planner
+        elif kind == "patch":
+            from ._protocols.patching import plan_patch as planner
+        else:
+            raise PipatchError(f"kind must be 'trace' or 'patch', got {kind!r}")
+        plan = planner(model, **kwargs)
+        return run_live(model, plan, widget=cls())
 
     @t.observe("comm")
     def _observe_comm(self, change: dict[str, Any]) -> None:

@@ -1,0 +1,303 @@
+"""Run a sweep with a live :class:`~pipatch._widget.PatchGrid`: rows stream in, clicks are answered.
+
+Threads (JupyterLab >= 4.4 with ipykernel >= 7)
+-----------------------------------------------
+The sweep runs on the kernel's **main thread**. While a cell runs, JupyterLab sends the
+widget's comm messages on a kernel *subshell*, which ipykernel handles in a thread of its
+own, so the widget's trait observers (``on_stop``, ``on_select``) run there, concurrently
+with the sweep. Hence:
+
+* **Stop** sets a :class:`threading.Event`; the engine checks it between batches and ends the
+  run ``"stopped"`` with every finished row kept.
+* **A click** never touches the model from the subshell thread while a sweep runs: the
+  selection is queued and the main thread answers it between two rows (from the engine's
+  ``on_row`` callback), or right after the run. Once no sweep is running a click is answered
+  at once in the thread that received it; one lock keeps two answers (or an answer and a
+  new sweep) from sharing the model.
+* **Kernel ▸ Interrupt** raises ``KeyboardInterrupt`` on the main thread; the engine ends the
+  run ``"interrupted"`` with the partial grid.
+
+At the end the live widget output is replaced by the static bundle
+(:meth:`PatchGrid.display_final`): a saved notebook renders the grid without a kernel.
+
+Answering clicks on a finished result
+-------------------------------------
+``PatchGrid(result)`` answers clicks when ``result`` was computed in this process: a private
+registry maps each result (by identity, dropped when the result is garbage-collected) to a
+weak reference to its model and to the sweeps that :func:`~pipatch._engine.top_predictions`
+reruns. A result loaded from a file has no such entry and its grid says so.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._engine import EngineError, Plan, Sweep, top_predictions
+
+__all__ = ["TOP_K", "answer_selection", "attach_result", "run_live"]
+
+TOP_K = 5
+
+
+# --------------------------------------------------------------------------------------------
+# Registry: result → (model, sweeps)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Origin:
+    model: Callable[[], Any]
+    sweeps: dict[str, Sweep]
+
+
+_ORIGINS: dict[int, _Origin] = {}
+
+
+def _remember(result: Any, model: Any, plan: Plan) -> None:
+    """Keep what answering a click on ``result`` needs, for as long as ``result`` lives."""
+    key = id(result)
+    try:
+        model_ref: Callable[[], Any] = weakref.ref(model)
+    except TypeError:  # not weak-referenceable: keep it (it lives as long as the result)
+
+        def model_ref() -> Any:
+            return model
+
+    _ORIGINS[key] = _Origin(model_ref, {s.view: s for s in plan.sweeps})
+    # The plan is not kept: it references the result, which would then never be collected.
+    weakref.finalize(result, _ORIGINS.pop, key, None)
+
+
+def _origin(result: Any) -> _Origin | None:
+    return _ORIGINS.get(id(result)) if result is not None else None
+
+
+# --------------------------------------------------------------------------------------------
+# Answering selections
+# --------------------------------------------------------------------------------------------
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def answer_selection(model: Any, result: Any, sweeps: dict[str, Sweep] | None, selection: dict) -> dict:
+    """The ``detail`` trait for one clicked cell: its values and the patched run's top-5.
+
+    ``selection`` is the widget's ``selected`` trait, ``{view, seed, row, col}`` (``seed`` −1
+    for the mean over seeds, whose top-5 is seed 0's run). Returns
+    ``{view, seed, row, col, value, raw, top: [{token, prob}]}``, plus ``error`` when the
+    top-5 cannot be computed.
+    """
+    view = str(selection.get("view") or result.views[0])
+    seed = int(selection.get("seed", -1))
+    row, col = int(selection["row"]), int(selection["col"])
+    detail: dict[str, Any] = {"view": view, "seed": seed, "row": row, "col": col, "top": []}
+    if view not in result.raw:
+        return {**detail, "error": f"no view {view!r} in this result"}
+    n_seeds, n_rows, n_cols = result.raw[view].shape
+    if not (0 <= row < n_rows and 0 <= col < n_cols and -1 <= seed < n_seeds):
+        return {**detail, "error": f"no cell (row {row}, col {col}, seed {seed}) in this grid"}
+    if seed < 0:
+        value, raw = float(result.mean(view)[row, col]), float(result.raw_mean(view)[row, col])
+    else:
+        value, raw = float(result.recovery(view)[seed, row, col]), float(result.raw[view][seed, row, col])
+    detail.update(value=_finite(value), raw=_finite(raw))
+    if model is None or not sweeps or view not in sweeps:
+        return {**detail, "error": "top-5 needs the model and sweep this result was computed with "
+                                   "(not available for a loaded result or a deleted model)"}
+    try:
+        top = top_predictions(model, sweeps[view], layer=row, col=col, seed=max(seed, 0), k=TOP_K)
+    except Exception as error:  # noqa: BLE001 - a failed click must not end a running sweep
+        return {**detail, "error": f"{type(error).__name__}: {error}"}
+    detail["top"] = [{"token": token, "prob": _finite(prob)} for token, prob in top]
+    return detail
+
+
+def _answer(widget: Any, selection: dict) -> None:
+    """Compute and send the detail for ``selection`` unless a newer click replaced it."""
+    if dict(widget.selected or {}) != selection:
+        return
+    result = getattr(widget, "_pipatch_result", None)
+    if result is None:
+        return
+    origin = _origin(result)
+    model = origin.model() if origin else None
+    detail = answer_selection(model, result, origin.sweeps if origin else None, selection)
+    if dict(widget.selected or {}) == selection:
+        widget.update_state({"detail": detail})
+
+
+class _Dispatcher:
+    """Decides where a click is answered: queued for a running sweep, or right away.
+
+    ``model_lock`` is held by whoever runs the model on behalf of the front end: a sweep for
+    its whole length, or one click's answer. A click arriving while it is held is queued;
+    the holder drains the queue before letting go.
+    """
+
+    def __init__(self) -> None:
+        self.state_lock = threading.Lock()
+        self.model_lock = threading.Lock()
+        self.sweeping = False
+        self.queue: list[tuple[Any, dict]] = []
+
+    def submit(self, widget: Any, selection: dict) -> None:
+        with self.state_lock:
+            if self.sweeping or not self.model_lock.acquire(blocking=False):
+                self.queue = [(w, s) for w, s in self.queue if w is not widget] + [(widget, selection)]
+                return
+        self._serve((widget, selection))
+
+    def _serve(self, item: tuple[Any, dict] | None) -> None:
+        """Answer ``item`` and then the queue; called with ``model_lock`` held, releases it."""
+        while item is not None:
+            try:
+                _answer(*item)
+            except Exception:  # noqa: BLE001, S110 - one failed answer must not strand the lock
+                pass
+            with self.state_lock:
+                if self.queue:
+                    item = self.queue.pop(0)
+                else:
+                    item = None
+                    self.model_lock.release()
+
+    def begin_sweep(self) -> None:
+        self.model_lock.acquire()
+        with self.state_lock:
+            self.sweeping = True
+
+    def answer_queued(self) -> None:
+        """From the sweep's main thread, between rows."""
+        with self.state_lock:
+            items, self.queue = self.queue, []
+        for item in items:
+            _answer(*item)
+
+    def end_sweep(self) -> None:
+        with self.state_lock:
+            self.sweeping = False
+            items, self.queue = self.queue, []
+            self.model_lock.release()
+        for widget, selection in items:
+            self.submit(widget, selection)
+
+
+_DISPATCHER = _Dispatcher()
+
+
+def attach_result(widget: Any, result: Any, model: Any = None, plan: Plan | None = None) -> None:
+    """Make ``widget`` answer clicks on ``result`` (registering its model and plan if given)."""
+    if model is not None and plan is not None:
+        _remember(result, model, plan)
+    widget._pipatch_result = result
+    if not getattr(widget, "_pipatch_select_hooked", False):
+        widget._pipatch_select_hooked = True
+        widget.on_select(lambda selection: _DISPATCHER.submit(widget, selection))
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def _progress(result: Any) -> dict[str, Any]:
+    """rows_done / elapsed / eta (seconds; −1 when unknown) for a running result."""
+    total = len(result.layers) * len(result.views)
+    done = sum(result.rows_done.values())
+    elapsed = float(result.meta.get("elapsed", 0.0))
+    eta = elapsed / done * (total - done) if done else -1.0
+    return {"rows_done": dict(result.rows_done), "elapsed": elapsed, "eta": eta}
+
+
+@dataclass
+class _Live:
+    """What :func:`run_live` shares with its callbacks."""
+
+    widget: Any
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def _in_ipython() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return False
+    return get_ipython() is not None
+
+
+def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = None) -> Any:
+    """Run ``plan`` on ``model`` with a live PatchGrid; return the (possibly partial) result.
+
+    Parameters
+    ----------
+    model
+        The model the plan was made for.
+    plan
+        From :func:`~pipatch._protocols.tracing.plan_trace` or
+        :func:`~pipatch._protocols.patching.plan_patch`.
+    widget
+        A :class:`PatchGrid` to fill (a new one when ``None``).
+    show
+        Display the widget now and replace it by the static bundle at the end (``None``:
+        when running under IPython).
+
+    Returns
+    -------
+    Result
+        ``status`` is ``"done"``, ``"stopped"`` (Stop button) or ``"interrupted"`` (Kernel ▸
+        Interrupt), with every finished row kept. A failing batch re-raises the engine's
+        :class:`~pipatch._engine.EngineError` (its ``partial`` holds the result) after the
+        widget shows the failure.
+    """
+    from ._widget import PatchGrid
+
+    result = plan.result
+    show = _in_ipython() if show is None else show
+    state = {**result.to_state(live=True), **_progress(result), "status": "running", "stoppable": True,
+             "detail": {}}
+    if widget is None:
+        widget = PatchGrid(state)
+    else:
+        widget.update_state({**state, "stop_requested": False})
+        widget.stop_requested = False
+    live = _Live(widget)
+    attach_result(widget, result, model, plan)
+    unsubscribe_stop = widget.on_stop(live.stop.set)
+    handle = widget.display() if show else None
+
+    def on_row(res: Any, view: str, layer: int) -> None:
+        widget.push({**res.to_state(live=True), **_progress(res), "status": "running", "stoppable": True})
+        _DISPATCHER.answer_queued()
+
+    error: EngineError | None = None
+    _DISPATCHER.begin_sweep()
+    try:
+        try:
+            plan.run(model, on_row=on_row, stop=live.stop)
+        except EngineError as failure:
+            error = failure
+    finally:
+        _DISPATCHER.end_sweep()
+        unsubscribe_stop()
+    final = {**result.to_state(), **_progress(result), "eta": -1.0, "stoppable": False}
+    if show:
+        png = None
+        try:
+            from ._plot import png_bytes
+
+            png = png_bytes(result, view=widget.view or None)
+        except Exception:  # noqa: BLE001, S110 - the bundle draws its own PNG then
+            pass
+        widget.display_final(handle, final, png=png)
+    else:
+        widget.flush(final)
+    if error is not None:
+        raise error
+    return result

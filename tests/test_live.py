@@ -1,0 +1,151 @@
+"""run_live: a real sweep on the embedded model feeding a real PatchGrid (no kernel, no mocks).
+
+The front end's Stop and clicks arrive, in JupyterLab, on a kernel subshell thread while the
+sweep runs on the main thread; here a plain thread sets the same traits.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from pipatch._live import _ORIGINS, run_live
+from pipatch._protocols.patching import plan_patch
+from pipatch._protocols.tracing import plan_trace
+from pipatch._widget import PatchGrid
+from tests.conftest import COLOSSEUM, EIFFEL
+
+
+def _in_thread(fn) -> None:
+    """Run ``fn`` in another thread (as a kernel subshell would) and wait for it."""
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def _rows(widget: PatchGrid) -> int:
+    return sum(widget.rows_done.values())
+
+
+def test_stop_event_ends_the_run_stopped_with_the_partial_grid(model):
+    plan = plan_trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0)
+    widget = PatchGrid()
+    statuses = []
+
+    def on_rows(change):
+        statuses.append((widget.status, widget.stoppable))
+        if sum(change["new"].values()) >= 1 and not widget.stop_requested:
+            _in_thread(lambda: setattr(widget, "stop_requested", True))  # the Stop button
+
+    widget.observe(on_rows, names="rows_done")
+    result = run_live(model, plan, widget=widget, show=False)
+
+    assert result.status == "stopped"
+    done = result.rows_done["resid"]
+    assert 1 <= done < len(result.layers)
+    raw = result.raw["resid"]
+    # Finished rows are complete; rows after the stop were never run (the engine may fill
+    # the no-op cells of the row it stopped in, which need no forward pass).
+    assert torch.isfinite(raw[:, :done]).all()
+    assert torch.isnan(raw[:, done + 1 :]).all()
+    assert torch.isnan(raw[:, done]).any()
+    # The widget streamed running rows with a Stop button, and ends equal to the result.
+    assert ("running", True) in statuses
+    assert widget.status == "stopped" and not widget.stoppable
+    assert widget.rows_done == {"resid": done}
+    assert widget.eta == -1.0 and widget.elapsed > 0
+
+
+@pytest.fixture(scope="module")
+def live_patch(model):
+    """A patch swept live, with a click (from another thread) on row 0 once row 0 is done."""
+    plan = plan_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[2, -1])
+    widget = PatchGrid()
+    selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
+    answered = []
+
+    def on_rows(change):
+        if sum(change["new"].values()) >= 1 and not widget.selected:
+            _in_thread(lambda: setattr(widget, "selected", selection))
+
+    def on_detail(change):
+        if change["new"].get("top"):
+            answered.append({"rows": _rows(widget), "thread": threading.current_thread(),
+                             "status": plan.result.status})
+
+    widget.observe(on_rows, names="rows_done")
+    widget.observe(on_detail, names="detail")
+    result = run_live(model, plan, widget=widget, show=False)
+    return {"plan": plan, "result": result, "widget": widget, "selection": selection, "answered": answered}
+
+
+def _independent_top1(model, layer: int, position: int) -> tuple[str, float]:
+    """The patched cell by hand with nnsight: clean block output pasted into the corrupt run."""
+    clean_ids = model.tokenizer(EIFFEL, return_tensors="pt").input_ids
+    corrupt_ids = model.tokenizer(COLOSSEUM, return_tensors="pt").input_ids
+    assert clean_ids.shape == corrupt_ids.shape
+    block = model.model.layers[layer]
+    with torch.no_grad():
+        with model.trace(clean_ids):
+            out = block.output
+            hidden = (out[0] if isinstance(out, tuple) else out)[:, position].clone().save()
+        with model.trace(corrupt_ids):
+            out = block.output
+            (out[0] if isinstance(out, tuple) else out)[:, position] = hidden
+            logits = model.output.logits[:, -1].save()
+    probs = logits.float().softmax(-1)[0]
+    best = int(probs.argmax())
+    return model.tokenizer.decode([best]), float(probs[best])
+
+
+def test_selection_during_run_is_answered_between_rows_with_a_real_top5(model, live_patch):
+    result, widget, answered = live_patch["result"], live_patch["widget"], live_patch["answered"]
+    assert result.status == "done"
+    # Answered by the sweep's own (main) thread while rows were still running.
+    assert answered, "the selection was never answered"
+    first = answered[0]
+    assert first["thread"] is threading.main_thread()
+    assert first["status"] == "running" and 1 <= first["rows"] < len(result.layers)
+    detail = widget.detail
+    assert {k: detail[k] for k in ("view", "seed", "row", "col")} == live_patch["selection"]
+    top = detail["top"]
+    assert len(top) == 5
+    probs = [t["prob"] for t in top]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+    assert detail["value"] == pytest.approx(float(result.grid[0, 0]), abs=1e-6)
+    assert detail["raw"] == pytest.approx(float(result.raw["resid"][0, 0, 0]), abs=1e-5)
+    token, prob = _independent_top1(model, layer=0, position=2)
+    assert top[0]["token"] == token
+    assert top[0]["prob"] == pytest.approx(prob, abs=1e-4)
+
+
+def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model, live_patch):
+    result = live_patch["result"]
+    grid = PatchGrid(result)
+    assert grid.status == "done" and not grid.stoppable
+    assert grid.rows_done == result.rows_done
+    selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
+    _in_thread(lambda: setattr(grid, "selected", selection))  # answered at once, in that thread
+    assert grid.detail["top"] == live_patch["widget"].detail["top"]
+    # A result without its model and plan (loaded from a file) says why there is no top-5.
+    other = PatchGrid(result.__class__(**{f: getattr(result, f) for f in result.__dataclass_fields__}))
+    other.selected = selection
+    assert other.detail["top"] == [] and "top-5 needs the model" in other.detail["error"]
+    assert other.detail["value"] == pytest.approx(float(result.grid[0, 0]), abs=1e-6)
+    other.close()
+    grid.close()
+
+
+def test_registry_entry_goes_with_its_result(model):
+    plan = plan_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[-1])
+    widget = PatchGrid()
+    result = run_live(model, plan, widget=widget, show=False)
+    key = id(result)
+    assert key in _ORIGINS
+    widget.close()
+    del plan, widget, result
+    gc.collect()
+    assert key not in _ORIGINS
