@@ -18,7 +18,26 @@ from ._result import Result, load_result
 
 __version__ = "0.1.0"
 
-__all__ = ["load_model", "trace", "patch", "attribute", "path_patch", "Result", "load_result", "PipatchError", "__version__"]
+__all__ = [
+    "load_model", "trace", "patch", "attribute", "path_patch", "Result", "load_result", "PipatchError",
+    "PatchGrid", "load_ipython_extension", "__version__",
+]  # fmt: skip
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext pipatch``: register the ``%%trace`` and ``%%patch`` cell magics."""
+    from ._magics import load_ipython_extension as register
+
+    register(ipython)
+
+
+def __getattr__(name: str):
+    # The widget pulls in anywidget/ipywidgets: imported on first use, not by ``import pipatch``.
+    if name == "PatchGrid":
+        from ._widget import PatchGrid
+
+        return PatchGrid
+    raise AttributeError(f"module 'pipatch' has no attribute {name!r}")
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:

@@ -1,0 +1,185 @@
+"""%%trace / %%patch in-process: IPython's test shell, real models, real nnsight, no mocks.
+
+The widget a magic creates is watched through ipywidgets' own construction hook
+(``Widget.on_widget_constructed``) and ``observe`` on its traits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import ipywidgets
+import pytest
+from IPython.core.error import UsageError
+
+from pipatch._result import Result
+from pipatch._widget import PatchGrid
+from tests.conftest import COLOSSEUM, EIFFEL
+
+PATCH_BODY = f"clean: {EIFFEL}\ncorrupt: {COLOSSEUM}\n"
+
+
+@pytest.fixture(scope="module")
+def ip():
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "pipatch")
+    return shell
+
+
+class Grids(list):
+    """Every PatchGrid created, as ``(widget, [rows_done values it received])``.
+
+    ``hooks`` are called with each new grid (before it gets any state).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks: list = []
+
+    def constructed(self, widget) -> None:
+        if isinstance(widget, PatchGrid):
+            seen: list[dict] = []
+            widget.observe(lambda change: seen.append(dict(change["new"])), names="rows_done")
+            self.append((widget, seen))
+            for hook in self.hooks:
+                hook(widget)
+
+
+@pytest.fixture(scope="module")
+def grids():
+    made = Grids()
+    ipywidgets.Widget.on_widget_constructed(made.constructed)
+    yield made
+    ipywidgets.Widget.on_widget_constructed(lambda widget: None)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests._tiny import tiny_model
+
+    return tiny_model("gpt2")
+
+
+def test_import_alone_registers_no_magic():
+    code = textwrap.dedent(
+        """
+        from IPython.testing.globalipapp import get_ipython
+        ip = get_ipython()
+        import pipatch
+        assert "trace" not in ip.magics_manager.magics["cell"]
+        ip.run_line_magic("load_ext", "pipatch")
+        assert {"trace", "patch"} <= set(ip.magics_manager.magics["cell"])
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_help_comes_from_magic_arguments(ip):
+    for name, options in (("trace", ("--subject", "--answer", "--seeds", "--kind", "-o")),
+                          ("patch", ("--answer", "--foil", "--site", "--positions", "--direction"))):
+        doc = ip.find_cell_magic(name).__doc__
+        assert f"%{name} " in doc  # the usage line magic_arguments builds
+        for option in options:
+            assert option in doc
+    text = ip.object_inspect_text("%%trace")
+    assert "--subject SUBJECT" in text and "Causal tracing" in text
+
+
+def test_patch_on_the_embedded_model_binds_and_streams_rows(ip, grids):
+    ip.user_ns.pop("_patch", None)
+    before = len(grids)
+    returned = ip.run_cell_magic("patch", '--answer " Paris" --foil " Rome" --positions 2,-1', PATCH_BODY)
+    assert returned is None  # the final grid is displayed already
+    result = ip.user_ns["_patch"]  # the default name
+    assert isinstance(result, Result) and result.status == "done"
+    assert result.columns == [" Eiffel", " of"] and result.meta["positions"][0] == 2
+    assert result.meta["answer"] == " Paris"  # the quotes are gone, the leading space kept
+    widget, seen = grids[before]
+    n_layers = len(result.layers)
+    # The widget received the rows one update at a time while the run went on.
+    counts = [row["resid"] for row in seen if "resid" in row]
+    assert counts[-1] == n_layers
+    assert len({c for c in counts if 0 < c < n_layers}) >= n_layers // 2
+    assert counts == sorted(counts)
+    assert widget.status == "done" and not widget.stoppable
+
+
+def test_trace_with_a_model_variable(ip, grids, tiny):
+    ip.user_ns["small"] = tiny
+    before = len(grids)
+    ip.run_cell_magic("trace", '--model small --subject "Eiffel Tower" --answer " Paris" --seeds 2 --scale 3 '
+                               "--kind resid,mlp -o small_trace", "\n  The Eiffel Tower is in the city of  \n")
+    result = ip.user_ns["small_trace"]
+    assert result.status == "done" and result.views == ["resid", "mlp"]
+    assert result.meta["prompt"] == EIFFEL
+    assert len(result.layers) == 3  # the tiny model, not the embedded one
+    widget, seen = grids[before]
+    assert widget.total_rows == 6 and sum(widget.rows_done.values()) == 6
+    assert len(seen) >= 3
+
+
+@pytest.mark.parametrize(
+    ("magic", "line", "body", "expected"),
+    [
+        ("trace", '--subject "Eiffel Tower"', EIFFEL, "--answer"),
+        ("trace", '--subject "Colosseum" --answer " Paris"', EIFFEL, "Colosseum"),
+        ("trace", '--subject "Eiffel Tower" --answer " Paris"', "   \n", "prompt"),
+        ("trace", '--subject "Eiffel Tower" --answer " Paris" --scale loud', EIFFEL, "--scale"),
+        ("trace", '--subject "Eiffel Tower" --answer " Paris" --kind resid,ffn', EIFFEL, "ffn"),
+        ("trace", '--subject "Eiffel Tower" --answer " Paris and more"', EIFFEL, "single-token"),
+        ("trace", '--subject "Eiffel Tower --answer " Paris"', EIFFEL, "quot"),
+        ("trace", '--subject "Eiffel Tower" --answer " Paris" -o 2bad', EIFFEL, "-o"),
+        ("trace", '--subject "Eiffel Tower" --answer " Paris" --model not_a_model', EIFFEL, "not a loaded model"),
+        ("patch", '--answer " Paris" --foil " Rome"', f"clean: {EIFFEL}\n", "corrupt:"),
+        ("patch", '--answer " Paris" --foil " Rome"', f"clean: {EIFFEL}\nnoise: x\n", "line 2"),
+        ("patch", '--answer " Paris" --foil " Rome"', f"clean: {EIFFEL}\ncorrupt: The big city of\n", "same length"),
+        ("patch", '--answer " Paris" --foil " Rome" --site neuron', PATCH_BODY, "neuron"),
+        ("patch", '--answer " Paris"', PATCH_BODY.replace("corrupt", "clean"), "second"),
+        ("patch", '--answer " Paris" --foil " Rome" --positions 2,x', PATCH_BODY, "--positions"),
+    ],
+)
+def test_bad_cells_fail_in_one_line_and_bind_nothing(ip, magic, line, body, expected):
+    ip.user_ns["not_a_model"] = "gpt2"
+    ip.user_ns["kept"] = sentinel = object()
+    with pytest.raises(UsageError) as caught:
+        ip.run_cell_magic(magic, f"{line} -o kept" if " -o " not in line else line, body)
+    message = str(caught.value)
+    assert "\n" not in message.strip() and expected in message, message
+    assert ip.user_ns["kept"] is sentinel
+
+
+def test_a_bad_cell_shows_one_line_and_no_traceback(ip, capsys):
+    ip.user_ns["earlier"] = 41
+    outcome = ip.run_cell(f'%%trace --subject "Colosseum" --answer " Paris" -o earlier\n{EIFFEL}')
+    captured = capsys.readouterr()
+    shown = (captured.out + captured.err).strip()
+    assert isinstance(outcome.error_in_exec, UsageError)
+    assert "Traceback" not in shown and len(shown.splitlines()) == 1, shown
+    assert shown.startswith("UsageError:") and "Colosseum" in shown
+    assert ip.user_ns["earlier"] == 41
+
+
+def test_a_stopped_run_binds_its_partial_result(ip, grids, tiny, capsys):
+    ip.user_ns["small"] = tiny
+
+    def press_stop_after_first_row(widget):
+        def on_rows(change):
+            if sum(change["new"].values()) >= 1:
+                widget.stop_requested = True
+
+        widget.observe(on_rows, names="rows_done")
+
+    grids.hooks.append(press_stop_after_first_row)
+    try:
+        body = f"clean: {EIFFEL}\ncorrupt: The Big Ben is in the city of\n"  # the tiny tokenizer's words
+        ip.run_cell_magic("patch", '--model small --answer " Paris" --foil " London" -o partial', body)
+    finally:
+        grids.hooks.remove(press_stop_after_first_row)
+    result = ip.user_ns["partial"]
+    assert result.status == "stopped" and 1 <= result.rows_done["resid"] < 3
+    err = capsys.readouterr().err
+    assert "stopped" in err and "partial" in err and "partial result is bound to partial" in err
