@@ -28,8 +28,9 @@ CELL_TIMEOUT = 600
 def _same_interpreter_cell():
     check = (
         "import sys\n"
-        f"assert sys.prefix == {sys.prefix!r}, "
-        f"f'notebook kernel runs {{sys.executable}}, not the test environment {sys.executable!r}'"
+        f"expected = {sys.prefix!r}\n"
+        "assert sys.prefix == expected, f'the kernel runs {sys.executable}, not the environment {expected}'\n"
+        "del expected"
     )
     return nbformat.v4.new_code_cell(check)
 
