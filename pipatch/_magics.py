@@ -124,10 +124,19 @@ class PipatchMagics(Magics):
 
     @staticmethod
     def _load(name: str | None) -> Any:
+        # transformers' "Loading weights" bar is a tqdm *widget* in a notebook: once the kernel
+        # is gone the saved cell would show "Error displaying widget" above the grid.
+        from transformers.utils import logging as hf_logging
+
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
         try:
             return shared_model(name)
         except PipatchError as error:
             raise UsageError(str(error)) from None
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
 
     def _run(self, name: str, model: Any, planner: Any) -> None:
         """Plan (baselines), run live, bind the result to ``name``."""

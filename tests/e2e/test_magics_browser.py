@@ -1,0 +1,143 @@
+"""%%trace on the embedded model in a real JupyterLab + Chromium: live rows, hover, clicks, Stop.
+
+One notebook, run top to bottom (the model loads once):
+
+1. ``%load_ext pipatch``
+2. a short ``%%trace`` (2 seeds): the grid shows rows before the run ends, hover shows a
+   value, a click during the run gets the patched run's top-5 from the kernel;
+3. a long ``%%trace`` (10 seeds, three kinds) on a prompt holding ``<img src=x onerror=...>``:
+   Stop ends it ``stopped`` with the partial grid, and the token text stays text;
+4. ``PatchGrid(eiffel)``: a click on a finished result is answered too;
+
+then the notebook is saved, the kernel shut down and the page reloaded: both grids are drawn
+from the saved bundle, with no "Error displaying widget".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from .conftest import code_cell, open_notebook, run_all, run_command, shot, wait_kernel_idle
+
+pytestmark = pytest.mark.e2e
+
+XSS = "<img src=x onerror=alert(1)>"
+PROMPT = "The Eiffel Tower is in the city of"
+CELLS = [
+    "%load_ext pipatch",
+    f'%%trace --seeds 2 --scale 3 --subject "Eiffel Tower" --answer " Paris" -o eiffel\n{PROMPT}',
+    '%%trace --seeds 10 --scale 3 --kind resid,mlp,attn --subject "Eiffel Tower" --answer " Paris" -o long\n'
+    f"{XSS} {PROMPT}",
+    "from pipatch import PatchGrid\nPatchGrid(eiffel)",
+    "print('STATUS', eiffel.status, long.status, sum(long.rows_done.values()))",
+]
+
+
+def _cell(page, index: int):
+    return page.locator(".jp-NotebookPanel .jp-CodeCell").nth(index)
+
+
+def _cell_point(grid, row: int, col: int) -> tuple[float, float]:
+    overlay = grid.locator("canvas.pipatch-overlay")
+    overlay.scroll_into_view_if_needed()
+    box = overlay.bounding_box()
+    rows, cols = int(grid.get_attribute("data-rows")), int(grid.get_attribute("data-cols"))
+    return box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
+
+
+def _wait_rows_streaming(page, cell_index: int, timeout: float) -> int:
+    """Wait until the live grid of a cell shows 1 ≤ rows done < rows while running."""
+    handle = page.wait_for_function(
+        """(i) => {
+            const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[i];
+            const g = cell && cell.querySelector('.pipatch-grid[data-status="running"]');
+            if (!g || g.closest('.pipatch-mime')) return false;
+            const st = g.querySelector('.pipatch-status');
+            const m = st && /(\\d+) \\/ (\\d+) rows/.exec(st.textContent || '');
+            return m && +m[1] >= 1 && +m[1] < +m[2] ? st.textContent : false;
+        }""",
+        arg=cell_index,
+        timeout=timeout,
+    )
+    text = handle.json_value()
+    done, total = map(int, re.search(r"(\d+) / (\d+) rows", text).groups())
+    assert text.startswith("running") and 1 <= done < total
+    return done
+
+
+def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
+    name = lab_server.write_notebook("magics.ipynb", [code_cell(src) for src in CELLS])
+    open_notebook(page, lab_server, name)
+    run_all(page)
+
+    # -- the short trace: rows stream in, hover, click → top-5 during the run ------------
+    _wait_rows_streaming(page, 1, timeout=180_000)
+    live = _cell(page, 1).locator(".pipatch-grid[data-status='running']").first
+    shot(page, "magic-trace-running")
+    x, y = _cell_point(live, 0, 3)
+    page.mouse.move(x, y)
+    tip = live.locator(".pipatch-tooltip")
+    tip.wait_for(state="visible")
+    assert "recovery:" in tip.text_content() and "layer" in tip.text_content()
+    page.mouse.click(x, y)
+    top = live.locator("table.pipatch-top .pipatch-top-token")
+    top.first.wait_for(timeout=120_000)  # answered by the kernel between two rows
+    assert top.count() == 5
+    assert live.get_attribute("data-status") == "running"
+    shot(page, "magic-trace-top5")
+    # At the end the live widget is replaced by the saved-notebook bundle.
+    done = _cell(page, 1).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    done.wait_for(timeout=240_000)
+    assert done.get_attribute("data-rows-done") == done.get_attribute("data-rows") == "18"
+
+    # -- the long trace: Stop keeps the partial grid; tokens are text ---------------------
+    _wait_rows_streaming(page, 2, timeout=180_000)
+    stop = _cell(page, 2).locator("button.pipatch-stop")
+    stop.click()
+    stopped = _cell(page, 2).locator(".pipatch-mime .pipatch-grid[data-status='stopped']")
+    stopped.wait_for(timeout=120_000)
+    status = stopped.locator(".pipatch-status").text_content()
+    assert status.startswith("stopped")
+    rows_done, total = map(int, re.search(r"(\d+) / (\d+) rows", status).groups())
+    assert 1 <= rows_done < total == 54
+    labels = [stopped.locator(".pipatch-collabel").nth(i).get_attribute("title")
+              for i in range(stopped.locator(".pipatch-collabel").count())]
+    assert "<" in "".join(labels) and "img" in "".join(labels)  # the prompt's tokens, as text
+    assert page.locator("img[src='x']").count() == 0
+    assert page.dialogs == []
+    shot(page, "magic-trace-stopped")
+
+    # -- PatchGrid(result) after the run answers a click ----------------------------------
+    again = _cell(page, 3).locator(".pipatch-grid[data-status='done']").first
+    again.wait_for(timeout=120_000)
+    page.mouse.click(*_cell_point(again, 2, 4))
+    again.locator("table.pipatch-top .pipatch-top-token").first.wait_for(timeout=60_000)
+    assert again.locator("table.pipatch-top .pipatch-top-token").count() == 5
+    printed = _cell(page, 4).locator(".jp-RenderedText").filter(has_text="STATUS")
+    printed.first.wait_for(timeout=60_000)
+    assert printed.first.text_content().split()[:3] == ["STATUS", "done", "stopped"]
+    wait_kernel_idle(page)
+
+    # -- save, shut the kernel down, reload ------------------------------------------------
+    # A live widget needs its kernel; the magics' outputs do not. Clear the PatchGrid cell.
+    page.evaluate("() => { window.jupyterapp.shell.currentWidget.content.activeCellIndex = 3; }")
+    run_command(page, "notebook:clear-cell-output")
+    run_command(page, "docmanager:save")
+    page.wait_for_timeout(1000)
+    saved = json.loads((lab_server.root / name).read_text())
+    for index in (1, 2):
+        kinds = [sorted(o.get("data", {})) for o in saved["cells"][index]["outputs"]]
+        assert ["application/vnd.pipatch.grid+json", "image/png", "text/plain"] in kinds, kinds
+        assert not any("application/vnd.jupyter.widget-view+json" in k for k in kinds)
+    for kernel in lab_server.api("GET", "/api/kernels"):
+        lab_server.api("DELETE", f"/api/kernels/{kernel['id']}")
+    page.reload()
+    page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='stopped']", timeout=90_000)
+    page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='done']")
+    assert page.locator("text=Error displaying widget").count() == 0
+    assert page.locator("img[src='x']").count() == 0
+    shot(page, "magic-trace-reloaded")
+    assert page.dialogs == []
