@@ -183,3 +183,39 @@ def test_a_stopped_run_binds_its_partial_result(ip, grids, tiny, capsys):
     assert result.status == "stopped" and 1 <= result.rows_done["resid"] < 3
     err = capsys.readouterr().err
     assert "stopped" in err and "partial" in err and "partial result is bound to partial" in err
+
+
+def test_an_interrupted_run_binds_its_partial_result(ip, grids, tiny, capsys):
+    """Kernel ▸ Interrupt is a KeyboardInterrupt on the main thread, here raised for real."""
+    import _thread
+
+    ip.user_ns["small"] = tiny
+
+    def interrupt_after_first_row(widget):
+        def on_rows(change):
+            if sum(change["new"].values()) == 1:
+                _thread.interrupt_main()
+
+        widget.observe(on_rows, names="rows_done")
+
+    grids.hooks.append(interrupt_after_first_row)
+    try:
+        ip.run_cell_magic("trace", '--model small --subject "Eiffel Tower" --answer " Paris" --seeds 2 --scale 3 '
+                                   "-o cut", EIFFEL)
+    finally:
+        grids.hooks.remove(interrupt_after_first_row)
+    result = ip.user_ns["cut"]
+    assert result.status == "interrupted" and 1 <= result.rows_done["resid"] < 3
+    assert "interrupted" in capsys.readouterr().err
+    widget = grids[-1][0]
+    assert widget.status == "interrupted" and not widget.stoppable
+
+
+def test_patchgrid_run_without_magics(tiny, grids):
+    result = PatchGrid.run(tiny, "patch", clean=EIFFEL, corrupt="The Big Ben is in the city of",
+                           answer=" Paris", foil=" London", site="mlp")
+    assert result.status == "done" and result.views == ["mlp"]
+    widget = grids[-1][0]
+    assert widget.rows_done == {"mlp": 3} and widget.status == "done"
+    with pytest.raises(ValueError, match="kind"):
+        PatchGrid.run(tiny, "ablate")
