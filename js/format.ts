@@ -170,6 +170,19 @@ export function cellAt(x: number, y: number, layout: Layout, rows: number, cols:
   return { row, col };
 }
 
+/**
+ * 32-bit FNV-1a-style hash of the float32 bit patterns (8 hex digits): lets tests compare
+ * what the browser draws with the kernel's array. Exposed as `data-checksum`.
+ */
+export function checksum32(data: Float32Array | null): string {
+  let h = 0x811c9dc5;
+  if (data) {
+    const words = new Uint32Array(data.buffer, data.byteOffset, data.length);
+    for (let i = 0; i < words.length; i++) h = Math.imul(h ^ words[i], 16777619) >>> 0;
+  }
+  return (h >>> 0).toString(16).padStart(8, '0');
+}
+
 export function formatValue(v: number | undefined | null, digits = 3): string {
   if (v == null) return '—';
   if (Number.isNaN(v)) return 'NaN';

@@ -12,6 +12,7 @@ import {
   NAN_RGB,
   buildCsv,
   cellAt,
+  checksum32,
   computeLayout,
   divergingColor,
   formatValue,
@@ -332,6 +333,7 @@ export class GridView {
     this.root.setAttribute('data-rows', String(rows));
     this.root.setAttribute('data-cols', String(cols));
     this.root.setAttribute('data-rows-done', String(done));
+    this.root.setAttribute('data-checksum', checksum32(m.data));
 
     this.drawHeatmap(m.data, rows, cols, done, dpr);
     this.renderLabels(s, rows, cols, layout);

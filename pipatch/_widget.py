@@ -38,6 +38,7 @@ import base64
 import io
 import os
 import pathlib
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -144,26 +145,55 @@ def arrays_to_base64(arrays: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(value: Any) -> str:
+    """``str(value)`` safe for UTF-8: lone surrogates become U+FFFD.
+
+    A lone surrogate (``"\\ud800"``, e.g. from a byte-level tokenizer) cannot be encoded
+    as UTF-8: jupyter_client would fail to send the comm / display message and nbformat
+    would fail to save the notebook. A valid pair written as two code points is joined.
+    """
+    s = str(value)
+    if _SURROGATE.search(s) is None:
+        return s
+    return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _clean_json(value: Any) -> Any:
+    """Strings inside a JSON-like value (``detail``) made UTF-8 safe."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, Mapping):
+        return {clean_text(k): _clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean_json(v) for v in value]
+    return value
+
+
 def _clean_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Keep the known keys of a state dict and put arrays in wire form."""
+    """Keep the known keys of a state dict, put arrays in wire form, make text UTF-8 safe."""
     out: dict[str, Any] = {}
     for k in STATE_KEYS:
         if k in state:
             v = state[k]
             if k == "arrays":
-                v = encode_arrays(v)
+                v = {clean_text(a): b for a, b in encode_arrays(v).items()}
             elif k in ("row_labels", "col_labels", "views", "warnings"):
-                v = [str(x) for x in v]
+                v = [clean_text(x) for x in v]
+            elif k in ("title", "kind", "model_name", "metric", "col_axis", "status", "message"):
+                v = clean_text(v)
             elif k in ("n_seeds", "total_rows"):
                 v = int(v)
             elif k in ("elapsed", "eta"):
                 v = float(v)
             elif k == "rows_done":
-                v = {str(a): int(b) for a, b in dict(v).items()}
+                v = {clean_text(a): int(b) for a, b in dict(v).items()}
             elif k == "baselines":
-                v = {str(a): float(b) for a, b in dict(v).items()}
+                v = {clean_text(a): float(b) for a, b in dict(v).items()}
             elif k == "detail":
-                v = dict(v or {})
+                v = _clean_json(dict(v or {}))
             elif k == "stoppable":
                 v = bool(v)
             out[k] = v
@@ -285,8 +315,19 @@ def state_to_mime(state: Mapping[str, Any], ui: Mapping[str, Any] | None = None)
     doc["stoppable"] = False
     doc.pop("detail", None)
     if ui:
-        doc["ui"] = {k: ui[k] for k in ("view", "seed", "mode") if k in ui}
-    return doc
+        doc["ui"] = _clean_json({k: ui[k] for k in ("view", "seed", "mode") if k in ui})
+    return _strict_json(doc)
+
+
+def _strict_json(value: Any) -> Any:
+    """NaN / ±inf → None, so the document is strict JSON (the renderer reads None as NaN)."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def state_text(state: Mapping[str, Any]) -> str:
@@ -300,9 +341,9 @@ def state_text(state: Mapping[str, Any]) -> str:
     status = str(state.get("status") or "done")
     msg = state.get("message")
     status_txt = f"{status}: {msg}" if msg else status
-    return (
+    return clean_text(
         f"PatchGrid: {title} ({head}; {n_rows} layers × {n_cols} {axis}; "
-        f"views {', '.join(views) or '-'}; {status_txt})"
+        f"views {', '.join(str(v) for v in views) or '-'}; {status_txt})"
     )
 
 
