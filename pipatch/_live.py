@@ -232,7 +232,8 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
-def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = None) -> Any:
+def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = None,
+             handle: Any = None) -> Any:
     """Run ``plan`` on ``model`` with a live PatchGrid; return the (possibly partial) result.
 
     Parameters
@@ -247,6 +248,9 @@ def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = 
     show
         Display the widget now and replace it by the static bundle at the end (``None``:
         when running under IPython).
+    handle
+        A ``DisplayHandle`` to show the widget in (e.g. a "preparing…" line shown while the
+        baselines ran) instead of a new output.
 
     Returns
     -------
@@ -270,7 +274,10 @@ def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = 
     live = _Live(widget)
     attach_result(widget, result, model, plan)
     unsubscribe_stop = widget.on_stop(live.stop.set)
-    handle = widget.display() if show else None
+    if show and handle is not None:
+        handle.update(widget)
+    elif show:
+        handle = widget.display()
 
     def on_row(res: Any, view: str, layer: int) -> None:
         widget.push({**res.to_state(live=True), **_progress(res), "status": "running", "stoppable": True})

@@ -138,18 +138,34 @@ class PipatchMagics(Magics):
             if bar_was_on:
                 hf_logging.enable_progress_bar()
 
-    def _run(self, name: str, model: Any, planner: Any) -> None:
-        """Plan (baselines), run live, bind the result to ``name``."""
+    def _placeholder(self) -> Any:
+        """In a kernel, a line shown at once, replaced by the grid when the sweep starts."""
+        if getattr(self.shell, "kernel", None) is None:
+            return None
+        from IPython.display import display
+
+        return display({"text/plain": "pipatch: loading the model and running the baselines…"},
+                       raw=True, display_id=True)
+
+    def _run(self, name: str, model_arg: str | None, planner: Any) -> None:
+        """Load the model, plan (baselines), run live, bind the result to ``name``."""
         from ._live import run_live
 
+        placeholder = self._placeholder()
         try:
-            plan = planner()
-        except PipatchError as error:
-            raise UsageError(str(error)) from None
-        except KeyboardInterrupt:
-            raise UsageError("interrupted while running the baselines; nothing was bound") from None
+            model = self._model(model_arg)
+            try:
+                plan = planner(model)
+            except PipatchError as error:
+                raise UsageError(str(error)) from None
+            except KeyboardInterrupt:
+                raise UsageError("interrupted while running the baselines; nothing was bound") from None
+        except BaseException:
+            if placeholder is not None:
+                placeholder.update({"text/plain": ""}, raw=True)
+            raise
         try:
-            result = run_live(model, plan)
+            result = run_live(model, plan, handle=placeholder)
         except EngineError as error:
             partial = error.partial if error.partial is not None else plan.result
             self.shell.user_ns[name] = partial
@@ -189,14 +205,13 @@ class PipatchMagics(Magics):
         prompt = cell.strip()
         if not prompt:
             raise UsageError("%%trace needs the prompt as the cell body")
-        model = self._model(args.model)
 
-        def planner():
+        def planner(model):
             return plan_trace(model, prompt, subject=args.subject, answer=args.answer, seeds=args.seeds,
                               scale=_scale(args.scale), kind=args.kind, window=args.window, metric=args.metric,
                               control=args.control, batch_size=args.batch_size)
 
-        self._run(args.out, model, planner)
+        self._run(args.out, args.model, planner)
 
     # -- %%patch --------------------------------------------------------------------------
     @magic_arguments()
@@ -229,14 +244,13 @@ class PipatchMagics(Magics):
         clean, corrupt = parse_patch_body(cell)
         metric = args.metric or ("logit_diff" if args.foil is not None else "prob")
         positions = _positions(args.positions)
-        model = self._model(args.model)
 
-        def planner():
+        def planner(model):
             return plan_patch(model, clean=clean, corrupt=corrupt, answer=args.answer, foil=args.foil,
                               site=args.site, metric=metric, direction=args.direction, positions=positions,
                               batch_size=args.batch_size)
 
-        self._run(args.out, model, planner)
+        self._run(args.out, args.model, planner)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -33,6 +33,7 @@ CELLS = [
     f"{XSS} {PROMPT}",
     "from pipatch import PatchGrid\nPatchGrid(eiffel)",
     "print('STATUS', eiffel.status, long.status, sum(long.rows_done.values()))",
+    f'%%trace --subject "Colosseum" --answer " Paris" -o eiffel\n{PROMPT}',  # a bad cell, last
 ]
 
 
@@ -119,6 +120,11 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     printed = _cell(page, 4).locator(".jp-RenderedText").filter(has_text="STATUS")
     printed.first.wait_for(timeout=60_000)
     assert printed.first.text_content().split()[:3] == ["STATUS", "done", "stopped"]
+    # -- a bad cell: one error line, no traceback, the "preparing" line cleared ---------------
+    bad = _cell(page, 5).locator(".jp-OutputArea-output")
+    bad.filter(has_text="UsageError").first.wait_for(timeout=60_000)
+    text = _cell(page, 5).locator(".jp-OutputArea").inner_text().strip()
+    assert len(text.splitlines()) == 1 and "Colosseum" in text and "Traceback" not in text, text
     wait_kernel_idle(page)
 
     # -- save, shut the kernel down, reload ------------------------------------------------
