@@ -236,7 +236,7 @@ class Result:
             "views": {v: {"mean": rows(self.mean(v)), "std": rows(self.std(v)), "raw": rows(self.raw_mean(v))}
                       for v in self.views},
         }
-        return out
+        return _json_safe(out)
 
     def save(self, path: str | Path) -> Path:
         """Write the result as one safetensors file (tensors + JSON metadata in its header)."""
@@ -307,16 +307,20 @@ class Result:
         return {
             MIME_TYPE: self.to_mime(),
             "image/png": base64.b64encode(png_bytes(self)).decode("ascii"),
-            "text/plain": repr(self),
+            "text/plain": _json_safe(repr(self)),
         }
 
 
 def _json_safe(value: Any) -> Any:
-    """NaN/Inf → None so the document is strict JSON."""
+    """Strict, UTF-8-safe JSON: NaN/Inf → None, lone surrogates → U+FFFD."""
+    from ._text import clean_text
+
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return clean_text(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {clean_text(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value

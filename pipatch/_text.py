@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 _SHADES = " ░▒▓█"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(value: Any) -> str:
+    """``str(value)`` safe for UTF-8: lone surrogates become U+FFFD.
+
+    A lone surrogate (``"\\ud800"``, from a user string or a byte-level tokenizer) cannot be
+    encoded as UTF-8: jupyter_client would fail to send the comm / display message and nbformat
+    would fail to save the notebook. A valid pair written as two code points is joined.
+    """
+    s = str(value)
+    if _SURROGATE.search(s) is None:
+        return s
+    return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def token_label(text: str, width: int) -> str:

@@ -48,6 +48,8 @@ import anywidget
 import numpy as np
 import traitlets as t
 
+from ._text import clean_text
+
 MIME_TYPE = "application/vnd.pipatch.grid+json"
 MIME_VERSION = 1
 
@@ -143,22 +145,6 @@ def arrays_to_base64(arrays: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "data": base64.b64encode(v["data"]).decode("ascii"),
         }
     return out
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def clean_text(value: Any) -> str:
-    """``str(value)`` safe for UTF-8: lone surrogates become U+FFFD.
-
-    A lone surrogate (``"\\ud800"``, e.g. from a byte-level tokenizer) cannot be encoded
-    as UTF-8: jupyter_client would fail to send the comm / display message and nbformat
-    would fail to save the notebook. A valid pair written as two code points is joined.
-    """
-    s = str(value)
-    if _SURROGATE.search(s) is None:
-        return s
-    return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def _clean_json(value: Any) -> Any:

@@ -70,17 +70,7 @@ def _result(tokens: list[str], *, nan_clean: bool = False) -> Result:
 SAFE = [h for h in HOSTILE if not any(0xD800 <= ord(c) <= 0xDFFF for c in h)]
 
 
-@pytest.mark.parametrize(
-    "nan_clean",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.xfail(
-            strict=True,
-            reason="pipatch/_result.py: Result.to_json() writes a NaN clean value as NaN "
-            "(not strict JSON); to_mime() is fine (_json_safe)",
-        )),
-    ],
-)
+@pytest.mark.parametrize("nan_clean", [False, True])
 def test_result_to_mime_and_json_are_strict_json(nan_clean: bool) -> None:
     r = _result(SAFE, nan_clean=nan_clean)
     doc = r.to_mime()
@@ -96,24 +86,16 @@ def test_result_to_mime_and_json_are_strict_json(nan_clean: bool) -> None:
     assert set(bundle) >= {MIME_TYPE, "image/png", "text/plain"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pipatch/_result.py: Result.to_mime/to_json/_repr_mimebundle_ keep lone surrogates, "
-    "which jupyter_client (UTF-8) cannot send and nbformat cannot save; they should go through "
-    "pipatch._widget.clean_text (lone surrogate → U+FFFD)",
-)
 def test_result_lone_surrogates_survive_utf8() -> None:
     r = _result(HOSTILE)
     _utf8_roundtrip(r.to_mime())
     _utf8_roundtrip(r.to_json())
 
 
-def test_result_lone_surrogates_ascii_json_does_not_crash() -> None:
-    # With json.dumps' default ensure_ascii=True a lone surrogate is written as \ud800:
-    # no crash, and it reads back unchanged.
+def test_result_lone_surrogates_become_replacement_characters() -> None:
     r = _result(HOSTILE)
     back = _strict_loads(json.dumps(r.to_mime(), allow_nan=False))
-    assert back["col_labels"][5] == "lone\ud800surrogate"
+    assert back["col_labels"][5] == "lone\ufffdsurrogate"
 
 
 def test_clean_text_replaces_lone_surrogates_only() -> None:

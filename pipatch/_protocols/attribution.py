@@ -42,8 +42,8 @@ import torch
 from .._engine import METRICS, Metric, Sweep, _Cell, _run_trace, capture
 from .._models import PipatchError, adapter_for, first
 from .._result import Result
-from ._inputs import SITES, check_choice, encode, layer_labels, model_meta, normalize_positions, single_token
-from .patching import _same_length
+from ._inputs import SITES, check_choice, layer_labels, model_meta, normalize_positions
+from .patching import pair_inputs
 
 __all__ = ["attribute", "spearman"]
 
@@ -117,18 +117,14 @@ def attribute(
         raise PipatchError(f"verify must be a non-negative integer (cells to check with real patches), got {verify!r}")
     adapter = adapter_for(model)
     adapter.site_module(model, site, 0)  # refuses sublayer sites a family cannot patch
-    clean_ids, clean_tokens, _ = encode(model, clean, "clean prompt")
-    corrupt_ids, corrupt_tokens, _ = encode(model, corrupt, "corrupt prompt")
-    _same_length(model, clean_tokens, corrupt_tokens)
-    answer_id = single_token(model, answer, "answer")
-    if metric == "logit_diff" and foil is None:
-        raise PipatchError("metric 'logit_diff' needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
-    foil_id = single_token(model, foil, "foil") if foil is not None else None
+    pair = pair_inputs(model, clean, corrupt, answer, foil, metric)
+    clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
+    answer_id, foil_id = pair.metric.answer, pair.metric.foil
     T = clean_ids.shape[1]
     cols = normalize_positions(list(positions), T) if positions is not None else list(range(T))
     if not cols:
         raise PipatchError("positions is empty: pass at least one position, or omit it for all")
-    scorer = Metric(metric, answer_id, foil_id)
+    scorer = pair.metric
 
     clean_run = capture(model, clean_ids, scorer, sites=(site,))
     corrupt_acts, grads, corrupt_value = _gradients(model, corrupt_ids, scorer, site)

@@ -25,6 +25,7 @@ behaviour, 0 the corrupt run's. Raw values and both baselines are kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,14 +38,36 @@ from ._inputs import SITES, check_choice, encode, layer_labels, model_meta, norm
 DIRECTIONS = ("denoise", "noise", "zero", "mean")
 
 
-def _same_length(model, clean_tokens: list[str], corrupt_tokens: list[str]) -> None:
-    if len(clean_tokens) == len(corrupt_tokens):
-        return
-    raise PipatchError(
-        f"clean and corrupt prompts must tokenize to the same length so positions line up: "
-        f"clean {len(clean_tokens)} tokens {clean_tokens} vs corrupt {len(corrupt_tokens)} tokens "
-        f"{corrupt_tokens}; reword one of them"
-    )
+@dataclass(frozen=True)
+class PairInputs:
+    """A checked clean/corrupt pair: token ids [1, T] and texts of both, and the metric."""
+
+    clean_ids: torch.Tensor
+    clean_tokens: list[str]
+    corrupt_ids: torch.Tensor
+    corrupt_tokens: list[str]
+    metric: Metric
+
+
+def pair_inputs(model, clean: str, corrupt: str, answer: str, foil: str | None, metric: str) -> PairInputs:
+    """Tokenize and check a clean/corrupt pair and its answer/foil (shared by every pair protocol).
+
+    Raises :class:`PipatchError` when the prompts tokenize to different lengths (showing both
+    tokenizations), when ``answer`` or ``foil`` is not one token, or when ``logit_diff`` has no foil.
+    """
+    clean_ids, clean_tokens, _ = encode(model, clean, "clean prompt")
+    corrupt_ids, corrupt_tokens, _ = encode(model, corrupt, "corrupt prompt")
+    if len(clean_tokens) != len(corrupt_tokens):
+        raise PipatchError(
+            f"clean and corrupt prompts must tokenize to the same length so positions line up: "
+            f"clean {len(clean_tokens)} tokens {clean_tokens} vs corrupt {len(corrupt_tokens)} tokens "
+            f"{corrupt_tokens}; reword one of them"
+        )
+    answer_id = single_token(model, answer, "answer")
+    if metric == "logit_diff" and foil is None:
+        raise PipatchError("metric 'logit_diff' needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
+    foil_id = single_token(model, foil, "foil") if foil is not None else None
+    return PairInputs(clean_ids, clean_tokens, corrupt_ids, corrupt_tokens, Metric(metric, answer_id, foil_id))
 
 
 def patch(
@@ -129,19 +152,15 @@ def plan_patch(
     check_choice(direction, DIRECTIONS, "direction")
     adapter = adapter_for(model)
     adapter.site_module(model, site, 0)  # refuses sublayer sites a family cannot patch
-    clean_ids, clean_tokens, _ = encode(model, clean, "clean prompt")
-    corrupt_ids, corrupt_tokens, _ = encode(model, corrupt, "corrupt prompt")
-    _same_length(model, clean_tokens, corrupt_tokens)
-    answer_id = single_token(model, answer, "answer")
-    if metric == "logit_diff" and foil is None:
-        raise PipatchError("metric 'logit_diff' needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
-    foil_id = single_token(model, foil, "foil") if foil is not None else None
+    pair = pair_inputs(model, clean, corrupt, answer, foil, metric)
+    clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
+    answer_id, foil_id = pair.metric.answer, pair.metric.foil
     T = clean_ids.shape[1]
     cols = normalize_positions(list(positions), T) if positions is not None else list(range(T))
     if not cols:
         raise PipatchError("positions is empty: pass at least one position, or omit it for all")
     batch = check_batch_size(batch_size, T)
-    scorer = Metric(metric, answer_id, foil_id)
+    scorer = pair.metric
     sites = (site,)
 
     clean_run = capture(model, clean_ids, scorer, sites=sites)

@@ -58,10 +58,10 @@ from typing import Any
 
 import torch
 
-from .._engine import METRICS, Metric, capture
+from .._engine import METRICS, capture
 from .._models import PipatchError, adapter_for, first
-from ._inputs import check_choice, encode, model_meta, single_token
-from .patching import _same_length
+from ._inputs import check_choice, model_meta
+from .patching import pair_inputs
 
 __all__ = ["path_patch", "PathResult"]
 
@@ -173,14 +173,10 @@ def path_patch(
     adapter.site_module(model, "head", 0)  # refuses families whose sublayers include the residual
     kind, sender_layer, sender_head = _parse_sender(sender, adapter)
     receiver_list = _parse_receivers(receivers, sender_layer, adapter, model)
-    clean_ids, clean_tokens, _ = encode(model, clean, "clean prompt")
-    corrupt_ids, corrupt_tokens, _ = encode(model, corrupt, "corrupt prompt")
-    _same_length(model, clean_tokens, corrupt_tokens)
-    answer_id = single_token(model, answer, "answer")
-    if metric == "logit_diff" and foil is None:
-        raise PipatchError("metric 'logit_diff' needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
-    foil_id = single_token(model, foil, "foil") if foil is not None else None
-    scorer = Metric(metric, answer_id, foil_id)
+    pair = pair_inputs(model, clean, corrupt, answer, foil, metric)
+    clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
+    answer_id, foil_id = pair.metric.answer, pair.metric.foil
+    scorer = pair.metric
 
     clean_run = capture(model, clean_ids, scorer, sites=("attn", "mlp", "head"))
     corrupt_run = capture(model, corrupt_ids, scorer, sites=("attn", "mlp", "head"))
