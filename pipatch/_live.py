@@ -266,7 +266,8 @@ def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = 
     show = _in_ipython() if show is None else show
     state = {**result.to_state(live=True), **_progress(result), "status": "running", "stoppable": True,
              "detail": {}}
-    if widget is None:
+    owned = widget is None
+    if owned:
         widget = PatchGrid(state)
     else:
         widget.update_state({**state, "stop_requested": False})
@@ -303,6 +304,11 @@ def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = 
         except Exception:  # noqa: BLE001, S110 - the bundle draws its own PNG then
             pass
         widget.display_final(handle, final, png=png)
+        if owned:
+            # The output now holds the static bundle; a live model left open would keep the
+            # result's captured activations for the kernel's lifetime (ipywidgets holds every
+            # open widget). ``PatchGrid(result)`` makes a clickable grid again.
+            widget.close()
     else:
         widget.flush(final)
     if error is not None:

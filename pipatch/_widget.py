@@ -457,7 +457,7 @@ class PatchGrid(anywidget.AnyWidget):
         else:
             raise PipatchError(f"kind must be 'trace' or 'patch', got {kind!r}")
         plan = planner(model, **kwargs)
-        return run_live(model, plan, widget=cls())
+        return run_live(model, plan)
 
     @t.observe("comm")
     def _observe_comm(self, change: dict[str, Any]) -> None:

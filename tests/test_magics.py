@@ -106,6 +106,7 @@ def test_patch_on_the_embedded_model_binds_and_streams_rows(ip, grids):
     assert len({c for c in counts if 0 < c < n_layers}) >= n_layers // 2
     assert counts == sorted(counts)
     assert widget.status == "done" and not widget.stoppable
+    assert widget.comm is None  # replaced by the static bundle and closed: nothing keeps it alive
 
 
 def test_trace_with_a_model_variable(ip, grids, tiny):
