@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml package.json
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder editables
 	$(MAKE) js
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	# The build hook may rerun `npm run build`, which calls the venv's `jupyter`.
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
 	touch $@
 
