@@ -315,9 +315,15 @@ def scaling(model, quick: bool):
     for n in (8, 32) if quick else (8, 32, 128):
         clean, corrupt = prompt_of(model, n)
         T = len(tok(clean).input_ids)
-        _, t_p, first, _ = run_pipatch(model, plan_patch, clean=clean, corrupt=corrupt, answer=" Paris", foil=" Rome")
-        _, t_f, _ = timed(floor, model, tok(corrupt, return_tensors="pt").input_ids, L * T)
-        lengths.append({"tokens": T, "cells": L * T, "pipatch_s": t_p, "floor_s": t_f, "first_row_s": first})
+        # The last (up to) 16 positions, so every length sweeps the same number of cells and the
+        # table shows the cost of one cell growing with the prompt (a full sweep grows as T²).
+        positions = list(range(max(0, T - 16), T))
+        _, t_p, first, _ = run_pipatch(model, plan_patch, clean=clean, corrupt=corrupt, answer=" Paris",
+                                       foil=" Rome", positions=positions)
+        cells = L * len(positions)
+        _, t_f, _ = timed(floor, model, tok(corrupt, return_tensors="pt").input_ids, cells)
+        lengths.append({"tokens": T, "cells": cells, "pipatch_s": t_p, "floor_s": t_f, "first_row_s": first})
+        print(f"  scaling: {T} tokens done", flush=True)
     seeds = []
     for s in (1, 3) if quick else (1, 3, 10):
         _, t_p, first, _ = run_pipatch(model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=s)
@@ -367,12 +373,15 @@ def main(argv=None) -> int:
     pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", positions=[-1])
     report = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                           "python": platform.python_version(), "torch": torch.__version__},
-              "a": sweep_a(model, args.quick), "b": sweep_b(model, args.quick)}
+              "a": sweep_a(model, args.quick)}
+    print("\n".join(fmt_rows("(a) resid activation patching, Eiffel/Colosseum, logit diff", report["a"])), flush=True)
+    report["b"] = sweep_b(model, args.quick)
+    print("\n".join(fmt_rows(f"(b) causal trace, 10 seeds at {report['b']['scale']:g}σ, P(answer)", report["b"])),
+          flush=True)
     report["scaling"] = scaling(model, args.quick)
     report["head_memory"] = head_memory(model)
-    lines = fmt_rows("(a) resid activation patching, Eiffel/Colosseum, logit diff", report["a"])
-    lines += fmt_rows(f"(b) causal trace, 10 seeds at {report['b']['scale']:g}σ, P(answer)", report["b"])
-    lines.append("scaling with prompt length (resid patching):")
+    lines = []
+    lines.append("scaling with prompt length (resid patching, the last 16 positions):")
     for row in report["scaling"]["prompt_length"]:
         lines.append(f"  {row['tokens']:4d} tokens  {row['cells']:5d} cells  pipatch {row['pipatch_s']:7.2f}s  "
                      f"floor {row['floor_s']:7.2f}s  ratio {row['pipatch_s'] / row['floor_s']:.2f}  "
