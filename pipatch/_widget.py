@@ -38,7 +38,6 @@ import base64
 import io
 import os
 import pathlib
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -595,4 +594,11 @@ class PatchGrid(anywidget.AnyWidget):
             update_display(bundle, raw=True, display_id=handle)
         else:
             handle.update(bundle, raw=True)
+            # The view is gone. Blank the JS module and the arrays before closing: tools that
+            # record widget state (nbclient / nbconvert --execute keeps the last state of every
+            # widget, closed or not) would otherwise store a copy of the bundle per grid.
+            with self.hold_sync():
+                self._esm = ""
+                self.arrays = {}
+            self.close()
         return bundle

@@ -323,18 +323,7 @@ for i in range(20):
 '''
 
 
-@pytest.mark.parametrize(
-    "live",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.xfail(
-            strict=True,
-            reason="nbclient (nbconvert --execute) stores the state of every widget ever opened, "
-            "_esm (the whole JS bundle) included, in the notebook metadata, even after "
-            "display_final replaced the widget view; needs a fix in PatchGrid/_live",
-        )),
-    ],
-)
+@pytest.mark.parametrize("live", [False, True])
 def test_twenty_grids_notebook_stays_small(tmp_path, live):
     import nbformat
     from nbclient import NotebookClient
@@ -359,5 +348,6 @@ def test_twenty_grids_notebook_stays_small(tmp_path, live):
     print(f"\n[size] 20 grids (live={live}): {size / 1024:.0f} KiB on disk, JS bundle copies {copies}; "
           "outputs by MIME type (KiB): " + ", ".join(f"{k} {v / 1024:.0f}" for k, v in per.items()))
     assert not any(p in text for p in probes), "the notebook holds a copy of the JS bundle"
-    assert copies == 0 and '"_esm"' not in text
+    # A closed widget's recorded state may keep the key, never the module's text.
+    assert copies == 0 and not re.search(r'"_esm": "[^"]', text)
     assert size < 1_500_000, size
