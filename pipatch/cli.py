@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--batch-size", type=_positive_int, default=None, help="invokes per nnsight trace")
     common.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")
     common.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
-    common.add_argument("--save", metavar="FILE", help="write the full result (safetensors)")
+    # dest is not "save": nnsight gives every object a .save() that would shadow it.
+    common.add_argument("--save", dest="save_path", metavar="FILE", help="write the full result (safetensors)")
     common.add_argument("--quiet", action="store_true", help="no progress bar")
 
     t = sub.add_parser("trace", parents=[common], help="ROME causal tracing (noise the subject, restore states)")
@@ -166,9 +167,9 @@ def _run(args) -> int:
         with open(args.png, "wb") as handle:
             handle.write(png_bytes(result, dpi=110))
         print(f"wrote {args.png}")
-    if args.save:
-        result.save(args.save)
-        print(f"wrote {args.save}")
+    if args.save_path:
+        result.save(args.save_path)
+        print(f"wrote {args.save_path}")
     return 0 if result.status == "done" else 130
 
 

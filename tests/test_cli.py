@@ -28,10 +28,14 @@ def test_trace_command_writes_json_and_png(tmp_path):
 
 def test_patch_command_in_process(model, capsys, tmp_path):
     code = cli.main(["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome",
-                     "--site", "head", "--json", str(tmp_path / "p.json"), "--quiet"])
+                     "--site", "head", "--json", str(tmp_path / "p.json"), "--save", str(tmp_path / "p.safetensors"),
+                     "--quiet"])
     assert code == 0
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["columns"] == ["H0", "H1", "H2", "H3"] and data["metric"] == "logit_diff"
+    import pipatch
+
+    assert pipatch.load_result(tmp_path / "p.safetensors").columns == data["columns"]
 
 
 @pytest.mark.parametrize(
