@@ -20,8 +20,9 @@ def _rss() -> int:
 @pytest.mark.slow
 def test_two_hundred_sweeps_level_off():
     model = tiny_model("llama")
-    kw = dict(clean="The Eiffel Tower is in the city of", corrupt="The Colosseum is in the city of",
-              answer=" Paris", foil=" Rome")
+    # Words of the tiny model's vocabulary; both prompts are 9 tokens.
+    kw = dict(clean="The Eiffel Tower is in the city of", corrupt="The Big Ben is in the city of",
+              answer=" Paris", foil=" London")
     marks = {}
     for i in range(1, 201):
         if i % 2:

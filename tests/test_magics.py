@@ -120,7 +120,9 @@ def test_trace_with_a_model_variable(ip, grids, tiny):
     assert len(result.layers) == 3  # the tiny model, not the embedded one
     widget, seen = grids[before]
     assert widget.total_rows == 6 and sum(widget.rows_done.values()) == 6
-    assert len(seen) >= 3
+    # Updates are coalesced (≤ 20/s), so a fast tiny model may send just one partial grid
+    # before the final one; what matters is that a partial grid reached the widget.
+    assert len(seen) >= 2 and sum(seen[0].values()) < 6
 
 
 @pytest.mark.parametrize(
