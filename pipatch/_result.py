@@ -9,7 +9,7 @@ the corrupt (base) runs' metric, one per seed. Everything else is derived on dem
   a warning says so (never ±1e7);
 * the mean over seeds (``grid``) and the spread (``std``).
 
-Files are safetensors with the metadata as JSON inside the header, never pickle:
+Files are safetensors with the metadata as JSON inside the header, never an executable object dump:
 ``result.save("eiffel.safetensors")`` and ``pipatch.load_result("eiffel.safetensors")``.
 """
 
@@ -337,7 +337,7 @@ def load_result(path: str | Path) -> Result:
     """Read a file written by :meth:`Result.save`.
 
     Refuses, with one clear line, anything that is not a complete pipatch safetensors file of a
-    known schema: a truncated file, another format (a pickle renamed, say), a newer schema, or
+    known schema: a truncated file, another format (a renamed Python object dump, say), a newer schema, or
     tensors whose shapes disagree with the labels. Nothing is half-loaded.
     """
     from safetensors import safe_open
