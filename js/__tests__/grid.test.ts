@@ -99,3 +99,24 @@ describe('MIME document', () => {
     expect(errors[0]).toMatch(/version 2/);
   });
 });
+
+describe('GridView: attribution results', () => {
+  it('marks cells verified by a real patch in the tooltip', () => {
+    const el = document.createElement('div');
+    const g = new GridView(el, {});
+    const s = sample('done');
+    const verified = normalizeState({
+      ...s,
+      rows_done: { resid: 3, mlp: 3 },
+      arrays: {
+        'resid/mean': f32spec([0.1, 0.5, 0.2, 1, 0, -0.2, 0, 0, 0], [3, 3]),
+        'resid/raw_mean': f32spec(Array(9).fill(0.3), [3, 3]),
+        'resid/verified': f32spec([0, 1, 0, 0, 0, 0, 0, 0, 0], [3, 3]),
+      },
+    });
+    g.update(verified, { view: 'resid', seed: -1, mode: 'recovery' });
+    expect(g.cellInfo(0, 1)).toContain('verified by a real patch');
+    expect(g.cellInfo(0, 0)).not.toContain('verified by a real patch');
+    g.destroy();
+  });
+});
