@@ -103,6 +103,16 @@ def normalize_positions(positions: Sequence[int], T: int, what: str = "position"
     return out
 
 
+def sweep_positions(positions: Sequence[int] | None, T: int) -> list[int]:
+    """The positions a sweep covers: all of a ``T``-token prompt by default, else the checked list."""
+    if positions is None:
+        return list(range(T))
+    cols = normalize_positions(list(positions), T)
+    if not cols:
+        raise PipatchError("positions is empty: pass at least one position, or omit it for all")
+    return cols
+
+
 def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
     if value not in choices:
         raise PipatchError(f"unknown {what} {value!r}: use one of {', '.join(choices)}")

@@ -42,7 +42,7 @@ import torch
 from .._engine import METRICS, Metric, Sweep, _Cell, _run_trace, capture
 from .._models import PipatchError, adapter_for, first
 from .._result import Result
-from ._inputs import SITES, check_choice, layer_labels, model_meta, normalize_positions
+from ._inputs import SITES, check_choice, layer_labels, model_meta, sweep_positions
 from .patching import pair_inputs
 
 __all__ = ["attribute", "spearman"]
@@ -121,9 +121,7 @@ def attribute(
     clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
     answer_id, foil_id = pair.metric.answer, pair.metric.foil
     T = clean_ids.shape[1]
-    cols = normalize_positions(list(positions), T) if positions is not None else list(range(T))
-    if not cols:
-        raise PipatchError("positions is empty: pass at least one position, or omit it for all")
+    cols = sweep_positions(positions, T)
     scorer = pair.metric
 
     clean_run = capture(model, clean_ids, scorer, sites=(site,))

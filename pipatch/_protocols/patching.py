@@ -33,7 +33,7 @@ import torch
 from .._engine import METRICS, Metric, Plan, Sweep, capture, check_batch_size
 from .._models import PipatchError, adapter_for
 from .._result import Result
-from ._inputs import SITES, check_choice, encode, layer_labels, model_meta, normalize_positions, single_token
+from ._inputs import SITES, check_choice, encode, layer_labels, model_meta, single_token, sweep_positions
 
 DIRECTIONS = ("denoise", "noise", "zero", "mean")
 
@@ -156,9 +156,7 @@ def plan_patch(
     clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
     answer_id, foil_id = pair.metric.answer, pair.metric.foil
     T = clean_ids.shape[1]
-    cols = normalize_positions(list(positions), T) if positions is not None else list(range(T))
-    if not cols:
-        raise PipatchError("positions is empty: pass at least one position, or omit it for all")
+    cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T)
     scorer = pair.metric
     sites = (site,)
