@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-py test-js test-e2e bench js lint clean
+.PHONY: install demo test test-py test-js test-e2e bench js lint clean device-wheels
 
 install: $(STAMP)
 
@@ -55,3 +55,14 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) node_modules pipatch/static pipatch/labextension artifacts
+
+# The CUDA check (bench/device_check.sh) runs on a lent GPU machine, which reaches no package
+# index: fetch the wheels its image lacks, at the versions this venv has, into .whl/ (ignored).
+DEVICE_WHEELS := nnsight transformers huggingface_hub httpx2 httpcore2 truststore tokenizers hf-xet \
+	pydantic pydantic_core annotated-types typing-inspection greenlet zstandard websocket-client
+device-wheels: $(STAMP)
+	rm -rf .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $$($(PY) -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $(DEVICE_WHEELS))
+	du -sh .whl

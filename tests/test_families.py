@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pipatch._models import PipatchError, _get, adapter_for, first
+from tests._reference import logits_of, torch_patch
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, VOCAB_SIZE, tiny_model
 
 CLEAN = "The Eiffel Tower is in the city of"
@@ -63,11 +64,6 @@ def model_for(family: str):
 
 def ids(model, text: str) -> torch.Tensor:
     return model.tokenizer(text, return_tensors="pt").input_ids
-
-
-def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model._module(input_ids).logits
 
 
 def subject_position(model) -> int:
@@ -219,47 +215,6 @@ def test_writing_clean_back_changes_nothing(family, site):
     assert torch.allclose(patched, clean, atol=ATOL, rtol=0)
 
 
-def _torch_patch(model, site: str, layer: int, pos: int, head: int | None, clean_ids, corrupt_ids):
-    """The reference: the same patch with plain PyTorch forward hooks, no nnsight at all."""
-    hf = model._module
-    a = adapter_for(model)
-    block = _get(hf, a.blocks)[layer]
-    module = {"resid": block, "attn": _get(block, a.attn) if site != "resid" else None}.get(site)
-    if site == "mlp":
-        module = _get(block, a.mlp)
-    if site == "head":
-        module = _get(_get(block, a.attn), a.out_proj)
-    store = {}
-
-    def grab(mod, args, output):
-        store["v"] = (args[0] if site == "head" else first(output)).detach().clone()
-
-    def grab_pre(mod, args):
-        store["v"] = args[0].detach().clone()
-
-    def put(mod, args, output):
-        hidden = first(output).clone()  # clone: Falcon adds into its MLP output in place
-        hidden[:, pos] = store["v"][:, pos]
-        return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
-
-    def put_pre(mod, args):
-        z = args[0].clone()
-        sl = slice(head * a.head_dim, (head + 1) * a.head_dim)
-        z[:, pos, sl] = store["v"][:, pos, sl]
-        return (z,) + tuple(args[1:])
-
-    handle = module.register_forward_pre_hook(grab_pre) if site == "head" else module.register_forward_hook(grab)
-    try:
-        hf_logits(model, clean_ids)
-    finally:
-        handle.remove()
-    handle = module.register_forward_pre_hook(put_pre) if site == "head" else module.register_forward_hook(put)
-    try:
-        return hf_logits(model, corrupt_ids)
-    finally:
-        handle.remove()
-
-
 @pytest.mark.parametrize("site", SITES)
 @pytest.mark.parametrize("family", ALL)
 def test_nnsight_patch_equals_torch_hook_patch(family, site):
@@ -281,8 +236,8 @@ def test_nnsight_patch_equals_torch_hook_patch(family, site):
     with torch.no_grad(), model.trace(corrupt_ids):
         read()[:, pos, sl] = donor[:, pos, sl]
         patched = model.output.logits.save()
-    corrupt = hf_logits(model, corrupt_ids)
-    reference = _torch_patch(model, site, layer, pos, head, clean_ids, corrupt_ids)
+    corrupt = logits_of(model, corrupt_ids)
+    reference = torch_patch(model, site, layer, pos, head, clean_ids, corrupt_ids)
     assert torch.allclose(patched, reference, atol=ATOL, rtol=0)
     # The patch did something: the logits after the subject moved.
     assert (patched[:, pos:] - corrupt[:, pos:]).abs().max() > 1e-4
@@ -296,7 +251,7 @@ def test_whole_residual_patch_restores_clean(family):
     model = model_for(family)
     a = adapter_for(model)
     clean_ids, corrupt_ids = ids(model, CLEAN), ids(model, CORRUPT)
-    clean = hf_logits(model, clean_ids)
+    clean = logits_of(model, clean_ids)
     for layer in range(a.n_layers):
         with torch.no_grad(), model.trace(clean_ids):
             donor = first(a.block(model, layer).output).clone().save()
@@ -435,7 +390,7 @@ def test_patch_cells_equal_torch_hook_patches(family):
         else:
             result = _patch(model, site)
             got, head = result.raw[site][0, layer, pos], None
-        logits = _torch_patch(model, site, layer, pos, head, clean_ids, corrupt_ids)[0, -1]
+        logits = torch_patch(model, site, layer, pos, head, clean_ids, corrupt_ids)[0, -1]
         want = logits[paris] - logits[rome]
         assert abs(float(got) - float(want)) < ATOL, (site, float(got), float(want))
         # Cells of the row really differ, so a wrong column would not pass by accident.

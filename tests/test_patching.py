@@ -7,65 +7,18 @@ import pytest
 import torch
 
 import pipatch
+from tests._reference import patch_grid
 from tests.conftest import COLOSSEUM, EIFFEL
 
 PARIS, ROME = 9079, 13706
 
 
-def _first(x):
-    return x[0] if isinstance(x, tuple) else x
-
-
-def hook_loop(model, site: str, positions=None) -> torch.Tensor:
+def hook_loop(model, site: str) -> torch.Tensor:
     """Denoising logit difference per (layer, position or head), one forward per cell."""
-    hf = model._module
-    layers = hf.model.layers
     tok = model.tokenizer
     clean = tok(EIFFEL, return_tensors="pt").input_ids
     corrupt = tok(COLOSSEUM, return_tensors="pt").input_ids
-    T = clean.shape[1]
-
-    def module(layer):
-        block = layers[layer]
-        return {"resid": block, "attn": block.self_attn, "mlp": block.mlp, "head": block.self_attn.o_proj}[site]
-
-    cache = {}
-    handles = []
-    for i in range(len(layers)):
-        if site == "head":
-            handles.append(module(i).register_forward_pre_hook(
-                lambda m, args, i=i: cache.__setitem__(i, args[0].detach().clone())))
-        else:
-            handles.append(module(i).register_forward_hook(
-                lambda m, a, out, i=i: cache.__setitem__(i, _first(out).detach().clone())))
-    with torch.no_grad():
-        hf(clean)
-    for h in handles:
-        h.remove()
-
-    def metric(logits):
-        return float(logits[0, -1, PARIS] - logits[0, -1, ROME])
-
-    cols = range(4) if site == "head" else (positions or range(T))
-    grid = torch.zeros(len(layers), len(cols))
-    for layer in range(len(layers)):
-        for j, c in enumerate(cols):
-            if site == "head":
-                def pre(m, args, layer=layer, h=c):
-                    z = args[0].clone()
-                    z[:, :, h * 256:(h + 1) * 256] = cache[layer][:, :, h * 256:(h + 1) * 256]
-                    return (z,) + tuple(args[1:])
-                handle = module(layer).register_forward_pre_hook(pre)
-            else:
-                def post(m, a, out, layer=layer, p=c):
-                    hidden = _first(out).clone()
-                    hidden[:, p] = cache[layer][:, p]
-                    return (hidden,) + tuple(out[1:]) if isinstance(out, tuple) else hidden
-                handle = module(layer).register_forward_hook(post)
-            with torch.no_grad():
-                grid[layer, j] = metric(hf(corrupt).logits)
-            handle.remove()
-    return grid
+    return patch_grid(model, site, clean, corrupt, PARIS, ROME)
 
 
 @pytest.mark.parametrize("site", ["resid", "attn", "mlp", "head"])

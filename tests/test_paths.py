@@ -15,14 +15,11 @@ import pytest
 import torch
 
 import pipatch
+from tests._reference import hooked, reference_path
 from tests.conftest import COLOSSEUM, EIFFEL
 
 TINY_CLEAN = "The Colosseum is in the city of"
 TINY_CORRUPT = "The Kremlin is in the city of"
-
-
-def _first(x):
-    return x[0] if isinstance(x, tuple) else x
 
 
 @pytest.fixture(scope="module")
@@ -30,86 +27,6 @@ def tiny():
     from tests._tiny import tiny_model
 
     return tiny_model("llama")
-
-
-def _hooked(module_hooks, run):
-    handles = []
-    try:
-        for module, kind, fn in module_hooks:
-            register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
-            handles.append(register(fn))
-        with torch.no_grad():
-            return run()
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def reference_path(model, *, base_text, donor_text, answer, foil, sender, receivers):
-    """IOI-style path patching with torch hooks on the Hugging Face modules (Llama layout)."""
-    hf, tok = model._module, model.tokenizer
-    layers = hf.model.layers
-    cfg = hf.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    base_ids = tok(base_text, return_tensors="pt").input_ids
-    donor_ids = tok(donor_text, return_tensors="pt").input_ids
-    a, f = tok(answer, add_special_tokens=False).input_ids[0], tok(foil, add_special_tokens=False).input_ids[0]
-
-    def metric(logits):
-        return float(logits[0, -1, a] - logits[0, -1, f])
-
-    def cache(ids):
-        c = {"z": {}, "attn": {}, "mlp": {}}
-        hooks = []
-        for i, layer in enumerate(layers):
-            hooks.append((layer.self_attn.o_proj, "pre", lambda m, args, i=i: c["z"].__setitem__(i, args[0].clone())))
-            hooks.append((layer.self_attn, "post", lambda m, args, out, i=i: c["attn"].__setitem__(i, out[0].clone())))
-            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: c["mlp"].__setitem__(i, out.clone())))
-        return c, _hooked(hooks, lambda: metric(hf(ids).logits))
-
-    base, _ = cache(base_ids)
-    donor, _ = cache(donor_ids)
-    kind, sl = sender[0], sender[1]
-
-    hooks = []
-    if kind == "head":
-        h = sender[2]
-
-        def swap_head(m, args):
-            z = args[0].clone()
-            z[:, :, h * hd:(h + 1) * hd] = donor["z"][sl][:, :, h * hd:(h + 1) * hd]
-            return (z,) + tuple(args[1:])
-        hooks.append((layers[sl].self_attn.o_proj, "pre", swap_head))
-    for i, layer in enumerate(layers):
-        if i > sl:
-            hooks.append((layer.self_attn, "post", lambda m, args, out, i=i: (base["attn"][i],) + tuple(out[1:])))
-        if i > sl or (i == sl and kind == "head"):
-            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: base["mlp"][i]))
-        if i == sl and kind == "mlp":
-            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: donor["mlp"][i]))
-
-    def span(receiver):
-        _, layer, head, which = receiver
-        index = head if which == "q" else head // group
-        return getattr(layers[layer].self_attn, which + "_proj"), slice(index * hd, (index + 1) * hd)
-
-    recorded = {}
-    for n, receiver in enumerate(receivers):
-        proj, cols = span(receiver)
-        hooks.append((proj, "post", lambda m, args, out, n=n, cols=cols: recorded.__setitem__(n, out[:, :, cols].clone())))
-    sender_metric = _hooked(hooks, lambda: metric(hf(base_ids).logits))
-    if not receivers:
-        return sender_metric
-
-    def put(n, cols):
-        def hook(m, args, out):
-            out = out.clone()
-            out[:, :, cols] = recorded[n]
-            return out
-        return hook
-    hooks = [(span(r)[0], "post", put(n, span(r)[1])) for n, r in enumerate(receivers)]
-    return _hooked(hooks, lambda: metric(hf(base_ids).logits))
 
 
 CASES = [
@@ -162,7 +79,7 @@ def test_direct_path_to_logits_matches_its_definition(model):
             (block.self_attn.o_proj, "pre", lambda m, args: cache.__setitem__("z", args[0].clone())),
             (hf.model.norm, "pre", lambda m, args: cache.__setitem__("final", args[0].clone())),
         ]
-        _hooked(hooks, lambda: hf(tok(text, return_tensors="pt").input_ids))
+        hooked(hooks, lambda: hf(tok(text, return_tensors="pt").input_ids))
         return cache["z"], cache["final"]
 
     z_clean, _ = run(EIFFEL)

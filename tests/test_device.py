@@ -1,0 +1,179 @@
+"""Every protocol follows the model's device and dtype.
+
+The device is ``PIPATCH_TEST_DEVICE`` (default ``cpu``: CI has no GPU). A GPU session runs this
+file with ``PIPATCH_TEST_DEVICE=cuda`` through ``bench/device_check.sh``.
+
+Models come in through the public door: a tiny random-weight checkpoint is saved to a folder
+and loaded with ``pipatch.load_model(folder, device=..., dtype=...)``. Every result is checked
+against a reference computed on a *separate CPU float32 copy* of the same weights with plain
+PyTorch hooks (tests/_reference.py). On the CPU that is pipatch against hand-written hooks;
+on a GPU it is also CUDA against CPU. In bfloat16 the model rounds differently from the
+float32 reference, so there the grids must agree to bfloat16 precision and rank the cells alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._protocols.tracing import noise_draws
+from tests._reference import patch_grid, reference_path, trace_grid
+from tests._tiny import _ADDS_BOS, tiny_hf_model, tiny_model, tiny_tokenizer
+
+DEVICE = torch.device(os.environ.get("PIPATCH_TEST_DEVICE", "cpu"))
+CLEAN = "The Eiffel Tower is in the city of"
+CORRUPT = "The Big Ben is in the city of"
+# One family per layout: Gemma 3 (GQA, scaled embeddings, z wider than the stream), Llama
+# (separate q/k/v for path patching), GPT-2 (Conv1D, fused QKV), Falcon (tuple blocks).
+FAMILIES = ["gemma3", "llama", "gpt2", "falcon"]
+SITES = ("resid", "attn", "mlp", "head")
+ATOL = 1e-4
+
+if DEVICE.type == "cuda":  # float32 on the GPU must really be float32 to meet 1e-4
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """``folder(family)``: a saved tiny checkpoint (weights + tokenizer files) of that family."""
+    @functools.cache
+    def save(family: str):
+        path = tmp_path_factory.mktemp(family)
+        tiny_hf_model(family).save_pretrained(path)
+        tiny_tokenizer(add_bos=family in _ADDS_BOS).save_pretrained(path)
+        return path
+    return save
+
+
+@functools.cache
+def reference_model(family: str):
+    """The same weights, CPU float32: what the hooks run on."""
+    return tiny_model(family)
+
+
+def on_device(folder, family: str, dtype: str = "float32"):
+    return pipatch.load_model(folder(family), device=DEVICE, dtype=dtype)
+
+
+def ids(model, text: str) -> torch.Tensor:
+    return model.tokenizer(text, return_tensors="pt").input_ids
+
+
+def token(model, text: str) -> int:
+    (i,) = model.tokenizer(text, add_special_tokens=False).input_ids
+    return i
+
+
+def subject_position(model) -> int:
+    """The last token where clean and corrupt differ ("Tower" / "Ben")."""
+    return int((ids(model, CLEAN)[0] != ids(model, CORRUPT)[0]).nonzero().max())
+
+
+def reference_patch(family: str, site: str) -> torch.Tensor:
+    ref = reference_model(family)
+    pos = subject_position(ref)
+    return patch_grid(ref, site, ids(ref, CLEAN), ids(ref, CORRUPT), token(ref, " Paris"), token(ref, " Rome"),
+                      head_pos=pos if site == "head" else None)
+
+
+def patch(model, site: str, **kwargs):
+    positions = [subject_position(model)] if site == "head" else None
+    return pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", site=site,
+                         positions=positions, **kwargs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_model_puts_the_model_on_the_device(folder, family):
+    model = on_device(folder, family)
+    params = list(model._module.parameters())
+    assert {p.device.type for p in params} == {DEVICE.type}
+    assert {p.dtype for p in params} == {torch.float32}
+    # Same weights as the CPU reference copy: the comparisons below compare like with like.
+    ref = dict(reference_model(family)._module.named_parameters())
+    for name, p in model._module.named_parameters():
+        assert torch.equal(p.detach().cpu(), ref[name].detach()), name
+    result = patch(model, "resid")
+    assert torch.device(result.meta["device"]).type == DEVICE.type
+    assert result.grid.device.type == "cpu"  # results always come back to the CPU
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_every_site_equals_cpu_hooks(folder, family):
+    model = on_device(folder, family)
+    for site in SITES:
+        got = patch(model, site).raw[site][0]
+        want = reference_patch(family, site)
+        assert got.shape == want.shape, site
+        assert torch.allclose(got, want, atol=ATOL, rtol=0), (site, float((got - want).abs().max()))
+        assert float(want.max() - want.min()) > 1e-3, site  # cells differ: a wrong cell would show
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trace_equals_cpu_hooks(folder, family):
+    """Same seeded noise on the same σ, one clean residual state restored per forward."""
+    model = on_device(folder, family)
+    result = pipatch.trace(model, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0,
+                           metric="logprob")  # P(answer) of a random model is ~1e-3: too flat
+    ref = reference_model(family)
+    subject = result.meta["subject_positions"]
+    assert [ref.tokenizer.decode(ids(ref, CLEAN)[0, p]).strip() for p in subject] == ["Eiffel", "Tower"]
+    with torch.no_grad():
+        embedded = ref._module.get_input_embeddings()(ids(ref, CLEAN))
+    if family == "gemma3":  # Gemma scales inside its embedding module; the reference says so
+        assert not torch.allclose(embedded, ref._module.get_input_embeddings().weight[ids(ref, CLEAN)])
+    sigma = float(embedded[0, subject].std())
+    assert result.meta["sigma"] == pytest.approx(sigma, rel=1e-5)
+    noise = noise_draws(2, len(subject), embedded.shape[-1], 3.0, sigma)
+    want = trace_grid(ref, ids(ref, CLEAN), subject, noise, token(ref, " Paris"))
+    got = result.raw["resid"]
+    assert torch.allclose(got, want, atol=ATOL, rtol=0), float((got - want).abs().max())
+    assert float((want[0] - want[1]).abs().max()) > 1e-3  # the two seeds' corruptions differ
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attribution_verified_cells_equal_cpu_hooks(folder, family):
+    model = on_device(folder, family)
+    result = pipatch.attribute(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome",
+                               site="mlp", verify=4)
+    want = reference_patch(family, "mlp")
+    assert torch.isfinite(result.raw["mlp"]).all()
+    checked = result.meta["verified_values"]
+    assert len(checked) == 4
+    for cell in checked:
+        assert cell["actual"] == pytest.approx(float(want[cell["layer"], cell["col"]]), abs=ATOL), cell
+
+
+def test_path_patching_equals_cpu_hooks(folder):
+    model = on_device(folder, "llama")
+    sender, receivers = ("head", 0, 1), [("head", 2, 0, "q"), ("head", 1, 3, "k"), ("head", 2, 1, "v")]
+    result = pipatch.path_patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome",
+                                sender=sender, receivers=receivers)
+    want = reference_path(reference_model("llama"), base_text=CORRUPT, donor_text=CLEAN, answer=" Paris",
+                          foil=" Rome", sender=sender, receivers=receivers)
+    assert result.value == pytest.approx(want, abs=ATOL)
+    assert abs(result.effect) > 1e-6
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_bfloat16_model_runs_every_protocol_at_its_precision(folder, family):
+    """A bfloat16 model: noise, patches, readouts and gradients follow its dtype."""
+    model = on_device(folder, family, dtype="bfloat16")
+    assert {p.dtype for p in model._module.parameters()} == {torch.bfloat16}
+    for site in SITES:
+        result = patch(model, site)
+        got, want = result.raw[site][0], reference_patch(family, site)
+        assert result.meta["dtype"] == "bfloat16"
+        span = float(want.abs().max())
+        # bfloat16 keeps 8 bits of mantissa; over a few layers the error stays within a few %.
+        assert float((got - want).abs().max()) < 0.05 * span, (site, float((got - want).abs().max()), span)
+    trace = pipatch.trace(model, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0,
+                          metric="logprob")
+    assert torch.isfinite(trace.raw["resid"]).all()
+    attribution = pipatch.attribute(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome",
+                                    site="attn", verify=2)
+    assert torch.isfinite(attribution.raw["attn"]).all()
