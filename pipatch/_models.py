@@ -22,6 +22,7 @@ pipatch never sets ``trust_remote_code``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -110,6 +111,20 @@ def _resolve_dtype(dtype: Any) -> torch.dtype:
     return resolved
 
 
+@contextlib.contextmanager
+def _no_progress_bar():
+    """Switch transformers' progress bars off for the block, then back to what they were."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None):
     """Load a causal language model as an nnsight ``TransformersModel``.
 
@@ -141,7 +156,8 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
             raise PipatchError(f"model folder {path!r} does not exist: pass an existing folder or a hub id")
     def load(**kwargs):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+        with _no_progress_bar():  # a "Loading weights" bar for a load of seconds is noise in a cell
+            return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
 
     try:
         try:

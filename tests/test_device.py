@@ -88,8 +88,13 @@ def patch(model, site: str, **kwargs):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_load_model_puts_the_model_on_the_device(folder, family):
+def test_load_model_puts_the_model_on_the_device(folder, family, capfd):
+    from transformers.utils import logging as hf_logging
+
     model = on_device(folder, family)
+    # Quietly: no "Loading weights" bar in a cell or the CLI, and the caller's setting is back.
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
     params = list(model._module.parameters())
     assert {p.device.type for p in params} == {DEVICE.type}
     assert {p.dtype for p in params} == {torch.float32}
