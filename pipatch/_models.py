@@ -245,6 +245,12 @@ _OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
 _FINAL_NORM = ("model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
                "model.language_model.norm")
 _UNEMBED = ("lm_head", "embed_out")
+# Query/key/value projections, relative to the attention module: three separate ones, or one
+# fused module whose output columns are laid out as ``_FUSED_QKV_LAYOUT`` says (see
+# :meth:`Adapter.qkv_columns`).
+_SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
+_FUSED_QKV = ("c_attn", "qkv_proj", "query_key_value")
+_FUSED_QKV_LAYOUT = {"gpt2": "stacked", "phi3": "stacked", "gpt_neox": "per_head"}
 # Families whose attention / MLP modules return the residual stream plus their contribution,
 # so patching "their output" would not patch a contribution: sublayer sites are refused there.
 _SUBLAYER_INCLUDES_RESIDUAL = {"bloom"}
@@ -282,6 +288,11 @@ class Adapter:
         ``head_dim`` even though keys and values have fewer heads.
     softcap
         Final-logit soft-capping (Gemma 2), applied by :meth:`logits`; ``None`` elsewhere.
+    qkv, qkv_layout
+        The query/key/value projection(s) under ``attn``: ``("q_proj", "k_proj", "v_proj")``
+        with layout ``"separate"``, or one fused module and how its output columns are laid
+        out (``"stacked"``, ``"per_head"``, ``"per_group"``; see :meth:`qkv_columns`).
+        ``qkv_layout`` is ``None`` where pipatch does not know the layout.
     """
 
     family: str
@@ -299,6 +310,8 @@ class Adapter:
     d_model: int
     softcap: float | None
     sublayers_are_contributions: bool
+    qkv: tuple[str, ...] = ()
+    qkv_layout: str | None = None
 
     # -- envoys ---------------------------------------------------------------------------
     def embedding(self, model):
@@ -330,6 +343,39 @@ class Adapter:
     def unembedding(self, model):
         return _get(model, self.unembed)
 
+    def qkv_columns(self, which: str, head: int) -> tuple[str, int, int]:
+        """``(module, lo, hi)``: the output columns of module ``attn.<module>`` that hold the
+        query (``which="q"``), key or value that query head ``head`` reads.
+
+        Keys and values of a GQA model are shared by a group of ``n_heads / n_kv_heads``
+        query heads: head ``h`` reads key/value head ``h // group``. Layouts, in units of
+        ``head_dim`` columns:
+
+        * ``separate`` — ``q_proj`` / ``k_proj`` / ``v_proj``, head ``i`` at ``i``
+          (Llama, Mistral, Qwen, Gemma);
+        * ``stacked`` — ``[q × n_heads | k × n_kv | v × n_kv]`` (GPT-2's ``c_attn``, Phi-3's
+          ``qkv_proj``, multi-query Falcon-7B);
+        * ``per_head`` — ``[(q, k, v) × n_heads]`` (GPT-NeoX, Falcon without multi-query);
+        * ``per_group`` — ``[(q × group, k, v) × n_kv]`` (Falcon's new decoder architecture).
+        """
+        if self.qkv_layout is None:
+            raise PipatchError(
+                f"pipatch does not know how {self.family} lays out queries, keys and values; "
+                "q/k/v receivers need that layout in the adapter (pipatch/_models.py): use receivers='logits'"
+            )
+        group = self.n_heads // max(1, self.n_kv_heads)
+        kv = head // group
+        index = {"q": 0, "k": 1, "v": 2}[which]
+        if self.qkv_layout == "separate":
+            module, start = self.qkv[index], head if which == "q" else kv
+        elif self.qkv_layout == "stacked":
+            module, start = self.qkv[0], (head, self.n_heads + kv, self.n_heads + self.n_kv_heads + kv)[index]
+        elif self.qkv_layout == "per_head":
+            module, start = self.qkv[0], 3 * head + index
+        else:  # per_group
+            module, start = self.qkv[0], kv * (group + 2) + (head % group, group, group + 1)[index]
+        return module, start * self.head_dim, (start + 1) * self.head_dim
+
     # -- values ---------------------------------------------------------------------------
     def logits(self, model, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Logits from the input of the unembedding (the final-normed last-position states).
@@ -347,6 +393,22 @@ class Adapter:
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
+
+
+def _qkv_layout(attn: Any, family: str, config: Any) -> tuple[tuple[str, ...], str | None]:
+    """The q/k/v projection module(s) of one attention module and their column layout."""
+    if all(hasattr(attn, name) for name in _SEPARATE_QKV):
+        return _SEPARATE_QKV, "separate"
+    fused = _find(attn, _FUSED_QKV)
+    if fused is None:
+        return (), None
+    layout = _FUSED_QKV_LAYOUT.get(family)
+    if family == "falcon":
+        if getattr(config, "new_decoder_architecture", False):
+            layout = "per_group"
+        else:
+            layout = "stacked" if getattr(config, "multi_query", False) else "per_head"
+    return (fused,), layout
 
 
 def first(value: Any) -> Any:
@@ -411,6 +473,7 @@ def adapter_for(model) -> Adapter:
     n_kv = size("num_key_value_heads", "num_kv_heads", default=n_heads)
     if family == "falcon" and not getattr(config, "new_decoder_architecture", False) and getattr(config, "multi_query", False):
         n_kv = 1
+    qkv, qkv_layout = _qkv_layout(_get(block0, attn), family, config)
     adapter = Adapter(
         family=family,
         embed=found["embedding"][0],
@@ -427,6 +490,8 @@ def adapter_for(model) -> Adapter:
         d_model=d_model,
         softcap=getattr(config, "final_logit_softcapping", None) or None,
         sublayers_are_contributions=family not in _SUBLAYER_INCLUDES_RESIDUAL,
+        qkv=qkv,
+        qkv_layout=qkv_layout,
     )
     try:
         hf._pipatch_adapter = adapter

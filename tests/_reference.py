@@ -7,7 +7,7 @@ candidate names are what the family tests check); everything else is spelled out
 * :func:`patch_grid` — activation patching, one (layer, position or head) cell per forward;
 * :func:`trace_grid` — ROME causal tracing (noise on the subject's embeddings, one clean
   residual state restored per forward);
-* :func:`reference_path` — IOI-style three-run path patching (Llama layout).
+* :func:`reference_path` — IOI-style three-run path patching.
 
 All run on the CPU model they are given; the inputs are moved to its device.
 """
@@ -153,27 +153,35 @@ def trace_grid(model, input_ids, subject: list[int], noise: torch.Tensor, answer
 
 
 def reference_path(model, *, base_text, donor_text, answer, foil, sender, receivers):
-    """IOI-style path patching with torch hooks on the Hugging Face modules (Llama layout)."""
+    """IOI-style path patching with torch hooks on the Hugging Face modules.
+
+    Receivers' columns come from ``Adapter.qkv_columns`` (which the family tests check
+    against what each head's attention does with them); the three runs are spelled out here.
+    """
     hf, tok = model._module, model.tokenizer
-    layers = hf.model.layers
-    cfg = hf.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    a = adapter_for(model)
+    layers = _get(hf, a.blocks)
+    hd = a.head_dim
+    attn = [_get(layer, a.attn) for layer in layers]
+    mlp = [_get(layer, a.mlp) for layer in layers]
     base_ids = tok(base_text, return_tensors="pt").input_ids
     donor_ids = tok(donor_text, return_tensors="pt").input_ids
-    a, f = tok(answer, add_special_tokens=False).input_ids[0], tok(foil, add_special_tokens=False).input_ids[0]
+    ans, f = tok(answer, add_special_tokens=False).input_ids[0], tok(foil, add_special_tokens=False).input_ids[0]
 
     def metric(logits):
-        return float(logits[0, -1, a] - logits[0, -1, f])
+        return float(logits[0, -1, ans] - logits[0, -1, f])
 
     def cache(ids):
         c = {"z": {}, "attn": {}, "mlp": {}}
         hooks = []
-        for i, layer in enumerate(layers):
-            hooks.append((layer.self_attn.o_proj, "pre", lambda m, args, i=i: c["z"].__setitem__(i, args[0].clone())))
-            hooks.append((layer.self_attn, "post", lambda m, args, out, i=i: c["attn"].__setitem__(i, out[0].clone())))
-            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: c["mlp"].__setitem__(i, out.clone())))
+        for i in range(len(layers)):
+            hooks.append((_get(attn[i], a.out_proj), "pre", lambda m, args, i=i: c["z"].__setitem__(i, args[0].clone())))
+            hooks.append((attn[i], "post", lambda m, args, out, i=i: c["attn"].__setitem__(i, first(out).clone())))
+            hooks.append((mlp[i], "post", lambda m, args, out, i=i: c["mlp"].__setitem__(i, first(out).clone())))
         return c, hooked(hooks, lambda: metric(logits_of(model, ids)))
+
+    def replace(out, value):  # a fresh copy each time: Falcon adds into its MLP output in place
+        return (value.clone(),) + tuple(out[1:]) if isinstance(out, tuple) else value.clone()
 
     base, _ = cache(base_ids)
     donor, _ = cache(donor_ids)
@@ -187,19 +195,19 @@ def reference_path(model, *, base_text, donor_text, answer, foil, sender, receiv
             z = args[0].clone()
             z[:, :, h * hd:(h + 1) * hd] = donor["z"][sl][:, :, h * hd:(h + 1) * hd]
             return (z,) + tuple(args[1:])
-        hooks.append((layers[sl].self_attn.o_proj, "pre", swap_head))
-    for i, layer in enumerate(layers):
+        hooks.append((_get(attn[sl], a.out_proj), "pre", swap_head))
+    for i in range(len(layers)):
         if i > sl:
-            hooks.append((layer.self_attn, "post", lambda m, args, out, i=i: (base["attn"][i],) + tuple(out[1:])))
+            hooks.append((attn[i], "post", lambda m, args, out, i=i: replace(out, base["attn"][i])))
         if i > sl or (i == sl and kind == "head"):
-            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: base["mlp"][i]))
+            hooks.append((mlp[i], "post", lambda m, args, out, i=i: replace(out, base["mlp"][i])))
         if i == sl and kind == "mlp":
-            hooks.append((layer.mlp, "post", lambda m, args, out, i=i: donor["mlp"][i]))
+            hooks.append((mlp[i], "post", lambda m, args, out, i=i: replace(out, donor["mlp"][i])))
 
     def span(receiver):
         _, layer, head, which = receiver
-        index = head if which == "q" else head // group
-        return getattr(layers[layer].self_attn, which + "_proj"), slice(index * hd, (index + 1) * hd)
+        name, lo, hi = a.qkv_columns(which, head)
+        return _get(attn[layer], name), slice(lo, hi)
 
     recorded = {}
     for n, receiver in enumerate(receivers):

@@ -28,7 +28,7 @@ DEVICE = torch.device(os.environ.get("PIPATCH_TEST_DEVICE", "cpu"))
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Big Ben is in the city of"
 # One family per layout: Gemma 3 (GQA, scaled embeddings, z wider than the stream), Llama
-# (separate q/k/v for path patching), GPT-2 (Conv1D, fused QKV), Falcon (tuple blocks).
+# (separate q/k/v), GPT-2 (Conv1D, fused QKV), Falcon (tuple blocks, multi-query fused QKV).
 FAMILIES = ["gemma3", "llama", "gpt2", "falcon"]
 SITES = ("resid", "attn", "mlp", "head")
 ATOL = 1e-4
@@ -153,12 +153,13 @@ def test_attribution_verified_cells_equal_cpu_hooks(folder, family):
         assert cell["actual"] == pytest.approx(float(want[cell["layer"], cell["col"]]), abs=ATOL), cell
 
 
-def test_path_patching_equals_cpu_hooks(folder):
-    model = on_device(folder, "llama")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_path_patching_equals_cpu_hooks(folder, family):
+    model = on_device(folder, family)
     sender, receivers = ("head", 0, 1), [("head", 2, 0, "q"), ("head", 1, 3, "k"), ("head", 2, 1, "v")]
     result = pipatch.path_patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome",
                                 sender=sender, receivers=receivers)
-    want = reference_path(reference_model("llama"), base_text=CORRUPT, donor_text=CLEAN, answer=" Paris",
+    want = reference_path(reference_model(family), base_text=CORRUPT, donor_text=CLEAN, answer=" Paris",
                           foil=" Rome", sender=sender, receivers=receivers)
     assert result.value == pytest.approx(want, abs=ATOL)
     assert abs(result.effect) > 1e-6

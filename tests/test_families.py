@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipatch._models import PipatchError, _get, adapter_for, first
-from tests._reference import logits_of, torch_patch
+from tests._reference import hooked, logits_of, torch_patch
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, VOCAB_SIZE, tiny_model
 
 CLEAN = "The Eiffel Tower is in the city of"
@@ -259,6 +259,64 @@ def test_whole_residual_patch_restores_clean(family):
             first(a.block(model, layer).output)[:] = donor
             patched = model.output.logits.save()
         assert torch.allclose(patched, clean, atol=ATOL, rtol=0), layer
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_qkv_columns_feed_the_head_they_name(family):
+    """``Adapter.qkv_columns`` against what the attention itself does with those columns.
+
+    A random change δ is written into the named columns at one position p, and the heads'
+    outputs ``z`` (the output projection's input) are compared with the unchanged run. What
+    changes tells the columns apart without trusting any layout:
+
+    * a query of head h changes only head h, only at position p;
+    * a key or value of head h changes every head sharing h's key/value head, at all positions
+      ≥ p that attend to p; a value enters ``z`` linearly (2δ moves it twice as far), a key
+      through the softmax.
+    """
+    model = model_for(family)
+    a = adapter_for(model)
+    hf = model._module
+    layer, p = 1, 2
+    input_ids = ids(model, CLEAN)
+    T, group = input_ids.shape[1], a.n_heads // a.n_kv_heads
+    attn = _get(_get(hf, a.blocks)[layer], a.attn)
+    out_proj = _get(attn, a.out_proj)
+    delta = torch.randn(a.head_dim, generator=torch.Generator().manual_seed(0))
+
+    def z_with(name=None, lo=0, hi=0, scale=0.0):
+        seen = {}
+        hooks = [(out_proj, "pre", lambda m, args: seen.__setitem__("z", args[0].clone()))]
+        if name is not None:
+            def shift(m, args, out):
+                out = out.clone()
+                out[:, p, lo:hi] += scale * delta
+                return out
+            hooks.append((_get(attn, name), "post", shift))
+        hooked(hooks, lambda: logits_of(model, input_ids))
+        return seen["z"][0].reshape(T, a.n_heads, a.head_dim)
+
+    # Keys and values at p reach the queries at p.. (p + window - 1) under a sliding window.
+    config = getattr(hf.config, "text_config", None) or hf.config
+    sliding = (getattr(config, "layer_types", None) or [None] * a.n_layers)[layer] == "sliding_attention"
+    reach = min(T, p + config.sliding_window) if sliding else T
+    base = z_with()
+    for head in range(a.n_heads):
+        for which in ("q", "k", "v"):
+            name, lo, hi = a.qkv_columns(which, head)
+            assert hi - lo == a.head_dim
+            one, two = z_with(name, lo, hi, 1.0) - base, z_with(name, lo, hi, 2.0) - base
+            moved = one.abs().amax(-1) > 1e-6  # [T, heads]
+            heads = set(moved.any(0).nonzero().flatten().tolist())
+            positions = set(moved.any(1).nonzero().flatten().tolist())
+            where = (family, which, head)
+            if which == "q":
+                assert (heads, positions) == ({head}, {p}), where
+            else:
+                assert heads == {h for h in range(a.n_heads) if h // group == head // group}, where
+                assert positions == set(range(p, reach)), where
+                linear = torch.allclose(two, 2 * one, atol=1e-5, rtol=1e-4)
+                assert linear == (which == "v"), where
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 (a) On a tiny random Llama (GQA: 4 query heads, 2 key/value heads) the three-run procedure
     is rebuilt with forward hooks and must give the same metric, for head → q/k/v receivers,
-    an MLP sender to the logits, and both directions.
+    an MLP sender to the logits, and both directions; and the same for q/k/v receivers in every
+    fused-projection layout (GPT-2, GPT-NeoX, Phi-3, both Falcon layouts).
 (b) On the embedded Gemma 3 270M, the direct path of a head to the logits must equal its
     definition computed by hand: unembed(norm(base final residual + donor contribution − base
     contribution)), where a head's contribution is what the attention sublayer writes to the
@@ -51,6 +52,32 @@ def test_tiny_path_effect_equals_a_hook_reference(tiny, sender, receivers, direc
     assert abs(r.effect) > 1e-6
 
 
+FUSED = ["gpt2", "gpt_neox", "phi3", "falcon", "falcon_new"]
+
+
+@pytest.mark.parametrize("family", FUSED)
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_fused_qkv_receivers_equal_a_hook_reference(family, direction):
+    from tests._tiny import tiny_model
+
+    model = tiny_model(family)
+    sender, receivers = ("head", 0, 1), [("head", 2, 0, "q"), ("head", 1, 3, "k"), ("head", 2, 1, "v")]
+    r = pipatch.path_patch(model, clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow",
+                           sender=sender, receivers=receivers, direction=direction)
+    base_text, donor_text = (TINY_CORRUPT, TINY_CLEAN) if direction == "denoise" else (TINY_CLEAN, TINY_CORRUPT)
+    expected = reference_path(model, base_text=base_text, donor_text=donor_text, answer=" Rome", foil=" Moscow",
+                              sender=sender, receivers=receivers)
+    assert r.value == pytest.approx(expected, abs=1e-5)
+    assert abs(r.effect) > 1e-6
+    # Each receiver alone carries part of it: no receiver was dropped or written to the wrong place.
+    for receiver in receivers:
+        alone = pipatch.path_patch(model, clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow",
+                                   sender=sender, receivers=[receiver], direction=direction)
+        assert alone.value == pytest.approx(
+            reference_path(model, base_text=base_text, donor_text=donor_text, answer=" Rome", foil=" Moscow",
+                           sender=sender, receivers=[receiver]), abs=1e-5), receiver
+
+
 def test_errors_are_one_line(tiny):
     kwargs = dict(clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow")
     with pytest.raises(pipatch.PipatchError, match="not after the sender"):
@@ -59,10 +86,22 @@ def test_errors_are_one_line(tiny):
         pipatch.path_patch(tiny, sender=("attn", 0), **kwargs)
     with pytest.raises(pipatch.PipatchError, match="out of range"):
         pipatch.path_patch(tiny, sender=("head", 0, 9), **kwargs)
-    from tests._tiny import tiny_model
+    # A family whose q/k/v layout the adapter does not know refuses q/k/v receivers in one line.
+    import dataclasses
 
-    with pytest.raises(pipatch.PipatchError, match="fused"):
-        pipatch.path_patch(tiny_model("gpt2"), sender=("head", 0, 0), receivers=[("head", 1, 0, "q")], **kwargs)
+    from pipatch._models import adapter_for
+
+    hf = tiny._module
+    known = adapter_for(tiny)
+    hf._pipatch_adapter = dataclasses.replace(known, qkv=(), qkv_layout=None)
+    try:
+        with pytest.raises(pipatch.PipatchError, match="lays out queries, keys and values") as info:
+            pipatch.path_patch(tiny, sender=("head", 0, 0), receivers=[("head", 1, 0, "q")], **kwargs)
+        assert "\n" not in str(info.value)
+        # ... while the direct path, which needs no layout, still runs.
+        assert abs(pipatch.path_patch(tiny, sender=("head", 0, 0), receivers="logits", **kwargs).effect) > 1e-6
+    finally:
+        hf._pipatch_adapter = known
 
 
 def test_direct_path_to_logits_matches_its_definition(model):

@@ -27,10 +27,12 @@ Receivers:
   exactly ``unembed(norm(base final residual + donor contribution − base contribution))``, so
   no third run is needed.
 * ``[("head", layer, h, "q" | "k" | "v"), ...]`` — the input of that head's query, key or value
-  computation: the normed residual that feeds ``q_proj`` / ``k_proj`` / ``v_proj``. Only the
-  receiving head's slice of the projection's output is patched (which equals feeding the
-  recorded normed residual through that head's rows of the projection), so the other heads of
-  that layer keep reading the base residual. All receivers are patched together in run 3.
+  computation: the normed residual that feeds ``q_proj`` / ``k_proj`` / ``v_proj`` (or the
+  fused projection of GPT-2, GPT-NeoX, Phi-3, Falcon). Only the receiving head's columns of the
+  projection's output are patched (which equals feeding the recorded normed residual through
+  that head's rows of the projection), so the other heads of that layer keep reading the base
+  residual. :meth:`pipatch._models.Adapter.qkv_columns` says which columns those are in each
+  family's layout. All receivers are patched together in run 3.
 
 **Grouped-query attention.** Keys and values have ``n_kv_heads`` heads, each shared by a group
 of ``n_heads / n_kv_heads`` query heads (Gemma 3 270M: one key/value head for all four query
@@ -51,7 +53,6 @@ one number, with both baselines and normalized recovery on the same scale as
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,14 +60,14 @@ from typing import Any
 import torch
 
 from .._engine import METRICS, capture
-from .._models import PipatchError, adapter_for, first
+from .._models import PipatchError, _get, adapter_for, first
 from ._inputs import check_choice, model_meta
 from .patching import pair_inputs
 
 __all__ = ["path_patch", "PathResult"]
 
 DIRECTIONS = ("denoise", "noise")
-_QKV = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
+_QKV = ("q", "k", "v")
 
 
 @dataclass
@@ -146,10 +147,10 @@ def path_patch(
         ``("head", layer, h)`` (query head ``h``'s slice of ``z``) or ``("mlp", layer)``.
     receivers
         ``"logits"`` (the direct path) or a list of ``("head", layer, h, "q" | "k" | "v")`` at
-        layers after the sender's. q/k/v receivers need separate ``q_proj`` / ``k_proj`` /
-        ``v_proj`` modules (Llama, Mistral, Qwen, Gemma); fused-QKV families (GPT-2,
-        GPT-NeoX, Phi-3, Falcon) support ``"logits"`` only for now. On GQA models a k/v
-        receiver patches the key/value head its query head shares (see the module docstring).
+        layers after the sender's: that head's columns of the query, key or value projection
+        (separate ``q_proj``/``k_proj``/``v_proj``, or a fused projection as in GPT-2, GPT-NeoX,
+        Phi-3 and Falcon; the adapter knows each layout). On GQA models a k/v receiver patches
+        the key/value head its query head shares (see the module docstring).
     metric
         ``"logit_diff"``, ``"prob"`` or ``"logprob"``.
     direction
@@ -172,7 +173,7 @@ def path_patch(
     adapter = adapter_for(model)
     adapter.site_module(model, "head", 0)  # refuses families whose sublayers include the residual
     kind, sender_layer, sender_head = _parse_sender(sender, adapter)
-    receiver_list = _parse_receivers(receivers, sender_layer, adapter, model)
+    receiver_list = _parse_receivers(receivers, sender_layer, adapter)
     pair = pair_inputs(model, clean, corrupt, answer, foil, metric)
     clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
     answer_id, foil_id = pair.metric.answer, pair.metric.foil
@@ -186,13 +187,13 @@ def path_patch(
         base, base_ids, donor = clean_run, clean_ids, corrupt_run
 
     hd = adapter.head_dim
-    group = adapter.n_heads // max(1, adapter.n_kv_heads)
     # {layer: [(projection, [(receiver index, lo, hi), ...]), ...]} in q, k, v order: nnsight
-    # serves a module's output only in the order the forward pass computes them.
+    # serves a module's output only in the order the forward pass computes them. A fused
+    # projection is one module serving all three.
     reads: dict[int, list[tuple[str, list[tuple[int, int, int]]]]] = {}
-    for i, receiver in enumerate(receiver_list):
-        proj, lo, hi = _receiver_slice(receiver, hd, group)
-        per_layer = reads.setdefault(receiver[1], [(name, []) for name in _QKV.values()])
+    for i, (_, layer, head, which) in enumerate(receiver_list):
+        proj, lo, hi = adapter.qkv_columns(which, head)
+        per_layer = reads.setdefault(layer, [(name, []) for name in adapter.qkv])
         next(part for name, part in per_layer if name == proj).append((i, lo, hi))
     reads = {layer: [(name, part) for name, part in parts if part] for layer, parts in reads.items()}
 
@@ -244,10 +245,6 @@ def path_patch(
     )
 
 
-def _get(root: Any, path: str) -> Any:
-    return functools.reduce(getattr, path.split("."), root)
-
-
 def _check_index(value: Any, limit: int, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
         raise PipatchError(f"{what} {value!r} is out of range: use 0..{limit - 1}")
@@ -263,7 +260,7 @@ def _parse_sender(sender: Any, adapter) -> tuple[str, int, int | None]:
     raise PipatchError(f"sender {sender!r} is not ('head', layer, head) or ('mlp', layer)")
 
 
-def _parse_receivers(receivers: Any, sender_layer: int, adapter, model) -> list[tuple]:
+def _parse_receivers(receivers: Any, sender_layer: int, adapter) -> list[tuple]:
     if isinstance(receivers, str):
         if receivers != "logits":
             raise PipatchError(f"receivers {receivers!r}: use 'logits' or a list of ('head', layer, head, 'q'|'k'|'v')")
@@ -280,20 +277,8 @@ def _parse_receivers(receivers: Any, sender_layer: int, adapter, model) -> list[
                 f"receiver {tuple(receiver)} is at layer {layer}, not after the sender's layer {sender_layer}: "
                 "a receiver must read the residual stream after the sender wrote to it"
             )
-        attn = _get(_get(getattr(model, "_module", model), adapter.blocks)[layer], adapter.attn)
-        if not hasattr(attn, _QKV[receiver[3]]):
-            raise PipatchError(
-                f"{adapter.family} computes queries, keys and values in one fused projection: q/k/v receivers "
-                "need separate q_proj/k_proj/v_proj (Llama, Mistral, Qwen, Gemma); use receivers='logits'"
-            )
+        adapter.qkv_columns(receiver[3], receiver[2])  # refuses a family whose q/k/v layout is unknown
         out.append(tuple(receiver))
     if not out:
         raise PipatchError("receivers is empty: pass 'logits' or at least one ('head', layer, head, 'q'|'k'|'v')")
     return out
-
-
-def _receiver_slice(receiver: tuple, head_dim: int, group: int) -> tuple[str, int, int]:
-    """(projection name, lo, hi): the receiving head's columns of its projection's output."""
-    _, _, head, which = receiver
-    index = head if which == "q" else head // group
-    return _QKV[which], index * head_dim, (index + 1) * head_dim
