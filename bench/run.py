@@ -349,6 +349,22 @@ def head_memory(model):
             "bound": 2 * (params + batch_bytes), "within_bound": peak <= 2 * (params + batch_bytes)}
 
 
+def trace_memory(model):
+    """The causal trace's baseline runs (clean + 10 noised seeds) on a 128-token prompt.
+
+    Each run reads the logits at the last position only (``logits_to_keep=1``); computing them
+    at every position would add seeds × tokens × vocabulary floats (1.3 GB for Gemma's 262k).
+    """
+    clean, _ = prompt_of(model, 128)
+    base = rss()
+    plan, seconds, peak = timed(plan_trace, model, clean, subject="Eiffel Tower", answer=" Paris", seeds=10,
+                                scale=3.0)
+    tokens = len(plan.result.tokens)
+    vocab = model._module.config.get_text_config().vocab_size
+    return {"tokens": tokens, "seeds": 10, "seconds": seconds, "rss_before": base, "peak_rss": peak,
+            "all_position_logits_bytes": 10 * tokens * vocab * 4}
+
+
 def fmt_rows(title: str, block: dict) -> list[str]:
     rows = block["methods"]
     t_mine = rows["pipatch"][0]
@@ -380,6 +396,7 @@ def main(argv=None) -> int:
           flush=True)
     report["scaling"] = scaling(model, args.quick)
     report["head_memory"] = head_memory(model)
+    report["trace_memory"] = trace_memory(model)
     lines = []
     lines.append("scaling with prompt length (resid patching, the last 16 positions):")
     for row in report["scaling"]["prompt_length"]:
@@ -393,6 +410,10 @@ def main(argv=None) -> int:
     lines.append(f"head sweep, {hm['tokens']} tokens: {hm['seconds']:.1f}s, peak RSS {hm['peak_rss'] / 2**30:.2f}G "
                  f"vs bound 2×(model {hm['model_bytes'] / 2**30:.2f}G + one batch {hm['one_batch_bytes'] / 2**30:.2f}G) "
                  f"= {hm['bound'] / 2**30:.2f}G: {'within' if hm['within_bound'] else 'OVER'}")
+    tm = report["trace_memory"]
+    lines.append(f"trace baselines, {tm['tokens']} tokens, {tm['seeds']} seeds: {tm['seconds']:.1f}s, peak RSS "
+                 f"{tm['peak_rss'] / 2**30:.2f}G ({(tm['peak_rss'] - tm['rss_before']) / 2**30:.2f}G above the loaded "
+                 f"model; all-position logits would add {tm['all_position_logits_bytes'] / 2**30:.2f}G)")
     print("\n".join(lines))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

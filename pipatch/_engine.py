@@ -158,7 +158,7 @@ def capture(
     n = 1 if noise is None else noise.shape[0]
     layers = range(adapter.n_layers)
     keep = [s for s in sites if s != "resid"]
-    with torch.no_grad(), model.trace() as tracer:
+    with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
         runs = list().save()
         for i in range(n):
             with tracer.invoke(input_ids):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -293,6 +294,8 @@ class Adapter:
         with layout ``"separate"``, or one fused module and how its output columns are laid
         out (``"stacked"``, ``"per_head"``, ``"per_group"``; see :meth:`qkv_columns`).
         ``qkv_layout`` is ``None`` where pipatch does not know the layout.
+    last_logits_only
+        Whether the forward takes ``logits_to_keep`` (see :attr:`trace_kwargs`).
     """
 
     family: str
@@ -312,6 +315,14 @@ class Adapter:
     sublayers_are_contributions: bool
     qkv: tuple[str, ...] = ()
     qkv_layout: str | None = None
+    last_logits_only: bool = False
+
+    @property
+    def trace_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``model.trace()`` when only the last position's logits are read:
+        ``logits_to_keep=1`` where the model's forward takes it, so the unembedding is not run
+        at every position (Gemma: 262k × T floats per run)."""
+        return {"logits_to_keep": 1} if self.last_logits_only else {}
 
     # -- envoys ---------------------------------------------------------------------------
     def embedding(self, model):
@@ -492,6 +503,7 @@ def adapter_for(model) -> Adapter:
         sublayers_are_contributions=family not in _SUBLAYER_INCLUDES_RESIDUAL,
         qkv=qkv,
         qkv_layout=qkv_layout,
+        last_logits_only="logits_to_keep" in inspect.signature(hf.forward).parameters,
     )
     try:
         hf._pipatch_adapter = adapter

@@ -177,7 +177,7 @@ def _gradients(model, input_ids: torch.Tensor, scorer: Metric, site: str):
     """
     adapter = adapter_for(model)
     n_layers = adapter.n_layers
-    with torch.enable_grad(), model.trace() as tracer:
+    with torch.enable_grad(), model.trace(**adapter.trace_kwargs) as tracer:
         values = list().save()
         grads = list().save()
         with tracer.invoke(input_ids):

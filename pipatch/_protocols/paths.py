@@ -198,7 +198,7 @@ def path_patch(
     reads = {layer: [(name, part) for name, part in parts if part] for layer, parts in reads.items()}
 
     # Run 2: the sender swapped, everything downstream of it frozen; record what receivers read.
-    with torch.no_grad(), model.trace() as tracer:
+    with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
         recorded = list().save()
         with tracer.invoke(base_ids):
             for layer in range(sender_layer, adapter.n_layers):
@@ -223,7 +223,7 @@ def path_patch(
     else:
         # Run 3: the base run with only the receivers' q/k/v slices replaced.
         values = dict(list(recorded))
-        with torch.no_grad(), model.trace() as tracer:
+        with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
             with tracer.invoke(base_ids):
                 for layer in sorted(reads):
                     attn = _get(adapter.block(model, layer), adapter.attn)
