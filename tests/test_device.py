@@ -183,3 +183,36 @@ def test_bfloat16_model_runs_every_protocol_at_its_precision(folder, family):
     attribution = pipatch.attribute(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome",
                                     site="attn", verify=2)
     assert torch.isfinite(attribution.raw["attn"]).all()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "falcon"])
+def test_windows_ablations_datasets_and_clicks_follow_the_device(folder, family):
+    """The remaining modes, on the device with the fast engine, against the CPU copy run
+    the straightforward way (``fast=False``: every block recomputed, full logits)."""
+    model, ref = on_device(folder, family), reference_model(family)
+    tracing = dict(subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind=["mlp", "attn"], window=2,
+                   metric="logprob")
+    got, want = pipatch.trace(model, CLEAN, **tracing), pipatch.trace(ref, CLEAN, fast=False, **tracing)
+    for kind in ("mlp", "attn"):
+        assert torch.allclose(got.raw[kind], want.raw[kind], atol=ATOL, rtol=0), kind
+    for direction, extra in (("zero", {}), ("mean", {"mean_prompts": [CLEAN, CORRUPT, "The Brandenburg Gate is in the city of"]})):
+        kwargs = dict(clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", site="mlp", direction=direction,
+                      **extra)
+        got, want = pipatch.patch(model, **kwargs), pipatch.patch(ref, fast=False, **kwargs)
+        assert torch.allclose(got.raw["mlp"], want.raw["mlp"], atol=ATOL, rtol=0), direction
+        assert float(want.raw["mlp"].max() - want.raw["mlp"].min()) > 1e-3, direction
+    pairs = dict(clean=[CLEAN, "The Colosseum is in the city of"], corrupt=[CORRUPT, "The Kremlin is in the city of"],
+                 answer=" Paris", foil=" Rome", site="attn")
+    got, want = pipatch.patch(model, **pairs), pipatch.patch(ref, fast=False, **pairs)
+    # Raw metric values: a random model's clean − corrupt can be tiny, which magnifies recovery.
+    assert torch.allclose(got.raw["attn"], want.raw["attn"], atol=ATOL, rtol=0, equal_nan=True)
+    assert got.n_seeds == 2 and not torch.isnan(got.raw["attn"][:, :, -1]).any()
+    # A click on a cell: the patched run's top-5 next tokens, from full logits on the device.
+    from pipatch._engine import top_predictions
+
+    plans = [pipatch._protocols.patching.plan_patch(m, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
+             for m in (model, ref)]
+    (a_tokens, a_probs), (b_tokens, b_probs) = (
+        zip(*top_predictions(m, plan.sweeps[0], layer=1, col=subject_position(m))) for m, plan in zip((model, ref), plans))
+    assert a_tokens == b_tokens
+    assert a_probs == pytest.approx(b_probs, abs=1e-5)
