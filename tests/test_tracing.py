@@ -26,6 +26,24 @@ def test_two_sites_on_the_embedded_default(eiffel_trace):
     assert last[: L // 3].max() < 0.1
 
 
+def test_two_sites_hold_in_bfloat16(eiffel_trace, eiffel_patch):
+    """The embedded model loaded in bfloat16: the same two sites, and a patching grid within
+    bfloat16's rounding of the float32 one (noise, writes and readouts follow the model's dtype)."""
+    from tests.conftest import COLOSSEUM
+
+    model = pipatch.load_model(dtype="bfloat16")
+    assert next(model._module.parameters()).dtype == torch.bfloat16
+    r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=3)
+    assert r.meta["dtype"] == "bfloat16"
+    L = r.grid.shape[0]
+    eiffel, last = r.grid[:, 2], r.grid[:, -1]
+    assert eiffel[: L // 2].max() > 0.5 and eiffel[L - L // 4 :].max() < 0.1
+    assert last[L - L // 3 :].max() > 0.8 and last[: L // 3].max() < 0.1
+    p = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")
+    assert float((p.grid - eiffel_patch.grid).abs().max()) < 0.05
+    assert p.clean == pytest.approx(eiffel_patch.clean, abs=0.1)
+
+
 def test_result_keeps_per_seed_grids_and_their_spread(eiffel_trace):
     r = eiffel_trace
     assert r.per_seed.shape == (10, 18, 9)
