@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench.json"))
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    model = pipatch.load_model()
+    model = pipatch.load_model(device="cpu")  # this machine's CPU, also where a GPU is present
     # Warm up (first-call allocations, nnsight's source parsing) so no method pays for it.
     pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", positions=[-1])
     report = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

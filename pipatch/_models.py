@@ -126,6 +126,22 @@ def _no_progress_bar():
             hf_logging.enable_progress_bar()
 
 
+def _resolve_device(device: Any) -> torch.device:
+    """``None`` → the GPU when torch sees one, else the CPU; anything else as torch reads it."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise PipatchError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise PipatchError(
+            f"device {str(device)!r} asked for, but torch {torch.__version__} sees no CUDA GPU: "
+            "use device='cpu', or install a CUDA build of torch"
+        )
+    return resolved
+
+
 def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None):
     """Load a causal language model as an nnsight ``TransformersModel``.
 
@@ -138,7 +154,9 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     dtype
         ``torch.float32`` (default), ``torch.bfloat16``, ... or their names.
     device
-        ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, ...
+        ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...; default: ``"cuda"`` when torch sees a GPU,
+        else ``"cpu"``. Inputs, noise and patched values follow the model's device; results
+        always come back to the CPU.
 
     Returns
     -------
@@ -149,6 +167,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _resolve_dtype(dtype)
+    device = _resolve_device(device)  # before the load: a bad device costs no seconds
     if name is None:
         path, label = str(_embedded_default_dir()), EMBEDDED_NAME
     else:
@@ -178,8 +197,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
             "checkpoint, or omit the name for the embedded default"
         ) from None
     hf_model.eval()
-    if device is not None:
-        hf_model.to(device)
+    hf_model.to(device)
     hf_model.name_or_path = label  # shown in results; the checkpoint path is an implementation detail
     model = TransformersModel(hf_model, tokenizer=tokenizer)
     model._pipatch_name = label
@@ -194,7 +212,7 @@ def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = No
 
     The magics and the CLI use this so a notebook kernel loads the embedded model once.
     """
-    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), None if device is None else str(device))
+    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), str(_resolve_device(device)))
     if key not in _SHARED:
         _SHARED[key] = load_model(name, dtype=dtype, device=device)
     return _SHARED[key]

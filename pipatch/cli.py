@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = _Parser(add_help=False)
     common.add_argument("--model", default=None, help="HF id or local folder (default: embedded Gemma 3 270M)")
-    common.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
+    common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when torch sees a GPU, else cpu)")
     common.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     common.add_argument("--batch-size", type=_positive_int, default=None, help="invokes per nnsight trace")
     common.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")

@@ -53,6 +53,7 @@ def test_patch_command_in_process(model, capsys, tmp_path):
           "--positions", "2,40"], "out of range"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--model", "org/not-here"],
          "cannot load model"),
+        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--device", "gpu"], "unknown device"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(model, capsys, argv, match):

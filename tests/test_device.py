@@ -107,6 +107,17 @@ def test_load_model_puts_the_model_on_the_device(folder, family, capfd):
     assert result.grid.device.type == "cpu"  # results always come back to the CPU
 
 
+def test_default_device_is_the_gpu_when_there_is_one(folder):
+    model = pipatch.load_model(folder("llama"))
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert {p.device.type for p in model._module.parameters()} == {want}
+    if not torch.cuda.is_available():
+        # Asking for a GPU that is not there: one line that says so, before any loading.
+        with pytest.raises(pipatch.PipatchError, match="sees no CUDA GPU") as info:
+            pipatch.load_model(folder("llama"), device="cuda")
+        assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patch_every_site_equals_cpu_hooks(folder, family):
     model = on_device(folder, family)
