@@ -445,6 +445,15 @@ def first(value: Any) -> Any:
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
+def dispatched(model):
+    """``model`` with real weights: an nnsight model built lazily (``LanguageModel("gpt2")``,
+    nnsight's default, holds meta tensors until its first trace) is dispatched now, because
+    pipatch reads the device, the embeddings' spread and cached activations before tracing."""
+    if getattr(model, "dispatched", True) is False and callable(getattr(model, "dispatch", None)):
+        model.dispatch()
+    return model
+
+
 def adapter_for(model) -> Adapter:
     """Map ``model`` (an nnsight model or a plain transformers model) to its :class:`Adapter`.
 
@@ -453,6 +462,7 @@ def adapter_for(model) -> Adapter:
     PipatchError
         When some site cannot be found; the message lists the module names it looked for.
     """
+    dispatched(model)
     hf = getattr(model, "_module", model)
     cached = getattr(hf, "_pipatch_adapter", None)
     if cached is not None:

@@ -118,6 +118,28 @@ def test_default_device_is_the_gpu_when_there_is_one(folder):
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("protocol", ["patch", "trace", "attribute", "path_patch"])
+def test_a_lazily_built_nnsight_model_is_dispatched_first(folder, protocol):
+    """``LanguageModel(name)`` / ``TransformersModel(name)`` hold meta tensors until their first
+    trace (nnsight's default); every protocol loads the weights before it reads anything."""
+    from nnsight.modeling.transformers import TransformersModel
+
+    lazy = TransformersModel(str(folder("llama")), task="text-generation", tokenizer=tiny_tokenizer(add_bos=True))
+    assert not lazy.dispatched and next(lazy._module.parameters()).device.type == "meta"
+    pair = dict(clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
+    if protocol == "patch":
+        got = pipatch.patch(lazy, **pair).raw["resid"][0]
+        assert torch.allclose(got, reference_patch("llama", "resid"), atol=ATOL, rtol=0)
+    elif protocol == "trace":
+        result = pipatch.trace(lazy, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=1, scale=3.0)
+        assert result.meta["sigma"] > 0 and torch.isfinite(result.raw["resid"]).all()
+    elif protocol == "attribute":
+        assert torch.isfinite(pipatch.attribute(lazy, site="mlp", **pair).raw["mlp"]).all()
+    else:
+        assert abs(pipatch.path_patch(lazy, sender=("head", 0, 1), **pair).effect) > 1e-6
+    assert lazy.dispatched
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patch_every_site_equals_cpu_hooks(folder, family):
     model = on_device(folder, family)

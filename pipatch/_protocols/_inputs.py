@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from .._models import PipatchError, adapter_for
+from .._models import PipatchError, adapter_for, dispatched
 
 SITES = ("resid", "attn", "mlp", "head")
 
 
 def device_of(model) -> torch.device:
-    hf = getattr(model, "_module", model)
+    hf = getattr(dispatched(model), "_module", model)
     try:
         return next(hf.parameters()).device
     except StopIteration:
