@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 
 
 def plot_result(result, view: str, ax=None):
@@ -36,16 +37,22 @@ def plot_result(result, view: str, ax=None):
     ax.set_yticklabels(result.layers[::step], fontsize=8)
     ax.set_xlabel("head" if result.meta.get("site") == "head" else "token")
     ax.set_ylabel("layer")
-    ax.set_title(f"{result.title}\n{view}: normalized recovery ({result.metric})", fontsize=9)
+    ax.set_title(f"{_printable(result.title, 110)}\n{view}: normalized recovery ({result.metric})", fontsize=9)
     fig.colorbar(image, ax=ax, label="recovery")
-    fig.tight_layout()
+    with warnings.catch_warnings():
+        # A figure too small for its labels keeps matplotlib's default margins: fine for a plot.
+        warnings.filterwarnings("ignore", message="Tight layout not applied")
+        fig.tight_layout()
     return fig
 
 
-def _printable(text: str) -> str:
-    # Mathtext would interpret "$"; control characters would vanish.
+def _printable(text: str, limit: int = 16) -> str:
+    """A label as matplotlib should draw it: control characters spelled out (they would
+    vanish), ``$`` escaped (mathtext would interpret it), at most ``limit`` characters."""
     shown = "".join(ch if ch.isprintable() else f"\\u{ord(ch):04x}" for ch in text)
-    return shown.replace("$", r"\$")[:24]
+    if len(shown) > limit:
+        shown = shown[: limit - 1] + "…"
+    return shown.replace("$", r"\$")
 
 
 def png_bytes(result, view: str | None = None, dpi: int = 80) -> bytes:

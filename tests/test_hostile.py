@@ -86,6 +86,26 @@ def test_result_to_mime_and_json_are_strict_json(nan_clean: bool) -> None:
     assert set(bundle) >= {MIME_TYPE, "image/png", "text/plain"}
 
 
+def test_plot_draws_hostile_labels_and_titles_as_short_plain_text() -> None:
+    """Matplotlib would read ``$…$`` as mathtext (an unbalanced ``$`` is an error) and drop
+    control characters; 10,000-character labels would swamp the figure."""
+    import warnings
+
+    r = _result(SAFE)
+    r.meta.update(subject="costs $5 and $", answer="x" * 500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mathtext error, no layout warning
+        fig = r.plot()
+        fig.canvas.draw()
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert all(len(label.replace("\\$", "$")) <= 16 for label in labels)
+    assert labels[SAFE.index("x" * 10_000)] == "x" * 15 + "…"
+    assert labels[SAFE.index("nul\x00and\x07control\x1b[31m")].startswith("nul\\u0000and")
+    title = ax.get_title().split("\n")[0]
+    assert len(title.replace("\\$", "$")) <= 110 and title.endswith("…") and "\\$5 and \\$" in title
+
+
 def test_result_lone_surrogates_survive_utf8() -> None:
     r = _result(HOSTILE)
     _utf8_roundtrip(r.to_mime())
