@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -116,7 +116,6 @@ class Capture:
     metric: torch.Tensor
     embedded: torch.Tensor
     prob: torch.Tensor
-    last_logits_top: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def block_for(self, layer: int, row: int) -> Any:
         """Block ``layer``'s output for batch row ``row`` only, in the block's own structure."""
@@ -142,7 +141,6 @@ def capture(
     sites: tuple[str, ...] = ("resid",),
     noise: torch.Tensor | None = None,
     noise_positions: list[int] | None = None,
-    top_k: int = 0,
 ) -> Capture:
     """Run ``input_ids`` ([1, T]) once per noise draw and keep every block output and site.
 
@@ -169,14 +167,8 @@ def capture(
                 blocks = []
                 values = {s: [] for s in keep}
                 for layer in layers:
-                    for s in keep:
-                        if s == "head":
-                            values[s].append(_site_value(adapter, model, s, layer).clone())
-                    for s in keep:
-                        if s == "attn":
-                            values[s].append(_site_value(adapter, model, s, layer).clone())
-                    for s in keep:
-                        if s == "mlp":
+                    for s in ("head", "attn", "mlp"):  # the order the forward pass computes them
+                        if s in keep:
                             values[s].append(_site_value(adapter, model, s, layer).clone())
                     out = adapter.block(model, layer).output
                     blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
@@ -187,15 +179,10 @@ def capture(
     values = {s: [torch.cat([r[1][s][layer] for r in runs]) for layer in layers] for s in keep}
     values["resid"] = [first(b) for b in blocks]
     logits = torch.cat([r[2] for r in runs])
-    top = []
-    if top_k:
-        probs = logits.softmax(-1)
-        best = probs.topk(top_k, dim=-1)
-        top = [list(zip(i.tolist(), p.tolist())) for i, p in zip(best.indices, best.values)]
     return Capture(
         blocks=blocks, sites=values, metric=metric.from_logits(logits),
         embedded=torch.cat([r[3] for r in runs]),
-        prob=logits.softmax(-1)[:, metric.answer], last_logits_top=top,
+        prob=logits.softmax(-1)[:, metric.answer],
     )
 
 

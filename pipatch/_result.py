@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from ._models import PipatchError
+from ._text import json_safe
 
 __all__ = ["Result", "load_result", "SCHEMA_VERSION", "MIME_TYPE"]
 
 SCHEMA_VERSION = 1
 MIME_TYPE = "application/vnd.pipatch.grid+json"
-STATUSES = ("running", "done", "stopped", "interrupted", "failed")
 
 
 def _denominator_too_small(clean: float, corrupt: float) -> bool:
@@ -236,7 +236,7 @@ class Result:
             "views": {v: {"mean": rows(self.mean(v)), "std": rows(self.std(v)), "raw": rows(self.raw_mean(v))}
                       for v in self.views},
         }
-        return _json_safe(out)
+        return json_safe(out)
 
     def save(self, path: str | Path) -> Path:
         """Write the result as one safetensors file (tensors + JSON metadata in its header)."""
@@ -299,7 +299,7 @@ class Result:
         state["version"] = SCHEMA_VERSION
         state["elapsed"] = float(self.meta.get("elapsed", 0.0))
         state["eta"] = -1
-        return _json_safe(state)
+        return json_safe(state)
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         from ._plot import png_bytes
@@ -307,23 +307,8 @@ class Result:
         return {
             MIME_TYPE: self.to_mime(),
             "image/png": base64.b64encode(png_bytes(self)).decode("ascii"),
-            "text/plain": _json_safe(repr(self)),
+            "text/plain": json_safe(repr(self)),
         }
-
-
-def _json_safe(value: Any) -> Any:
-    """Strict, UTF-8-safe JSON: NaN/Inf → None, lone surrogates → U+FFFD."""
-    from ._text import clean_text
-
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, str):
-        return clean_text(value)
-    if isinstance(value, dict):
-        return {clean_text(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _nanmean(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Plain-text rendering of a grid for terminals: block characters, tokens as columns."""
+"""Text: strings made safe to send (UTF-8, strict JSON), and the grid rendered for terminals."""
 
 from __future__ import annotations
 
@@ -21,6 +21,21 @@ def clean_text(value: Any) -> str:
     if _SURROGATE.search(s) is None:
         return s
     return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def json_safe(value: Any) -> Any:
+    """A JSON-like value made strict and UTF-8 safe: NaN/Inf → None, every string (keys too)
+    through :func:`clean_text`. What the MIME bundle, the widget's ``detail`` and ``to_json``
+    send."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, dict):
+        return {clean_text(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def token_label(text: str, width: int) -> str:

@@ -47,7 +47,7 @@ import anywidget
 import numpy as np
 import traitlets as t
 
-from ._text import clean_text
+from ._text import clean_text, json_safe
 
 MIME_TYPE = "application/vnd.pipatch.grid+json"
 MIME_VERSION = 1
@@ -84,17 +84,6 @@ STATE_KEYS: tuple[str, ...] = (
     "detail",
     "stoppable",
 )
-
-#: Browser → kernel traits.
-UI_KEYS: tuple[str, ...] = ("view", "seed", "mode", "selected", "stop_requested")
-
-STATUSES = ("running", "done", "stopped", "interrupted", "failed")
-
-
-def _jupyter_labextension_paths() -> list[dict[str, str]]:
-    """Where the MIME-renderer extension lives (for ``jupyter labextension develop``)."""
-    return [{"src": "labextension", "dest": "pipatch"}]
-
 
 # --------------------------------------------------------------------------- arrays
 
@@ -146,17 +135,6 @@ def arrays_to_base64(arrays: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _clean_json(value: Any) -> Any:
-    """Strings inside a JSON-like value (``detail``) made UTF-8 safe."""
-    if isinstance(value, str):
-        return clean_text(value)
-    if isinstance(value, Mapping):
-        return {clean_text(k): _clean_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean_json(v) for v in value]
-    return value
-
-
 def _clean_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Keep the known keys of a state dict, put arrays in wire form, make text UTF-8 safe."""
     out: dict[str, Any] = {}
@@ -178,7 +156,7 @@ def _clean_state(state: Mapping[str, Any]) -> dict[str, Any]:
             elif k == "baselines":
                 v = {clean_text(a): float(b) for a, b in dict(v).items()}
             elif k == "detail":
-                v = _clean_json(dict(v or {}))
+                v = json_safe(dict(v or {}))
             elif k == "stoppable":
                 v = bool(v)
             out[k] = v
@@ -300,7 +278,7 @@ def state_to_mime(state: Mapping[str, Any], ui: Mapping[str, Any] | None = None)
     doc["stoppable"] = False
     doc.pop("detail", None)
     if ui:
-        doc["ui"] = _clean_json({k: ui[k] for k in ("view", "seed", "mode") if k in ui})
+        doc["ui"] = json_safe({k: ui[k] for k in ("view", "seed", "mode") if k in ui})
     return _strict_json(doc)
 
 

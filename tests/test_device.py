@@ -74,6 +74,7 @@ def subject_position(model) -> int:
     return int((ids(model, CLEAN)[0] != ids(model, CORRUPT)[0]).nonzero().max())
 
 
+@functools.cache
 def reference_patch(family: str, site: str) -> torch.Tensor:
     ref = reference_model(family)
     pos = subject_position(ref)

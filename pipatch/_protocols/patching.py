@@ -174,7 +174,7 @@ def plan_patch(
         prompts = list(mean_prompts) if mean_prompts else [clean, corrupt]
         runs = []
         for text in prompts:
-            ids, toks, _ = encode(model, text, "mean prompt")
+            ids, _, _ = encode(model, text, "mean prompt")
             if ids.shape[1] != T:
                 raise PipatchError(
                     f"mean prompt {text!r} is {ids.shape[1]} tokens, the clean prompt {T}: "
