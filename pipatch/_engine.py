@@ -329,10 +329,23 @@ class Plan:
     sweeps: list[Sweep]
     batch_size: int
     fast: bool = True
+    model: Any = None
 
-    def run(self, model, *, on_row=None, stop=None):
-        return execute(model, self.sweeps, self.result, batch_size=self.batch_size, fast=self.fast,
+    def run(self, model=None, *, on_row=None, stop=None):
+        return execute(model or self.model, self.sweeps, self.result, batch_size=self.batch_size, fast=self.fast,
                        on_row=on_row, stop=stop)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(len(self.result.layers) for _ in self.sweeps)
+
+    def predictor(self):
+        model, sweeps = self.model, {s.view: s for s in self.sweeps}
+
+        def predict(view, row, col, seed=0, k=5):
+            return top_predictions(model, sweeps[view], layer=row, col=col, seed=seed, k=k)
+
+        return predict
 
     def sweep(self, view: str) -> Sweep:
         return next(s for s in self.sweeps if s.view == view)
