@@ -416,12 +416,21 @@ def _patch(model, site: str, clean: str = CLEAN, corrupt: str = CORRUPT, **kwarg
 
 @pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
 def test_patch_clean_into_clean_is_the_baseline(family):
+    """Donor equals base: every write puts back the value already there. Run for real
+    (``fast=False``: no pruning, every cell a forward), each cell is the clean baseline; the
+    default path, which fills these cells without a forward, gives the same grid."""
     model = model_for(family)
     for site in _sites(family):
-        result = _patch(model, site, corrupt=CLEAN)
+        result = _patch(model, site, corrupt=CLEAN, fast=False)
         raw = result.raw[site]
+        stats = result.meta["engine"]
+        assert stats["cells"] == raw.numel() and stats["noop_cells"] == 0, (site, stats)
+        assert stats["traces"] > 0, (site, stats)
         assert not torch.isnan(raw).any(), site
         assert torch.allclose(raw, torch.full_like(raw, result.clean), atol=ATOL, rtol=0), site
+        pruned = _patch(model, site, corrupt=CLEAN, fast=True)
+        assert pruned.meta["engine"]["noop_cells"] == raw.numel(), (site, pruned.meta["engine"])
+        assert torch.allclose(pruned.raw[site], raw, atol=ATOL, rtol=0), site
 
 
 @pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)

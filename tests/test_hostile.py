@@ -7,7 +7,6 @@ tests/e2e/test_hardening_browser.py; this file checks what the kernel sends and 
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -173,4 +172,9 @@ def test_widget_state_and_bundle_are_utf8_safe_strict_json() -> None:
     json_packer(sent)  # raised UnicodeEncodeError before clean_text
     assert w.detail["top"][0]["token"] == "\ufffd"
     assert w.col_labels[3] == "javascript:alert(1)"
-    assert not math.isnan(len(w.to_mime()["col_labels"]))
+    # The widget's own MIME document (what it saves and re-renders) is strict UTF-8 JSON too,
+    # with the labels exactly as the state's document has them: none dropped, none escaped.
+    mine = _utf8_roundtrip(w.to_mime())
+    assert mine["col_labels"] == back["col_labels"] and len(mine["col_labels"]) == len(HOSTILE)
+    assert mine["row_labels"] == back["row_labels"] == ["r\ufffd", HOSTILE[0]]
+    assert mine["title"] == back["title"] and mine["warnings"] == back["warnings"]

@@ -62,10 +62,38 @@ def test_noising_is_the_mirror_direction(model):
     assert float((r.grid[:, :2] - 1).abs().max()) < 1e-4
 
 
+_MEAN_RUNS: dict = {}
+
+
+def _mean_over_the_clean_prompt(model, fast: bool):
+    key = (id(model), fast)
+    if key not in _MEAN_RUNS:  # the unpruned run is 162 forwards: run it once for both tests
+        _MEAN_RUNS[key] = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
+                                        direction="mean", mean_prompts=[EIFFEL], fast=fast)
+    return _MEAN_RUNS[key]
+
+
 def test_mean_ablation_over_the_clean_prompt_alone_changes_nothing(model):
-    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
-                      direction="mean", mean_prompts=[EIFFEL])
-    assert float((r.grid - 1).abs().max()) < 1e-4
+    """The mean over the clean prompt alone is the clean activation: writing it into the clean
+    run, really run (``fast=False``: no pruning), gives the clean metric in every cell."""
+    r = _mean_over_the_clean_prompt(model, fast=False)
+    stats = r.meta["engine"]
+    assert stats["cells"] == 18 * 9 and stats["noop_cells"] == 0  # every cell went through the model
+    assert stats["traces"] >= stats["cells"] / stats["batch_size"] > 0
+    raw = r.raw["resid"][0]
+    assert not torch.isnan(raw).any()
+    assert float((raw - r.clean).abs().max()) < 1e-4  # the clean run's logit difference ...
+    assert float((r.grid - 1).abs().max()) < 1e-4  # ... which is recovery 1
+    assert r.clean > float(r.corrupt[0]) + 1  # and 1 is not 0/0 or a flat pair of baselines
+
+
+def test_mean_ablation_pruned_equals_run(model):
+    """The default path fills these no-op cells from the clean run without a forward; that
+    shortcut gives what running them gives."""
+    fast, slow = _mean_over_the_clean_prompt(model, fast=True), _mean_over_the_clean_prompt(model, fast=False)
+    assert fast.meta["engine"]["noop_cells"] == fast.meta["engine"]["cells"] == 18 * 9
+    assert slow.meta["engine"]["noop_cells"] == 0
+    assert torch.allclose(fast.raw["resid"], slow.raw["resid"], atol=1e-4, rtol=0)
 
 
 def test_zero_ablation_runs_and_hurts_somewhere(model):
