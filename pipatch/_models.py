@@ -351,24 +351,6 @@ class Adapter:
         """Block ``layer``; its output is the residual stream after that block."""
         return _get(model, self.blocks)[layer]
 
-    def site_module(self, model, site: str, layer: int):
-        """The module whose output (or, for ``"head"``, input) is the site at ``layer``."""
-        block = self.block(model, layer)
-        if site == "resid":
-            return block
-        if site in ("attn", "mlp", "head") and not self.sublayers_are_contributions:
-            raise PipatchError(
-                f"site {site!r} is not supported for {self.family}: its sublayers return the residual "
-                "stream plus their contribution; use site='resid'"
-            )
-        if site == "attn":
-            return _get(block, self.attn)
-        if site == "mlp":
-            return _get(block, self.mlp)
-        if site == "head":
-            return _get(_get(block, self.attn), self.out_proj)
-        raise PipatchError(f"unknown site {site!r}: use resid, attn, mlp or head")
-
     def unembedding(self, model):
         return _get(model, self.unembed)
 
@@ -404,24 +386,6 @@ class Adapter:
         else:  # per_group
             module, start = self.qkv[0], kv * (group + 2) + (head % group, group, group + 1)[index]
         return module, start * self.head_dim, (start + 1) * self.head_dim
-
-    # -- values ---------------------------------------------------------------------------
-    def logits(self, model, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
-        """Logits from the input of the unembedding (the final-normed last-position states).
-
-        ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
-        all a logit difference needs and avoids multiplying by a 262k-row matrix.
-        """
-        module = _get(getattr(model, "_module", model), self.unembed)
-        weight, bias = module.weight, getattr(module, "bias", None)
-        if token_ids is not None:
-            index = torch.as_tensor(token_ids, device=weight.device)
-            weight = weight.index_select(0, index)
-            bias = bias.index_select(0, index) if bias is not None else None
-        out = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
-        if self.softcap:
-            out = torch.tanh(out / self.softcap) * self.softcap
-        return out
 
 
 def _qkv_layout(attn: Any, family: str, config: Any) -> tuple[tuple[str, ...], str | None]:

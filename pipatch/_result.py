@@ -29,13 +29,13 @@ import torch
 from ._models import PipatchError
 from ._text import json_safe
 
-__all__ = ["Result", "load_result", "SCHEMA_VERSION", "MIME_TYPE"]
+__all__ = ["Result", "load_result", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE"]
 
 SCHEMA_VERSION = 1
 MIME_TYPE = "application/vnd.pipatch.grid+json"
 
 
-def _denominator_too_small(clean: float, corrupt: float) -> bool:
+def recovery_undefined(clean: float, corrupt: float) -> bool:
     """Whether clean − corrupt is too close to zero for recovery to mean anything."""
     return abs(clean - corrupt) <= 1e-6 + 1e-3 * max(abs(clean), abs(corrupt))
 
@@ -103,7 +103,7 @@ class Result:
         clean = self._clean_rows()
         corrupt = self.corrupt.float()
         out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
-        bad = torch.tensor([_denominator_too_small(float(a), float(c)) for a, c in zip(clean, corrupt)])
+        bad = torch.tensor([recovery_undefined(float(a), float(c)) for a, c in zip(clean, corrupt)])
         out[bad] = float("nan")
         return out
 

@@ -23,6 +23,18 @@ TINY_CLEAN = "The Colosseum is in the city of"
 TINY_CORRUPT = "The Kremlin is in the city of"
 
 
+def value(r) -> float:
+    """The path-patched metric of a one-sender result."""
+    assert r.kind == "path" and r.raw[r.views[0]].shape == (1, 1, 1)
+    return float(r.raw[r.views[0]][0, 0, 0])
+
+
+def effect(r) -> float:
+    """How far the path alone moved the metric from the base run's."""
+    base = float(r.corrupt[0]) if r.meta["direction"] == "denoise" else r.clean_value
+    return value(r) - base
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from tests._tiny import tiny_model
@@ -46,10 +58,9 @@ def test_tiny_path_effect_equals_a_hook_reference(tiny, sender, receivers, direc
     base_text, donor_text = (TINY_CORRUPT, TINY_CLEAN) if direction == "denoise" else (TINY_CLEAN, TINY_CORRUPT)
     expected = reference_path(tiny, base_text=base_text, donor_text=donor_text, answer=" Rome", foil=" Moscow",
                               sender=sender, receivers=[] if receivers == "logits" else receivers)
-    assert r.value == pytest.approx(expected, abs=1e-5)
-    assert r.effect == pytest.approx(r.value - r.base)
+    assert value(r) == pytest.approx(expected, abs=1e-5)
     # The path moved something, or this test could not tell a no-op from a patch.
-    assert abs(r.effect) > 1e-6
+    assert abs(effect(r)) > 1e-6
 
 
 FUSED = ["gpt2", "gpt_neox", "phi3", "falcon", "falcon_new"]
@@ -67,13 +78,13 @@ def test_fused_qkv_receivers_equal_a_hook_reference(family, direction):
     base_text, donor_text = (TINY_CORRUPT, TINY_CLEAN) if direction == "denoise" else (TINY_CLEAN, TINY_CORRUPT)
     expected = reference_path(model, base_text=base_text, donor_text=donor_text, answer=" Rome", foil=" Moscow",
                               sender=sender, receivers=receivers)
-    assert r.value == pytest.approx(expected, abs=1e-5)
-    assert abs(r.effect) > 1e-6
+    assert value(r) == pytest.approx(expected, abs=1e-5)
+    assert abs(effect(r)) > 1e-6
     # Each receiver alone carries part of it: no receiver was dropped or written to the wrong place.
     for receiver in receivers:
         alone = pipatch.path_patch(model, clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow",
                                    sender=sender, receivers=[receiver], direction=direction)
-        assert alone.value == pytest.approx(
+        assert value(alone) == pytest.approx(
             reference_path(model, base_text=base_text, donor_text=donor_text, answer=" Rome", foil=" Moscow",
                            sender=sender, receivers=[receiver]), abs=1e-5), receiver
 
@@ -94,14 +105,50 @@ def test_errors_are_one_line(tiny):
     hf = tiny._module
     known = adapter_for(tiny)
     hf._pipatch_adapter = dataclasses.replace(known, qkv=(), qkv_layout=None)
+    tiny._pipatch_backend = None  # the backend caches the adapter it was built with
     try:
         with pytest.raises(pipatch.PipatchError, match="lays out queries, keys and values") as info:
             pipatch.path_patch(tiny, sender=("head", 0, 0), receivers=[("head", 1, 0, "q")], **kwargs)
         assert "\n" not in str(info.value)
         # ... while the direct path, which needs no layout, still runs.
-        assert abs(pipatch.path_patch(tiny, sender=("head", 0, 0), receivers="logits", **kwargs).effect) > 1e-6
+        assert abs(effect(pipatch.path_patch(tiny, sender=("head", 0, 0), receivers="logits", **kwargs))) > 1e-6
     finally:
         hf._pipatch_adapter = known
+        tiny._pipatch_backend = None
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_a_sweep_over_senders_equals_one_sender_at_a_time(tiny, direction):
+    """The grid over every head (IOI-style) holds, in cell (layer, head), that sender's path value."""
+    kwargs = dict(clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow", direction=direction)
+    base_text, donor_text = (TINY_CORRUPT, TINY_CLEAN) if direction == "denoise" else (TINY_CLEAN, TINY_CORRUPT)
+    grid = pipatch.path_patch(tiny, **kwargs)
+    n_layers, n_heads = grid.raw["head"].shape[1:]
+    assert grid.kind == "path" and grid.columns == [f"H{h}" for h in range(n_heads)] and grid.status == "done"
+    assert grid.meta["engine"]["traces"] >= 1 and grid.meta["engine"]["max_invokes"] > 1  # batched invokes
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            expected = reference_path(tiny, base_text=base_text, donor_text=donor_text, answer=" Rome",
+                                      foil=" Moscow", sender=("head", layer, head), receivers=[])
+            assert float(grid.raw["head"][0, layer, head]) == pytest.approx(expected, abs=1e-5), (layer, head)
+    mlps = pipatch.path_patch(tiny, sender="mlp", **kwargs)
+    assert mlps.columns == ["MLP"]
+    for layer in range(n_layers):
+        one = pipatch.path_patch(tiny, sender=("mlp", layer), **kwargs)
+        assert float(mlps.raw["mlp"][0, layer, 0]) == pytest.approx(value(one), abs=1e-5)
+
+
+def test_a_sweep_through_qkv_receivers_covers_the_senders_below_them(tiny):
+    receivers = [("head", 2, 1, "q"), ("head", 2, 3, "v")]
+    kwargs = dict(clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow", receivers=receivers)
+    grid = pipatch.path_patch(tiny, **kwargs)
+    raw = grid.raw["head"][0]
+    assert torch.isnan(raw[2:]).all() and not torch.isnan(raw[:2]).any()  # senders at/after layer 2 cannot send
+    for layer in range(2):
+        for head in range(raw.shape[1]):
+            expected = reference_path(tiny, base_text=TINY_CORRUPT, donor_text=TINY_CLEAN, answer=" Rome",
+                                      foil=" Moscow", sender=("head", layer, head), receivers=receivers)
+            assert float(raw[layer, head]) == pytest.approx(expected, abs=1e-5), (layer, head)
 
 
 def test_direct_path_to_logits_matches_its_definition(model):
@@ -134,7 +181,7 @@ def test_direct_path_to_logits_matches_its_definition(model):
         logits = hf.lm_head(hf.model.norm(final))[0, -1]
     paris, rome = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Paris", " Rome"))
     expected = float(logits[paris] - logits[rome])
-    print(f"\ndirect path head {layer}.{head} → logits: {r.value:.4f} (corrupt {r.corrupt:.4f}, "
-          f"clean {r.clean:.4f}, recovery {r.recovery:.3f}); by hand {expected:.4f}")
-    assert r.value == pytest.approx(expected, abs=1e-4)
-    assert abs(r.effect) > 1e-3
+    print(f"\ndirect path head {layer}.{head} → logits: {value(r):.4f} (corrupt {float(r.corrupt[0]):.4f}, "
+          f"clean {r.clean_value:.4f}, recovery {float(r.grid[0, 0]):.3f}); by hand {expected:.4f}")
+    assert value(r) == pytest.approx(expected, abs=1e-4)
+    assert abs(effect(r)) > 1e-3

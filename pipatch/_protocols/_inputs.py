@@ -7,24 +7,17 @@ from typing import Any
 
 import torch
 
-from .._models import PipatchError, adapter_for, dispatched
+from .._models import PipatchError
+from .._result import recovery_undefined
 
-SITES = ("resid", "attn", "mlp", "head")
-
-
-def device_of(model) -> torch.device:
-    hf = getattr(dispatched(model), "_module", model)
-    try:
-        return next(hf.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def encode(model, text: str, what: str = "prompt") -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
-    """Tokenize ``text`` → (ids [1, T], token strings, character offsets)."""
-    if not isinstance(text, str) or not text.strip():
+def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
+    """Tokenize ``text`` → (ids [1, T] on the model's device, token strings, character offsets)."""
+    if not isinstance(text, str):
+        raise PipatchError(f"the {what} must be text (a str), got {type(text).__name__}: pass e.g. "
+                           "'The Eiffel Tower is in the city of'")
+    if not text.strip():
         raise PipatchError(f"the {what} is empty: pass the text to run, e.g. 'The Eiffel Tower is in the city of'")
-    tok = model.tokenizer
+    tok = backend.tokenizer
     try:
         enc = tok(text, return_offsets_mapping=True)
         offsets = [tuple(o) for o in enc["offset_mapping"]]
@@ -32,33 +25,24 @@ def encode(model, text: str, what: str = "prompt") -> tuple[torch.Tensor, list[s
         enc = tok(text)
         offsets = []
     ids = list(enc["input_ids"])
-    limit = _context_length(model)
+    limit = backend.context_length
     if limit and len(ids) > limit:
         raise PipatchError(
             f"the {what} is {len(ids)} tokens, longer than the model's context of {limit}: shorten it"
         )
-    tokens = [tok.decode([i]) for i in ids]
-    return torch.tensor([ids], device=device_of(model)), tokens, offsets
+    tokens = backend.decode(ids)
+    return torch.tensor([ids], device=backend.device), tokens, offsets
 
 
-def _context_length(model) -> int | None:
-    config = getattr(model, "config", None) or getattr(getattr(model, "_module", None), "config", None)
-    config = getattr(config, "text_config", None) or config
-    for name in ("max_position_embeddings", "n_positions", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def single_token(model, text: str, role: str) -> int:
+def single_token(backend, text: str, role: str) -> int:
     """The id of ``text`` when it is exactly one token; otherwise an error showing the split."""
-    if not isinstance(text, str) or text == "":
+    if not isinstance(text, str):
+        raise PipatchError(f"the {role} must be text (a str), got {type(text).__name__}: e.g. ' Paris'")
+    if text == "":
         raise PipatchError(f"the {role} is empty: pass one token, e.g. ' Paris' (mind the leading space)")
-    tok = model.tokenizer
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        pieces = [tok.decode([i]) for i in ids]
+        pieces = backend.decode(ids)
         raise PipatchError(
             f"the {role} {text!r} is {len(ids)} tokens {pieces}, not one: pick a single-token "
             f"{role} (often with a leading space, e.g. ' Paris')"
@@ -119,8 +103,8 @@ def check_choice(value: Any, choices: Sequence[str], what: str) -> str:
     return value
 
 
-def layer_labels(model) -> list[str]:
-    return [str(i) for i in range(adapter_for(model).n_layers)]
+def layer_labels(backend) -> list[str]:
+    return [str(i) for i in range(backend.adapter.n_layers)]
 
 
 def library_versions() -> dict[str, str]:
@@ -135,10 +119,21 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def model_meta(model) -> dict[str, Any]:
-    from .._models import model_name
+def model_meta(backend) -> dict[str, Any]:
+    """What every result records about the model and the libraries that ran it."""
+    return {**backend.meta(), "versions": library_versions()}
 
-    hf = getattr(model, "_module", model)
-    param = next(hf.parameters())
-    return {"model": model_name(model), "family": adapter_for(model).family, "dtype": str(param.dtype).replace("torch.", ""),
-            "device": str(param.device), "versions": library_versions()}
+
+def check_int(value: Any, what: str, minimum: int = 1) -> int:
+    """``value`` as a whole number ≥ ``minimum``, or a one-line error."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PipatchError(f"{what} must be a whole number ≥ {minimum}, got {value!r}")
+    return value
+
+
+def undefined_recovery_warning(metric: str, clean: float, corrupt: float) -> list[str]:
+    """The warning a result carries when its baselines are (almost) equal, else nothing."""
+    if not recovery_undefined(clean, corrupt):
+        return []
+    return [f"clean and corrupt give (almost) the same {metric} ({clean:.4g} vs {corrupt:.4g}): "
+            "normalized recovery is undefined (NaN); raw values are kept — pick prompts that change the answer"]

@@ -36,20 +36,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .._engine import METRICS, Metric, Sweep, _Cell, _run_trace, capture
-from .._models import PipatchError, adapter_for, first
+from .._cells import Base, Cell
+from .._engine import Plan, SiteSweep, check_batch_size
+from .._models import PipatchError
 from .._result import Result
-from ._inputs import SITES, check_choice, layer_labels, model_meta, sweep_positions
+from .._sites import site as site_named
+from ._inputs import layer_labels, model_meta, sweep_positions, undefined_recovery_warning
 from .patching import pair_inputs
 
-__all__ = ["attribute", "spearman"]
+__all__ = ["plan_attribute", "spearman"]
 
 
-def attribute(
-    model,
+def plan_attribute(
+    backend,
     *,
     clean: str,
     corrupt: str,
@@ -59,185 +63,98 @@ def attribute(
     metric: str = "logit_diff",
     verify: int = 0,
     positions: Sequence[int] | None = None,
-) -> Result:
-    """Estimate every cell of a denoising patching grid from two forwards and one backward.
+    batch_size: int | None = None,
+) -> Plan:
+    """Estimate every cell from two forwards and one backward; plan the verification patches.
 
-    Parameters
-    ----------
-    clean, corrupt
-        Prompts of equal token length (as for :func:`pipatch.patch`).
-    answer, foil
-        Single tokens; ``foil`` is required for ``metric="logit_diff"``.
-    site
-        ``"resid"`` (block output), ``"attn"`` / ``"mlp"`` (sublayer output) or ``"head"``
-        (one head's slice of ``z``).
-    metric
-        ``"logit_diff"`` (default), ``"prob"`` or ``"logprob"``; the gradient is taken of this.
-    verify
-        Run real patches for the ``verify`` cells with the largest ``|estimated change|`` and
-        keep both numbers (see Returns). ``0``: estimate only.
-    positions
-        Position sweeps: the positions (columns) to estimate, default all. ``site="head"``:
-        the positions summed over for each head (a head patched at these positions), default
-        all.
-
-    Returns
-    -------
-    Result
-        ``kind="attribution"``; ``raw[site]`` is tensor[1, layers, columns] of
-        ``corrupt metric + estimated change`` and ``result.grid`` its normalized recovery,
-        comparable cell by cell with ``pipatch.patch(..., site=site).grid``.
-        ``meta["estimate"]`` notes the method. With ``verify=k``:
-
-        * ``meta["verified"][site]``: [layers, columns] 0/1 list, 1 where a real patch ran
-          (a front end marks those cells);
-        * ``meta["verified_values"]``: ``[{"layer", "col", "estimate", "actual"}, ...]`` in raw
-          metric units, largest estimated effect first;
-        * ``meta["agreement"]``: ``{"spearman": rank correlation of estimate and actual over
-          the verified cells, "max_abs_error": max |estimate − actual| (raw units),
-          "max_abs_error_recovery": the same in normalized-recovery units, "n": k}``.
-
-    Notes
-    -----
-    Cost: one clean forward, one corrupt forward with gradient tracking, one backward (no
-    parameter gradients are computed: the backward runs only down to the embedding output).
-    Verification adds one corrupt baseline forward (the engine's cached run) and ``k`` patched
-    runs, batched per layer as invokes of one trace.
-
-    Examples
-    --------
-    >>> r = pipatch.attribute(model, clean="The Eiffel Tower is in the city of",
-    ...                       corrupt="The Colosseum is in the city of",
-    ...                       answer=" Paris", foil=" Rome", site="head", verify=5)
-    >>> r.meta["agreement"]
+    ``backend`` runs the model; the other parameters are :func:`pipatch.attribute`'s. The
+    estimate is computed here (the result's grid is complete when the plan is returned); running
+    the plan patches the ``verify`` cells with the largest estimated effect for real.
     """
-    check_choice(site, SITES, "site")
-    check_choice(metric, METRICS, "metric")
     if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
         raise PipatchError(f"verify must be a non-negative integer (cells to check with real patches), got {verify!r}")
-    adapter = adapter_for(model)
-    adapter.site_module(model, site, 0)  # refuses sublayer sites a family cannot patch
-    pair = pair_inputs(model, clean, corrupt, answer, foil, metric)
-    clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
-    answer_id, foil_id = pair.metric.answer, pair.metric.foil
-    T = clean_ids.shape[1]
+    adapter = backend.adapter
+    where = site_named(site, adapter)
+    pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
+    T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
+    batch = check_batch_size(batch_size, T)
     scorer = pair.metric
 
-    clean_run = capture(model, clean_ids, scorer, sites=(site,))
-    corrupt_acts, grads, corrupt_value = _gradients(model, corrupt_ids, scorer, site)
+    clean_run = backend.capture(pair.clean_ids, scorer, [where])
+    corrupt_acts, grads, corrupt_value = backend.gradients(pair.corrupt_ids, scorer, where)
     clean_value = float(clean_run.metric[0])
 
-    delta = torch.zeros(adapter.n_layers, adapter.n_heads if site == "head" else len(cols))
+    columns = where.columns(adapter, pair.clean_tokens, cols)
+    delta = torch.zeros(adapter.n_layers, len(columns))
     for layer in range(adapter.n_layers):
-        diff = clean_run.sites[site][layer][0].float() - corrupt_acts[layer][0].float()  # [T, width]
-        product = grads[layer][0].float() * diff
-        if site == "head":
-            per_head = product[cols].reshape(len(cols), adapter.n_heads, adapter.head_dim)
-            delta[layer] = per_head.sum(dim=(0, 2))
+        diff = clean_run.sites[where.name][layer][0].float() - corrupt_acts[layer][0].float()  # [T, width]
+        product = (grads[layer][0].float() * diff)[cols]
+        if where.axis == "head":
+            delta[layer] = product.reshape(len(cols), adapter.n_heads, adapter.head_dim).sum(dim=(0, 2))
         else:
-            delta[layer] = product[cols].sum(-1)
+            delta[layer] = product.sum(-1)
 
-    if site == "head":
-        columns = [f"H{h}" for h in range(adapter.n_heads)]
-    else:
-        columns = [clean_tokens[p] for p in cols]
-    raw = {site: (corrupt_value + delta).unsqueeze(0)}
-    meta = model_meta(model)
+    meta = model_meta(backend)
     meta.update({
-        "clean_prompt": clean, "corrupt_prompt": corrupt, "clean_tokens": clean_tokens,
-        "corrupt_tokens": corrupt_tokens, "answer": answer, "foil": foil, "answer_id": answer_id,
-        "foil_id": foil_id, "site": site, "direction": "denoise", "positions": cols,
+        **pair.meta(), "site": where.name, "direction": "denoise", "positions": cols,
         "estimate": "attribution patching: grad(metric) at the corrupt run · (clean − corrupt) activation",
     })
-    warnings = []
-    if abs(clean_value - corrupt_value) <= 1e-6 + 1e-3 * max(abs(clean_value), abs(corrupt_value)):
-        warnings.append(
-            f"clean and corrupt give (almost) the same {metric} ({clean_value:.4g} vs {corrupt_value:.4g}): "
-            "normalized recovery is undefined (NaN); raw values are kept — pick prompts that change the answer"
-        )
     result = Result(
-        kind="attribution", tokens=clean_tokens, columns=columns, layers=layer_labels(model), metric=metric,
-        raw=raw, clean=clean_value, corrupt=torch.tensor([corrupt_value]), meta=meta, warnings=warnings,
-        rows_done={site: adapter.n_layers},
+        kind="attribution", tokens=pair.clean_tokens, columns=columns, layers=layer_labels(backend), metric=metric,
+        raw={where.name: (corrupt_value + delta).unsqueeze(0)}, clean=clean_value,
+        corrupt=torch.tensor([corrupt_value]), meta=meta,
+        warnings=undefined_recovery_warning(metric, clean_value, corrupt_value),
+        rows_done={where.name: adapter.n_layers},
     )
-    if verify:
-        _verify(model, result, scorer, site, corrupt_ids, clean_run, cols, delta, verify)
-    return result
-
-
-def _gradients(model, input_ids: torch.Tensor, scorer: Metric, site: str):
-    """One forward with gradient tracking and one backward on ``input_ids``.
-
-    Returns (site activation per layer [1, T, width], d metric / d activation per layer,
-    metric value). The embedding output is swapped for a detached leaf and the backward is
-    restricted to it (``inputs=[leaf]``), so autograd walks every activation between the
-    embedding and the metric but never computes a parameter gradient: no ``.grad`` is left
-    on the model, and a frozen model (``requires_grad=False``) works too.
-    """
-    adapter = adapter_for(model)
-    n_layers = adapter.n_layers
-    with torch.enable_grad(), model.trace(**adapter.trace_kwargs) as tracer:
-        values = list().save()
-        grads = list().save()
-        with tracer.invoke(input_ids):
-            embedding = adapter.embedding(model)
-            leaf = embedding.output.detach().requires_grad_(True)
-            embedding.output = leaf
-            acts = []
-            for layer in range(n_layers):
-                module = adapter.site_module(model, site, layer)
-                act = module.input if site == "head" else first(module.output)
-                acts.append(act)
-                values.append(act.detach().clone())
-            score = scorer.from_logits(model.output.logits[:, -1])[0]
-            value = score.detach().save()
-            # nnsight serves .grad in the reverse of the forward order.
-            with score.backward(inputs=[leaf]):
-                for act in reversed(acts):
-                    grads.append(act.grad.detach().clone())
-    return list(values), list(reversed(list(grads))), float(value)
-
-
-def _verify(model, result: Result, scorer: Metric, site: str, corrupt_ids: torch.Tensor, clean_run,
-            cols: list[int], delta: torch.Tensor, k: int) -> None:
-    """Patch the ``k`` cells with the largest |estimated change| for real; record both numbers."""
-    adapter = adapter_for(model)
-    n_rows, n_cols = delta.shape
-    k = min(k, delta.numel())
+    k = min(verify, delta.numel())
     order = delta.abs().flatten().argsort(descending=True, stable=True)[:k].tolist()
-    chosen = [(i // n_cols, i % n_cols) for i in order]
-    base = capture(model, corrupt_ids, scorer, sites=(site,))
-    head = site == "head"
-    sweep = Sweep(view=site, site=site, input_ids=corrupt_ids,
-                  columns=list(range(adapter.n_heads)) if head else cols,
-                  positions=cols if head else [], window=1, base=base, donor=clean_run.sites, metric=scorer)
-    actual: dict[tuple[int, int], float] = {}
-    for layer in sorted({row for row, _ in chosen}):
-        cells = [_Cell(row, col, 0) for row, col in chosen if row == layer]
-        with torch.no_grad():
-            values = _run_trace(model, adapter, sweep, layer, cells, fast=True)
-        for cell, value in zip(cells, values.tolist()):
-            actual[(cell.layer, cell.col)] = value
-    corrupt_value = float(result.corrupt[0])
-    mask = [[0.0] * n_cols for _ in range(n_rows)]
-    rows = []
-    for row, col in chosen:
-        mask[row][col] = 1.0
-        rows.append({"layer": row, "col": col, "estimate": corrupt_value + float(delta[row, col]),
-                     "actual": actual[(row, col)]})
-    estimates = torch.tensor([r["estimate"] for r in rows], dtype=torch.float64)
-    actuals = torch.tensor([r["actual"] for r in rows], dtype=torch.float64)
-    error = float((estimates - actuals).abs().max())
-    span = result.clean - corrupt_value
-    result.meta["verified"] = {site: mask}
-    result.meta["verified_values"] = rows
-    result.meta["agreement"] = {
-        "spearman": spearman(estimates, actuals),
-        "max_abs_error": error,
-        "max_abs_error_recovery": error / abs(span) if span else float("nan"),
-        "n": k,
-    }
+    chosen = [(i // len(columns), i % len(columns)) for i in order]
+    # The corrupt run's cached blocks (for reuse below each patch) come from a plain capture.
+    base = backend.capture(pair.corrupt_ids, scorer, [where]) if k else clean_run
+    sweep = _VerifySweep(view=where.name, base=Base(pair.corrupt_ids, base), metric=scorer,
+                         n_rows=adapter.n_layers, n_cols=len(columns), only=set(chosen), site=where, adapter=adapter,
+                         donor=clean_run.sites[where.name], columns=cols, positions=cols)
+    if k:
+        meta["verified"] = {where.name: [[0.0] * len(columns) for _ in range(adapter.n_layers)]}
+        meta["verified_values"] = [{"layer": row, "col": col, "estimate": corrupt_value + float(delta[row, col]),
+                                    "actual": None} for row, col in chosen]
+    return _AttributionPlan(backend, result, [sweep], batch, True)
+
+
+@dataclass
+class _VerifySweep(SiteSweep):
+    """Real denoising patches of the chosen cells; values go to ``meta``, not the estimate grid."""
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False
+
+    def store(self, result: Any, cell: Cell, value: float) -> None:
+        for entry in result.meta["verified_values"]:
+            if (entry["layer"], entry["col"]) == (cell.row, cell.col):
+                entry["actual"] = value
+        result.meta["verified"][self.view][cell.row][cell.col] = 1.0
+
+
+class _AttributionPlan(Plan):
+    """Verification rows run like any sweep's; the agreement is summarised at the end."""
+
+    def finish(self) -> None:
+        result = self.result
+        rows = [r for r in result.meta.get("verified_values", []) if r["actual"] is not None]
+        if not rows:
+            return
+        estimates = torch.tensor([r["estimate"] for r in rows], dtype=torch.float64)
+        actuals = torch.tensor([r["actual"] for r in rows], dtype=torch.float64)
+        error = float((estimates - actuals).abs().max())
+        span = result.clean - float(result.corrupt[0])
+        result.meta["agreement"] = {
+            "spearman": spearman(estimates, actuals),
+            "max_abs_error": error,
+            "max_abs_error_recovery": error / abs(span) if span else float("nan"),
+            "n": len(rows),
+        }
 
 
 def _average_ranks(x: torch.Tensor) -> torch.Tensor:

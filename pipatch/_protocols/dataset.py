@@ -25,13 +25,18 @@ For activation patching the "subject" is the span where the clean and corrupt to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from .._cells import Cell
+from .._engine import Plan, Predictor, SiteSweep, Sweep
 from .._models import PipatchError
 from .._result import Result
+
+__all__ = ["plan_dataset", "named_groups", "per_prompt"]
 
 GROUPS = ("before", "first {s}", "middle {s}", "last {s}", "first after", "further", "last")
 
@@ -52,8 +57,11 @@ def named_groups(span: list[int], T: int, noun: str = "subject") -> tuple[list[s
     return [g.format(s=noun) for g in GROUPS], groups
 
 
-def _grouped(raw: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
-    """[S, L, T] → [S, L, len(groups)]: mean over each group's positions (NaN when empty)."""
+def _grouped(raw: torch.Tensor, groups: list[list[int]] | None) -> torch.Tensor:
+    """[S, L, T] → [S, L, len(groups)]: mean over each group's positions (NaN when empty).
+    ``groups=None`` (a head or sender grid): the columns as they are."""
+    if groups is None:
+        return raw
     S, L, _ = raw.shape
     out = torch.full((S, L, len(groups)), float("nan"))
     for k, positions in enumerate(groups):
@@ -62,47 +70,8 @@ def _grouped(raw: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def combine(results: list[Result], spans: list[list[int]] | None, noun: str) -> Result:
-    """Stack per-prompt results into one dataset result (see the module docstring)."""
-    first = results[0]
-    head_grid = first.meta.get("site") == "head" and first.kind == "patch"
-    raws: dict[str, list[torch.Tensor]] = {view: [] for view in first.views}
-    clean_rows, corrupt_rows = [], []
-    columns = first.columns
-    for index, result in enumerate(results):
-        if result.views != first.views:
-            raise PipatchError("every prompt of a dataset must be swept over the same views")
-        S = result.n_seeds
-        for view in result.views:
-            if head_grid:
-                raws[view].append(result.raw[view])
-            else:
-                columns, groups = named_groups(spans[index], len(result.tokens), noun)
-                raws[view].append(_grouped(result.raw[view], groups))
-        clean_rows.append(torch.full((S,), float(result.clean)))
-        corrupt_rows.append(result.corrupt.float())
-    meta = dict(first.meta)
-    meta.update({
-        "dataset": True,
-        "prompts": [r.meta.get("prompt") or r.meta.get("clean_prompt") for r in results],
-        "rows_per_prompt": [r.n_seeds for r in results],
-        "per_prompt_clean": [float(r.clean) for r in results],
-        "per_prompt_corrupt": [r.corrupt.tolist() for r in results],
-        "elapsed": sum(float(r.meta.get("elapsed", 0.0)) for r in results),
-    })
-    statuses = [r.status for r in results]
-    status = next((s for s in statuses if s != "done"), "done")
-    warnings = [f"prompt {i}: {w}" for i, r in enumerate(results) for w in r.warnings]
-    return Result(
-        kind=first.kind, tokens=list(columns), columns=list(columns), layers=first.layers, metric=first.metric,
-        raw={view: torch.cat(parts) for view, parts in raws.items()}, clean=torch.cat(clean_rows),
-        corrupt=torch.cat(corrupt_rows), meta=meta,
-        rows_done={view: min(r.rows_done.get(view, 0) for r in results) for view in first.views},
-        status=status, message=next((r.message for r in results if r.message), ""), warnings=warnings,
-    )
-
-
-def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
+def per_prompt(value: Any, n: int, what: str) -> list[Any]:
+    """One value per prompt: a list of ``n`` as is, anything else repeated ``n`` times."""
     if isinstance(value, (list, tuple)) and not (what == "subject" and value and isinstance(value[0], int)):
         if len(value) != n:
             raise PipatchError(f"{len(value)} {what}s for {n} prompts: pass one {what} per prompt, or one for all")
@@ -110,51 +79,124 @@ def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
     return [value] * n
 
 
-def trace_many(model, prompts: Sequence[str], *, subject, answer, on_row: Callable | None = None,
-               stop: Any = None, **kwargs) -> Result:
-    """Causal tracing averaged over ``prompts`` (``subject`` / ``answer``: one, or one per prompt)."""
-    from .tracing import trace
-
-    if not prompts:
-        raise PipatchError("the list of prompts is empty: pass at least one prompt")
-    subjects, answers = _per_prompt(subject, len(prompts), "subject"), _per_prompt(answer, len(prompts), "answer")
-    results: list[Result] = []
-    for prompt, subj, ans in zip(prompts, subjects, answers):
-        result = trace(model, prompt, subject=subj, answer=ans, stop=stop, **kwargs)
-        results.append(result)
-        _notify(on_row, combine(results, [r.meta["subject_positions"] for r in results], "subject"))
-        if result.status != "done":
-            break
-    return combine(results, [r.meta["subject_positions"] for r in results], "subject")
+def _span(result: Result) -> tuple[list[int], str]:
+    """The positions a prompt's named groups are built around, and what to call them."""
+    if "subject_positions" in result.meta:
+        return result.meta["subject_positions"], "subject"
+    clean, corrupt = result.meta["clean_tokens"], result.meta["corrupt_tokens"]
+    changed = [i for i, (a, b) in enumerate(zip(clean, corrupt)) if a != b]
+    return changed or [len(clean) - 1], "changed"
 
 
-def patch_many(model, pairs: Sequence[tuple[str, str]], *, answer, foil=None, on_row: Callable | None = None,
-               stop: Any = None, **kwargs) -> Result:
-    """Activation patching averaged over ``(clean, corrupt)`` pairs (``answer``/``foil``: one or one per pair)."""
-    from .patching import patch
-
-    if not pairs:
-        raise PipatchError("the list of prompt pairs is empty: pass at least one (clean, corrupt) pair")
-    answers, foils = _per_prompt(answer, len(pairs), "answer"), _per_prompt(foil, len(pairs), "foil")
-    results, spans = [], []
-    for pair, ans, fl in zip(pairs, answers, foils):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise PipatchError(f"{pair!r} is not a (clean, corrupt) pair")
-        clean, corrupt = pair
-        result = patch(model, clean=clean, corrupt=corrupt, answer=ans, foil=fl, stop=stop, **kwargs)
-        changed = [i for i, (a, b) in enumerate(zip(result.meta["clean_tokens"], result.meta["corrupt_tokens"]))
-                   if a != b]
-        spans.append(changed or [len(result.tokens) - 1])
-        results.append(result)
-        _notify(on_row, combine(results, spans, "changed"))
-        if result.status != "done":
-            break
-    return combine(results, spans, "changed")
+def _position_axis(plan: Plan) -> bool:
+    sweep = plan.sweeps[0]
+    return isinstance(sweep, SiteSweep) and sweep.site.axis == "position"
 
 
-def _notify(on_row: Callable | None, partial: Result) -> None:
-    if on_row is None:
-        return
-    for view in partial.views:
-        for layer in range(len(partial.layers)):
-            on_row(partial, view, layer)
+class DatasetPlan(Plan):
+    """Many prompts' plans run as one: row by row across prompts, into one combined result.
+
+    Row ``r`` of every prompt runs before row ``r + 1`` of any, so the combined grid fills in
+    top to bottom like a single prompt's. Each (prompt, seed) is one row of the result's seed
+    axis, normalized against its own baselines.
+    """
+
+    def __init__(self, backend: Any, plans: list[Plan]):
+        first = plans[0]
+        views = first.result.views
+        for plan in plans:
+            if plan.result.views != views:
+                raise PipatchError("every prompt of a dataset must be swept over the same views")
+        self.plans = plans
+        self.groups: list[list[list[int]] | None] = []
+        columns = first.result.columns
+        for plan in plans:
+            if _position_axis(plan):
+                span, noun = _span(plan.result)
+                columns, groups = named_groups(span, len(plan.result.tokens), noun)
+                self.groups.append(groups)
+            else:
+                self.groups.append(None)
+        self.offsets = [0]
+        for plan in plans:
+            self.offsets.append(self.offsets[-1] + plan.result.n_seeds)
+        self._owner = {id(sweep): i for i, plan in enumerate(plans) for sweep in plan.sweeps}
+        results = [p.result for p in plans]
+        meta = dict(first.result.meta)
+        meta.update({
+            "dataset": True,
+            "prompts": [r.meta.get("prompt") or r.meta.get("clean_prompt") for r in results],
+            "rows_per_prompt": [r.n_seeds for r in results],
+            "per_prompt_clean": [float(r.clean) for r in results],
+            "per_prompt_corrupt": [r.corrupt.tolist() for r in results],
+        })
+        result = Result(
+            kind=first.result.kind, tokens=list(columns), columns=list(columns), layers=first.result.layers,
+            metric=first.result.metric,
+            raw={view: torch.cat([_grouped(p.result.raw[view], g) for p, g in zip(plans, self.groups)])
+                 for view in views},
+            clean=torch.cat([torch.full((r.n_seeds,), float(r.clean)) for r in results]),
+            corrupt=torch.cat([r.corrupt.float() for r in results]), meta=meta,
+            rows_done={view: min(r.rows_done.get(view, 0) for r in results) for view in views},
+            warnings=[f"prompt {i}: {w}" for i, r in enumerate(results) for w in r.warnings],
+        )
+        super().__init__(backend, result, [s for p in plans for s in p.sweeps], first.batch_size, first.fast)
+
+    def tasks(self) -> Iterator[tuple[Sweep, int]]:
+        for index in range(len(self.plans[0].sweeps)):
+            for row in range(self.plans[0].sweeps[index].n_rows):
+                for plan in self.plans:
+                    yield plan.sweeps[index], row
+
+    def begin(self) -> None:
+        for plan in self.plans:
+            plan.begin()
+        super().begin()
+
+    def store(self, sweep: Sweep, cell: Cell, value: float) -> None:
+        sweep.store(self.plans[self._owner[id(sweep)]].result, cell, value)
+
+    def row_done(self, sweep: Sweep, row: int) -> None:
+        i = self._owner[id(sweep)]
+        plan = self.plans[i]
+        plan.row_done(sweep, row)
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        self.result.raw[sweep.view][lo:hi, row] = _grouped(plan.result.raw[sweep.view][:, row : row + 1],
+                                                           self.groups[i])[:, 0]
+        if i == len(self.plans) - 1 and sweep.tracks_rows:
+            self.result.rows_done[sweep.view] = row + 1
+
+    def finish(self) -> None:
+        for plan in self.plans:
+            plan.finish()
+
+    @property
+    def total_rows(self) -> int:
+        return self.plans[0].total_rows
+
+    def predictor(self) -> Predictor:
+        """A click on row ``seed`` of the seed axis runs that prompt's cell; a named-position
+        column patches every position of its group at once (seed −1: the first prompt)."""
+        sweeps = [{s.view: dataclasses.replace(s, only=None) for s in plan.sweeps} for plan in self.plans]
+        offsets, groups, names = list(self.offsets), list(self.groups), list(self.result.columns)
+
+        def locate(view: str, row: int, col: int, seed: int) -> tuple[Sweep, Cell]:
+            flat = max(seed, 0)
+            i = max(k for k in range(len(sweeps)) if offsets[k] <= flat)
+            sweep = sweeps[i][view]
+            if groups[i] is None:
+                return sweep, sweep.cell(row, col, flat - offsets[i])
+            positions = groups[i][col]
+            if not positions:
+                raise PipatchError(f"prompt {i} has no token in the column {names[col]!r}")
+            grouped = dataclasses.replace(sweep, columns=[positions])
+            return grouped, grouped.cell(row, 0, flat - offsets[i])
+
+        return Predictor(self.backend, sweeps[0], locate)
+
+
+def plan_dataset(backend, planner: Callable[..., Plan], items: Sequence[dict[str, Any]]) -> DatasetPlan:
+    """Plan each prompt with ``planner(backend, **item)`` and combine them (see the module docstring)."""
+    if not items:
+        raise PipatchError("the list of prompts is empty: pass at least one prompt (or clean/corrupt pair)")
+    return DatasetPlan(backend, [planner(backend, **item) for item in items])

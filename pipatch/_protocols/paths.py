@@ -46,9 +46,15 @@ after attention this is ``W_O[:, head] (z_donor − z_base)``; in families that 
 attention output before adding it (Gemma 2/3's ``post_attention_layernorm``) it is that norm
 applied to the whole attention output, recomputed — the head's write is not separable there.
 
-The sender and receivers are patched at every position. The result is a :class:`PathResult`:
-one number, with both baselines and normalized recovery on the same scale as
-:func:`pipatch.patch` (0 the corrupt run, 1 the clean run).
+The sender and receivers are patched at every position.
+
+**A sweep over senders.** As in the IOI paper's figures, the default sender is *every* head:
+the result is a grid of layers × heads, one path-patched run per sender, batched as invokes
+like any other grid (``sender="mlp"``: layers × one MLP column). One sender, ``("head", 12, 2)``
+or ``("mlp", 12)``, is a grid of one cell. With q/k/v receivers a sender must sit below the
+first receiver's layer; the sweep leaves later senders empty (NaN). Values are normalized
+recovery on the same scale as :func:`pipatch.patch` (0 the corrupt run, 1 the clean run);
+``result.raw`` keeps the path-patched metric itself.
 """
 
 from __future__ import annotations
@@ -59,190 +65,144 @@ from typing import Any
 
 import torch
 
-from .._engine import METRICS, capture
-from .._models import PipatchError, _get, adapter_for, first
-from ._inputs import check_choice, model_meta
+from .._cells import Base, Capture, Cell, Op
+from .._engine import Plan, Sweep, check_batch_size
+from .._models import Adapter, PipatchError
+from .._result import Result
+from .._sites import ATTN, HEAD, MLP, Site, projection
+from ._inputs import check_choice, layer_labels, model_meta, undefined_recovery_warning
 from .patching import pair_inputs
 
-__all__ = ["path_patch", "PathResult"]
+__all__ = ["plan_path_patch", "DIRECTIONS"]
 
 DIRECTIONS = ("denoise", "noise")
 _QKV = ("q", "k", "v")
+_FULL = (slice(None),)
 
 
 @dataclass
-class PathResult:
-    """The outcome of one path patch.
+class _Receiver:
+    """One receiver: the output columns ``lo:hi`` of projection ``site`` at ``layer``."""
 
-    Attributes
-    ----------
-    sender
-        ``("head", layer, h)`` or ``("mlp", layer)``.
-    receivers
-        ``"logits"`` or the list of ``("head", layer, h, "q" | "k" | "v")``.
-    metric, direction
-        As passed.
-    value
-        The metric of the path-patched run (run 3; run 2 for ``"logits"``).
-    clean, corrupt
-        The metric of the clean and the corrupt run.
-    meta
-        Prompts, tokens, model, ...
+    layer: int
+    site: Site
+    lo: int
+    hi: int
+
+    @property
+    def index(self) -> tuple:
+        return (slice(None), slice(None), slice(self.lo, self.hi))
+
+
+@dataclass
+class _PathSweep(Sweep):
+    """Cell ``(row, col)``: the path from sender ``senders[row][col]`` to the receivers.
+
+    Run 2 of the module docstring is the cell's ops: the sender's value swapped for the
+    donor's, every later attention / MLP output frozen to the base run's, the receivers'
+    inputs recorded. With receivers, ``then`` builds run 3: the base run with only those
+    recorded columns written.
     """
 
-    sender: tuple
-    receivers: Any
-    metric: str
-    direction: str
-    value: float
-    clean: float
-    corrupt: float
-    meta: dict[str, Any] = field(default_factory=dict)
+    adapter: Adapter | None = None
+    donor: Capture | None = None
+    senders: list[list[tuple]] = field(default_factory=list)
+    receivers: list[_Receiver] = field(default_factory=list)
 
-    @property
-    def base(self) -> float:
-        """The metric of the run the path was patched into (corrupt for denoising)."""
-        return self.corrupt if self.direction == "denoise" else self.clean
+    def cell(self, row: int, col: int, seed: int) -> Cell:
+        kind, layer, head = self.senders[row][col]
+        base = self.base.capture
+        ops = []
+        if kind == "head":
+            index = (slice(None), slice(None), HEAD.head_slice(self.adapter, head))
+            ops.append(Op(HEAD, layer, index, self.donor.sites[HEAD.name][layer][index]))
+        for later in range(layer, self.adapter.n_layers):
+            if later > layer:
+                ops.append(Op(ATTN, later, _FULL, base.sites[ATTN.name][later]))
+            mlp = self.donor if (later == layer and kind == "mlp") else base
+            ops.append(Op(MLP, later, _FULL, mlp.sites[MLP.name][later]))
+        ops += [Op(r.site, r.layer, r.index) for r in self.receivers]
+        then = None
+        if self.receivers:
+            receivers = self.receivers
+            start = min(r.layer for r in receivers)
 
-    @property
-    def effect(self) -> float:
-        """``value − base``: how far the path alone moved the metric."""
-        return self.value - self.base
+            def then(recorded: list[torch.Tensor], row=row, col=col, seed=seed) -> Cell:
+                ordered = sorted(receivers, key=lambda r: (r.layer, r.site.order))
+                return Cell(row, col, seed, start=start,
+                            ops=[Op(r.site, r.layer, r.index, value) for r, value in zip(ordered, recorded)])
 
-    @property
-    def recovery(self) -> float:
-        """Normalized ``(value − corrupt) / (clean − corrupt)``; NaN when clean ≈ corrupt."""
-        span = self.clean - self.corrupt
-        if abs(span) <= 1e-6 + 1e-3 * max(abs(self.clean), abs(self.corrupt)):
-            return float("nan")
-        return (self.value - self.corrupt) / span
-
-    def __repr__(self) -> str:
-        return (f"<pipatch.PathResult {self.direction} {self.sender} → {self.receivers}: {self.metric} "
-                f"{self.value:.4g} (corrupt {self.corrupt:.4g}, clean {self.clean:.4g}), "
-                f"recovery {self.recovery:.3f}>")
+        return Cell(row, col, seed, start=layer, ops=ops, then=then)
 
 
-def path_patch(
-    model,
+def plan_path_patch(
+    backend,
     *,
     clean: str,
     corrupt: str,
     answer: str,
     foil: str | None = None,
-    sender: Sequence,
+    sender: Any = None,
     receivers: str | Sequence[Sequence] = "logits",
     metric: str = "logit_diff",
     direction: str = "denoise",
-) -> PathResult:
-    """Patch the path from ``sender`` to ``receivers`` only, everything else frozen.
+    batch_size: int | None = None,
+    fast: bool = True,
+) -> Plan:
+    """Check the inputs and run the clean and corrupt baselines; return the sender sweep's Plan.
 
-    Parameters
-    ----------
-    clean, corrupt
-        Prompts of equal token length.
-    answer, foil
-        Single tokens; ``foil`` is required for ``metric="logit_diff"``.
-    sender
-        ``("head", layer, h)`` (query head ``h``'s slice of ``z``) or ``("mlp", layer)``.
-    receivers
-        ``"logits"`` (the direct path) or a list of ``("head", layer, h, "q" | "k" | "v")`` at
-        layers after the sender's: that head's columns of the query, key or value projection
-        (separate ``q_proj``/``k_proj``/``v_proj``, or a fused projection as in GPT-2, GPT-NeoX,
-        Phi-3 and Falcon; the adapter knows each layout). On GQA models a k/v receiver patches
-        the key/value head its query head shares (see the module docstring).
-    metric
-        ``"logit_diff"``, ``"prob"`` or ``"logprob"``.
-    direction
-        ``"denoise"`` (base corrupt, donor clean) or ``"noise"`` (base clean, donor corrupt).
-
-    Returns
-    -------
-    PathResult
-        ``.value`` (the path-patched metric), ``.clean``, ``.corrupt``, ``.effect``
-        (value − base) and ``.recovery`` ((value − corrupt) / (clean − corrupt)).
-
-    Examples
-    --------
-    >>> pipatch.path_patch(model, clean="The Eiffel Tower is in the city of",
-    ...                    corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome",
-    ...                    sender=("head", 12, 2), receivers="logits").recovery
+    ``backend`` runs the model; the other parameters are :func:`pipatch.path_patch`'s.
     """
-    check_choice(metric, METRICS, "metric")
     check_choice(direction, DIRECTIONS, "direction")
-    adapter = adapter_for(model)
-    adapter.site_module(model, "head", 0)  # refuses families whose sublayers include the residual
-    kind, sender_layer, sender_head = _parse_sender(sender, adapter)
-    receiver_list = _parse_receivers(receivers, sender_layer, adapter)
-    pair = pair_inputs(model, clean, corrupt, answer, foil, metric)
-    clean_ids, clean_tokens, corrupt_ids, corrupt_tokens = pair.clean_ids, pair.clean_tokens, pair.corrupt_ids, pair.corrupt_tokens
-    answer_id, foil_id = pair.metric.answer, pair.metric.foil
+    adapter = backend.adapter
+    HEAD.check(adapter)  # refuses families whose sublayers include the residual
+    view, senders, rows, columns = _parse_sender(sender, adapter)
+    receiver_list = _parse_receivers(receivers, adapter)
+    first_receiver = min((r[1] for r in receiver_list), default=adapter.n_layers)
+    if sender is not None and not isinstance(sender, str) and receiver_list and senders[0][0][1] >= first_receiver:
+        late = next(r for r in receiver_list if r[1] <= senders[0][0][1])
+        raise PipatchError(
+            f"receiver {tuple(late)} is at layer {late[1]}, not after the sender's layer {senders[0][0][1]}: "
+            "a receiver must read the residual stream after the sender wrote to it"
+        )
+    pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
+    batch = check_batch_size(batch_size, pair.clean_ids.shape[1])
     scorer = pair.metric
 
-    clean_run = capture(model, clean_ids, scorer, sites=("attn", "mlp", "head"))
-    corrupt_run = capture(model, corrupt_ids, scorer, sites=("attn", "mlp", "head"))
+    sites = [HEAD, ATTN, MLP]
+    clean_run = backend.capture(pair.clean_ids, scorer, sites)
+    corrupt_run = backend.capture(pair.corrupt_ids, scorer, sites)
     if direction == "denoise":
-        base, base_ids, donor = corrupt_run, corrupt_ids, clean_run
+        base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run
     else:
-        base, base_ids, donor = clean_run, clean_ids, corrupt_run
+        base, base_ids, donor = clean_run, pair.clean_ids, corrupt_run
 
-    hd = adapter.head_dim
-    # {layer: [(projection, [(receiver index, lo, hi), ...]), ...]} in q, k, v order: nnsight
-    # serves a module's output only in the order the forward pass computes them. A fused
-    # projection is one module serving all three.
-    reads: dict[int, list[tuple[str, list[tuple[int, int, int]]]]] = {}
-    for i, (_, layer, head, which) in enumerate(receiver_list):
-        proj, lo, hi = adapter.qkv_columns(which, head)
-        per_layer = reads.setdefault(layer, [(name, []) for name in adapter.qkv])
-        next(part for name, part in per_layer if name == proj).append((i, lo, hi))
-    reads = {layer: [(name, part) for name, part in parts if part] for layer, parts in reads.items()}
-
-    # Run 2: the sender swapped, everything downstream of it frozen; record what receivers read.
-    with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
-        recorded = list().save()
-        with tracer.invoke(base_ids):
-            for layer in range(sender_layer, adapter.n_layers):
-                block = adapter.block(model, layer)
-                attn = _get(block, adapter.attn)
-                if layer == sender_layer and kind == "head":
-                    lo = sender_head * hd
-                    z = _get(attn, adapter.out_proj).input
-                    z[:, :, lo : lo + hd] = donor.sites["head"][layer][:, :, lo : lo + hd]
-                if layer > sender_layer:
-                    for proj, part in reads.get(layer, []):
-                        out = _get(attn, proj).output
-                        for i, lo, hi in part:
-                            recorded.append((i, out[:, :, lo:hi].clone()))
-                    first(attn.output)[:] = base.sites["attn"][layer]
-                mlp_value = donor.sites["mlp"][layer] if (layer == sender_layer and kind == "mlp") \
-                    else base.sites["mlp"][layer]
-                first(_get(block, adapter.mlp).output)[:] = mlp_value
-            sender_logits = model.output.logits[:, -1].float().save()
-    if not receiver_list:
-        value = float(scorer.from_logits(sender_logits)[0])
-    else:
-        # Run 3: the base run with only the receivers' q/k/v slices replaced.
-        values = dict(list(recorded))
-        with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
-            with tracer.invoke(base_ids):
-                for layer in sorted(reads):
-                    attn = _get(adapter.block(model, layer), adapter.attn)
-                    for proj, part in reads[layer]:
-                        out = _get(attn, proj).output
-                        for i, lo, hi in part:
-                            out[:, :, lo:hi] = values[i]
-                logits = model.output.logits[:, -1].float().save()
-        value = float(scorer.from_logits(logits)[0])
-
-    meta = model_meta(model)
-    meta.update({"clean_prompt": clean, "corrupt_prompt": corrupt, "clean_tokens": clean_tokens,
-                 "corrupt_tokens": corrupt_tokens, "answer": answer, "foil": foil,
-                 "answer_id": answer_id, "foil_id": foil_id})
-    return PathResult(
-        sender=tuple(sender), receivers="logits" if not receiver_list else [tuple(r) for r in receiver_list],
-        metric=metric, direction=direction, value=value, clean=float(clean_run.metric[0]),
-        corrupt=float(corrupt_run.metric[0]), meta=meta,
+    only = {(row, col) for row in range(len(senders)) for col in range(len(senders[row]))
+            if senders[row][col][1] < first_receiver}
+    meta = model_meta(backend)
+    meta.update({**pair.meta(), "site": view, "direction": direction,
+                 "sender": list(sender) if isinstance(sender, (tuple, list)) else sender,
+                 "receivers": "logits" if not receiver_list else [list(r) for r in receiver_list]})
+    clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
+    result = Result(
+        kind="path", tokens=pair.clean_tokens, columns=columns, layers=rows, metric=metric,
+        raw={view: torch.full((1, len(rows), len(columns)), float("nan"))}, clean=clean_value,
+        corrupt=torch.tensor([corrupt_value]), meta=meta,
+        warnings=undefined_recovery_warning(metric, clean_value, corrupt_value),
     )
+    sweep = _PathSweep(view=view, base=Base(base_ids, base), metric=scorer, n_rows=len(rows), n_cols=len(columns),
+                       only=None if len(only) == len(rows) * len(columns) else only, adapter=adapter, donor=donor,
+                       senders=senders, receivers=_receivers(receiver_list, adapter))
+    return Plan(backend, result, [sweep], batch, fast)
+
+
+def _receivers(receiver_list: list[tuple], adapter: Adapter) -> list[_Receiver]:
+    """Each receiver's projection site and output columns (see :meth:`Adapter.qkv_columns`)."""
+    out = []
+    for _, layer, head, which in receiver_list:
+        module, lo, hi = adapter.qkv_columns(which, head)
+        out.append(_Receiver(layer, projection(module, adapter.qkv.index(module)), lo, hi))
+    return out
 
 
 def _check_index(value: Any, limit: int, what: str) -> int:
@@ -251,16 +211,26 @@ def _check_index(value: Any, limit: int, what: str) -> int:
     return value
 
 
-def _parse_sender(sender: Any, adapter) -> tuple[str, int, int | None]:
+def _parse_sender(sender: Any, adapter: Adapter) -> tuple[str, list[list[tuple]], list[str], list[str]]:
+    """``(view, senders[row][col] = (kind, layer, head), row labels, column labels)``."""
+    layers = range(adapter.n_layers)
+    if sender is None or sender == "head":
+        return ("head", [[("head", layer, h) for h in range(adapter.n_heads)] for layer in layers],
+                [str(layer) for layer in layers], [f"H{h}" for h in range(adapter.n_heads)])
+    if sender == "mlp":
+        return "mlp", [[("mlp", layer, None)] for layer in layers], [str(layer) for layer in layers], ["MLP"]
     if isinstance(sender, (tuple, list)) and len(sender) == 3 and sender[0] == "head":
-        return ("head", _check_index(sender[1], adapter.n_layers, "sender layer"),
-                _check_index(sender[2], adapter.n_heads, "sender head"))
+        layer = _check_index(sender[1], adapter.n_layers, "sender layer")
+        head = _check_index(sender[2], adapter.n_heads, "sender head")
+        return "head", [[("head", layer, head)]], [str(layer)], [f"H{head}"]
     if isinstance(sender, (tuple, list)) and len(sender) == 2 and sender[0] == "mlp":
-        return "mlp", _check_index(sender[1], adapter.n_layers, "sender layer"), None
-    raise PipatchError(f"sender {sender!r} is not ('head', layer, head) or ('mlp', layer)")
+        layer = _check_index(sender[1], adapter.n_layers, "sender layer")
+        return "mlp", [[("mlp", layer, None)]], [str(layer)], ["MLP"]
+    raise PipatchError(f"sender {sender!r} is not None/'head' (every head), 'mlp' (every MLP), "
+                       "('head', layer, head) or ('mlp', layer)")
 
 
-def _parse_receivers(receivers: Any, sender_layer: int, adapter) -> list[tuple]:
+def _parse_receivers(receivers: Any, adapter: Adapter) -> list[tuple]:
     if isinstance(receivers, str):
         if receivers != "logits":
             raise PipatchError(f"receivers {receivers!r}: use 'logits' or a list of ('head', layer, head, 'q'|'k'|'v')")
@@ -270,13 +240,8 @@ def _parse_receivers(receivers: Any, sender_layer: int, adapter) -> list[tuple]:
         if not (isinstance(receiver, (tuple, list)) and len(receiver) == 4 and receiver[0] == "head"
                 and receiver[3] in _QKV):
             raise PipatchError(f"receiver {receiver!r} is not ('head', layer, head, 'q'|'k'|'v')")
-        layer = _check_index(receiver[1], adapter.n_layers, "receiver layer")
+        _check_index(receiver[1], adapter.n_layers, "receiver layer")
         _check_index(receiver[2], adapter.n_heads, "receiver head")
-        if layer <= sender_layer:
-            raise PipatchError(
-                f"receiver {tuple(receiver)} is at layer {layer}, not after the sender's layer {sender_layer}: "
-                "a receiver must read the residual stream after the sender wrote to it"
-            )
         adapter.qkv_columns(receiver[3], receiver[2])  # refuses a family whose q/k/v layout is unknown
         out.append(tuple(receiver))
     if not out:

@@ -33,15 +33,18 @@ reproduces the donor by construction, whichever run the donor came from.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from .._engine import Metric, Plan, Sweep, capture, check_batch_size
-from .._models import PipatchError, adapter_for
+from .._engine import Plan, SiteSweep, check_batch_size
+from .._models import PipatchError
 from .._result import Result
-from ._inputs import check_choice, encode, layer_labels, model_meta, single_token, subject_positions
+from .._cells import Base, Metric
+from .._sites import site as site_named
+from ._inputs import check_choice, check_int, encode, layer_labels, model_meta, single_token, subject_positions
+
+__all__ = ["plan_trace", "noise_draws", "KINDS", "AUTO_SCALES"]
 
 AUTO_SCALES = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)
 COLLAPSE_FRACTION = 0.1
@@ -57,7 +60,8 @@ def noise_draws(seeds: int, n_positions: int, d_model: int, scale: float, sigma:
     return torch.stack(draws)
 
 
-def _kinds(kind: str | Sequence[str]) -> list[str]:
+def parse_kinds(kind: str | Sequence[str]) -> list[str]:
+    """``"resid,mlp"`` or ``["resid", "mlp"]`` → checked, de-duplicated list of kinds."""
     kinds = [k.strip() for k in kind.split(",")] if isinstance(kind, str) else list(kind)
     if not kinds:
         raise PipatchError("kind is empty: use resid, mlp, attn or a comma-separated list of them")
@@ -66,77 +70,8 @@ def _kinds(kind: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(kinds))
 
 
-def trace(
-    model,
-    prompt: str | Sequence[str],
-    *,
-    subject: str | Sequence[int],
-    answer: str,
-    seeds: int = 10,
-    scale: float | str = "auto",
-    kind: str | Sequence[str] = "resid",
-    window: int = 10,
-    metric: str = "prob",
-    control: bool = False,
-    batch_size: int | None = None,
-    on_row: Callable[[Result, str, int], None] | None = None,
-    stop: Any = None,
-    fast: bool = True,
-) -> Result:
-    """Causal tracing of ``answer`` on ``prompt`` with the ``subject`` noised.
-
-    Parameters
-    ----------
-    model
-        An nnsight model (from :func:`pipatch.load_model` or built by the caller).
-    prompt
-        The text whose next token should be ``answer``; or a list of prompts, averaged over
-        named positions (see :mod:`pipatch._protocols.dataset`), with ``subject`` and
-        ``answer`` given once or once per prompt.
-    subject
-        The subject's text as it appears in ``prompt`` (every token overlapping it is noised,
-        BPE pieces included) or a list of token indices.
-    answer
-        One token, e.g. ``" Paris"``.
-    seeds
-        Number of noise draws; recovery is averaged over them.
-    scale
-        Noise scale in units of σ, or ``"auto"`` (see the module docstring).
-    kind
-        ``"resid"``, ``"mlp"``, ``"attn"`` or several (``"resid,mlp,attn"``): one grid each.
-    window
-        Layers restored together for ``mlp`` / ``attn``.
-    metric
-        ``"prob"`` (ROME), ``"logprob"``.
-    control
-        Restore from the corrupt run's own states (must give recovery 0 everywhere).
-    batch_size
-        Invokes per trace (default: sized to about 4,096 token positions per batch).
-    on_row
-        Called as ``on_row(result, view, layer)`` after each finished row.
-    stop
-        A ``threading.Event`` or function; when set the sweep stops after the current batch.
-    fast
-        Use the engine's exact shortcuts (reuse below the patch, last-position unembedding).
-
-    Returns
-    -------
-    Result
-        ``result.grid`` is tensor[layers, tokens] of mean normalized recovery.
-    """
-    if isinstance(prompt, (list, tuple)):
-        from .dataset import trace_many
-
-        return trace_many(model, prompt, subject=subject, answer=answer, seeds=seeds, scale=scale, kind=kind,
-                          window=window, metric=metric, control=control, batch_size=batch_size, on_row=on_row,
-                          stop=stop, fast=fast)
-    plan = plan_trace(model, prompt, subject=subject, answer=answer, seeds=seeds, scale=scale, kind=kind,
-                      window=window, metric=metric, control=control, batch_size=batch_size, fast=fast)
-    return plan.run(model, on_row=on_row, stop=stop)
-
-
 def plan_trace(
-    model,
+    backend,
     prompt: str,
     *,
     subject: str | Sequence[int],
@@ -150,26 +85,28 @@ def plan_trace(
     batch_size: int | None = None,
     fast: bool = True,
 ) -> Plan:
-    """Check the inputs and run the baselines; return the :class:`Plan` of the sweep (see :func:`trace`)."""
-    kinds = _kinds(kind)
+    """Check the inputs and run the baselines; return the :class:`Plan` of the sweep.
+
+    ``backend`` runs the model (:mod:`pipatch._backends`); the other parameters are
+    :func:`pipatch.trace`'s.
+    """
+    kinds = parse_kinds(kind)
     check_choice(metric, ("prob", "logprob"), "metric for tracing")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise PipatchError(f"seeds must be a whole number ≥ 1, got {seeds!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise PipatchError(f"window must be a whole number ≥ 1, got {window!r}")
+    check_int(seeds, "seeds")
+    check_int(window, "window")
     if not (scale == "auto" or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
         raise PipatchError(f"scale must be a positive number or 'auto', got {scale!r}")
     if scale != "auto" and not scale > 0:
         raise PipatchError(f"scale must be positive, got {scale!r}: noise of scale × σ needs scale > 0")
-    adapter = adapter_for(model)
-    input_ids, tokens, offsets = encode(model, prompt)
+    adapter = backend.adapter
+    sites = [site_named(k, adapter) for k in kinds]
+    input_ids, tokens, offsets = encode(backend, prompt)
     positions = subject_positions(subject, prompt, tokens, offsets)
-    answer_id = single_token(model, answer, "answer")
+    answer_id = single_token(backend, answer, "answer")
     batch = check_batch_size(batch_size, input_ids.shape[1])
     scorer = Metric(metric, answer_id)
-    sites = tuple(kinds)
 
-    clean = capture(model, input_ids, scorer, sites=sites)
+    clean = backend.capture(input_ids, scorer, sites)
     sigma = float(clean.embedded[0, positions].float().std())
     clean_prob = float(clean.prob[0])
     threshold = COLLAPSE_FRACTION * clean_prob
@@ -178,7 +115,7 @@ def plan_trace(
 
     def corrupt_at(value: float):
         noise = noise_draws(seeds, len(positions), adapter.d_model, value, sigma).to(input_ids.device)
-        return noise, capture(model, input_ids, scorer, sites=sites, noise=noise, noise_positions=positions)
+        return noise, backend.capture(input_ids, scorer, sites, noise=noise, noise_positions=positions)
 
     if scale == "auto":
         chosen = None
@@ -210,7 +147,7 @@ def plan_trace(
 
     n_layers = adapter.n_layers
     raw = {k: torch.full((seeds, n_layers, len(tokens)), float("nan")) for k in kinds}
-    meta = model_meta(model)
+    meta = model_meta(backend)
     meta.update({
         "prompt": prompt, "subject": subject if isinstance(subject, str) else list(subject),
         "subject_positions": positions, "answer": answer, "answer_id": answer_id, "seeds": seeds,
@@ -219,15 +156,16 @@ def plan_trace(
         "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": "resid",
     })
     result = Result(
-        kind="trace", tokens=tokens, columns=list(tokens), layers=layer_labels(model), metric=metric,
+        kind="trace", tokens=tokens, columns=list(tokens), layers=layer_labels(backend), metric=metric,
         raw=raw, clean=float(clean.metric[0]), corrupt=corrupt.metric.detach().float().cpu(),
         meta=meta, warnings=warnings,
     )
     donor = corrupt.sites if control else clean.sites
+    base = Base(input_ids, corrupt, noise=noise, noise_positions=positions)
     sweeps = [
-        Sweep(view=k, site=k, input_ids=input_ids, columns=list(range(len(tokens))), positions=[],
-              window=1 if k == "resid" else window, base=corrupt, donor=donor, metric=scorer,
-              noise=noise, noise_positions=positions, prune=not control)
-        for k in kinds
+        SiteSweep(view=s.name, base=base, metric=scorer, n_rows=n_layers, n_cols=len(tokens), prune=not control,
+                  site=s, adapter=adapter, donor=donor[s.name], columns=list(range(len(tokens))),
+                  window=window if s.sublayer else 1)
+        for s in sites
     ]
-    return Plan(result, sweeps, batch, fast)
+    return Plan(backend, result, sweeps, batch, fast)

@@ -1,0 +1,48 @@
+"""Backends: the only code that runs a model.
+
+A backend wraps one way of running a model and owns every call into it: opening nnsight
+traces, reading the device, dtype and tokenizer, the unembedding arithmetic, gradients. The
+engine, the protocols and the result never touch the model; they hand a backend *cells*
+(:mod:`pipatch._cells`) and get numbers back. A backend offers:
+
+=====================================  ======================================================
+``adapter``, ``tokenizer``             the family's :class:`~pipatch._models.Adapter`; text
+``device``, ``name``, ``meta()``       where inputs go; what results call the model
+``context_length``                     longest prompt, or ``None``
+``capture(ids, metric, sites, ...)``   one run (or one per noise draw) keeping every block
+                                       output and the named sites → :class:`Capture`
+``run(base, cells, metric, fast=)``    a batch of patched runs as invokes of one trace →
+                                       (metric per cell, recorded values per cell)
+``logits_of(base, cell)``              one cell's full last-position logits (clicks)
+``gradients(ids, metric, site)``       d metric / d site at every layer (attribution)
+``decode(ids)``                        token ids → text
+=====================================  ======================================================
+
+A new way of running models (vLLM, a server) is one module here with those members, and a
+line in :func:`backend_for`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["backend_for"]
+
+
+def backend_for(model: Any) -> Any:
+    """The backend that runs ``model``: a backend as is; an nnsight model (built by pipatch or
+    by the caller, lazily dispatched or not) or a plain transformers model → the transformers
+    backend, cached on the model so every call shares one."""
+    if hasattr(model, "capture") and hasattr(model, "run") and hasattr(model, "adapter"):
+        return model
+    from .transformers import TransformersBackend
+
+    cached = getattr(model, "_pipatch_backend", None)
+    if isinstance(cached, TransformersBackend):
+        return cached
+    backend = TransformersBackend(model)
+    try:
+        model._pipatch_backend = backend
+    except Exception:  # noqa: BLE001 - caching is an optimisation only
+        pass
+    return backend

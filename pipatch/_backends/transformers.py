@@ -1,0 +1,245 @@
+"""The transformers backend: an nnsight ``TransformersModel`` (or ``LanguageModel``) in this process.
+
+Every patched run is an nnsight *invoke*; a batch of cells is one ``model.trace()`` with one
+invoke per cell, so the model runs a real batch instead of one forward per cell. Inside an
+invoke a cell's ops are applied in forward order (nnsight serves a module's values only in
+the order the forward pass computes them).
+
+Two exact shortcuts, used when the engine asks for ``fast=True`` (a test compares them with
+``fast=False`` within 1e-4):
+
+* **Reuse below the patch.** Blocks below a cell's ``start`` layer see exactly the base run's
+  inputs, so their outputs are the base run's cached ones: the block is ``skip()``\\ ped with
+  the cached value instead of recomputed.
+* **Unembed one position.** The metric needs the last position only, and a logit difference
+  needs two rows of the unembedding, not 262k: the invoke reads the unembedding's *input* at
+  the last position and skips the unembedding; :meth:`TransformersBackend.logits` computes
+  just the rows the metric reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._cells import Base, Capture, Cell, Metric
+from .._models import _get, adapter_for, dispatched, first, model_name
+from .._sites import RESID, Site
+
+__all__ = ["TransformersBackend"]
+
+
+class TransformersBackend:
+    """Runs cells on an nnsight model of a transformers checkpoint, in this process."""
+
+    kind = "transformers"
+
+    def __init__(self, model: Any):
+        self.model = dispatched(model)
+        self.adapter = adapter_for(self.model)
+
+    # -- what the model is ------------------------------------------------------------------
+    @property
+    def _hf(self) -> Any:
+        return getattr(self.model, "_module", self.model)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        try:
+            return next(self._hf.parameters()).device
+        except StopIteration:
+            return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        try:
+            return next(self._hf.parameters()).dtype
+        except StopIteration:
+            return torch.float32
+
+    @property
+    def name(self) -> str:
+        return model_name(self.model)
+
+    @property
+    def context_length(self) -> int | None:
+        config = getattr(self._hf, "config", None)
+        config = getattr(config, "text_config", None) or config
+        for key in ("max_position_embeddings", "n_positions", "seq_length"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def meta(self) -> dict[str, Any]:
+        """What a result records about the model."""
+        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device)}
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.decode([int(i)]) for i in ids]
+
+    # -- runs -------------------------------------------------------------------------------
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        metric: Metric,
+        sites: Sequence[Site] = (),
+        *,
+        noise: torch.Tensor | None = None,
+        noise_positions: list[int] | None = None,
+    ) -> Capture:
+        """Run ``input_ids`` ([1, T]) once per noise draw and keep every block output and site.
+
+        ``noise`` is [n, len(noise_positions), d]: invoke ``i`` adds draw ``i`` to the
+        embedding output at ``noise_positions`` (causal tracing's corrupted runs); ``None``
+        is one clean run. ``sites`` lists the site values to keep besides the block outputs.
+        """
+        model, adapter = self.model, self.adapter
+        n = 1 if noise is None else noise.shape[0]
+        keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
+        layers = range(adapter.n_layers)
+        with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
+            runs = list().save()
+            for i in range(n):
+                with tracer.invoke(input_ids):
+                    embedded = adapter.embedding(model).output
+                    if noise is not None:
+                        embedded[:, noise_positions] += noise[i].to(embedded.dtype)
+                    embedded_copy = embedded.clone()
+                    blocks = []
+                    values = {s.name: [] for s in keep}
+                    for layer in layers:
+                        for s in keep:
+                            values[s.name].append(s.value(adapter, model, layer).clone())
+                        out = adapter.block(model, layer).output
+                        blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+                                      if isinstance(out, tuple) else out.clone())
+                    logits = model.output.logits[:, -1].float()
+                    runs.append((blocks, values, logits, embedded_copy))
+        blocks = [_cat([r[0][layer] for r in runs]) for layer in layers]
+        values = {s.name: [torch.cat([r[1][s.name][layer] for r in runs]) for layer in layers] for s in keep}
+        values[RESID.name] = [first(b) for b in blocks]
+        logits = torch.cat([r[2] for r in runs])
+        return Capture(blocks=blocks, sites=values, metric=metric.from_logits(logits),
+                       embedded=torch.cat([r[3] for r in runs]), prob=logits.softmax(-1)[:, metric.answer])
+
+    def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
+            full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Run ``cells`` on ``base`` as invokes of one trace.
+
+        Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
+        last position's logits per cell ([len(cells), vocab]) — and, per cell, the values its
+        recording ops read (in op order).
+        """
+        model, adapter = self.model, self.adapter
+        unembed = adapter.unembedding(model)
+        T = base.input_ids.shape[1]
+        last_only = fast and not full_logits
+        plans = [cell.sorted_ops() for cell in cells]
+        with torch.no_grad(), model.trace() as tracer:
+            outs = list().save()
+            recorded = list().save()
+            for cell, ops in zip(cells, plans):
+                with tracer.invoke(base.input_ids):
+                    if base.noise is not None and (cell.start == 0 or not fast):
+                        embedded = adapter.embedding(model).output
+                        embedded[:, base.noise_positions] += base.noise[cell.seed].to(embedded.dtype)
+                    if fast:
+                        for below in range(cell.start):
+                            adapter.block(model, below).skip(base.capture.block_for(below, cell.seed))
+                    values: dict[tuple[str, int], Any] = {}
+                    reads = []
+                    for op in ops:
+                        key = (op.site.name, op.layer)
+                        if key not in values:
+                            values[key] = op.site.value(adapter, model, op.layer)
+                        if op.value is None:
+                            reads.append(values[key][op.index].clone())
+                        else:
+                            values[key][op.index] = op.value
+                    recorded.append(reads)
+                    if last_only:
+                        final = unembed.input
+                        outs.append(final[:, -1])
+                        # The logits are computed from ``final`` outside the trace, for the last
+                        # position and the metric's rows only; the module returns a placeholder.
+                        unembed.skip(torch.zeros(1, T, 1, dtype=final.dtype, device=final.device))
+                    else:
+                        outs.append(model.output.logits[:, -1])
+        stacked = torch.cat(list(outs))
+        if full_logits:
+            return stacked.float(), list(recorded)
+        if last_only:
+            return self.metric_from_hidden(metric, stacked), list(recorded)
+        return metric.from_logits(stacked), list(recorded)
+
+    def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+        """The metric from the unembedding's input at the last position, [batch, d] → [batch]."""
+        out = []
+        for start in range(0, hidden.shape[0], chunk):
+            part = self.logits(hidden[start : start + chunk], metric.token_ids)
+            out.append(metric.from_logits(part, subset=metric.token_ids is not None))
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
+        """Logits from the input of the unembedding (the final-normed last-position states).
+
+        ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
+        all a logit difference needs and avoids multiplying by a 262k-row matrix.
+        """
+        module = _get(self._hf, self.adapter.unembed)
+        weight, bias = module.weight, getattr(module, "bias", None)
+        if token_ids is not None:
+            index = torch.as_tensor(token_ids, device=weight.device)
+            weight = weight.index_select(0, index)
+            bias = bias.index_select(0, index) if bias is not None else None
+        out = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+        if self.adapter.softcap:
+            out = torch.tanh(out / self.adapter.softcap) * self.adapter.softcap
+        return out
+
+    def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
+        """One forward with gradient tracking and one backward on ``input_ids``.
+
+        Returns (site value per layer [1, T, width], d metric / d value per layer, metric).
+        The embedding output is swapped for a detached leaf and the backward is restricted to
+        it (``inputs=[leaf]``), so autograd walks every activation between the embedding and
+        the metric but never computes a parameter gradient: no ``.grad`` is left on the
+        model, and a frozen model (``requires_grad=False``) works too.
+        """
+        model, adapter = self.model, self.adapter
+        with torch.enable_grad(), model.trace(**adapter.trace_kwargs) as tracer:
+            values = list().save()
+            grads = list().save()
+            with tracer.invoke(input_ids):
+                embedding = adapter.embedding(model)
+                leaf = embedding.output.detach().requires_grad_(True)
+                embedding.output = leaf
+                acts = []
+                for layer in range(adapter.n_layers):
+                    act = site.value(adapter, model, layer)
+                    acts.append(act)
+                    values.append(act.detach().clone())
+                score = metric.from_logits(model.output.logits[:, -1])[0]
+                value = score.detach().save()
+                # nnsight serves .grad in the reverse of the forward order.
+                with score.backward(inputs=[leaf]):
+                    for act in reversed(acts):
+                        grads.append(act.grad.detach().clone())
+        return list(values), list(reversed(list(grads))), float(value)
+
+
+def _cat(parts: list[Any]) -> Any:
+    if isinstance(parts[0], tuple):
+        return tuple(
+            torch.cat([p[i] for p in parts]) if isinstance(parts[0][i], torch.Tensor) else parts[0][i]
+            for i in range(len(parts[0]))
+        )
+    return torch.cat(parts)
