@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
-from pipatch._protocols.patching import plan_patch  # noqa: E402
-from pipatch._protocols.tracing import noise_draws, plan_trace  # noqa: E402
+from pipatch._api import plan_patch, plan_trace  # noqa: E402
+from pipatch._protocols.tracing import noise_draws  # noqa: E402
 
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
@@ -240,7 +240,7 @@ def run_pipatch(model, plan_fn, *args, **kwargs):
     with Peak() as peak:
         plan = plan_fn(model, *args, **kwargs)
         marks["planned"] = time.perf_counter()
-        result = plan.run(model, on_row=on_row)
+        result = plan.run(on_row=on_row)
     first = marks["first_row"] - marks["planned"]
     return result, peak.seconds, first, peak.peak
 

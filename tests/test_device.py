@@ -242,11 +242,11 @@ def test_windows_ablations_datasets_and_clicks_follow_the_device(folder, family)
     assert torch.allclose(got.raw["attn"], want.raw["attn"], atol=ATOL, rtol=0, equal_nan=True)
     assert got.n_seeds == 2 and not torch.isnan(got.raw["attn"][:, :, -1]).any()
     # A click on a cell: the patched run's top-5 next tokens, from full logits on the device.
-    from pipatch._engine import top_predictions
+    from pipatch._api import plan_patch
 
-    plans = [pipatch._protocols.patching.plan_patch(m, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
-             for m in (model, ref)]
+    predictors = [plan_patch(m, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome").predictor()
+                  for m in (model, ref)]
     (a_tokens, a_probs), (b_tokens, b_probs) = (
-        zip(*top_predictions(m, plan.sweeps[0], layer=1, col=subject_position(m))) for m, plan in zip((model, ref), plans))
+        zip(*predict("resid", 1, subject_position(m), 0, 5)) for m, predict in zip((model, ref), predictors))
     assert a_tokens == b_tokens
     assert a_probs == pytest.approx(b_probs, abs=1e-5)

@@ -19,7 +19,9 @@ import functools
 import pytest
 import torch
 
+from pipatch._backends import backend_for
 from pipatch._models import PipatchError, _get, adapter_for, first
+from pipatch._sites import SITES as SITE
 from tests._reference import hooked, logits_of, torch_patch
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, VOCAB_SIZE, tiny_model
 
@@ -143,10 +145,7 @@ def test_site_shapes_inside_a_trace(family):
         got = [].save()
         for layer in range(a.n_layers):
             # Modules must be read in the order they run: z, attention, MLP, block.
-            z = a.site_module(model, "head", layer).input
-            attn = first(a.site_module(model, "attn", layer).output)
-            mlp = first(a.site_module(model, "mlp", layer).output)
-            block = first(a.site_module(model, "resid", layer).output)
+            z, attn, mlp, block = (SITE[name].value(a, model, layer) for name in ("head", "attn", "mlp", "resid"))
             got.append((tuple(z.shape), tuple(attn.shape), tuple(mlp.shape), tuple(block.shape)))
         unembed_in = a.unembedding(model).input.save()
         logits = model.output.logits.save()
@@ -163,9 +162,10 @@ def test_logits_from_unembedding_input(family):
     with torch.no_grad(), model.trace(CLEAN):
         hidden = a.unembedding(model).input[:, -1].save()
         logits = model.output.logits[:, -1].save()
-    assert torch.allclose(a.logits(model, hidden), logits, atol=ATOL, rtol=0)
+    backend = backend_for(model)
+    assert torch.allclose(backend.logits(hidden), logits, atol=ATOL, rtol=0)
     paris, rome = (model.tokenizer(w, add_special_tokens=False).input_ids[0] for w in (" Paris", " Rome"))
-    subset = a.logits(model, hidden, [paris, rome])
+    subset = backend.logits(hidden, [paris, rome])
     assert torch.allclose(subset, logits[:, [paris, rome]], atol=ATOL, rtol=0)
     if a.softcap:
         # The cap really is on: the raw product differs and the capped logits are bounded.
@@ -180,8 +180,8 @@ def test_bloom_refuses_sublayer_sites():
     assert not a.sublayers_are_contributions
     for site in ("attn", "mlp", "head"):
         with pytest.raises(PipatchError, match="resid"):
-            a.site_module(model, site, 0)
-    assert a.site_module(model, "resid", 0) is not None
+            SITE[site].check(a)
+    assert SITE["resid"].check(a).module(a, model, 0) is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,8 +199,7 @@ def test_writing_clean_back_changes_nothing(family, site):
     positions = sorted({0, subject_position(model), T - 2, T - 1})
 
     def read(layer):
-        module = a.site_module(model, site, layer)
-        return module.input if site == "head" else first(module.output)
+        return SITE[site].value(a, model, layer)
 
     with torch.no_grad(), model.trace(CLEAN):
         saved = [].save()
@@ -229,8 +228,7 @@ def test_nnsight_patch_equals_torch_hook_patch(family, site):
     sl = slice(head * a.head_dim, (head + 1) * a.head_dim) if head is not None else slice(None)
 
     def read():
-        module = a.site_module(model, site, layer)
-        return module.input if site == "head" else first(module.output)
+        return SITE[site].value(a, model, layer)
 
     with torch.no_grad(), model.trace(clean_ids):
         donor = read().clone().save()
@@ -367,12 +365,12 @@ def test_attention_skip_needs_its_tuple(family):
     model = model_for(family)
     a = adapter_for(model)
     with torch.no_grad(), model.trace([CLEAN, CLEAN]):
-        out = a.site_module(model, "attn", 1).output
+        out = SITE["attn"].module(a, model, 1).output
         assert isinstance(out, tuple) and len(out) == 2
         value = out[0].clone().save()
         clean = model.output.logits.save()
     with torch.no_grad(), model.trace([CLEAN, CLEAN]):
-        a.site_module(model, "attn", 1).skip((value, None))
+        SITE["attn"].module(a, model, 1).skip((value, None))
         skipped = model.output.logits.save()
     assert torch.allclose(skipped, clean, atol=ATOL, rtol=0)
 
@@ -383,9 +381,9 @@ def test_falcon_mlp_output_is_modified_in_place():
     model = model_for("falcon")
     a = adapter_for(model)
     with torch.no_grad(), model.trace(CLEAN):
-        attn = first(a.site_module(model, "attn", 0).output).clone().save()
-        mlp_ref = a.site_module(model, "mlp", 0).output.save()
-        mlp_copy = a.site_module(model, "mlp", 0).output.clone().save()
+        attn = first(SITE["attn"].module(a, model, 0).output).clone().save()
+        mlp_ref = SITE["mlp"].module(a, model, 0).output.save()
+        mlp_copy = SITE["mlp"].module(a, model, 0).output.clone().save()
     assert torch.allclose(mlp_ref, mlp_copy + attn, atol=ATOL, rtol=0)
     assert not torch.allclose(mlp_ref, mlp_copy, atol=ATOL)
 

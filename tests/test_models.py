@@ -9,6 +9,7 @@ import torch
 from nnsight.modeling.transformers import TransformersModel
 
 import pipatch
+from pipatch._backends import backend_for
 from pipatch._models import adapter_for, default_cache_dir
 from tests.conftest import EIFFEL
 
@@ -52,13 +53,14 @@ def test_missing_local_folder_is_named():
         pipatch.load_model("./no-such-model-folder")
 
 
-def test_adapter_logits_equal_the_models_own(model):
+def test_backend_logits_equal_the_models_own(model):
     ids = model.tokenizer(EIFFEL, return_tensors="pt").input_ids
     a = adapter_for(model)
     with model.trace(ids):
         hidden = a.unembedding(model).input[:, -1].save()
         logits = model.output.logits[:, -1].save()
-    mine = a.logits(model, hidden)
+    backend = backend_for(model)
+    mine = backend.logits(hidden)
     assert torch.allclose(mine, logits.float(), atol=1e-4)
-    pair = a.logits(model, hidden, [9079, 13706])
+    pair = backend.logits(hidden, [9079, 13706])
     assert torch.allclose(pair, logits[:, [9079, 13706]].float(), atol=1e-4)
