@@ -265,7 +265,7 @@ def _run_row(plan: Plan, sweep: Sweep, row: int, should_stop: Callable[[], bool]
                     size = max(1, size // 2)
                     continue
                 raise EngineError(
-                    f"{sweep.view}: batch {batch_no + 1} of row {row} ({len(batch)} cells) failed: "
+                    f"{sweep.view}: batch {batch_no + 1} of layer {row} ({len(batch)} cells) failed: "
                     f"{type(error).__name__}: {error}"
                 ) from error
             stats["traces"] += 1

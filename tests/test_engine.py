@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import pipatch
@@ -37,3 +38,107 @@ def test_stop_keeps_the_finished_rows(model):
     assert r.status == "stopped" and r.rows_done["resid"] == 3
     assert torch.isfinite(r.raw["resid"][:, :3]).all()
     assert torch.isnan(r.raw["resid"][:, 4:]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# One engine for every experiment: each is a Plan whose rows stream
+# --------------------------------------------------------------------------------------------
+
+LOUVRE, VATICAN = "The Louvre is in the city of", "The Vatican is in the city of"
+PAIR = dict(clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")
+
+
+def _streamed(plan):
+    """Run ``plan`` recording, at each row, how many rows of each view were finished."""
+    seen = []
+
+    def on_row(result, view, layer):
+        seen.append((view, layer, dict(result.rows_done)))
+        assert result is plan.result and result.status == "running"
+
+    return plan.run(on_row=on_row), seen
+
+
+def test_a_dataset_streams_rows_top_to_bottom_across_prompts(model):
+    from pipatch._api import plan_patch
+
+    plan = plan_patch(model, clean=[EIFFEL, LOUVRE], corrupt=[COLOSSEUM, VATICAN], answer=" Paris", foil=" Rome",
+                      positions=None)
+    assert torch.isnan(plan.result.raw["resid"]).all() and plan.result.n_seeds == 2
+    result, seen = _streamed(plan)
+    # Row r of both prompts runs before row r + 1 of either: the combined grid fills top to bottom.
+    assert [layer for _, layer, _ in seen] == [layer for layer in range(18) for _ in range(2)]
+    assert [done["resid"] for _, _, done in seen] == [done for layer in range(18) for done in (layer, layer + 1)]
+    assert result.status == "done" and result.columns[-1] == "last"
+    one = pipatch.patch(model, clean=LOUVRE, corrupt=VATICAN, answer=" Paris", foil=" Rome")
+    assert torch.allclose(result.raw["resid"][1, :, -1], one.raw["resid"][0, :, -1], atol=1e-5)
+
+
+def test_attribution_verification_and_path_sweeps_stream_rows(model):
+    from pipatch._api import plan_attribute, plan_path_patch
+
+    plan = plan_attribute(model, **PAIR, site="head", verify=4)
+    assert plan.result.rows_done == {"head": 18}  # the estimate is complete before the run
+    result, seen = _streamed(plan)
+    assert [layer for _, layer, _ in seen] == list(range(18))
+    marked = sum(map(sum, result.meta["verified"]["head"]))
+    assert marked == 4 and result.meta["agreement"]["n"] == 4
+
+    plan = plan_path_patch(model, **PAIR, sender="mlp")
+    result, seen = _streamed(plan)
+    assert [done["mlp"] for _, _, done in seen] == list(range(1, 19)) and result.raw["mlp"].shape == (1, 18, 1)
+
+
+def test_a_click_reruns_the_cell_with_full_logits(model):
+    from pipatch._api import plan_patch, plan_path_patch
+
+    # Restoring the clean residual at the last position of the last layer IS the clean run.
+    predict = plan_patch(model, **PAIR, positions=[-1]).predictor()
+    top = predict("resid", 17, 0, 0, 5)
+    assert top[0][0] == " Paris" and len(top) == 5 and top[0][1] > 0.3
+    # A named-position column of a dataset patches every position of its group for that prompt.
+    predict = plan_patch(model, clean=[EIFFEL, LOUVRE], corrupt=[COLOSSEUM, VATICAN], answer=" Paris",
+                         foil=" Rome").predictor()
+    assert predict("resid", 17, 6, 1, 3)[0][0] == " Paris"
+    top = plan_path_patch(model, **PAIR, sender=("head", 12, 2)).predictor()("head", 0, 0, 0, 3)
+    assert [t for t, _ in top] and all(isinstance(t, str) for t, _ in top)
+
+
+def test_the_predictor_does_not_keep_the_result_alive(model):
+    import gc
+    import weakref
+
+    from pipatch._api import plan_patch
+
+    plan = plan_patch(model, **PAIR, positions=[-1])
+    predict = plan.predictor()
+    ref = weakref.ref(plan.result)
+    del plan
+    gc.collect()
+    assert ref() is None and predict("resid", 17, 0, 0, 1)[0][0] == " Paris"
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points take what a researcher naturally passes
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_model_name_or_folder_is_loaded_and_a_bad_one_is_one_line(model, tmp_path):
+    r = pipatch.patch(None, **PAIR, positions=[-1])  # None: the embedded default, the session's model
+    assert r.status == "done" and r.meta["model"] == model._pipatch_name
+    with pytest.raises(pipatch.PipatchError, match="does not exist") as info:
+        pipatch.patch(str(tmp_path / "no-such-model"), **PAIR)
+    assert "\n" not in str(info.value)
+    with pytest.raises(pipatch.PipatchError, match="model must be a loaded model"):
+        pipatch.trace(42, EIFFEL, subject="Eiffel Tower", answer=" Paris")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: pipatch.trace(m, 123, subject="Eiffel Tower", answer=" Paris"), "prompt must be text.*got int"),
+    (lambda m: pipatch.patch(m, clean=EIFFEL, corrupt=None, answer=" Paris"), "corrupt prompt must be text"),
+    (lambda m: pipatch.patch(m, **{**PAIR, "answer": 7}), "answer must be text"),
+    (lambda m: pipatch.trace(m, [EIFFEL, 5], subject="Eiffel Tower", answer=" Paris"), "prompt must be text"),
+])
+def test_a_prompt_that_is_not_text_is_refused_as_such(model, call, match):
+    with pytest.raises(pipatch.PipatchError, match=match):
+        call(model)
