@@ -35,7 +35,7 @@ def plot_result(result, view: str, ax=None):
     step = max(1, math.ceil(len(result.layers) / 24))
     ax.set_yticks(range(0, len(result.layers), step))
     ax.set_yticklabels(result.layers[::step], fontsize=8)
-    ax.set_xlabel("head" if result.meta.get("site") == "head" else "token")
+    ax.set_xlabel(result.col_axis)
     ax.set_ylabel("layer")
     ax.set_title(f"{_printable(result.title, 110)}\n{view}: normalized recovery ({result.metric})", fontsize=9)
     fig.colorbar(image, ax=ax, label="recovery")

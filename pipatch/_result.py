@@ -161,10 +161,23 @@ class Result:
 
     # -- presentation ---------------------------------------------------------------------
     @property
+    def col_axis(self) -> str:
+        """What a column is: ``"token"`` (a position, or a named group of them), ``"head"``, or
+        ``"component"`` (an MLP sender)."""
+        # Files saved before ``col_axis`` was recorded name the head site instead.
+        return str(self.meta.get("col_axis") or ("head" if self.meta.get("site") == "head" else "token"))
+
+    @property
     def title(self) -> str:
         meta = self.meta
         if self.kind == "trace":
             return f"Causal trace · {meta.get('model', '?')} · subject {meta.get('subject', '')!r} → {meta.get('answer', '')!r}"
+        if self.kind == "path":
+            receivers = meta.get("receivers", "logits")
+            to = receivers if isinstance(receivers, str) else ", ".join(".".join(map(str, r[1:])) for r in receivers)
+            return (f"Path patching ({meta.get('direction', 'denoise')}, {meta.get('site', 'head')} → {to}) · "
+                    f"{meta.get('model', '?')} · {meta.get('answer', '')!r}"
+                    + (f" vs {meta.get('foil')!r}" if meta.get("foil") else ""))
         name = "Attribution patching (estimate)" if self.kind == "attribution" else "Activation patching"
         return (f"{name} ({meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}) · "
                 f"{meta.get('model', '?')} · {meta.get('answer', '')!r}"
@@ -282,7 +295,7 @@ class Result:
         return {
             "title": self.title, "kind": self.kind, "model_name": str(meta.get("model", "")),
             "metric": self.metric, "row_labels": list(self.layers), "col_labels": list(self.columns),
-            "col_axis": "head" if meta.get("site") == "head" else "token", "views": self.views,
+            "col_axis": self.col_axis, "views": self.views,
             "n_seeds": self.n_seeds, "arrays": arrays, "rows_done": dict(self.rows_done),
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),

@@ -16,11 +16,11 @@ Every value of a site is ``[batch, T, width]``. The sites of today:
 ==========  ===================================================  ==========  =========
 name        value                                                axis        order
 ==========  ===================================================  ==========  =========
-``q/k/v``   a query / key / value projection's output columns    position    0 / 1 / 2
+``q/k/v``   a query / key / value projection's output columns    token       0 / 1 / 2
 ``head``    ``z``: the attention output projection's *input*     head        3
-``attn``    the attention sublayer's output (its contribution)   position    4
-``mlp``     the MLP sublayer's output (its contribution)         position    5
-``resid``   the block's output: the residual stream after it     position    6
+``attn``    the attention sublayer's output (its contribution)   token       4
+``mlp``     the MLP sublayer's output (its contribution)         token       5
+``resid``   the block's output: the residual stream after it     token       6
 ==========  ===================================================  ==========  =========
 
 A head ``h`` is the slice ``[h·head_dim, (h+1)·head_dim)`` of ``z``; a GQA model's ``z`` still
@@ -49,7 +49,7 @@ class Site:
     order
         Position in the forward pass within one block (see the module docstring).
     axis
-        ``"position"`` or ``"head"``: what one grid column over this site is.
+        ``"token"`` or ``"head"``: what one grid column over this site is (a position, or a head).
     where
         Which module holds it: ``"block"`` (its output), ``"attn"`` / ``"mlp"`` (the sublayer's
         output), ``"out_proj"`` (the attention output projection's *input*), or ``"proj"``
@@ -62,7 +62,7 @@ class Site:
     name: str
     order: int
     where: str
-    axis: str = "position"
+    axis: str = "token"
     sublayer: bool = True
 
     def check(self, adapter: Adapter) -> Site:

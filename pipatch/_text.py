@@ -64,7 +64,7 @@ def text_heatmap(result, view: str, width: int = 7, top: int = 5) -> str:
         lines.append(f"L{str(label):<4}"[:5] + cells)
     best = result.top_cells(top, view)
     for layer, col, value in best:
-        lines.append(f"layer {layer:3d}  {('head' if result.meta.get('site') == 'head' else 'pos')} {col:4d} "
+        lines.append(f"layer {layer:3d}  {('head' if result.col_axis == 'head' else 'pos')} {col:4d} "
                      f"({result.columns[col]!r})  recovery {value:.3f}")
     for warning in result.warnings:
         lines.append(f"warning: {warning}")

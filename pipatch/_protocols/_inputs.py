@@ -10,6 +10,7 @@ import torch
 from .._models import PipatchError
 from .._result import recovery_undefined
 
+
 def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
     """Tokenize ``text`` → (ids [1, T] on the model's device, token strings, character offsets)."""
     if not isinstance(text, str):

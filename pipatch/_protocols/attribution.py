@@ -97,7 +97,7 @@ def plan_attribute(
 
     meta = model_meta(backend)
     meta.update({
-        **pair.meta(), "site": where.name, "direction": "denoise", "positions": cols,
+        **pair.meta(), "site": where.name, "col_axis": where.axis, "direction": "denoise", "positions": cols,
         "estimate": "attribution patching: grad(metric) at the corrupt run · (clean − corrupt) activation",
     })
     result = Result(

@@ -90,7 +90,7 @@ def _span(result: Result) -> tuple[list[int], str]:
 
 def _position_axis(plan: Plan) -> bool:
     sweep = plan.sweeps[0]
-    return isinstance(sweep, SiteSweep) and sweep.site.axis == "position"
+    return isinstance(sweep, SiteSweep) and sweep.site.axis == "token"
 
 
 class DatasetPlan(Plan):

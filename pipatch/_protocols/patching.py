@@ -148,7 +148,7 @@ def plan_patch(
     columns = where.columns(adapter, pair.clean_tokens, cols)
     raw = {where.name: torch.full((1, adapter.n_layers, len(columns)), float("nan"))}
     meta = model_meta(backend)
-    meta.update({**pair.meta(), "site": where.name, "direction": direction, "positions": cols,
+    meta.update({**pair.meta(), "site": where.name, "col_axis": where.axis, "direction": direction, "positions": cols,
                  "mean_prompts": list(mean_prompts) if mean_prompts else None})
     clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
     result = Result(

@@ -70,7 +70,7 @@ from .._engine import Plan, Sweep, check_batch_size
 from .._models import Adapter, PipatchError
 from .._result import Result
 from .._sites import ATTN, HEAD, MLP, Site, projection
-from ._inputs import check_choice, layer_labels, model_meta, undefined_recovery_warning
+from ._inputs import check_choice, model_meta, undefined_recovery_warning
 from .patching import pair_inputs
 
 __all__ = ["plan_path_patch", "DIRECTIONS"]
@@ -180,7 +180,8 @@ def plan_path_patch(
     only = {(row, col) for row in range(len(senders)) for col in range(len(senders[row]))
             if senders[row][col][1] < first_receiver}
     meta = model_meta(backend)
-    meta.update({**pair.meta(), "site": view, "direction": direction,
+    meta.update({**pair.meta(), "site": view, "col_axis": "head" if view == HEAD.name else "component",
+                 "direction": direction,
                  "sender": list(sender) if isinstance(sender, (tuple, list)) else sender,
                  "receivers": "logits" if not receiver_list else [list(r) for r in receiver_list]})
     clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])

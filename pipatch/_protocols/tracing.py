@@ -37,10 +37,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .._cells import Base, Metric
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
-from .._cells import Base, Metric
 from .._sites import site as site_named
 from ._inputs import check_choice, check_int, encode, layer_labels, model_meta, single_token, subject_positions
 
@@ -153,7 +153,7 @@ def plan_trace(
         "subject_positions": positions, "answer": answer, "answer_id": answer_id, "seeds": seeds,
         "scale": scale_value, "scale_requested": scale, "sigma": sigma, "scales": scales_tried,
         "collapse_fraction": COLLAPSE_FRACTION, "window": window, "kinds": kinds, "control": control,
-        "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": "resid",
+        "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": "resid", "col_axis": "token",
     })
     result = Result(
         kind="trace", tokens=tokens, columns=list(tokens), layers=layer_labels(backend), metric=metric,
