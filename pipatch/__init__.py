@@ -6,14 +6,13 @@
 ...                   subject="Eiffel Tower", answer=" Paris")
 >>> r.grid                                   # tensor[layers, tokens], mean normalized recovery
 
-In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...``.
+In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...`` (also
+``%%patch``, ``%%attribute``, ``%%path_patch``); in a shell: ``pipatch trace | patch |
+attribute | path-patch``; live without magics: ``pipatch.PatchGrid.run(model, "patch", ...)``.
 """
 
+from ._api import attribute, patch, path_patch, trace
 from ._models import PipatchError, load_model
-from ._protocols.attribution import attribute
-from ._protocols.patching import patch
-from ._protocols.paths import path_patch
-from ._protocols.tracing import trace
 from ._result import Result, load_result
 
 __version__ = "0.1.0"
@@ -25,7 +24,8 @@ __all__ = [
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext pipatch``: register the ``%%trace`` and ``%%patch`` cell magics."""
+    """``%load_ext pipatch``: register the cell magics ``%%trace``, ``%%patch``, ``%%attribute`` and
+    ``%%path_patch`` (one per experiment of :mod:`pipatch._registry`)."""
     from ._magics import load_ipython_extension as register
 
     register(ipython)
@@ -34,7 +34,7 @@ def load_ipython_extension(ipython) -> None:
 def __getattr__(name: str):
     # The widget pulls in anywidget/ipywidgets: imported on first use, not by ``import pipatch``.
     if name == "PatchGrid":
-        from ._widget import PatchGrid
+        from ._live import PatchGrid
 
         return PatchGrid
     raise AttributeError(f"module 'pipatch' has no attribute {name!r}")

@@ -1,4 +1,8 @@
-"""Run a sweep with a live :class:`~pipatch._widget.PatchGrid`: rows stream in, clicks are answered.
+"""Run a plan with a live :class:`PatchGrid`: rows stream in, Stop works, clicks are answered.
+
+This module owns running and answering; :mod:`pipatch._widget` only draws. The public
+``pipatch.PatchGrid`` is :class:`PatchGrid` here: the view plus :meth:`PatchGrid.run` (any
+experiment of :mod:`pipatch._registry`) and click answers for ``PatchGrid(result)``.
 
 Threads (JupyterLab >= 4.4 with ipykernel >= 7)
 -----------------------------------------------
@@ -18,14 +22,16 @@ with the sweep. Hence:
   run ``"interrupted"`` with the partial grid.
 
 At the end the live widget output is replaced by the static bundle
-(:meth:`PatchGrid.display_final`): a saved notebook renders the grid without a kernel.
+(:meth:`~pipatch._widget.GridWidget.display_final`): a saved notebook renders the grid
+without a kernel.
 
 Answering clicks on a finished result
 -------------------------------------
 ``PatchGrid(result)`` answers clicks when ``result`` was computed in this process: a private
-registry maps each result (by identity, dropped when the result is garbage-collected) to a
-weak reference to its model and to the sweeps that :func:`~pipatch._engine.top_predictions`
-reruns. A result loaded from a file has no such entry and its grid says so.
+registry maps each result (by identity, dropped when the result is garbage-collected) to its
+plan's predictor (``plan.predictor()``), which reruns one cell with full logits and holds
+the model and the sweeps but not the result. A result loaded from a file has no such entry
+and its grid says so.
 """
 
 from __future__ import annotations
@@ -34,46 +40,38 @@ import math
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ._engine import EngineError, Plan, Sweep, top_predictions
+from ._engine import EngineError
+from ._registry import experiment
+from ._widget import GridWidget
 
-__all__ = ["TOP_K", "answer_selection", "attach_result", "run_live"]
+__all__ = ["TOP_K", "PatchGrid", "answer_selection", "attach_result", "run_live"]
+
+#: A plan's predictor: ``(view, row, col, seed, k) -> [(token text, probability), ...]``.
+Predictor = Callable[[str, int, int, int, int], list]
 
 TOP_K = 5
 
 
 # --------------------------------------------------------------------------------------------
-# Registry: result → (model, sweeps)
+# Registry: result → predictor
 # --------------------------------------------------------------------------------------------
 
-
-@dataclass
-class _Origin:
-    model: Callable[[], Any]
-    sweeps: dict[str, Sweep]
-
-
-_ORIGINS: dict[int, _Origin] = {}
+#: ``id(result)`` → the plan's predictor, ``(view, row, col, seed, k) -> [(token, prob)]``.
+#: The predictor holds the model and the sweeps, never the result, so an entry does not keep
+#: its result alive; it is dropped when the result is garbage-collected.
+_ORIGINS: dict[int, Predictor] = {}
 
 
-def _remember(result: Any, model: Any, plan: Plan) -> None:
+def _remember(result: Any, predictor: Predictor) -> None:
     """Keep what answering a click on ``result`` needs, for as long as ``result`` lives."""
     key = id(result)
-    try:
-        model_ref: Callable[[], Any] = weakref.ref(model)
-    except TypeError:  # not weak-referenceable: keep it (it lives as long as the result)
-
-        def model_ref() -> Any:
-            return model
-
-    _ORIGINS[key] = _Origin(model_ref, {s.view: s for s in plan.sweeps})
-    # The plan is not kept: it references the result, which would then never be collected.
+    _ORIGINS[key] = predictor
     weakref.finalize(result, _ORIGINS.pop, key, None)
 
 
-def _origin(result: Any) -> _Origin | None:
+def _predictor(result: Any) -> Predictor | None:
     return _ORIGINS.get(id(result)) if result is not None else None
 
 
@@ -86,13 +84,13 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def answer_selection(model: Any, result: Any, sweeps: dict[str, Sweep] | None, selection: dict) -> dict:
+def answer_selection(predictor: Predictor | None, result: Any, selection: dict) -> dict:
     """The ``detail`` trait for one clicked cell: its values and the patched run's top-5.
 
     ``selection`` is the widget's ``selected`` trait, ``{view, seed, row, col}`` (``seed`` −1
-    for the mean over seeds, whose top-5 is seed 0's run). Returns
-    ``{view, seed, row, col, value, raw, top: [{token, prob}]}``, plus ``error`` when the
-    top-5 cannot be computed.
+    for the mean over seeds, whose top-5 is seed 0's run). ``predictor`` is the plan's
+    (``None`` for a result without one). Returns ``{view, seed, row, col, value, raw, top:
+    [{token, prob}]}``, plus ``error`` when the top-5 cannot be computed.
     """
     view = str(selection.get("view") or result.views[0])
     seed = int(selection.get("seed", -1))
@@ -108,11 +106,11 @@ def answer_selection(model: Any, result: Any, sweeps: dict[str, Sweep] | None, s
     else:
         value, raw = float(result.recovery(view)[seed, row, col]), float(result.raw[view][seed, row, col])
     detail.update(value=_finite(value), raw=_finite(raw))
-    if model is None or not sweeps or view not in sweeps:
-        return {**detail, "error": "top-5 needs the model and sweep this result was computed with "
-                                   "(not available for a loaded result or a deleted model)"}
+    if predictor is None:
+        return {**detail, "error": "top-5 needs the model and plan this result was computed with "
+                                   "(not available for a loaded result)"}
     try:
-        top = top_predictions(model, sweeps[view], layer=row, col=col, seed=max(seed, 0), k=TOP_K)
+        top = predictor(view, row, col, max(seed, 0), TOP_K)
     except Exception as error:  # noqa: BLE001 - a failed click must not end a running sweep
         return {**detail, "error": f"{type(error).__name__}: {error}"}
     detail["top"] = [{"token": token, "prob": _finite(prob)} for token, prob in top]
@@ -126,9 +124,7 @@ def _answer(widget: Any, selection: dict) -> None:
     result = getattr(widget, "_pipatch_result", None)
     if result is None:
         return
-    origin = _origin(result)
-    model = origin.model() if origin else None
-    detail = answer_selection(model, result, origin.sweeps if origin else None, selection)
+    detail = answer_selection(_predictor(result), result, selection)
     if dict(widget.selected or {}) == selection:
         widget.update_state({"detail": detail})
 
@@ -192,10 +188,10 @@ class _Dispatcher:
 _DISPATCHER = _Dispatcher()
 
 
-def attach_result(widget: Any, result: Any, model: Any = None, plan: Plan | None = None) -> None:
-    """Make ``widget`` answer clicks on ``result`` (registering its model and plan if given)."""
-    if model is not None and plan is not None:
-        _remember(result, model, plan)
+def attach_result(widget: Any, result: Any, predictor: Predictor | None = None) -> None:
+    """Make ``widget`` answer clicks on ``result`` (registering ``predictor`` for it if given)."""
+    if predictor is not None:
+        _remember(result, predictor)
     widget._pipatch_result = result
     if not getattr(widget, "_pipatch_select_hooked", False):
         widget._pipatch_select_hooked = True
@@ -207,21 +203,12 @@ def attach_result(widget: Any, result: Any, model: Any = None, plan: Plan | None
 # --------------------------------------------------------------------------------------------
 
 
-def _progress(result: Any) -> dict[str, Any]:
+def _progress(result: Any, total_rows: int) -> dict[str, Any]:
     """rows_done / elapsed / eta (seconds; −1 when unknown) for a running result."""
-    total = len(result.layers) * len(result.views)
     done = sum(result.rows_done.values())
     elapsed = float(result.meta.get("elapsed", 0.0))
-    eta = elapsed / done * (total - done) if done else -1.0
+    eta = elapsed / done * max(0, total_rows - done) if done else -1.0
     return {"rows_done": dict(result.rows_done), "elapsed": elapsed, "eta": eta}
-
-
-@dataclass
-class _Live:
-    """What :func:`run_live` shares with its callbacks."""
-
-    widget: Any
-    stop: threading.Event = field(default_factory=threading.Event)
 
 
 def _in_ipython() -> bool:
@@ -232,19 +219,16 @@ def _in_ipython() -> bool:
     return get_ipython() is not None
 
 
-def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = None,
-             handle: Any = None) -> Any:
-    """Run ``plan`` on ``model`` with a live PatchGrid; return the (possibly partial) result.
+def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle: Any = None) -> Any:
+    """Run ``plan`` with a live grid; return the (possibly partial) result.
 
     Parameters
     ----------
-    model
-        The model the plan was made for.
     plan
-        From :func:`~pipatch._protocols.tracing.plan_trace` or
-        :func:`~pipatch._protocols.patching.plan_patch`.
+        From a planner of :mod:`pipatch._api` (any experiment of :mod:`pipatch._registry`);
+        it carries its model and backend.
     widget
-        A :class:`PatchGrid` to fill (a new one when ``None``).
+        A grid widget to fill (a new :class:`PatchGrid` when ``None``).
     show
         Display the widget now and replace it by the static bundle at the end (``None``:
         when running under IPython).
@@ -260,41 +244,41 @@ def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = 
         :class:`~pipatch._engine.EngineError` (its ``partial`` holds the result) after the
         widget shows the failure.
     """
-    from ._widget import PatchGrid
-
     result = plan.result
+    total_rows = int(plan.total_rows)
     show = _in_ipython() if show is None else show
-    state = {**result.to_state(live=True), **_progress(result), "status": "running", "stoppable": True,
-             "detail": {}}
+    state = {**result.to_state(live=True), **_progress(result, total_rows), "status": "running",
+             "stoppable": True, "detail": {}}
     owned = widget is None
     if owned:
         widget = PatchGrid(state)
     else:
         widget.update_state({**state, "stop_requested": False})
         widget.stop_requested = False
-    live = _Live(widget)
-    attach_result(widget, result, model, plan)
-    unsubscribe_stop = widget.on_stop(live.stop.set)
+    stop = threading.Event()
+    attach_result(widget, result, plan.predictor())
+    unsubscribe_stop = widget.on_stop(stop.set)
     if show and handle is not None:
         handle.update(widget)
     elif show:
         handle = widget.display()
 
     def on_row(res: Any, view: str, layer: int) -> None:
-        widget.push({**res.to_state(live=True), **_progress(res), "status": "running", "stoppable": True})
+        widget.push({**res.to_state(live=True), **_progress(res, total_rows), "status": "running",
+                     "stoppable": True})
         _DISPATCHER.answer_queued()
 
     error: EngineError | None = None
     _DISPATCHER.begin_sweep()
     try:
         try:
-            plan.run(model, on_row=on_row, stop=live.stop)
+            plan.run(on_row=on_row, stop=stop)
         except EngineError as failure:
             error = failure
     finally:
         _DISPATCHER.end_sweep()
         unsubscribe_stop()
-    final = {**result.to_state(), **_progress(result), "eta": -1.0, "stoppable": False}
+    final = {**result.to_state(), **_progress(result, total_rows), "eta": -1.0, "stoppable": False}
     if show:
         png = None
         try:
@@ -314,3 +298,45 @@ def run_live(model: Any, plan: Plan, *, widget: Any = None, show: bool | None = 
     if error is not None:
         raise error
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# The public widget
+# --------------------------------------------------------------------------------------------
+
+
+class PatchGrid(GridWidget):
+    """The live recovery heatmap: rows are layers, columns are tokens or heads.
+
+    ``PatchGrid(result)`` shows a result as an interactive grid: hovering a cell shows its
+    value, clicking it shows the patched run's top-5 next tokens when ``result`` was computed
+    in this process (a result loaded from a file says why it has none).
+    :meth:`PatchGrid.run` plans and runs any experiment with a live grid.
+
+    Parameters
+    ----------
+    state : Result or dict, optional
+        A result, or a state dict (``Result.to_state()`` or part of one).
+    min_interval : float
+        Smallest time between two coalesced updates (seconds).
+    """
+
+    def __init__(self, state: Any = None, *, min_interval: float = 0.05, **kwargs: Any) -> None:
+        super().__init__(state, min_interval=min_interval, **kwargs)
+        if state is not None and hasattr(state, "to_state") and hasattr(state, "raw"):
+            attach_result(self, state)
+
+    @classmethod
+    def run(cls, model: Any = None, kind: str = "trace", **kwargs: Any) -> Any:
+        """Plan and run an experiment with a live grid, without magics; returns the ``Result``.
+
+        ``kind`` is an experiment of :mod:`pipatch._registry` (``"trace"``, ``"patch"``,
+        ``"attribute"``, ``"path_patch"``) and ``kwargs`` are its Python function's arguments,
+        e.g. ``PatchGrid.run(model, "patch", clean=..., corrupt=..., answer=" Paris")``.
+        ``model`` is a loaded model or anything :func:`pipatch.load_model` takes. The grid is
+        displayed at once, fills in row by row, has a Stop button and answers clicks; at the
+        end it is replaced by the static bundle that a saved notebook shows without a kernel.
+        Show ``PatchGrid(result)`` for a clickable grid later.
+        """
+        plan = experiment(kind).plan(model, **kwargs)
+        return run_live(plan)

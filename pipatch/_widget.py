@@ -1,9 +1,13 @@
-"""PatchGrid: the live recovery heatmap (anywidget) and its saved-notebook bundle.
+"""The grid widget (anywidget): a view of a result's state, and its saved-notebook bundle.
+
+This module draws and nothing else: it imports no pipatch module that imports it. Running a
+plan live and answering clicks live in :mod:`pipatch._live`, whose ``PatchGrid`` (the public
+``pipatch.PatchGrid``) is :class:`GridWidget` plus both.
 
 The kernel owns the state; the browser only draws it (``js/grid.ts``). Arrays travel as
 binary buffers (``{"data": bytes, "dtype": "float32", "shape": [...]}``), never JSON lists.
 Updates are coalesced to at most ~20 per second (the server drops iopub messages above its
-rate limit) and :meth:`PatchGrid.flush` ends with a full sync so the browser ends equal to
+rate limit) and :meth:`GridWidget.flush` ends with a full sync so the browser ends equal to
 the kernel.
 
 Stop while a cell runs
@@ -14,7 +18,7 @@ JupyterLab >= 4.4 sends comm messages on a kernel *subshell* when the kernel adv
 its own thread, so the ``comm_msg`` carrying ``stop_requested = True`` is handled, and the
 trait observers run, in that thread while the main thread is still executing the cell.
 Nothing else is needed: the engine keeps running the sweep on the main thread and checks a
-flag (set by :meth:`PatchGrid.on_stop`) between chunks; ``KeyboardInterrupt`` (the
+flag (set by :meth:`GridWidget.on_stop`) between chunks; ``KeyboardInterrupt`` (the
 Interrupt button) still lands in the main thread as usual. The observer must only set a
 flag / enqueue work: it runs concurrently with the sweep, so it must never touch the model.
 Front ends without subshells (classic Notebook, VS Code, Lab with the setting
@@ -26,7 +30,7 @@ Saved notebooks
 A widget output is ``application/vnd.jupyter.widget-view+json`` and the widget renderer
 (rank -10) always wins; once the kernel is gone it prints "Error displaying widget: model
 not found" and never falls back to other MIME types. So the live widget is shown with a
-``display_id`` and, when the run ends, :meth:`PatchGrid.display_final` replaces that display
+``display_id`` and, when the run ends, :meth:`GridWidget.display_final` replaces that display
 with a bundle without the widget view: ``application/vnd.pipatch.grid+json`` (drawn by the
 pipatch lab extension with the same grid code, no kernel), ``image/png`` (nbconvert, GitHub,
 other front ends) and ``text/plain``.
@@ -333,8 +337,8 @@ def _prefer_frontend_subshell(comm: Any) -> None:
 
     ipykernel >= 7.3 routes an incoming ``comm_msg`` to the subshell that last *published*
     on the comm (``BaseComm._reply_subshell_for``), so that request/reply widgets answer the
-    loop that asked. A PatchGrid is created and updated from the main shell, so every click
-    would be routed back to the main shell and wait for the running cell to end. PatchGrid
+    loop that asked. A grid widget is created and updated from the main shell, so every click
+    would be routed back to the main shell and wait for the running cell to end. The grid
     has no request/reply traffic: keep the subshell JupyterLab chose (``default``).
     """
     if comm is not None and hasattr(comm, "_reply_subshell_for"):
@@ -343,19 +347,24 @@ def _prefer_frontend_subshell(comm: Any) -> None:
 
 
 
-class PatchGrid(anywidget.AnyWidget):
-    """Live recovery heatmap: rows are layers, columns are tokens or heads.
+class GridWidget(anywidget.AnyWidget):
+    """The recovery heatmap as a widget: rows are layers, columns are tokens or heads.
+
+    A view and nothing else: it draws a state, coalesces updates and sends Stop and clicks
+    back through :meth:`on_stop` / :meth:`on_select`. Running a plan and answering clicks is
+    :mod:`pipatch._live`'s job (its ``PatchGrid`` is this class plus both).
 
     Parameters
     ----------
-    state : dict, optional
-        A state dict (``Result.to_state()`` or a partial one); see ``STATE_KEYS``.
+    state : dict or Result, optional
+        A state dict (``Result.to_state()`` or a partial one; see ``STATE_KEYS``), or a Result
+        to draw.
     min_interval : float
         Smallest time between two coalesced updates sent by :meth:`push` (seconds).
     """
 
     # The bundle's text, not its path: for a path anywidget connects every instance to the
-    # file watcher's signal with a strong reference, so no PatchGrid (nor the Result it shows)
+    # file watcher's signal with a strong reference, so no grid (nor the Result it shows)
     # would ever be freed. ``ANYWIDGET_HMR=1`` keeps the path (hot reload while developing).
     _esm = (
         (_STATIC_ESM if os.environ.get("ANYWIDGET_HMR") == "1" else _STATIC_ESM.read_text("utf-8"))
@@ -401,40 +410,12 @@ class PatchGrid(anywidget.AnyWidget):
         self._pending: dict[str, Any] | None = None
         self._last_sent = 0.0
         self._timer: threading.Timer | None = None
-        result = None
         if state is not None and hasattr(state, "to_state") and hasattr(state, "raw"):
-            # ``PatchGrid(result)``: a pipatch Result; clicks are answered when it was
-            # computed in this process (see ``pipatch._live``).
-            result, state = state, {**state.to_state(), "stoppable": False, "eta": -1.0,
-                                    "elapsed": float(state.meta.get("elapsed", 0.0))}
+            # A pipatch Result: draw it (answering its clicks is ``pipatch._live``'s job).
+            state = {**state.to_state(), "stoppable": False, "eta": -1.0,
+                     "elapsed": float(state.meta.get("elapsed", 0.0))}
         if state:
             self.update_state(state)
-        if result is not None:
-            from ._live import attach_result
-
-            attach_result(self, result)
-
-    @classmethod
-    def run(cls, model: Any, kind: str = "trace", **kwargs: Any) -> Any:
-        """Plan and run a sweep with a live grid, without magics; returns the ``Result``.
-
-        ``kind="trace"`` takes :func:`pipatch.trace`'s arguments (``prompt``, ``subject``,
-        ``answer``, ...), ``kind="patch"`` :func:`pipatch.patch`'s (``clean``, ``corrupt``,
-        ``answer``, ...). The grid is displayed at once, fills in row by row, has a Stop
-        button and answers clicks; at the end it is replaced by the static bundle that a saved
-        notebook shows without a kernel. Show ``PatchGrid(result)`` for a clickable grid later.
-        """
-        from ._live import run_live
-        from ._models import PipatchError
-
-        if kind == "trace":
-            from ._protocols.tracing import plan_trace as planner
-        elif kind == "patch":
-            from ._protocols.patching import plan_patch as planner
-        else:
-            raise PipatchError(f"kind must be 'trace' or 'patch', got {kind!r}")
-        plan = planner(model, **kwargs)
-        return run_live(model, plan)
 
     @t.observe("comm")
     def _observe_comm(self, change: dict[str, Any]) -> None:
@@ -443,7 +424,7 @@ class PatchGrid(anywidget.AnyWidget):
     # ---- state in
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any], **kwargs: Any) -> PatchGrid:
+    def from_state(cls, state: Mapping[str, Any], **kwargs: Any) -> GridWidget:
         """A new widget showing ``state`` (a full ``Result.to_state()`` or MIME document)."""
         return cls(state, **kwargs)
 
@@ -580,3 +561,8 @@ class PatchGrid(anywidget.AnyWidget):
                 self.arrays = {}
             self.close()
         return bundle
+
+
+#: The view under its earlier name, for code that only draws states (saved states, tests).
+#: ``pipatch.PatchGrid`` is :class:`pipatch._live.PatchGrid`, which also runs and answers clicks.
+PatchGrid = GridWidget

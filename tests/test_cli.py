@@ -1,32 +1,133 @@
-"""The pipatch command: the main job end to end, and one-line errors with exit status 2."""
+"""The pipatch command and the registry it is built from: every experiment end to end, the
+Python API's numbers in ``--json``, datasets, and one-line errors with exit status 2."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
 
 import pytest
 
-from pipatch import cli
+from pipatch import _api, _registry, cli
+from pipatch._models import PipatchError
+from pipatch._registry import EXPERIMENTS
+from tests._experiments import EMBEDDED, assert_json_matches, python_result
 from tests.conftest import COLOSSEUM, EIFFEL
 
-
-def test_trace_command_writes_json_and_png(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "pipatch.cli", "trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris",
-         "--seeds", "2", "--json", str(tmp_path / "t.json"), "--png", str(tmp_path / "t.png")],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "█" in out.stdout and "recovery" in out.stdout
-    assert "18/18 rows" in out.stderr  # the progress bar
-    data = json.loads((tmp_path / "t.json").read_text())
-    assert data["kind"] == "trace" and len(data["grid"]) == 18 and data["tokens"][2] == " Eiffel"
-    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+# --------------------------------------------------------------------------------------------
+# The registry (no model)
+# --------------------------------------------------------------------------------------------
 
 
-def test_patch_command_in_process(model, capsys, tmp_path):
+def test_the_registry_lists_every_experiment_once_in_order():
+    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch"]
+    assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch"]
+    assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
+    for entry in EXPERIMENTS.values():
+        flags = [o.flag for o in entry.options]
+        assert len(flags) == len(set(flags)), entry.name
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_the_options_are_the_python_functions_parameters(name):
+    """Same options as the function (bar what only Python can pass), with the same defaults."""
+    entry = EXPERIMENTS[name]
+    parameters = inspect.signature(getattr(_api, name)).parameters
+    python_only = {"model", "fast", "on_row", "stop", *entry.prompts.fields}
+    assert {o.keyword for o in entry.options} == set(parameters) - python_only
+    for option in entry.options:
+        default = parameters[option.keyword].default
+        if option.required:
+            assert default is inspect.Parameter.empty, option.flag
+        elif default is not None:  # None is documented in words ("all", "auto", ...)
+            assert option.default == default, option.flag
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "value"),
+    [
+        (_registry.sender, "12.2", ("head", 12, 2)),
+        (_registry.sender, "mlp12", ("mlp", 12)),
+        (_registry.sender, "all", None),
+        (_registry.receivers, "logits", "logits"),
+        (_registry.receivers, "13.4.q, 14.1.K", [("head", 13, 4, "q"), ("head", 14, 1, "k")]),
+        (_registry.positions, "2,-1", [2, -1]),
+        (_registry.scale, "auto", "auto"),
+        (_registry.scale, "2.5", 2.5),
+        (_registry.count, "0", 0),
+    ],
+)
+def test_option_parsers(parse, text, value):
+    assert parse(text) == value
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "match"),
+    [
+        (_registry.sender, "12", "LAYER.HEAD"),
+        (_registry.sender, "head 3", "not a sender"),
+        (_registry.receivers, "13.4", "LAYER.HEAD.q|k|v"),
+        (_registry.receivers, "13.4.q,,", "not a receiver"),
+        (_registry.positions, "2,x", "integers"),
+        (_registry.positions, ",", "no positions"),
+        (_registry.scale, "nan", "positive"),
+        (_registry.scale, "loud", "neither"),
+        (_registry.positive_int, "0", "at least 1"),
+        (_registry.count, "-2", "0 or more"),
+    ],
+)
+def test_malformed_option_values_are_one_line(parse, text, match):
+    with pytest.raises(PipatchError, match=match) as caught:
+        parse(text)
+    assert "\n" not in str(caught.value)
+
+
+def test_prompt_forms_read_cell_bodies():
+    assert _registry.PROMPT.from_body(f"\n  {EIFFEL}  \n") == {"prompt": EIFFEL}
+    assert _registry.PROMPT.from_body(f"prompt: {EIFFEL}\n\nprompt: {COLOSSEUM}") == {"prompt": [EIFFEL, COLOSSEUM]}
+    assert _registry.PROMPT.from_body(f"prompt: {EIFFEL}") == {"prompt": EIFFEL}
+    two = _registry.PAIR.from_body("clean: a\ncorrupt: b\n# note\nCLEAN: c\ncorrupt: d")
+    assert two == {"clean": ["a", "c"], "corrupt": ["b", "d"]}
+    with pytest.raises(PipatchError, match="2 clean, 1 corrupt"):
+        _registry.PAIR.from_body("clean: a\ncorrupt: b\nclean: c")
+    with pytest.raises(PipatchError, match="line 2"):
+        _registry.PAIR.from_body("clean: a\nnoise: b")
+
+
+def test_unknown_experiment_kind_lists_the_names():
+    assert _registry.experiment("path-patch") is EXPERIMENTS["path_patch"]
+    with pytest.raises(PipatchError, match="unknown experiment kind 'ablate': use trace, patch, attribute, path_patch"):
+        _registry.experiment("ablate")
+
+
+# --------------------------------------------------------------------------------------------
+# Every command on the embedded model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(EMBEDDED))
+def test_every_command_writes_the_python_api_result(model, name, tmp_path, capsys):
+    case = EMBEDDED[name]
+    path, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+    code = cli.main([*case["argv"], "--json", str(path), "--png", str(png)])
+    assert code == 0
+    captured = capsys.readouterr()
+    want = python_result(model, name, case["kwargs"])
+    assert f"wrote {path}" in captured.out
+    for view in want.views:
+        assert want.text(view) in captured.out  # the text heatmap
+    total = len(want.layers) * len(want.views)
+    assert captured.err.count(f"{total}/{total} rows") == 1  # the progress bar, ending once
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(path.read_text())
+    assert_json_matches(data, want)
+    if name == "attribute":
+        assert data["meta"]["verified"] == want.meta["verified"]  # the verified cells, checked by real patches
+
+
+def test_patch_command_with_heads_and_a_saved_result(model, tmp_path):
     code = cli.main(["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome",
                      "--site", "head", "--json", str(tmp_path / "p.json"), "--save", str(tmp_path / "p.safetensors"),
                      "--quiet"])
@@ -38,36 +139,84 @@ def test_patch_command_in_process(model, capsys, tmp_path):
     assert pipatch.load_result(tmp_path / "p.safetensors").columns == data["columns"]
 
 
+def test_a_dataset_of_pairs_on_the_command_line(model, tmp_path):
+    """Repeated --clean / --corrupt (and --answer / --foil) pair up in order (attribution: cheap)."""
+    path = tmp_path / "pairs.json"
+    code = cli.main(["attribute", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--clean", COLOSSEUM, "--corrupt", EIFFEL,
+                     "--answer", " Paris", "--answer", " Rome", "--foil", " Rome", "--foil", " Paris",
+                     "--site", "head", "--json", str(path), "--quiet"])
+    assert code == 0
+    want = python_result(model, "attribute", {"clean": [EIFFEL, COLOSSEUM], "corrupt": [COLOSSEUM, EIFFEL],
+                                              "answer": [" Paris", " Rome"], "foil": [" Rome", " Paris"],
+                                              "site": "head"})
+    assert want.n_seeds == 2  # one row of the seed axis per pair
+    assert_json_matches(json.loads(path.read_text()), want)
+
+
+def test_the_module_runs_as_a_command(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pipatch.cli", "patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris",
+         "--foil", " Rome", "--positions", "-1", "--json", str(tmp_path / "p.json")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "18/18 rows" in out.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["kind"] == "patch"
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: one line naming the command, exit status 2
+# --------------------------------------------------------------------------------------------
+
+PAIR = ["--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome"]
+
+
 @pytest.mark.parametrize(
-    "argv, match",
+    ("argv", "match"),
     [
+        # refused by the parser (SystemExit 2), before any model is loaded
+        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--seeds", "0"], "at least 1"),
+        (["patch", "--site"], "expected one argument"),
+        (["patch", *PAIR, "--sender", "12.2"], "unrecognized arguments: --sender"),
+        (["path-patch", *PAIR, "--sender", "12"], "LAYER.HEAD"),
+        (["path-patch", *PAIR, "--receivers", "13.4.z"], "not a receiver"),
+        (["attribute", *PAIR, "--verify", "many"], "not a whole number"),
+        (["attribute", "--clean", EIFFEL, "--answer", " Paris"], "required: --corrupt"),
+        # refused by the command before the model loads
+        (["patch", *PAIR, "--clean", EIFFEL], "2 clean, 1 corrupt"),
+        (["trace", EIFFEL, COLOSSEUM, "--subject", "a", "--subject", "b", "--subject", "c", "--answer", " Paris"],
+         "--subject is given 3 times for 2 prompt"),
+        # refused by the planner
         (["trace", "", "--subject", "x", "--answer", " Paris"], "empty"),
         (["trace", EIFFEL, "--subject", "Big Ben", "--answer", " Paris"], "not in the prompt"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris Texas"], "not one"),
-        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--seeds", "0"], "at least 1"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--kind", "ffn"], "unknown kind"),
         (["patch", "--clean", EIFFEL, "--corrupt", "Rome is", "--answer", " Paris", "--foil", " Rome"], "same length"),
         (["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--site", "neuron"], "unknown site"),
         (["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--metric", "kl"], "unknown metric"),
-        (["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome",
-          "--positions", "2,40"], "out of range"),
+        (["patch", *PAIR, "--positions", "2,40"], "out of range"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--model", "org/not-here"],
          "cannot load model"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--device", "gpu"], "unknown device"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(model, capsys, argv, match):
-    with pytest.raises(SystemExit) if "--seeds" in argv else _no_raise():
+def test_bad_input_exits_2_with_one_line_naming_the_command(model, capsys, argv, match):
+    try:
         code = cli.main(argv)
-        assert code == 2
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and match in lines[0] and "Traceback" not in err
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in err, err
+    command = f"pipatch {argv[0]}"
+    assert lines[0].startswith(f"{command}: error: ") and "pipatch pipatch" not in lines[0], lines[0]
+    assert lines[0].count(command) <= 2  # the prefix, and at most "(see pipatch patch --help)"
 
 
-class _no_raise:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def test_a_usage_error_names_the_command_once():
+    out = subprocess.run([sys.executable, "-m", "pipatch.cli", "patch", "--site"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == ("pipatch patch: error: argument --site: expected one argument "
+                          "(see pipatch patch --help)\n")

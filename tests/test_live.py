@@ -1,4 +1,4 @@
-"""run_live: a real sweep on the embedded model feeding a real PatchGrid (no kernel, no mocks).
+"""run_live: a real plan on the embedded model feeding a real PatchGrid (no kernel, no mocks).
 
 The front end's Stop and clicks arrive, in JupyterLab, on a kernel subshell thread while the
 sweep runs on the main thread; here a plain thread sets the same traits.
@@ -9,14 +9,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import types
 
 import pytest
 import torch
 
-from pipatch._live import _ORIGINS, run_live
-from pipatch._protocols.patching import plan_patch
-from pipatch._protocols.tracing import plan_trace
-from pipatch._widget import PatchGrid
+from pipatch._api import plan_patch, plan_trace
+from pipatch._live import _ORIGINS, PatchGrid, run_live
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -42,7 +41,7 @@ def test_stop_event_ends_the_run_stopped_with_the_partial_grid(model):
             _in_thread(lambda: setattr(widget, "stop_requested", True))  # the Stop button
 
     widget.observe(on_rows, names="rows_done")
-    result = run_live(model, plan, widget=widget, show=False)
+    result = run_live(plan, widget=widget, show=False)
 
     assert result.status == "stopped"
     done = result.rows_done["resid"]
@@ -79,7 +78,7 @@ def live_patch(model):
 
     widget.observe(on_rows, names="rows_done")
     widget.observe(on_detail, names="detail")
-    result = run_live(model, plan, widget=widget, show=False)
+    result = run_live(plan, widget=widget, show=False)
     return {"plan": plan, "result": result, "widget": widget, "selection": selection, "answered": answered}
 
 
@@ -143,11 +142,46 @@ def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model
 def test_registry_entry_goes_with_its_result(model):
     plan = plan_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[-1])
     widget = PatchGrid()
-    result = run_live(model, plan, widget=widget, show=False)
+    result = run_live(plan, widget=widget, show=False)
     key = id(result)
     assert key in _ORIGINS
+    predictor = _ORIGINS[key]
+    # The model is not searched: it is big (its tokenizer alone) and never holds a result.
+    assert not _reaches(predictor, result, skip=model), "the stored predictor keeps the result alive"
     widget.close()
     del plan, widget, result
     time.sleep(0.3)  # a cancelled coalescing timer's thread holds the widget until it exits
     gc.collect()
     assert key not in _ORIGINS
+
+
+def _reaches(root, target, skip=None, limit: int = 500_000) -> bool:
+    """Whether ``target`` is reachable from ``root`` through references.
+
+    ``skip``, tensors, types and modules are not entered; a function is entered through its closure and
+    defaults only (its globals lead to every module).
+    """
+    seen, stack = set(), [root]
+    while stack:
+        obj = stack.pop()
+        if obj is target:
+            return True
+        if obj is skip or id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        assert len(seen) < limit, "reference graph too large to search"
+        if isinstance(obj, types.FunctionType):
+            stack.extend(cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
+            stack.extend(obj.__defaults__ or ())
+            stack.extend((obj.__kwdefaults__ or {}).values())
+        else:
+            stack.extend(gc.get_referents(obj))
+    return False
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True

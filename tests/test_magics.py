@@ -1,7 +1,9 @@
-"""%%trace / %%patch in-process: IPython's test shell, real models, real nnsight, no mocks.
+"""The magics in-process: IPython's test shell, real models, real nnsight, no mocks.
 
-The widget a magic creates is watched through ipywidgets' own construction hook
-(``Widget.on_widget_constructed``) and ``observe`` on its traits.
+One magic per experiment of the registry (``%%trace``, ``%%patch``, ``%%attribute``,
+``%%path_patch``); each must give the Python API's numbers. The widget a magic creates is
+watched through ipywidgets' own construction hook (``Widget.on_widget_constructed``) and
+``observe`` on its traits.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import ipywidgets
 import pytest
 from IPython.core.error import UsageError
 
+from pipatch._live import PatchGrid
+from pipatch._registry import EXPERIMENTS
 from pipatch._result import Result
-from pipatch._widget import PatchGrid
+from pipatch._widget import GridWidget
+from tests._experiments import BIG_BEN, EMBEDDED, TINY, assert_same_result, python_result
 from tests.conftest import COLOSSEUM, EIFFEL
 
 PATCH_BODY = f"clean: {EIFFEL}\ncorrupt: {COLOSSEUM}\n"
@@ -41,7 +46,7 @@ class Grids(list):
         self.hooks: list = []
 
     def constructed(self, widget) -> None:
-        if isinstance(widget, PatchGrid):
+        if isinstance(widget, GridWidget):
             seen: list[dict] = []
             widget.observe(lambda change: seen.append(dict(change["new"])), names="rows_done")
             self.append((widget, seen))
@@ -72,21 +77,56 @@ def test_import_alone_registers_no_magic():
         import pipatch
         assert "trace" not in ip.magics_manager.magics["cell"]
         ip.run_line_magic("load_ext", "pipatch")
-        assert {"trace", "patch"} <= set(ip.magics_manager.magics["cell"])
+        assert {"trace", "patch", "attribute", "path_patch"} <= set(ip.magics_manager.magics["cell"])
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_help_comes_from_magic_arguments(ip):
-    for name, options in (("trace", ("--subject", "--answer", "--seeds", "--kind", "-o")),
-                          ("patch", ("--answer", "--foil", "--site", "--positions", "--direction"))):
-        doc = ip.find_cell_magic(name).__doc__
-        assert f"%{name} " in doc  # the usage line magic_arguments builds
-        for option in options:
-            assert option in doc
+def test_one_magic_per_experiment_with_its_options_as_help(ip):
+    for entry in EXPERIMENTS.values():
+        doc = ip.find_cell_magic(entry.name).__doc__
+        assert f"%%{entry.name} " in doc  # the usage line
+        for option in entry.options:
+            assert option.flag in doc
+        assert "--model" in doc and "-o" in doc and f"_{entry.name}" in doc and entry.summary in doc
     text = ip.object_inspect_text("%%trace")
     assert "--subject SUBJECT" in text and "Causal tracing" in text
+    assert "--sender SENDER" in ip.object_inspect_text("%%path_patch")
+
+
+@pytest.mark.parametrize("name", list(EMBEDDED))
+def test_every_magic_equals_the_python_api(ip, model, name):
+    case = EMBEDDED[name]
+    ip.user_ns["embedded"] = model
+    ip.user_ns.pop(f"_{name}", None)
+    ip.run_cell_magic(name, f"--model embedded {case['line']}", case["body"])
+    result = ip.user_ns[f"_{name}"]  # the default name
+    assert isinstance(result, Result)
+    assert_same_result(result, python_result(model, name, case["kwargs"]))
+
+
+def test_a_dataset_of_pairs_through_the_magic(ip, tiny):
+    ip.user_ns["small"] = tiny
+    body = f"clean: {EIFFEL}\ncorrupt: {BIG_BEN}\n\n# swapped\nclean: {BIG_BEN}\ncorrupt: {EIFFEL}\n"
+    line = '--model small --answer " Paris" --answer " London" --foil " London" --foil " Paris" -o pairs'
+    ip.run_cell_magic("patch", line, body)
+    want = python_result(tiny, "patch", {"clean": [EIFFEL, BIG_BEN], "corrupt": [BIG_BEN, EIFFEL],
+                                         "answer": [" Paris", " London"], "foil": [" London", " Paris"]})
+    got = ip.user_ns["pairs"]
+    assert got.n_seeds == 2  # one row of the seed axis per pair
+    assert_same_result(got, want)
+
+
+def test_a_dataset_of_prompts_through_the_magic(ip, tiny):
+    ip.user_ns["small"] = tiny
+    body = f"prompt: {EIFFEL}\nprompt: {BIG_BEN}\n"
+    line = ('--model small --subject "Eiffel Tower" --subject "Big Ben" --answer " Paris" --answer " London" '
+            "--seeds 2 --scale 3 -o facts")
+    ip.run_cell_magic("trace", line, body)
+    want = python_result(tiny, "trace", {"prompt": [EIFFEL, BIG_BEN], "subject": ["Eiffel Tower", "Big Ben"],
+                                         "answer": [" Paris", " London"], "seeds": 2, "scale": 3.0})
+    assert_same_result(ip.user_ns["facts"], want)
 
 
 def test_patch_on_the_embedded_model_binds_and_streams_rows(ip, grids):
@@ -141,8 +181,15 @@ def test_trace_with_a_model_variable(ip, grids, tiny):
         ("patch", '--answer " Paris" --foil " Rome"', f"clean: {EIFFEL}\nnoise: x\n", "line 2"),
         ("patch", '--answer " Paris" --foil " Rome"', f"clean: {EIFFEL}\ncorrupt: The big city of\n", "same length"),
         ("patch", '--answer " Paris" --foil " Rome" --site neuron', PATCH_BODY, "neuron"),
-        ("patch", '--answer " Paris"', PATCH_BODY.replace("corrupt", "clean"), "second"),
+        ("patch", '--answer " Paris"', PATCH_BODY.replace("corrupt", "clean"), "'corrupt: <prompt>'"),
         ("patch", '--answer " Paris" --foil " Rome" --positions 2,x', PATCH_BODY, "--positions"),
+        ("patch", '--answer " Paris" --foil " Rome"', PATCH_BODY + f"clean: {EIFFEL}\n", "2 clean, 1 corrupt"),
+        ("patch", '--answer " Paris" --answer " Rome" --answer " London"', PATCH_BODY * 2, "--answer is given 3"),
+        ("trace", '--subject "Eiffel Tower" --subject "Tower" --answer " Paris"', EIFFEL, "--subject is given 2"),
+        ("attribute", '--answer " Paris" --foil " Rome" --verify -1', PATCH_BODY, "--verify"),
+        ("path_patch", '--answer " Paris" --foil " Rome" --sender 12', PATCH_BODY, "--sender"),
+        ("path_patch", '--answer " Paris" --foil " Rome" --receivers 13.4.x', PATCH_BODY, "--receivers"),
+        ("path_patch", '--answer " Paris" --foil " Rome" --site head', PATCH_BODY, "--site"),
     ],
 )
 def test_bad_cells_fail_in_one_line_and_bind_nothing(ip, magic, line, body, expected):
@@ -152,6 +199,7 @@ def test_bad_cells_fail_in_one_line_and_bind_nothing(ip, magic, line, body, expe
         ip.run_cell_magic(magic, f"{line} -o kept" if " -o " not in line else line, body)
     message = str(caught.value)
     assert "\n" not in message.strip() and expected in message, message
+    assert message.count(f"%%{magic}") <= 1, message
     assert ip.user_ns["kept"] is sentinel
 
 
@@ -214,11 +262,22 @@ def test_an_interrupted_run_binds_its_partial_result(ip, grids, tiny, capsys):
     assert widget.status == "interrupted" and not widget.stoppable
 
 
-def test_patchgrid_run_without_magics(tiny, grids):
-    result = PatchGrid.run(tiny, "patch", clean=EIFFEL, corrupt="The Big Ben is in the city of",
-                           answer=" Paris", foil=" London", site="mlp")
-    assert result.status == "done" and result.views == ["mlp"]
-    widget = grids[-1][0]
-    assert widget.rows_done == {"mlp": 3} and widget.status == "done"
-    with pytest.raises(ValueError, match="kind"):
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_patchgrid_run_for_every_experiment(tiny, grids, name):
+    """``PatchGrid.run(model, kind, **python arguments)``: a live grid, the API's numbers, clicks answered."""
+    before = len(grids)
+    result = PatchGrid.run(tiny, name, **TINY[name])
+    assert_same_result(result, python_result(tiny, name, TINY[name]))
+    widget, seen = grids[before]
+    assert widget.status == "done" and widget.rows_done == result.rows_done and seen
+    grid = PatchGrid(result)  # a clickable grid again, answered through the plan's predictor
+    grid.selected = {"view": result.views[0], "seed": -1, "row": 0, "col": 0}
+    assert len(grid.detail["top"]) == 5 and "error" not in grid.detail, grid.detail
+    grid.close()
+
+
+def test_patchgrid_run_refuses_an_unknown_kind_in_one_line(tiny):
+    with pytest.raises(ValueError, match="kind") as caught:
         PatchGrid.run(tiny, "ablate")
+    message = str(caught.value)
+    assert "\n" not in message and all(name in message for name in EXPERIMENTS)

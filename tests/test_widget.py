@@ -1,12 +1,16 @@
-"""PatchGrid serialization, throttling and saved-bundle tests (no browser, no model).
+"""The grid widget (the view): serialization, throttling and saved-bundle tests (no browser, no model).
 
 The states here are hand-made numpy arrays: they test the widget plumbing only.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,10 +18,11 @@ import numpy as np
 import pytest
 from ipywidgets.widgets.widget import _remove_buffers
 
+import pipatch._widget
 from pipatch._widget import (
     MIME_TYPE,
     STATE_KEYS,
-    PatchGrid,
+    GridWidget,
     escape_label,
     final_bundle_from_state,
     state_to_mime,
@@ -67,7 +72,7 @@ def fake_state(
 
 
 class Recorder:
-    def __init__(self, widget: PatchGrid) -> None:
+    def __init__(self, widget: GridWidget) -> None:
         self.messages: list[tuple[dict, list]] = []
         widget._send = self._send  # type: ignore[method-assign]
 
@@ -76,7 +81,7 @@ class Recorder:
 
 
 def test_from_state_sets_traits_and_arrays_are_binary():
-    w = PatchGrid.from_state(fake_state())
+    w = GridWidget.from_state(fake_state())
     assert w.title == "<img src=x onerror=alert(1)>"
     assert w.view == "resid"
     spec = w.arrays["resid/mean"]
@@ -93,7 +98,7 @@ def test_from_state_sets_traits_and_arrays_are_binary():
 
 
 def test_update_state_is_one_message():
-    w = PatchGrid.from_state(fake_state(done=1))
+    w = GridWidget.from_state(fake_state(done=1))
     rec = Recorder(w)
     w.update_state(
         {"rows_done": {"resid": 2, "mlp": 0}, "elapsed": 2.0, "eta": 1.0, "status": "running"}
@@ -105,7 +110,7 @@ def test_update_state_is_one_message():
 
 
 def test_push_coalesces_and_flush_ends_equal():
-    w = PatchGrid.from_state(fake_state(done=0), min_interval=0.05)
+    w = GridWidget.from_state(fake_state(done=0), min_interval=0.05)
     rec = Recorder(w)
     start = time.monotonic()
     for i in range(200):
@@ -121,7 +126,7 @@ def test_push_coalesces_and_flush_ends_equal():
 
 
 def test_push_timer_delivers_held_state():
-    w = PatchGrid.from_state(fake_state(done=0), min_interval=0.1)
+    w = GridWidget.from_state(fake_state(done=0), min_interval=0.1)
     w.push({"elapsed": 1.0})
     w.push({"elapsed": 2.0})  # held back
     assert w.elapsed == 1.0
@@ -130,7 +135,7 @@ def test_push_timer_delivers_held_state():
 
 
 def test_hooks_fire_from_other_threads():
-    w = PatchGrid.from_state(fake_state())
+    w = GridWidget.from_state(fake_state())
     hits: list = []
     stop = threading.Event()
     unsub = w.on_stop(stop.set)
@@ -153,12 +158,12 @@ def test_mime_document_roundtrip():
     back = np.frombuffer(base64.b64decode(a["data"]), dtype="<f4").reshape(a["shape"])
     np.testing.assert_array_equal(back, st["arrays"]["resid/seeds"])
     # The widget accepts the document form too.
-    w = PatchGrid.from_state(json.loads(text))
+    w = GridWidget.from_state(json.loads(text))
     assert w.arrays["resid/seeds"]["shape"] == [3, 4, 5]
 
 
 def test_final_bundle_has_no_widget_view():
-    w = PatchGrid.from_state(fake_state())
+    w = GridWidget.from_state(fake_state())
     bundle = w.final_bundle({"status": "done", "stoppable": False})
     assert set(bundle) == {MIME_TYPE, "image/png", "text/plain"}
     assert base64.b64decode(bundle["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
@@ -177,7 +182,7 @@ def test_final_bundle_survives_partial_and_empty_states():
 
 
 def test_display_final_updates_the_handle():
-    w = PatchGrid.from_state(fake_state())
+    w = GridWidget.from_state(fake_state())
     calls = []
 
     class Handle:
@@ -206,3 +211,26 @@ def test_escape_label(raw, shown):
 
 def test_escape_label_truncates():
     assert escape_label("x" * 10_000, 16) == "x" * 15 + "…"
+
+
+def test_the_widget_module_imports_no_pipatch_module_but_text_helpers():
+    """The view imports nothing that imports it: no _live, _registry, _api, ... even inside functions."""
+    tree = ast.parse(pathlib.Path(pipatch._widget.__file__).read_text("utf-8"))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("pipatch")):
+            imported.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names if a.name.startswith("pipatch"))
+    assert imported <= {"_text"}, imported
+    code = ("import sys, pipatch._widget as w; w.GridWidget(); "
+            "assert not {'pipatch._live', 'pipatch._registry', 'pipatch._magics'} & set(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_public_patchgrid_is_the_view_plus_running():
+    import pipatch
+    from pipatch._live import PatchGrid
+
+    assert pipatch.PatchGrid is PatchGrid and issubclass(PatchGrid, GridWidget)
+    assert not hasattr(GridWidget, "run") and callable(PatchGrid.run)

@@ -1,0 +1,108 @@
+"""One small example of every experiment, spelled for each entry point, and a result comparison.
+
+``EMBEDDED[name]`` is sized for the embedded model (a few seconds each on a laptop CPU):
+``kwargs`` for the Python function, ``line`` + ``body`` for the magic, ``argv`` for the CLI.
+They are written out by hand, not derived from the registry, so a test comparing two entry
+points checks the registry's translation too. ``TINY[name]`` is the Python form for the tiny
+GPT-2 of ``tests/_tiny.py`` (whose word-level tokenizer knows "Big Ben" but not "Colosseum").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.conftest import COLOSSEUM, EIFFEL
+
+BIG_BEN = "The Big Ben is in the city of"  # as many tiny-tokenizer tokens as EIFFEL
+
+PAIR = f"clean: {EIFFEL}\ncorrupt: {COLOSSEUM}\n"
+PAIR_ARGV = ["--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome"]
+PAIR_KWARGS = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
+
+EMBEDDED: dict[str, dict] = {
+    "trace": {
+        # One seed: a trace on the embedded model is ~300 patched runs per seed.
+        "kwargs": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "seeds": 1, "scale": 3.0},
+        "line": '--subject "Eiffel Tower" --answer " Paris" --seeds 1 --scale 3',
+        "body": EIFFEL,
+        "argv": ["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--seeds", "1", "--scale", "3"],
+    },
+    "patch": {
+        "kwargs": {**PAIR_KWARGS, "site": "resid", "positions": [2, -1]},
+        "line": '--answer " Paris" --foil " Rome" --site resid --positions 2,-1',
+        "body": PAIR,
+        "argv": ["patch", *PAIR_ARGV, "--site", "resid", "--positions", "2,-1"],
+    },
+    "attribute": {
+        "kwargs": {**PAIR_KWARGS, "site": "head", "verify": 2},
+        "line": '--answer " Paris" --foil " Rome" --site head --verify 2',
+        "body": PAIR,
+        "argv": ["attribute", *PAIR_ARGV, "--site", "head", "--verify", "2"],
+    },
+    "path_patch": {
+        "kwargs": {**PAIR_KWARGS, "sender": ("head", 12, 2)},
+        "line": '--answer " Paris" --foil " Rome" --sender 12.2',
+        "body": PAIR,
+        "argv": ["path-patch", *PAIR_ARGV, "--sender", "12.2"],
+    },
+}
+
+TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
+TINY: dict[str, dict] = {
+    "trace": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "seeds": 2, "scale": 3.0},
+    "patch": {**TINY_PAIR, "site": "mlp"},
+    "attribute": {**TINY_PAIR, "site": "head"},
+    "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
+}
+
+
+_COMPUTED: dict[tuple, object] = {}
+
+
+def python_result(model, name: str, kwargs: dict):
+    """The Python API's result for ``name`` (``pipatch.trace`` etc.), computed once per session.
+
+    Callers only read it: the magic and the CLI tests compare against the same result.
+    """
+    key = (id(model), name, repr(sorted(kwargs.items())))
+    if key not in _COMPUTED:
+        _COMPUTED[key] = (model, _python_result(model, name, kwargs))  # the model keeps its id
+    return _COMPUTED[key][1]
+
+
+def _python_result(model, name: str, kwargs: dict):
+    import pipatch
+
+    kwargs = dict(kwargs)
+    if "prompt" in kwargs:
+        return getattr(pipatch, name)(model, kwargs.pop("prompt"), **kwargs)
+    return getattr(pipatch, name)(model, **kwargs)
+
+
+def assert_same_result(got, want, atol: float = 1e-6) -> None:
+    """Same axes and the same raw metric in every cell (NaN where the other has NaN)."""
+    assert (got.kind, got.tokens, got.columns, got.layers, got.metric, got.views) == (
+        want.kind, want.tokens, want.columns, want.layers, want.metric, want.views)
+    assert got.status == want.status == "done"
+    for view in want.views:
+        torch.testing.assert_close(got.raw[view], want.raw[view], atol=atol, rtol=0, equal_nan=True)
+    torch.testing.assert_close(torch.as_tensor(got.corrupt), torch.as_tensor(want.corrupt), atol=atol, rtol=0)
+    assert got.clean_value == want.clean_value or abs(got.clean_value - want.clean_value) <= atol
+
+
+def assert_json_matches(data: dict, want, atol: float = 1e-6) -> None:
+    """A CLI ``--json`` document against a Python result: the keys every command writes, and the grid."""
+    for key in ("kind", "model", "tokens", "layers", "grid", "metric", "clean", "corrupt"):
+        assert key in data, key
+    assert (data["kind"], data["tokens"], data["layers"], data["metric"]) == (
+        want.kind, want.tokens, want.layers, want.metric)
+    grid = want.grid.tolist()
+    assert len(data["grid"]) == len(grid)
+    for got_row, want_row in zip(data["grid"], grid, strict=True):
+        for got, expected in zip(got_row, want_row, strict=True):
+            if math.isnan(expected):
+                assert got is None
+            else:
+                assert abs(got - expected) <= atol
