@@ -63,9 +63,10 @@ def text_heatmap(result, view: str, width: int = 7, top: int = 5) -> str:
         cells = "".join(shade(float(v)).rjust(width) for v in grid[layer].tolist())
         lines.append(f"L{str(label):<4}"[:5] + cells)
     best = result.top_cells(top, view)
-    for layer, col, value in best:
-        lines.append(f"layer {layer:3d}  {('head' if result.col_axis == 'head' else 'pos')} {col:4d} "
-                     f"({result.columns[col]!r})  recovery {value:.3f}")
+    # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
+    what = {"head": "head", "token": "token"}.get(result.col_axis, "column")
+    for row, col, value in best:
+        lines.append(f"layer {str(result.layers[row]):>3}  {what} {result.columns[col]!r}  recovery {value:.3f}")
     for warning in result.warnings:
         lines.append(f"warning: {warning}")
     if result.status != "done":
