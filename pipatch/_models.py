@@ -184,12 +184,12 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
             # The local Hugging Face cache first: no network, no retries.
             tokenizer, hf_model = load(local_files_only=True)
         except OSError:
-            if Path(path).expanduser().is_dir() or not _hub_reachable():
+            if Path(path).expanduser().is_dir() or not _hub_reachable(path):
                 raise
             tokenizer, hf_model = load()
     except (OSError, ValueError) as error:
         reason = "not in the local Hugging Face cache and the hub is unreachable (offline)"
-        if Path(path).expanduser().is_dir() or _hub_reachable():
+        if Path(path).expanduser().is_dir() or _hub_reachable(path):
             text = str(error).strip()
             reason = text.splitlines()[0][:160] if text else type(error).__name__
         raise PipatchError(
@@ -218,22 +218,27 @@ def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = No
     return _SHARED[key]
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers at all (a DNS failure returns at once)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
-        return False
-    import socket
-    from urllib.parse import urlparse
+def _hub_reachable(name: str, timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a question about ``name`` at all.
 
+    Asked through huggingface_hub itself, so its offline mode (``HF_HUB_OFFLINE``), endpoint
+    (``HF_ENDPOINT``), token and proxies are honoured; one request with a short timeout and no
+    retries, so an unreachable hub costs a second, not transformers' minute of retries. An
+    HTTP error (a private or missing repository) is still an answer: the load then says why.
+    """
     try:
+        import huggingface_hub
         from huggingface_hub import constants
-
-        host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    except Exception:  # noqa: BLE001
-        host = "huggingface.co"
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        return False
+    if constants.HF_HUB_OFFLINE:
+        return False
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-    except OSError:
+        huggingface_hub.model_info(name, timeout=timeout)
+    except HfHubHTTPError:
+        return True
+    except Exception:  # noqa: BLE001 - any transport failure means "no answer"
         return False
     return True
 

@@ -64,3 +64,46 @@ def test_backend_logits_equal_the_models_own(model):
     assert torch.allclose(mine, logits.float(), atol=1e-4)
     pair = backend.logits(hidden, [9079, 13706])
     assert torch.allclose(pair, logits[:, [9079, 13706]].float(), atol=1e-4)
+
+
+def test_hub_check_honours_offline_mode_and_proxies(tmp_path):
+    """The hub is asked through huggingface_hub: HF_HUB_OFFLINE means no request at all, and a
+    configured proxy is where the request goes (a local socket records what reaches it)."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(20)
+    seen: list[bytes] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                conn, _ = server.accept()
+                seen.append(conn.recv(256))
+                conn.close()
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    proxy = f"http://127.0.0.1:{server.getsockname()[1]}"
+    script = ("import pipatch\ntry:\n    pipatch.load_model('some-org/some-model')\n"
+              "except pipatch.PipatchError as e:\n    print('ERR', e)\n")
+    base = {k: v for k, v in __import__("os").environ.items() if "proxy" not in k.lower()}
+    try:
+        proxied = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                 env={**base, "HTTPS_PROXY": proxy, "HF_HUB_OFFLINE": "0"})
+        assert "ERR" in proxied.stdout and "unreachable" in proxied.stdout, proxied.stdout + proxied.stderr
+        assert any(b"CONNECT huggingface.co:443" in line for line in seen), seen
+        before = len(seen)
+        offline = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                 env={**base, "HTTPS_PROXY": proxy, "HF_HUB_OFFLINE": "1"})
+        assert "ERR" in offline.stdout and "unreachable (offline)" in offline.stdout, offline.stdout + offline.stderr
+        assert len(seen) == before  # offline: nothing was sent
+    finally:
+        server.close()
