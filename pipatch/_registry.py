@@ -51,26 +51,24 @@ def text(value: str) -> str:
     return value
 
 
-def positive_int(value: str) -> int:
-    """A whole number ≥ 1."""
+def _whole_number(value: str, minimum: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise PipatchError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise PipatchError(f"must be at least 1, got {number}")
+    if number < minimum:
+        raise PipatchError(f"must be at least {minimum}, got {number}" if minimum else f"must be 0 or more, got {number}")
     return number
+
+
+def positive_int(value: str) -> int:
+    """A whole number ≥ 1."""
+    return _whole_number(value, 1)
 
 
 def count(value: str) -> int:
     """A whole number ≥ 0."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise PipatchError(f"{value!r} is not a whole number") from None
-    if number < 0:
-        raise PipatchError(f"must be 0 or more, got {number}")
-    return number
+    return _whole_number(value, 0)
 
 
 def scale(value: str) -> float | str:
