@@ -275,14 +275,15 @@ class Result:
         for view in views or self.views:
             out[f"{view}/mean"] = self.mean(view).numpy().astype("<f4")
             out[f"{view}/raw_mean"] = self.raw_mean(view).numpy().astype("<f4")
+            # Small, and it changes while attribution's verification runs: live updates carry it.
+            verified = self.meta.get("verified", {}).get(view) if isinstance(self.meta.get("verified"), dict) else None
+            if verified is not None:
+                out[f"{view}/verified"] = np.asarray(verified, dtype="<f4")
             if live:
                 continue
             out[f"{view}/std"] = self.std(view).numpy().astype("<f4")
             out[f"{view}/seeds"] = self.recovery(view).numpy().astype("<f4")
             out[f"{view}/raw_seeds"] = self.raw[view].numpy().astype("<f4")
-            verified = self.meta.get("verified", {}).get(view) if isinstance(self.meta.get("verified"), dict) else None
-            if verified is not None:
-                out[f"{view}/verified"] = np.asarray(verified, dtype="<f4")
         return out
 
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
