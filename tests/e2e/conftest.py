@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -235,3 +236,38 @@ def run_all(page: Any) -> None:
 def shot(page: Any, name: str) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+# -- grids in a notebook ------------------------------------------------------------------
+
+
+def grid_cell(page, index: int):
+    return page.locator(".jp-NotebookPanel .jp-CodeCell").nth(index)
+
+
+def cell_point(grid, row: int, col: int) -> tuple[float, float]:
+    overlay = grid.locator("canvas.pipatch-overlay")
+    overlay.scroll_into_view_if_needed()
+    box = overlay.bounding_box()
+    rows, cols = int(grid.get_attribute("data-rows")), int(grid.get_attribute("data-cols"))
+    return box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
+
+
+def wait_rows_streaming(page, cell_index: int, timeout: float) -> int:
+    """Wait until the live grid of a cell shows 1 ≤ rows done < rows while running."""
+    handle = page.wait_for_function(
+        """(i) => {
+            const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[i];
+            const g = cell && cell.querySelector('.pipatch-grid[data-status="running"]');
+            if (!g || g.closest('.pipatch-mime')) return false;
+            const st = g.querySelector('.pipatch-status');
+            const m = st && /(\\d+) \\/ (\\d+) rows/.exec(st.textContent || '');
+            return m && +m[1] >= 1 && +m[1] < +m[2] ? st.textContent : false;
+        }""",
+        arg=cell_index,
+        timeout=timeout,
+    )
+    text = handle.json_value()
+    done, total = map(int, re.search(r"(\d+) / (\d+) rows", text).groups())
+    assert text.startswith("running") and 1 <= done < total
+    return done

@@ -20,11 +20,18 @@ grid, so a state that lasts only a moment (attribution's verification) is still 
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from .conftest import code_cell, open_notebook, run_all, shot, wait_kernel_idle
+from .conftest import (
+    cell_point,
+    code_cell,
+    grid_cell,
+    open_notebook,
+    run_all,
+    shot,
+    wait_kernel_idle,
+    wait_rows_streaming,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -74,45 +81,13 @@ OBSERVE = """() => {
 }"""
 
 
-def _cell(page, index: int):
-    return page.locator(".jp-NotebookPanel .jp-CodeCell").nth(index)
-
-
-def _cell_point(grid, row: int, col: int) -> tuple[float, float]:
-    overlay = grid.locator("canvas.pipatch-overlay")
-    overlay.scroll_into_view_if_needed()
-    box = overlay.bounding_box()
-    rows, cols = int(grid.get_attribute("data-rows")), int(grid.get_attribute("data-cols"))
-    return box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
-
-
-def _wait_rows_streaming(page, cell_index: int, timeout: float) -> int:
-    """Wait until the live grid of a cell shows 1 ≤ rows done < rows while running."""
-    handle = page.wait_for_function(
-        """(i) => {
-            const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[i];
-            const g = cell && cell.querySelector('.pipatch-grid[data-status="running"]');
-            if (!g || g.closest('.pipatch-mime')) return false;
-            const st = g.querySelector('.pipatch-status');
-            const m = st && /(\\d+) \\/ (\\d+) rows/.exec(st.textContent || '');
-            return m && +m[1] >= 1 && +m[1] < +m[2] ? st.textContent : false;
-        }""",
-        arg=cell_index,
-        timeout=timeout,
-    )
-    text = handle.json_value()
-    done, total = map(int, re.search(r"(\d+) / (\d+) rows", text).groups())
-    assert text.startswith("running") and 1 <= done < total
-    return done
-
-
 def _history(page, cell_index: int) -> list[dict]:
     return page.evaluate("(i) => (window.__pp || {})[i] || []", cell_index)
 
 
 def _click_top5(page, grid, row: int, col: int, timeout: float = 120_000) -> list[str]:
     """Click a cell; wait for the kernel's top-5 in the grid's detail pane; return the tokens."""
-    page.mouse.click(*_cell_point(grid, row, col))
+    page.mouse.click(*cell_point(grid, row, col))
     tokens = grid.locator("table.pipatch-top .pipatch-top-token")
     tokens.first.wait_for(timeout=timeout)
     texts = [tokens.nth(i).text_content() for i in range(tokens.count())]
@@ -124,7 +99,7 @@ def _click_top5(page, grid, row: int, col: int, timeout: float = 120_000) -> lis
 
 
 def _hover_text(page, grid, row: int, col: int) -> str:
-    page.mouse.move(*_cell_point(grid, row, col))
+    page.mouse.move(*cell_point(grid, row, col))
     tip = grid.locator(".pipatch-tooltip")
     tip.wait_for(state="visible")
     return tip.text_content()
@@ -137,7 +112,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     run_all(page)
 
     # -- attribution: grid at once, running through the verification, then done ------------
-    attr_done = _cell(page, ATTR).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    attr_done = grid_cell(page, ATTR).locator(".pipatch-mime .pipatch-grid[data-status='done']")
     attr_done.wait_for(timeout=300_000)
     shot(page, "experiments-attribute-done")
     seen = _history(page, ATTR)
@@ -149,25 +124,25 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     assert attr_done.locator(".pipatch-status").text_content().startswith("done")
 
     # -- path patching over every sender head: rows stream in, click → top-5 mid-run --------
-    _wait_rows_streaming(page, PATH, timeout=300_000)
-    path_live = _cell(page, PATH).locator(".pipatch-grid[data-status='running']").first
+    wait_rows_streaming(page, PATH, timeout=300_000)
+    path_live = grid_cell(page, PATH).locator(".pipatch-grid[data-status='running']").first
     assert path_live.get_attribute("data-rows") == "18" and path_live.get_attribute("data-cols") == "4"
     shot(page, "experiments-path-running")
     path_tokens = _click_top5(page, path_live, 0, 1)
     path_clicked_running = path_live.get_attribute("data-status") == "running"
     shot(page, "experiments-path-top5")
-    path_done = _cell(page, PATH).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    path_done = grid_cell(page, PATH).locator(".pipatch-mime .pipatch-grid[data-status='done']")
     path_done.wait_for(timeout=300_000)
     assert path_done.get_attribute("data-rows-done") == path_done.get_attribute("data-rows") == "18"
 
     # -- a dataset of two pairs: rows stream in, click → top-5 mid-run ----------------------
-    _wait_rows_streaming(page, DATASET, timeout=300_000)
-    ds_live = _cell(page, DATASET).locator(".pipatch-grid[data-status='running']").first
+    wait_rows_streaming(page, DATASET, timeout=300_000)
+    ds_live = grid_cell(page, DATASET).locator(".pipatch-grid[data-status='running']").first
     shot(page, "experiments-dataset-running")
     ds_tokens = _click_top5(page, ds_live, 0, int(ds_live.get_attribute("data-cols")) - 1)
     assert ds_live.get_attribute("data-status") == "running"
     shot(page, "experiments-dataset-top5")
-    ds_done = _cell(page, DATASET).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    ds_done = grid_cell(page, DATASET).locator(".pipatch-mime .pipatch-grid[data-status='done']")
     ds_done.wait_for(timeout=300_000)
     assert ds_done.get_attribute("data-rows-done") == ds_done.get_attribute("data-rows") == "18"
     labels = [
@@ -185,7 +160,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     assert path_clicked_running, "the path-patching top-5 came only after the run ended"
 
     # -- the bound results -----------------------------------------------------------------
-    printed = _cell(page, PRINT).locator(".jp-RenderedText").filter(has_text="BOUND")
+    printed = grid_cell(page, PRINT).locator(".jp-RenderedText").filter(has_text="BOUND")
     printed.first.wait_for(timeout=300_000)
     lines = printed.first.text_content().splitlines()
     bound = [line.split() for line in lines if line.startswith("BOUND")]
@@ -208,7 +183,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     assert "verified by a real patch" not in _hover_text(page, attr_done, *others[0])
 
     # -- PatchGrid(attr): a click after the run gets the real patched run's top-5 ------------
-    again = _cell(page, AGAIN).locator(".pipatch-grid[data-status='done']").first
+    again = grid_cell(page, AGAIN).locator(".pipatch-grid[data-status='done']").first
     again.wait_for(timeout=120_000)
     row, col = verified[0]
     assert "verified by a real patch" in _hover_text(page, again, row, col)

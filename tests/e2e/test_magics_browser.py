@@ -20,7 +20,17 @@ import re
 
 import pytest
 
-from .conftest import code_cell, open_notebook, run_all, run_command, shot, wait_kernel_idle
+from .conftest import (
+    cell_point,
+    code_cell,
+    grid_cell,
+    open_notebook,
+    run_all,
+    run_command,
+    shot,
+    wait_kernel_idle,
+    wait_rows_streaming,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -37,48 +47,16 @@ CELLS = [
 ]
 
 
-def _cell(page, index: int):
-    return page.locator(".jp-NotebookPanel .jp-CodeCell").nth(index)
-
-
-def _cell_point(grid, row: int, col: int) -> tuple[float, float]:
-    overlay = grid.locator("canvas.pipatch-overlay")
-    overlay.scroll_into_view_if_needed()
-    box = overlay.bounding_box()
-    rows, cols = int(grid.get_attribute("data-rows")), int(grid.get_attribute("data-cols"))
-    return box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
-
-
-def _wait_rows_streaming(page, cell_index: int, timeout: float) -> int:
-    """Wait until the live grid of a cell shows 1 ≤ rows done < rows while running."""
-    handle = page.wait_for_function(
-        """(i) => {
-            const cell = document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')[i];
-            const g = cell && cell.querySelector('.pipatch-grid[data-status="running"]');
-            if (!g || g.closest('.pipatch-mime')) return false;
-            const st = g.querySelector('.pipatch-status');
-            const m = st && /(\\d+) \\/ (\\d+) rows/.exec(st.textContent || '');
-            return m && +m[1] >= 1 && +m[1] < +m[2] ? st.textContent : false;
-        }""",
-        arg=cell_index,
-        timeout=timeout,
-    )
-    text = handle.json_value()
-    done, total = map(int, re.search(r"(\d+) / (\d+) rows", text).groups())
-    assert text.startswith("running") and 1 <= done < total
-    return done
-
-
 def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     name = lab_server.write_notebook("magics.ipynb", [code_cell(src) for src in CELLS])
     open_notebook(page, lab_server, name)
     run_all(page)
 
     # -- the short trace: rows stream in, hover, click → top-5 during the run ------------
-    _wait_rows_streaming(page, 1, timeout=180_000)
-    live = _cell(page, 1).locator(".pipatch-grid[data-status='running']").first
+    wait_rows_streaming(page, 1, timeout=180_000)
+    live = grid_cell(page, 1).locator(".pipatch-grid[data-status='running']").first
     shot(page, "magic-trace-running")
-    x, y = _cell_point(live, 0, 3)
+    x, y = cell_point(live, 0, 3)
     page.mouse.move(x, y)
     tip = live.locator(".pipatch-tooltip")
     tip.wait_for(state="visible")
@@ -90,15 +68,15 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     assert live.get_attribute("data-status") == "running"
     shot(page, "magic-trace-top5")
     # At the end the live widget is replaced by the saved-notebook bundle.
-    done = _cell(page, 1).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    done = grid_cell(page, 1).locator(".pipatch-mime .pipatch-grid[data-status='done']")
     done.wait_for(timeout=240_000)
     assert done.get_attribute("data-rows-done") == done.get_attribute("data-rows") == "18"
 
     # -- the long trace: Stop keeps the partial grid; tokens are text ---------------------
-    _wait_rows_streaming(page, 2, timeout=180_000)
-    stop = _cell(page, 2).locator("button.pipatch-stop")
+    wait_rows_streaming(page, 2, timeout=180_000)
+    stop = grid_cell(page, 2).locator("button.pipatch-stop")
     stop.click()
-    stopped = _cell(page, 2).locator(".pipatch-mime .pipatch-grid[data-status='stopped']")
+    stopped = grid_cell(page, 2).locator(".pipatch-mime .pipatch-grid[data-status='stopped']")
     stopped.wait_for(timeout=120_000)
     status = stopped.locator(".pipatch-status").text_content()
     assert status.startswith("stopped")
@@ -112,18 +90,18 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     shot(page, "magic-trace-stopped")
 
     # -- PatchGrid(result) after the run answers a click ----------------------------------
-    again = _cell(page, 3).locator(".pipatch-grid[data-status='done']").first
+    again = grid_cell(page, 3).locator(".pipatch-grid[data-status='done']").first
     again.wait_for(timeout=120_000)
-    page.mouse.click(*_cell_point(again, 2, 4))
+    page.mouse.click(*cell_point(again, 2, 4))
     again.locator("table.pipatch-top .pipatch-top-token").first.wait_for(timeout=60_000)
     assert again.locator("table.pipatch-top .pipatch-top-token").count() == 5
-    printed = _cell(page, 4).locator(".jp-RenderedText").filter(has_text="STATUS")
+    printed = grid_cell(page, 4).locator(".jp-RenderedText").filter(has_text="STATUS")
     printed.first.wait_for(timeout=60_000)
     assert printed.first.text_content().split()[:3] == ["STATUS", "done", "stopped"]
     # -- a bad cell: one error line, no traceback, the "preparing" line cleared ---------------
-    bad = _cell(page, 5).locator(".jp-OutputArea-output")
+    bad = grid_cell(page, 5).locator(".jp-OutputArea-output")
     bad.filter(has_text="UsageError").first.wait_for(timeout=60_000)
-    text = _cell(page, 5).locator(".jp-OutputArea").inner_text().strip()
+    text = grid_cell(page, 5).locator(".jp-OutputArea").inner_text().strip()
     assert len(text.splitlines()) == 1 and "Colosseum" in text and "Traceback" not in text, text
     wait_kernel_idle(page)
 
