@@ -102,15 +102,18 @@ _RECEIVER = re.compile(r"^(\d+)\.(\d+)\.([qkv])$", re.IGNORECASE)
 
 
 def sender(value: str) -> tuple | None:
-    """``12.2`` (head 2 of layer 12), ``mlp12`` (layer 12's MLP) or ``all`` (sweep every head)."""
+    """``12.2`` (head 2 of layer 12), ``mlp12`` (layer 12's MLP), ``all`` (sweep every head) or ``mlp``
+    (sweep every MLP)."""
     value = value.strip()
     if value.lower() == "all":
         return None
+    if value.lower() == "mlp":
+        return "mlp"
     if match := _HEAD.match(value):
         return ("head", int(match[1]), int(match[2]))
     if match := _MLP.match(value):
         return ("mlp", int(match[1]))
-    raise PipatchError(f"{value!r} is not a sender: use LAYER.HEAD (e.g. 12.2), mlpLAYER (e.g. mlp12) or all")
+    raise PipatchError(f"{value!r} is not a sender: use LAYER.HEAD (e.g. 12.2), mlpLAYER (e.g. mlp12), all or mlp")
 
 
 def receivers(value: str) -> str | list[tuple]:
@@ -353,6 +356,7 @@ _PAIR_METRIC = Option("--metric", "metric", default="logit_diff",
                       help="logit_diff (answer − foil), prob or logprob of the answer")
 _DIRECTION = Option("--direction", "direction", default="denoise",
                     help="denoise (clean into corrupt) or noise (corrupt into clean)")
+_SITE = Option("--site", "site", default="resid", help="resid, attn, mlp or head")
 _POSITIONS = Option("--positions", "positions", parse=positions, default="all",
                     help="token positions to sweep, e.g. 2,-1 (for --site head: where heads are patched)")
 _BATCH_SIZE = Option("--batch-size", "batch_size", parse=positive_int, default="auto",
@@ -388,7 +392,7 @@ EXPERIMENTS: dict[str, Experiment] = {
             planner=_api.plan_patch, prompts=PAIR,
             options=(
                 _ANSWER, _FOIL,
-                Option("--site", "site", default="resid", help="resid, attn, mlp or head"),
+                _SITE,
                 _PAIR_METRIC,
                 Option("--direction", "direction", default="denoise",
                        help="denoise (clean into corrupt), noise (corrupt into clean), zero or mean ablation"),
@@ -407,7 +411,7 @@ EXPERIMENTS: dict[str, Experiment] = {
             planner=_api.plan_attribute, prompts=PAIR,
             options=(
                 _ANSWER, _FOIL,
-                Option("--site", "site", default="resid", help="resid, attn, mlp or head"),
+                _SITE,
                 _PAIR_METRIC,
                 Option("--verify", "verify", parse=count, default=0,
                        help="check the N largest estimates with real patches"),
@@ -425,7 +429,7 @@ EXPERIMENTS: dict[str, Experiment] = {
             options=(
                 _ANSWER, _FOIL,
                 Option("--sender", "sender", parse=sender, default="all",
-                       help="LAYER.HEAD (12.2), mlpLAYER (mlp12), or all: sweep every head (layers × heads)"),
+                       help="LAYER.HEAD (12.2), mlpLAYER (mlp12), all (every head: layers × heads) or mlp (every MLP)"),
                 Option("--receivers", "receivers", parse=receivers, default="logits",
                        help="logits (the direct path) or LAYER.HEAD.q|k|v, comma-separated (13.4.q,14.1.k)"),
                 _PAIR_METRIC, _DIRECTION, _BATCH_SIZE,

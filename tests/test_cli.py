@@ -51,6 +51,7 @@ def test_the_options_are_the_python_functions_parameters(name):
         (_registry.sender, "12.2", ("head", 12, 2)),
         (_registry.sender, "mlp12", ("mlp", 12)),
         (_registry.sender, "all", None),
+        (_registry.sender, "MLP", "mlp"),
         (_registry.receivers, "logits", "logits"),
         (_registry.receivers, "13.4.q, 14.1.K", [("head", 13, 4, "q"), ("head", 14, 1, "k")]),
         (_registry.positions, "2,-1", [2, -1]),
