@@ -137,7 +137,8 @@ def test_a_lazily_built_nnsight_model_is_dispatched_first(folder, protocol):
     elif protocol == "attribute":
         assert torch.isfinite(pipatch.attribute(lazy, site="mlp", **pair).raw["mlp"]).all()
     else:
-        assert abs(pipatch.path_patch(lazy, sender=("head", 0, 1), **pair).effect) > 1e-6
+        one = pipatch.path_patch(lazy, sender=("head", 0, 1), **pair)
+        assert abs(float(one.raw["head"][0, 0, 0]) - float(one.corrupt[0])) > 1e-6
     assert lazy.dispatched
 
 
@@ -195,8 +196,9 @@ def test_path_patching_equals_cpu_hooks(folder, family):
                                 sender=sender, receivers=receivers)
     want = reference_path(reference_model(family), base_text=CORRUPT, donor_text=CLEAN, answer=" Paris",
                           foil=" Rome", sender=sender, receivers=receivers)
-    assert result.value == pytest.approx(want, abs=ATOL)
-    assert abs(result.effect) > 1e-6
+    value = float(result.raw[result.views[0]][0, 0, 0])
+    assert value == pytest.approx(want, abs=ATOL)
+    assert abs(value - float(result.corrupt[0])) > 1e-6
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
