@@ -243,15 +243,6 @@ def _hub_reachable(name: str, timeout: float = 3.0) -> bool:
     return True
 
 
-def model_name(model) -> str:
-    """A short human name for a model (what results and titles show)."""
-    name = getattr(model, "_pipatch_name", None)
-    if name:
-        return name
-    hf = getattr(model, "_module", model)
-    return str(getattr(hf, "name_or_path", "") or getattr(hf.config, "_name_or_path", "") or type(hf).__name__)
-
-
 # --------------------------------------------------------------------------------------------
 # The adapter
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric
-from .._models import _get, adapter_for, dispatched, first, model_name
+from .._models import _get, adapter_for, dispatched, first
 from .._sites import RESID, Site
 
 __all__ = ["TransformersBackend"]
@@ -65,7 +65,12 @@ class TransformersBackend:
 
     @property
     def name(self) -> str:
-        return model_name(self.model)
+        """What results call the model: the name it was loaded by, else its checkpoint's."""
+        label = getattr(self.model, "_pipatch_name", None)
+        if label:
+            return label
+        hf = self._hf
+        return str(getattr(hf, "name_or_path", "") or getattr(hf.config, "_name_or_path", "") or type(hf).__name__)
 
     @property
     def context_length(self) -> int | None:
