@@ -263,11 +263,15 @@ def test_an_interrupted_run_binds_its_partial_result(ip, grids, tiny, capsys):
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
-def test_patchgrid_run_for_every_experiment(tiny, grids, name):
-    """``PatchGrid.run(model, kind, **python arguments)``: a live grid, the API's numbers, clicks answered."""
+@pytest.mark.parametrize("which", ["embedded", "tiny"])
+def test_patchgrid_run_for_every_experiment(model, tiny, grids, name, which):
+    """``PatchGrid.run(model, kind, **python arguments)``: a live grid, the API's numbers, clicks answered
+    — on the embedded model, and on a tiny one for the forms (a head sweep, several seeds) that
+    would be slow on it."""
+    net, kwargs = (model, EMBEDDED[name]["kwargs"]) if which == "embedded" else (tiny, TINY[name])
     before = len(grids)
-    result = PatchGrid.run(tiny, name, **TINY[name])
-    assert_same_result(result, python_result(tiny, name, TINY[name]))
+    result = PatchGrid.run(net, name, **kwargs)
+    assert_same_result(result, python_result(net, name, kwargs))
     widget, seen = grids[before]
     assert widget.status == "done" and widget.rows_done == result.rows_done and seen
     grid = PatchGrid(result)  # a clickable grid again, answered through the plan's predictor
