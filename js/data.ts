@@ -8,6 +8,14 @@
  * Both decode to a little-endian Float32Array plus its shape.
  */
 
+import {
+  ARRAY_DTYPE,
+  ARRAY_SCHEMA,
+  DETAIL_SCHEMA,
+  STATE_SCHEMA,
+  TOP_SCHEMA,
+} from './schema';
+
 export type Mode = 'recovery' | 'raw';
 export type Status = 'running' | 'done' | 'stopped' | 'interrupted' | 'failed' | string;
 
@@ -21,15 +29,24 @@ export interface TopToken {
   prob: number;
 }
 
-export interface Detail {
-  view?: string;
-  seed?: number;
-  row?: number;
-  col?: number;
-  value?: number;
-  raw?: number;
-  top?: TopToken[];
+/** The TypeScript type of each schema type name. */
+interface FieldTypes {
+  str: string;
+  'str[]': string[];
+  int: number;
+  float: number;
+  'float?': number; // NaN where the kernel sent null
+  bool: boolean;
+  '{str: int}': Record<string, number>;
+  '{str: float?}': Record<string, number>;
+  arrays: Record<string, DecodedArray>;
+  detail: Detail;
+  'top[]': TopToken[];
 }
+type FromSchema<S extends Record<string, keyof FieldTypes>> = { -readonly [K in keyof S]: FieldTypes[S[K]] };
+
+/** The kernel's answer to a click (`DETAIL_SCHEMA`); every field optional. */
+export type Detail = Partial<FromSchema<typeof DETAIL_SCHEMA>>;
 
 export interface Selection {
   view: string;
@@ -38,29 +55,8 @@ export interface Selection {
   col: number;
 }
 
-/** Everything the kernel (or a saved document) tells the grid. */
-export interface GridState {
-  title: string;
-  kind: string;
-  model_name: string;
-  metric: string;
-  row_labels: string[];
-  col_labels: string[];
-  col_axis: string;
-  views: string[];
-  n_seeds: number;
-  arrays: Record<string, DecodedArray>;
-  rows_done: Record<string, number>;
-  total_rows: number;
-  status: Status;
-  message: string;
-  warnings: string[];
-  elapsed: number;
-  eta: number;
-  baselines: Record<string, number>;
-  detail: Detail;
-  stoppable: boolean;
-}
+/** Everything the kernel (or a saved document) tells the grid: `STATE_SCHEMA` as types. */
+export type GridState = FromSchema<typeof STATE_SCHEMA>;
 
 /** What the user chose in the UI (synced back to the kernel by the widget). */
 export interface UiState {
@@ -163,62 +159,109 @@ function asStringList(x: unknown): string[] {
 }
 
 function asNumber(x: unknown, d: number): number {
+  if (x === null || x === undefined) return d;
   const n = typeof x === 'number' ? x : Number(x);
   return Number.isFinite(n) ? n : d;
 }
 
-/** Normalise a raw state (traits or a saved document) into a GridState. Never throws on bad arrays. */
-export function normalizeState(raw: Record<string, unknown>, errors: string[] = []): GridState {
-  const arrays: Record<string, DecodedArray> = {};
-  const rawArrays = (raw.arrays ?? {}) as Record<string, unknown>;
-  if (rawArrays && typeof rawArrays === 'object') {
-    for (const [name, spec] of Object.entries(rawArrays)) {
-      try {
-        arrays[name] = decodeArray(spec);
-      } catch (e) {
-        errors.push(`array ${name}: ${(e as Error).message}`);
+/** Values a missing or unreadable field takes (otherwise '' / 0 / false / [] / {}). */
+const DEFAULTS: Partial<Record<keyof GridState, unknown>> = {
+  col_axis: 'token',
+  n_seeds: 1,
+  status: 'done',
+  eta: -1,
+};
+
+function asRecord(x: unknown): Record<string, unknown> {
+  return x && typeof x === 'object' && !Array.isArray(x) ? (x as Record<string, unknown>) : {};
+}
+
+/** One value read as schema type `type` (`fallback` when it is missing or unreadable). */
+function readField(type: keyof FieldTypes, x: unknown, fallback: unknown, errors: string[]): unknown {
+  switch (type) {
+    case 'str':
+      return typeof x === 'string' ? x : x === undefined || x === null ? (fallback ?? '') : String(x);
+    case 'str[]':
+      return asStringList(x);
+    case 'int':
+      return Math.floor(asNumber(x, (fallback as number) ?? 0));
+    case 'float':
+      return asNumber(x, (fallback as number) ?? 0);
+    case 'float?':
+      return asNumber(x, NaN);
+    case 'bool':
+      return x === true;
+    case '{str: int}':
+    case '{str: float?}': {
+      const out: Record<string, number> = {};
+      for (const [k, v] of Object.entries(asRecord(x))) out[k] = type === '{str: int}' ? asNumber(v, 0) : asNumber(v, NaN);
+      return out;
+    }
+    case 'arrays': {
+      const out: Record<string, DecodedArray> = {};
+      for (const [name, spec] of Object.entries(asRecord(x))) {
+        try {
+          out[name] = decodeArray(spec);
+        } catch (e) {
+          errors.push(`array ${name}: ${(e as Error).message}`);
+        }
       }
+      return out;
+    }
+    case 'detail':
+      return readObject(DETAIL_SCHEMA, x, errors);
+    case 'top[]':
+      return Array.isArray(x) ? x.map((t) => readObject(TOP_SCHEMA, t, errors)) : [];
+  }
+}
+
+/** The fields of `x` that `schema` names, each read as its type; absent fields stay absent. */
+function readObject(schema: Record<string, keyof FieldTypes>, x: unknown, errors: string[]): Record<string, unknown> {
+  const raw = asRecord(x);
+  const out: Record<string, unknown> = {};
+  for (const [key, type] of Object.entries(schema)) if (key in raw) out[key] = readField(type, raw[key], undefined, errors);
+  return out;
+}
+
+/** Problems with the arrays' dtypes and shapes against `ARRAY_SCHEMA` (dimensions from the labels). */
+export function arrayProblems(state: GridState, raw: Record<string, unknown> = {}): string[] {
+  const problems: string[] = [];
+  const dims: Record<string, number> = {
+    rows: state.row_labels.length,
+    cols: state.col_labels.length,
+    seeds: state.n_seeds,
+  };
+  const specs = asRecord(raw.arrays);
+  for (const [name, a] of Object.entries(state.arrays)) {
+    const what = name.slice(name.lastIndexOf('/') + 1) as keyof typeof ARRAY_SCHEMA;
+    const dtype = asRecord(specs[name]).dtype;
+    if (dtype !== undefined && dtype !== ARRAY_DTYPE) problems.push(`array ${name}: dtype ${String(dtype)}, expected ${ARRAY_DTYPE}`);
+    const want = ARRAY_SCHEMA[what];
+    if (!want) continue;
+    const expected = want.map((d) => dims[d]);
+    if (expected.some((n) => !(n > 0))) continue; // labels missing: the array is the only source
+    if (a.shape.length !== expected.length || a.shape.some((n, i) => n !== expected[i])) {
+      problems.push(`array ${name}: shape [${a.shape.join(', ')}], labels say [${expected.join(', ')}]`);
     }
   }
-  const rowsDone: Record<string, number> = {};
-  const rd = raw.rows_done;
-  if (rd && typeof rd === 'object') {
-    for (const [k, v] of Object.entries(rd as Record<string, unknown>)) rowsDone[k] = asNumber(v, 0);
+  return problems;
+}
+
+/** Read a raw state (traits or a saved document) through `STATE_SCHEMA`. Never throws on bad arrays. */
+export function normalizeState(raw: Record<string, unknown>, errors: string[] = []): GridState {
+  const out: Record<string, unknown> = {};
+  for (const [key, type] of Object.entries(STATE_SCHEMA)) {
+    out[key] = readField(type, raw[key], DEFAULTS[key as keyof GridState], errors);
   }
-  const baselines: Record<string, number> = {};
-  const bl = raw.baselines;
-  if (bl && typeof bl === 'object') {
-    for (const [k, v] of Object.entries(bl as Record<string, unknown>)) baselines[k] = asNumber(v, NaN);
-  }
-  let views = asStringList(raw.views);
-  if (views.length === 0) {
+  const state = out as GridState;
+  state.n_seeds = Math.max(0, state.n_seeds);
+  if (state.views.length === 0) {
     const found = new Set<string>();
-    for (const k of Object.keys(arrays)) if (k.includes('/')) found.add(k.slice(0, k.lastIndexOf('/')));
-    views = [...found];
+    for (const k of Object.keys(state.arrays)) if (k.includes('/')) found.add(k.slice(0, k.lastIndexOf('/')));
+    state.views = [...found];
   }
-  const detail = raw.detail && typeof raw.detail === 'object' ? (raw.detail as Detail) : {};
-  return {
-    title: typeof raw.title === 'string' ? raw.title : '',
-    kind: typeof raw.kind === 'string' ? raw.kind : '',
-    model_name: typeof raw.model_name === 'string' ? raw.model_name : '',
-    metric: typeof raw.metric === 'string' ? raw.metric : '',
-    row_labels: asStringList(raw.row_labels),
-    col_labels: asStringList(raw.col_labels),
-    col_axis: typeof raw.col_axis === 'string' ? raw.col_axis : 'token',
-    views,
-    n_seeds: Math.max(0, Math.floor(asNumber(raw.n_seeds, 1))),
-    arrays,
-    rows_done: rowsDone,
-    total_rows: asNumber(raw.total_rows, 0),
-    status: typeof raw.status === 'string' ? raw.status : 'done',
-    message: typeof raw.message === 'string' ? raw.message : '',
-    warnings: asStringList(raw.warnings),
-    elapsed: asNumber(raw.elapsed, 0),
-    eta: asNumber(raw.eta, -1),
-    baselines,
-    detail,
-    stoppable: raw.stoppable === true,
-  };
+  errors.push(...arrayProblems(state, raw));
+  return state;
 }
 
 /** Grid dimensions: rows from labels or the first array found for the view. */

@@ -3,58 +3,31 @@
 import type { GridState, Mode } from './data';
 import { gridShape, matrixFor, selectMatrix } from './data';
 
-// Code points that are invisible, reorder text or break lines: shown as ⟨U+XXXX⟩.
-function isInvisible(cp: number): boolean {
-  return (
-    cp <= 0x1f ||
-    (cp >= 0x7f && cp <= 0x9f) ||
-    cp === 0xad ||
-    cp === 0x34f ||
-    cp === 0x61c ||
-    cp === 0x115f ||
-    cp === 0x1160 ||
-    cp === 0x17b4 ||
-    cp === 0x17b5 ||
-    (cp >= 0x180b && cp <= 0x180f) ||
-    (cp >= 0x200b && cp <= 0x200f) ||
-    (cp >= 0x2028 && cp <= 0x202e) ||
-    (cp >= 0x2060 && cp <= 0x206f) ||
-    cp === 0x3164 ||
-    (cp >= 0xfe00 && cp <= 0xfe0f) ||
-    cp === 0xfeff ||
-    cp === 0xffa0 ||
-    (cp >= 0xfff0 && cp <= 0xfffb) ||
-    (cp >= 0xd800 && cp <= 0xdfff) || // lone surrogates (paired ones never reach here)
-    (cp >= 0xe0000 && cp <= 0xe0fff)
-  );
-}
+/**
+ * The escaping rule (the same as `pipatch/_views/strings.py`, checked on every code point by
+ * `__tests__/parity.test.ts`): a code point is drawn as `⟨U+XXXX⟩` when its General_Category
+ * is Cc (control), Cf (format: zero-width, bidi controls, BOM, soft hyphen, interlinear
+ * annotation, tags), Cs (surrogate: only a lone one can be in a string), Co (private use),
+ * Cn (unassigned, noncharacters included), Zl or Zp (line / paragraph separator), or it is
+ * Default_Ignorable_Code_Point (variation selectors, Hangul fillers, ...).
+ *
+ * Unassigned code points are escaped on purpose: the browser's Unicode version and Python's
+ * often differ, and a code point one side does not know yet is drawn as its number there.
+ */
+export const ESCAPED = /[\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Cn}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}]/u;
+const ESCAPED_ALL = new RegExp(ESCAPED.source, 'gu');
 
 function hex(cp: number): string {
   return cp.toString(16).toUpperCase().padStart(4, '0');
 }
 
 /**
- * Make every character of a label visible: control characters, zero-width characters,
- * bidi overrides and lone surrogates become `⟨U+XXXX⟩`; a label of only spaces shows `␣`.
+ * Make every character of a label visible: the code points of the rule above become
+ * `⟨U+XXXX⟩`; a label of only spaces shows `␣` (at most eight).
  */
 export function escapeLabel(input: unknown): string {
   const s = typeof input === 'string' ? input : String(input ?? '');
-  let out = '';
-  for (let i = 0; i < s.length; i++) {
-    const c = s.charCodeAt(i);
-    let cp = c;
-    if (c >= 0xd800 && c <= 0xdbff && i + 1 < s.length) {
-      const d = s.charCodeAt(i + 1);
-      if (d >= 0xdc00 && d <= 0xdfff) {
-        cp = (c - 0xd800) * 0x400 + (d - 0xdc00) + 0x10000;
-        if (isInvisible(cp)) out += `⟨U+${hex(cp)}⟩`;
-        else out += s[i] + s[i + 1];
-        i++;
-        continue;
-      }
-    }
-    out += isInvisible(cp) ? `⟨U+${hex(cp)}⟩` : s[i];
-  }
+  let out = s.replace(ESCAPED_ALL, (ch) => `⟨U+${hex(ch.codePointAt(0)!)}⟩`);
   if (out.length > 0 && /^ +$/.test(out)) out = '␣'.repeat(Math.min(out.length, 8));
   return out;
 }
@@ -84,10 +57,21 @@ export function tooltipLabel(s: unknown, max = 400): string {
 
 export type RGB = [number, number, number];
 
+/**
+ * The one colour map (the same stops as `pipatch/_views/colors.py`): ColorBrewer's 11-class
+ * RdBu reversed, i.e. matplotlib's RdBu_r — blue below 0, near white at 0, red above.
+ */
+export const DIVERGING_STOPS = [
+  '#053061', '#2166ac', '#4393c3', '#92c5de', '#d1e5f0', '#f7f7f7',
+  '#fddbc7', '#f4a582', '#d6604d', '#b2182b', '#67001f',
+] as const;
 export const NAN_RGB: RGB = [128, 128, 128];
-const NEG: RGB = [33, 102, 172]; // blue
-const MID: RGB = [247, 247, 247]; // near white
-const POS: RGB = [178, 24, 43]; // red
+
+const STOPS: RGB[] = DIVERGING_STOPS.map((c) => [
+  parseInt(c.slice(1, 3), 16),
+  parseInt(c.slice(3, 5), 16),
+  parseInt(c.slice(5, 7), 16),
+]);
 
 /** Symmetric range: max |v| over finite values (1 if none). */
 export function symmetricMax(data: ArrayLike<number> | null, limit = data ? data.length : 0): number {
@@ -104,22 +88,28 @@ export function symmetricMax(data: ArrayLike<number> | null, limit = data ? data
   return m > 0 ? m : 1;
 }
 
-/** Diverging blue-white-red colour for v in [-vmax, vmax]; NaN gets NAN_RGB. */
+/**
+ * Diverging colour for v in [-vmax, vmax] (clipped): linear between the two nearest stops,
+ * rounded; NaN gets NAN_RGB. Operation for operation as `diverging_rgb` in Python.
+ */
 export function divergingColor(v: number, vmax: number): RGB {
   if (!Number.isFinite(v)) {
-    if (v === Infinity) return POS;
-    if (v === -Infinity) return NEG;
+    if (v === Infinity) return STOPS[STOPS.length - 1];
+    if (v === -Infinity) return STOPS[0];
     return NAN_RGB;
   }
   let t = vmax > 0 ? v / vmax : 0;
   if (t > 1) t = 1;
   if (t < -1) t = -1;
-  const end = t >= 0 ? POS : NEG;
-  const a = Math.abs(t);
+  const pos = ((t + 1) / 2) * (STOPS.length - 1);
+  const i = Math.min(Math.floor(pos), STOPS.length - 2);
+  const f = pos - i;
+  const a = STOPS[i];
+  const b = STOPS[i + 1];
   return [
-    Math.round(MID[0] + (end[0] - MID[0]) * a),
-    Math.round(MID[1] + (end[1] - MID[1]) * a),
-    Math.round(MID[2] + (end[2] - MID[2]) * a),
+    Math.floor(a[0] + (b[0] - a[0]) * f + 0.5),
+    Math.floor(a[1] + (b[1] - a[1]) * f + 0.5),
+    Math.floor(a[2] + (b[2] - a[2]) * f + 0.5),
   ];
 }
 

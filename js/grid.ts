@@ -561,7 +561,9 @@ export class GridView {
     kids.push(h('div', 'pipatch-detail-head', this.cellInfo(sel.row, sel.col).join(' · ')));
     const d = s.detail || {};
     const matches = d.row === sel.row && d.col === sel.col && (d.view === undefined || d.view === sel.view) && (d.seed === undefined || d.seed === sel.seed);
-    if (matches && Array.isArray(d.top)) {
+    if (matches && d.error) {
+      kids.push(h('div', 'pipatch-detail-error', tooltipLabel(d.error)));
+    } else if (matches && Array.isArray(d.top)) {
       const table = h('table', 'pipatch-top');
       const head = h('tr');
       head.append(h('th', undefined, 'next token'), h('th', undefined, 'probability'));

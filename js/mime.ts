@@ -7,9 +7,9 @@ import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Widget } from '@lumino/widgets';
 import { normalizeState, type UiState } from './data';
 import { GridView } from './grid';
+import { MIME_TYPE, SCHEMA_VERSION } from './schema';
 
-export const MIME_TYPE = 'application/vnd.pipatch.grid+json';
-export const SUPPORTED_VERSION = 1;
+export { MIME_TYPE };
 
 /** Parse the document (object, or a JSON string from some pipelines) into a state. */
 export function documentToState(doc: unknown) {
@@ -19,8 +19,8 @@ export function documentToState(doc: unknown) {
   const raw = d as Record<string, unknown>;
   const errors: string[] = [];
   const version = Number(raw.version ?? 1);
-  if (version > SUPPORTED_VERSION) {
-    errors.push(`document version ${version} is newer than this renderer (${SUPPORTED_VERSION}); showing what it can`);
+  if (version > SCHEMA_VERSION) {
+    errors.push(`document version ${version} is newer than this renderer (${SCHEMA_VERSION}); showing what it can`);
   }
   const state = normalizeState(raw, errors);
   // A saved document is final: a 'running' status means the kernel died before the last update.

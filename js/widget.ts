@@ -7,31 +7,12 @@
  */
 import { normalizeState, type UiState } from './data';
 import { GridView } from './grid';
+import { STATE_KEYS, UI_SCHEMA } from './schema';
 
-export const STATE_KEYS = [
-  'title',
-  'kind',
-  'model_name',
-  'metric',
-  'row_labels',
-  'col_labels',
-  'col_axis',
-  'views',
-  'n_seeds',
-  'arrays',
-  'rows_done',
-  'total_rows',
-  'status',
-  'message',
-  'warnings',
-  'elapsed',
-  'eta',
-  'baselines',
-  'detail',
-  'stoppable',
-] as const;
+export { STATE_KEYS };
 
-const UI_KEYS = ['view', 'seed', 'mode', 'selected'] as const;
+// Browser → kernel traits: a change made by another view of the same widget redraws this one.
+const UI_KEYS = (Object.keys(UI_SCHEMA) as (keyof typeof UI_SCHEMA)[]).filter((k) => k !== 'stop_requested');
 
 interface AnyModel {
   get(name: string): unknown;

@@ -280,14 +280,7 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
         unsubscribe_stop()
     final = {**result.to_state(), **_progress(result, total_rows), "eta": -1.0, "stoppable": False}
     if show:
-        png = None
-        try:
-            from ._plot import png_bytes
-
-            png = png_bytes(result, view=widget.view or None)
-        except Exception:  # noqa: BLE001, S110 - the bundle draws its own PNG then
-            pass
-        widget.display_final(handle, final, png=png)
+        widget.display_final(handle, final)  # the bundle's PNG is drawn from the same state
         if owned:
             # The output now holds the static bundle; a live model left open would keep the
             # result's captured activations for the kernel's lifetime (ipywidgets holds every

@@ -15,7 +15,6 @@ Files are safetensors with the metadata as JSON inside the header, never an exec
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import warnings
@@ -27,12 +26,9 @@ import numpy as np
 import torch
 
 from ._models import PipatchError
-from ._text import json_safe
+from ._views import MIME_TYPE, SCHEMA_VERSION, clean_text, conform_state, json_safe, mime_bundle, mime_document
 
 __all__ = ["Result", "load_result", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE"]
-
-SCHEMA_VERSION = 1
-MIME_TYPE = "application/vnd.pipatch.grid+json"
 
 
 def recovery_undefined(clean: float, corrupt: float) -> bool:
@@ -190,19 +186,22 @@ class Result:
                 f"{self.n_seeds} seed(s)>")
 
     def text(self, view: str | None = None, width: int = 7) -> str:
-        """A text heatmap: tokens as columns, layers as rows, block characters ``░▒▓█``."""
-        from ._text import text_heatmap
+        """A text heatmap: layers as rows (layer 0 first), columns as columns, block characters
+        ``░▒▓█``; then the top cells. Made from :meth:`to_state` like every other view."""
+        from ._views import text_grid
 
-        return text_heatmap(self, self._view(view), width=width)
+        return text_grid(self.to_state(live=True), self._view(view), width=width)
 
-    def plot(self, view: str | None = None, ax=None):
-        """A matplotlib heatmap of mean recovery: layers × columns, diverging map centred at 0.
+    def plot(self, view: str | None = None, ax=None, *, mode: str = "recovery", seed: int = -1):
+        """A matplotlib heatmap of one view: layers × columns with layer 0 at the top (as in the
+        live grid), the diverging map centred at 0 of every view, NaN grey.
 
-        Returns the figure.
+        ``mode="raw"`` colours by the raw metric, ``seed`` (≥ 0) shows one seed instead of the
+        mean. Drawn into ``ax`` when given, else into a new pyplot figure. Returns the figure.
         """
-        from ._plot import plot_result
+        from ._views import figure
 
-        return plot_result(self, self._view(view), ax=ax)
+        return figure(self.to_state(live=seed < 0), self._view(view), mode=mode, seed=seed, ax=ax, pyplot=True)
 
     def to_dataframe(self):
         """A long pandas DataFrame: one row per (view, layer, column) with mean, std, raw."""
@@ -252,17 +251,24 @@ class Result:
         return json_safe(out)
 
     def save(self, path: str | Path) -> Path:
-        """Write the result as one safetensors file (tensors + JSON metadata in its header)."""
+        """Write the result as one safetensors file (tensors + JSON metadata in its header).
+
+        The header is strict, UTF-8-safe JSON (the one sanitiser: lone surrogates become U+FFFD,
+        non-finite numbers ``null``); a non-finite clean baseline is kept as a tensor.
+        """
         from safetensors.torch import save_file
 
         path = Path(path)
-        tensors = {f"raw/{view}": t.contiguous().float() for view, t in self.raw.items()}
+        header = self._header()
+        tensors = {f"raw/{clean_text(view)}": t.contiguous().float() for view, t in self.raw.items()}
         tensors["corrupt"] = self.corrupt.contiguous().float()
-        if not isinstance(self.clean, float):
+        if not isinstance(self.clean, float) or not math.isfinite(self.clean):
             tensors["clean"] = self._clean_rows().contiguous()
-        header = json.dumps(self._header(), ensure_ascii=False)
+            if isinstance(self.clean, float):
+                header["clean_scalar"] = True
+        text = json.dumps(json_safe(header), ensure_ascii=False, allow_nan=False)
         tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"pipatch": header})
+        save_file(tensors, str(tmp), metadata={"pipatch": text})
         tmp.replace(path)
         return path
 
@@ -287,42 +293,29 @@ class Result:
         return out
 
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
-        """The PatchGrid widget's state: labels, status and binary float32 arrays."""
-        arrays = {
-            name: {"data": a.tobytes(), "dtype": "float32", "shape": list(a.shape)}
-            for name, a in self.arrays(live=live).items()
-        }
+        """The one view state every view is made from (see :mod:`pipatch._views`): labels, status,
+        baselines and binary float32 arrays, in the schema of ``pipatch._views.STATE_SCHEMA``
+        (less ``detail``, a click's answer), text UTF-8 safe. ``live=True`` sends only the means.
+        """
         meta = self.meta
-        return {
+        return conform_state({
             "title": self.title, "kind": self.kind, "model_name": str(meta.get("model", "")),
             "metric": self.metric, "row_labels": list(self.layers), "col_labels": list(self.columns),
             "col_axis": self.col_axis, "views": self.views,
-            "n_seeds": self.n_seeds, "arrays": arrays, "rows_done": dict(self.rows_done),
+            "n_seeds": self.n_seeds, "arrays": self.arrays(live=live), "rows_done": dict(self.rows_done),
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),
+            "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
             "baselines": {"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))},
-        }
+            "stoppable": False,
+        })
 
     def to_mime(self) -> dict[str, Any]:
         """The ``application/vnd.pipatch.grid+json`` document: the state with base64 arrays."""
-        state = self.to_state()
-        state["arrays"] = {
-            name: {"dtype": spec["dtype"], "shape": spec["shape"], "data": base64.b64encode(spec["data"]).decode("ascii")}
-            for name, spec in state["arrays"].items()
-        }
-        state["version"] = SCHEMA_VERSION
-        state["elapsed"] = float(self.meta.get("elapsed", 0.0))
-        state["eta"] = -1
-        return json_safe(state)
+        return mime_document(self.to_state())
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from ._plot import png_bytes
-
-        return {
-            MIME_TYPE: self.to_mime(),
-            "image/png": base64.b64encode(png_bytes(self)).decode("ascii"),
-            "text/plain": json_safe(repr(self)),
-        }
+        return mime_bundle(self.to_state())
 
 
 def _nanmean(t: torch.Tensor) -> torch.Tensor:
@@ -383,7 +376,8 @@ def load_result(path: str | Path) -> Result:
     return Result(
         kind=header["kind"], tokens=header["tokens"], columns=header["columns"], layers=header["layers"],
         metric=header["metric"], raw=raw, corrupt=corrupt,
-        clean=float(header["clean"]) if header.get("clean") is not None else tensors["clean"],
+        clean=(float(header["clean"]) if header.get("clean") is not None
+               else float(tensors["clean"].reshape(-1)[0]) if header.get("clean_scalar") else tensors["clean"]),
         meta=header.get("meta", {}), rows_done=header.get("rows_done", {}), status=header.get("status", "done"),
         message=header.get("message", ""), warnings=header.get("warnings", []),
     )

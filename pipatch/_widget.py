@@ -4,7 +4,9 @@ This module draws and nothing else: it imports no pipatch module that imports it
 plan live and answering clicks live in :mod:`pipatch._live`, whose ``PatchGrid`` (the public
 ``pipatch.PatchGrid``) is :class:`GridWidget` plus both.
 
-The kernel owns the state; the browser only draws it (``js/grid.ts``). Arrays travel as
+The kernel owns the state; the browser only draws it (``js/grid.ts``). The traits are the
+state of :mod:`pipatch._views.schema` (``STATE_SCHEMA``, the same in ``js/schema.ts``), set
+through ``conform_state``; the saved bundle is :func:`pipatch._views.mime_bundle` of them. Arrays travel as
 binary buffers (``{"data": bytes, "dtype": "float32", "shape": [...]}``), never JSON lists.
 Updates are coalesced to at most ~20 per second (the server drops iopub messages above its
 rate limit) and :meth:`GridWidget.flush` ends with a full sync so the browser ends equal to
@@ -38,8 +40,6 @@ other front ends) and ``text/plain``.
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import pathlib
 import threading
@@ -48,13 +48,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import anywidget
-import numpy as np
 import traitlets as t
 
-from ._text import clean_text, json_safe
+from ._views import MIME_TYPE, STATE_KEYS, conform_state, mime_bundle, mime_document
 
-MIME_TYPE = "application/vnd.pipatch.grid+json"
-MIME_VERSION = 1
+__all__ = ["MIME_TYPE", "STATE_KEYS", "GridWidget", "PatchGrid", "final_bundle_from_state"]
 
 _STATIC_ESM = pathlib.Path(__file__).parent / "static" / "widget.js"
 _MISSING_ESM = """
@@ -65,268 +63,9 @@ export default {
 };
 """
 
-#: Kernel → browser traits, in the order of the state dict produced by ``Result.to_state()``.
-STATE_KEYS: tuple[str, ...] = (
-    "title",
-    "kind",
-    "model_name",
-    "metric",
-    "row_labels",
-    "col_labels",
-    "col_axis",
-    "views",
-    "n_seeds",
-    "arrays",
-    "rows_done",
-    "total_rows",
-    "status",
-    "message",
-    "warnings",
-    "elapsed",
-    "eta",
-    "baselines",
-    "detail",
-    "stoppable",
-)
-
-# --------------------------------------------------------------------------- arrays
-
-
-def _array_from_spec(spec: Any) -> np.ndarray:
-    """A float32 ndarray from an ndarray / tensor / ``{data, dtype, shape}`` (bytes or base64)."""
-    if isinstance(spec, Mapping):
-        data = spec.get("data")
-        dtype = np.dtype(spec.get("dtype", "float32")).newbyteorder("<")
-        shape = tuple(int(s) for s in spec.get("shape", ()))
-        if isinstance(data, str):
-            raw = base64.b64decode(data)
-        elif isinstance(data, (bytes, bytearray, memoryview)):
-            raw = bytes(data)
-        else:
-            return _array_from_spec(data)
-        arr = np.frombuffer(raw, dtype=dtype)
-        return arr.reshape(shape) if shape else arr
-    if hasattr(spec, "detach"):  # torch.Tensor without importing torch
-        spec = spec.detach().float().cpu().numpy()
-    return np.asarray(spec, dtype=np.float32)
-
-
-def encode_array(spec: Any) -> dict[str, Any]:
-    """Wire form of one array: raw little-endian float32 bytes plus dtype and shape."""
-    if (
-        isinstance(spec, Mapping)
-        and isinstance(spec.get("data"), bytes)
-        and spec.get("dtype", "float32") == "float32"
-    ):
-        return {"data": spec["data"], "dtype": "float32", "shape": [int(s) for s in spec["shape"]]}
-    arr = np.ascontiguousarray(_array_from_spec(spec), dtype="<f4")
-    return {"data": arr.tobytes(), "dtype": "float32", "shape": list(arr.shape)}
-
-
-def encode_arrays(arrays: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    return {str(k): encode_array(v) for k, v in (arrays or {}).items()}
-
-
-def arrays_to_base64(arrays: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """JSON form of the arrays for the MIME document: base64 of the float32 bytes."""
-    out = {}
-    for k, v in encode_arrays(arrays).items():
-        out[k] = {
-            "dtype": "float32",
-            "shape": v["shape"],
-            "data": base64.b64encode(v["data"]).decode("ascii"),
-        }
-    return out
-
-
-def _clean_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Keep the known keys of a state dict, put arrays in wire form, make text UTF-8 safe."""
-    out: dict[str, Any] = {}
-    for k in STATE_KEYS:
-        if k in state:
-            v = state[k]
-            if k == "arrays":
-                v = {clean_text(a): b for a, b in encode_arrays(v).items()}
-            elif k in ("row_labels", "col_labels", "views", "warnings"):
-                v = [clean_text(x) for x in v]
-            elif k in ("title", "kind", "model_name", "metric", "col_axis", "status", "message"):
-                v = clean_text(v)
-            elif k in ("n_seeds", "total_rows"):
-                v = int(v)
-            elif k in ("elapsed", "eta"):
-                v = float(v)
-            elif k == "rows_done":
-                v = {clean_text(a): int(b) for a, b in dict(v).items()}
-            elif k == "baselines":
-                v = {clean_text(a): float(b) for a, b in dict(v).items()}
-            elif k == "detail":
-                v = json_safe(dict(v or {}))
-            elif k == "stoppable":
-                v = bool(v)
-            out[k] = v
-    return out
-
-
-# --------------------------------------------------------------------------- labels
-
-_INVISIBLE_RANGES = (
-    (0x00, 0x1F), (0x7F, 0x9F), (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C),
-    (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F),
-    (0x2028, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F),
-    (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFFB), (0xD800, 0xDFFF),
-    (0xE0000, 0xE0FFF),
-)  # fmt: skip
-
-
-def escape_label(label: str, max_chars: int | None = None) -> str:
-    """Same rules as ``js/format.ts``: invisible characters become ``⟨U+XXXX⟩``."""
-    out = []
-    for ch in str(label):
-        cp = ord(ch)
-        if any(lo <= cp <= hi for lo, hi in _INVISIBLE_RANGES):
-            out.append(f"⟨U+{cp:04X}⟩")
-        else:
-            out.append(ch)
-    s = "".join(out)
-    if s and s.strip(" ") == "":
-        s = "␣" * min(len(s), 8)
-    if max_chars is not None and len(s) > max_chars:
-        s = s[: max(1, max_chars - 1)] + "…"
-    return s
-
-
-# --------------------------------------------------------------------------- PNG
-
-
-def state_png(
-    state: Mapping[str, Any], *, view: str | None = None, mode: str = "recovery"
-) -> bytes:
-    """A static PNG of one view (matplotlib, Agg), for the saved bundle and other front ends."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import LinearSegmentedColormap
-    from matplotlib.figure import Figure
-
-    views = list(state.get("views") or [])
-    view = view if view in views else (views[0] if views else "")
-    arrays = state.get("arrays") or {}
-    key = f"{view}/{'raw_mean' if mode == 'raw' else 'mean'}"
-    rows_labels = [str(x) for x in state.get("row_labels", [])]
-    col_labels = [str(x) for x in state.get("col_labels", [])]
-    if key in arrays:
-        grid = np.array(_array_from_spec(arrays[key]), dtype=np.float32)
-    else:
-        grid = np.full((len(rows_labels), len(col_labels)), np.nan, dtype=np.float32)
-    if grid.ndim != 2:
-        grid = grid.reshape(len(rows_labels) or 1, -1)
-    if grid.size == 0:
-        grid = np.full((1, 1), np.nan, dtype=np.float32)
-    n_rows, n_cols = grid.shape
-    done = int((state.get("rows_done") or {}).get(view, n_rows))
-    shown = np.ma.masked_invalid(grid.copy())
-    finite = grid[:done][np.isfinite(grid[:done])]
-    vmax = float(np.abs(finite).max()) if finite.size else 1.0
-    vmax = vmax if vmax > 0 else 1.0
-    cmap = LinearSegmentedColormap.from_list(
-        "pipatch", ["#2166ac", "#f7f7f7", "#b2182b"]
-    ).with_extremes(bad="#808080")
-
-    width = min(max(4.0, 1.6 + 0.32 * n_cols), 40.0)
-    height = min(max(2.5, 1.4 + 0.22 * n_rows), 30.0)
-    fig = Figure(figsize=(width, height), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    im = ax.imshow(shown, cmap=cmap, vmin=-vmax, vmax=vmax, aspect="auto", interpolation="nearest")
-    if done < n_rows:
-        ax.axhspan(done - 0.5, n_rows - 0.5, facecolor="#eeeeee", edgecolor="#bdbdbd", hatch="//")
-
-    def tick_text(s: str) -> str:
-        # mathtext would interpret $…$ in token text.
-        return escape_label(s, 16).replace("$", r"\$")
-
-    col_step = max(1, int(np.ceil(n_cols / 80)))
-    row_step = max(1, int(np.ceil(n_rows / 60)))
-    ax.set_xticks(range(0, n_cols, col_step))
-    ax.set_xticklabels(
-        [
-            tick_text(col_labels[i]) if i < len(col_labels) else str(i)
-            for i in range(0, n_cols, col_step)
-        ],
-        rotation=90,
-        fontsize=7,
-    )
-    ax.set_yticks(range(0, n_rows, row_step))
-    ax.set_yticklabels(
-        [
-            tick_text(rows_labels[i]) if i < len(rows_labels) else str(i)
-            for i in range(0, n_rows, row_step)
-        ],
-        fontsize=7,
-    )
-    ax.set_ylabel("layer")
-    title = tick_text(str(state.get("title") or "pipatch"))
-    ax.set_title(f"{title} [{view}]" if view else title, fontsize=9)
-    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
-    cb.set_label("raw metric" if mode == "raw" else "normalized recovery", fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
-
-
-def state_to_mime(state: Mapping[str, Any], ui: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``application/vnd.pipatch.grid+json`` document: the state with base64 arrays."""
-    clean = _clean_state(state)
-    doc: dict[str, Any] = {"version": MIME_VERSION}
-    for k, v in clean.items():
-        doc[k] = arrays_to_base64(v) if k == "arrays" else v
-    doc["stoppable"] = False
-    doc.pop("detail", None)
-    if ui:
-        doc["ui"] = json_safe({k: ui[k] for k in ("view", "seed", "mode") if k in ui})
-    return _strict_json(doc)
-
-
-def _strict_json(value: Any) -> Any:
-    """NaN / ±inf → None, so the document is strict JSON (the renderer reads None as NaN)."""
-    if isinstance(value, float):
-        return value if np.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strict_json(v) for v in value]
-    return value
-
-
-def state_text(state: Mapping[str, Any]) -> str:
-    views = list(state.get("views") or [])
-    n_rows = len(state.get("row_labels") or [])
-    n_cols = len(state.get("col_labels") or [])
-    axis = "heads" if state.get("col_axis") == "head" else "tokens"
-    title = escape_label(str(state.get("title") or "pipatch"), 120)
-    bits = [str(state.get("kind") or ""), str(state.get("model_name") or "")]
-    head = " ".join(b for b in bits if b)
-    status = str(state.get("status") or "done")
-    msg = state.get("message")
-    status_txt = f"{status}: {msg}" if msg else status
-    return clean_text(
-        f"PatchGrid: {title} ({head}; {n_rows} layers × {n_cols} {axis}; "
-        f"views {', '.join(str(v) for v in views) or '-'}; {status_txt})"
-    )
-
-
-def final_bundle_from_state(
-    state: Mapping[str, Any], *, ui: Mapping[str, Any] | None = None, png: bytes | None = None
-) -> dict[str, Any]:
-    """Mime bundle for the finished grid: MIME document + PNG + text, no widget view."""
-    if png is None:
-        try:
-            png = state_png(state, view=(ui or {}).get("view"))
-        except Exception:  # noqa: BLE001 - a PNG is a convenience; never lose the grid over it
-            png = None
-    bundle: dict[str, Any] = {MIME_TYPE: state_to_mime(state, ui), "text/plain": state_text(state)}
-    if png:
-        bundle["image/png"] = base64.b64encode(png).decode("ascii")
-    return bundle
+#: The saved bundle of a state (:func:`pipatch._views.mime_bundle`), under the name the
+#: browser tests use.
+final_bundle_from_state = mime_bundle
 
 
 # --------------------------------------------------------------------------- widget
@@ -412,8 +151,7 @@ class GridWidget(anywidget.AnyWidget):
         self._timer: threading.Timer | None = None
         if state is not None and hasattr(state, "to_state") and hasattr(state, "raw"):
             # A pipatch Result: draw it (answering its clicks is ``pipatch._live``'s job).
-            state = {**state.to_state(), "stoppable": False, "eta": -1.0,
-                     "elapsed": float(state.meta.get("elapsed", 0.0))}
+            state = state.to_state()
         if state:
             self.update_state(state)
 
@@ -430,7 +168,7 @@ class GridWidget(anywidget.AnyWidget):
 
     def update_state(self, partial: Mapping[str, Any]) -> None:
         """Set many traits at once: one comm message for the whole update."""
-        clean = _clean_state(partial)
+        clean = conform_state(partial)
         with self._lock, self.hold_sync():
             for k, v in clean.items():
                 setattr(self, k, v)
@@ -490,7 +228,7 @@ class GridWidget(anywidget.AnyWidget):
 
     def to_mime(self) -> dict[str, Any]:
         """The ``application/vnd.pipatch.grid+json`` document for the current state."""
-        return state_to_mime(self.get_state_dict(), self.ui_state())
+        return mime_document(self.get_state_dict(), self.ui_state())
 
     # ---- hooks for the engine
 
@@ -532,7 +270,7 @@ class GridWidget(anywidget.AnyWidget):
         """Bundle for the finished run (see module docstring): MIME doc + PNG + text."""
         if state:
             self.flush(state)
-        return final_bundle_from_state(self.get_state_dict(), ui=self.ui_state(), png=png)
+        return mime_bundle(self.get_state_dict(), self.ui_state(), png=png)
 
     def display_final(
         self,

@@ -151,10 +151,10 @@ def _write(result: Any, args: argparse.Namespace) -> None:
             json.dump(result.to_json(), handle, ensure_ascii=False, indent=1)
         print(f"wrote {args.json}")
     if args.png:
-        from ._plot import png_bytes
+        from ._views import png
 
         with open(args.png, "wb") as handle:
-            handle.write(png_bytes(result, dpi=110))
+            handle.write(png(result.to_state(live=True), dpi=110))
         print(f"wrote {args.png}")
     if args.save_path:
         result.save(args.save_path)

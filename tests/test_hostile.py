@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pipatch._result import Result
-from pipatch._widget import MIME_TYPE, PatchGrid, clean_text, final_bundle_from_state, state_to_mime
+from pipatch._views import MIME_TYPE, clean_text, escape_label, mime_bundle, mime_document
+from pipatch._widget import PatchGrid
 
 torch.set_num_threads(1)
 
@@ -100,7 +101,9 @@ def test_plot_draws_hostile_labels_and_titles_as_short_plain_text() -> None:
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert all(len(label.replace("\\$", "$")) <= 16 for label in labels)
     assert labels[SAFE.index("x" * 10_000)] == "x" * 15 + "…"
-    assert labels[SAFE.index("nul\x00and\x07control\x1b[31m")].startswith("nul\\u0000and")
+    # The one escaper (the same as the browser's): control characters as ⟨U+XXXX⟩.
+    assert labels[SAFE.index("nul\x00and\x07control\x1b[31m")] == escape_label("nul\x00and\x07control\x1b[31m", 16)
+    assert labels[SAFE.index("nul\x00and\x07control\x1b[31m")].startswith("nul⟨U+0000⟩and")
     title = ax.get_title().split("\n")[0]
     assert len(title.replace("\\$", "$")) <= 110 and title.endswith("…") and "\\$5 and \\$" in title
 
@@ -151,7 +154,7 @@ def _state(labels: list[str]) -> dict:
 
 def test_widget_state_and_bundle_are_utf8_safe_strict_json() -> None:
     state = _state(HOSTILE)
-    doc = state_to_mime(state, {"view": "resid\ud800", "seed": -1, "mode": "recovery"})
+    doc = mime_document(state, {"view": "resid\ud800", "seed": -1, "mode": "recovery"})
     back = _utf8_roundtrip(doc)
     # Lone surrogates → U+FFFD; every other character (markup, NUL, U+202E) kept as written.
     assert back["col_labels"][5] == "lone\ufffdsurrogate"
@@ -161,7 +164,7 @@ def test_widget_state_and_bundle_are_utf8_safe_strict_json() -> None:
     assert back["col_labels"][10] == "x" * 10_000
     assert back["title"].endswith("\ufffd") and back["model_name"] == "m\ufffd"
     assert back["baselines"] == {"clean": None, "corrupt": None}
-    bundle = final_bundle_from_state(state)
+    bundle = mime_bundle(state)
     _utf8_roundtrip(bundle)
     assert "\ud800" not in bundle["text/plain"]
     # The widget's traits (what the comm sends) are UTF-8 safe too, detail included.
@@ -178,3 +181,48 @@ def test_widget_state_and_bundle_are_utf8_safe_strict_json() -> None:
     assert mine["col_labels"] == back["col_labels"] and len(mine["col_labels"]) == len(HOSTILE)
     assert mine["row_labels"] == back["row_labels"] == ["r\ufffd", HOSTILE[0]]
     assert mine["title"] == back["title"] and mine["warnings"] == back["warnings"]
+
+
+@pytest.mark.parametrize("nan_clean", [False, True])
+def test_save_of_a_hostile_result_round_trips(tmp_path, nan_clean: bool) -> None:
+    """``save`` goes through the one sanitiser: a lone surrogate anywhere (labels, message,
+    warnings, meta, a meta key) used to raise UnicodeEncodeError inside safetensors."""
+    from pipatch import load_result
+    from pipatch._views import json_safe
+
+    r = _result(HOSTILE, nan_clean=nan_clean)
+    r.meta["notes"] = {"key\ud800": ["value\udfff", float("nan"), 1.5]}
+    path = r.save(tmp_path / "hostile.safetensors")
+    back = load_result(path)
+    assert back.columns == back.tokens == [clean_text(h) for h in HOSTILE]
+    assert back.columns[5] == "lone\ufffdsurrogate" and back.columns[7] == HOSTILE[7]  # NUL etc. as written
+    assert back.message == clean_text(HOSTILE[1]) and back.warnings == HOSTILE[:4]
+    assert back.meta == json_safe(r.meta) and back.meta["notes"] == {"key\ufffd": ["value\ufffd", None, 1.5]}
+    assert torch.equal(torch.isnan(back.raw["resid"]), torch.isnan(r.raw["resid"]))
+    assert torch.allclose(back.raw["resid"].nan_to_num(), r.raw["resid"].nan_to_num())
+    assert isinstance(back.clean, float) and (np.isnan(back.clean) if nan_clean else back.clean == 0.9)
+    # Every view of the loaded result is the original's.
+    assert back.to_mime() == r.to_mime() and back.text() == r.text()
+    # The header is strict UTF-8 JSON (no NaN literal, no surrogate).
+    import struct
+
+    data = path.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size].decode("utf-8"))["__metadata__"]["pipatch"]
+    _strict_loads(header)
+    assert load_result(back.save(tmp_path / "again.safetensors")).to_mime() == r.to_mime()
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_in_one_line() -> None:
+    """The tokenizer used to end such a prompt in a raw TypeError."""
+    import pipatch
+    from tests._tiny import tiny_model
+
+    tiny = tiny_model("llama")
+    prompt = "The Eiffel Tower \ud800 is in the city of"
+    with pytest.raises(pipatch.PipatchError, match=r"the prompt holds the surrogate code point U\+D800 at character 17") as info:
+        pipatch.trace(tiny, prompt, subject="Eiffel Tower", answer=" Paris")
+    assert "\n" not in str(info.value) and "\ud800" not in str(info.value)
+    with pytest.raises(pipatch.PipatchError, match=r"the corrupt prompt holds the surrogate code point U\+DFFF"):
+        pipatch.patch(tiny, clean="The Eiffel Tower is in the city of", corrupt="The Colosseum \udfff is in the city of",
+                      answer=" Paris", foil=" Rome")

@@ -19,14 +19,8 @@ import pytest
 from ipywidgets.widgets.widget import _remove_buffers
 
 import pipatch._widget
-from pipatch._widget import (
-    MIME_TYPE,
-    STATE_KEYS,
-    GridWidget,
-    escape_label,
-    final_bundle_from_state,
-    state_to_mime,
-)
+from pipatch._views import MIME_TYPE, STATE_KEYS, escape_label, mime_bundle, mime_document
+from pipatch._widget import GridWidget
 
 
 def fake_state(
@@ -151,7 +145,7 @@ def test_hooks_fire_from_other_threads():
 
 def test_mime_document_roundtrip():
     st = fake_state()
-    doc = state_to_mime(st, {"view": "mlp", "seed": 1, "mode": "raw"})
+    doc = mime_document(st, {"view": "mlp", "seed": 1, "mode": "raw"})
     text = json.dumps(doc)
     assert doc["version"] == 1 and doc["stoppable"] is False and doc["ui"]["view"] == "mlp"
     a = doc["arrays"]["resid/seeds"]
@@ -175,9 +169,9 @@ def test_final_bundle_has_no_widget_view():
 def test_final_bundle_survives_partial_and_empty_states():
     st = fake_state(done=2)
     st["arrays"]["resid/mean"] = np.full((4, 5), np.nan, dtype=np.float32)
-    b = final_bundle_from_state(st)
+    b = mime_bundle(st)
     assert "image/png" in b
-    b2 = final_bundle_from_state({"title": "empty"})
+    b2 = mime_bundle({"title": "empty"})
     assert MIME_TYPE in b2
 
 
@@ -213,7 +207,7 @@ def test_escape_label_truncates():
     assert escape_label("x" * 10_000, 16) == "x" * 15 + "…"
 
 
-def test_the_widget_module_imports_no_pipatch_module_but_text_helpers():
+def test_the_widget_module_imports_no_pipatch_module_but_the_views():
     """The view imports nothing that imports it: no _live, _registry, _api, ... even inside functions."""
     tree = ast.parse(pathlib.Path(pipatch._widget.__file__).read_text("utf-8"))
     imported = set()
@@ -222,7 +216,7 @@ def test_the_widget_module_imports_no_pipatch_module_but_text_helpers():
             imported.add(node.module or "")
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names if a.name.startswith("pipatch"))
-    assert imported <= {"_text"}, imported
+    assert imported <= {"_views"}, imported
     code = ("import sys, pipatch._widget as w; w.GridWidget(); "
             "assert not {'pipatch._live', 'pipatch._registry', 'pipatch._magics'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

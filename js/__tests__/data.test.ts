@@ -79,3 +79,26 @@ describe('normalizeState and selection', () => {
     expect(s.stoppable).toBe(false);
   });
 });
+
+describe('normalizeState through the schema', () => {
+  it('keeps only schema keys, each in its type, with defaults', () => {
+    const s = normalizeState({ title: 3, bogus: 'x', n_seeds: '2', baselines: { clean: null, corrupt: 0.5 }, stoppable: 'yes' });
+    expect(s.title).toBe('3');
+    expect('bogus' in s).toBe(false);
+    expect(s.n_seeds).toBe(2);
+    expect(Number.isNaN(s.baselines.clean)).toBe(true);
+    expect(s.baselines.corrupt).toBe(0.5);
+    expect(s.stoppable).toBe(false);
+    expect(s.status).toBe('done');
+    expect(s.col_axis).toBe('token');
+    expect(s.eta).toBe(-1);
+  });
+  it('reports arrays whose shape disagrees with the labels', () => {
+    const errors: string[] = [];
+    normalizeState(
+      { row_labels: ['0', '1'], col_labels: ['a', 'b', 'c'], n_seeds: 1, arrays: { 'resid/mean': f32spec([1, 2, 3, 4, 5, 6], [3, 2]) } },
+      errors,
+    );
+    expect(errors).toEqual(['array resid/mean: shape [3, 2], labels say [2, 3]']);
+  });
+});

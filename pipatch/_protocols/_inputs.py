@@ -18,6 +18,13 @@ def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list
                            "'The Eiffel Tower is in the city of'")
     if not text.strip():
         raise PipatchError(f"the {what} is empty: pass the text to run, e.g. 'The Eiffel Tower is in the city of'")
+    lone = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+    if lone is not None:
+        # Not text a tokenizer can read (nor UTF-8): refuse here, not with the tokenizer's TypeError.
+        raise PipatchError(
+            f"the {what} holds the surrogate code point U+{ord(text[lone]):04X} at character {lone}, which is "
+            "not text (it cannot be encoded as UTF-8): remove it, or replace it with U+FFFD"
+        )
     tok = backend.tokenizer
     try:
         enc = tok(text, return_offsets_mapping=True)

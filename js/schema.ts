@@ -1,0 +1,79 @@
+/**
+ * The one view state, as the browser reads it: the same schema as `pipatch/_views/schema.py`
+ * (checked by `js/__tests__/parity.test.ts` against a state the kernel really makes).
+ * `normalizeState` (data.ts) reads every state through `STATE_SCHEMA`, and the anywidget entry
+ * listens to exactly its keys: a new field is one line here and one in the Python schema.
+ *
+ * Types: 'str', 'str[]', 'int', 'float', 'float?' (null when not finite), 'bool',
+ * '{str: int}', '{str: float?}', 'arrays' ({name: {data, dtype, shape}}), and the named objects
+ * 'detail', 'top[]', 'selection', 'ui'. Arrays are named `<view>/<what>`; `ARRAY_SCHEMA` gives
+ * each `what` its shape in rows (row_labels), cols (col_labels) and seeds (n_seeds).
+ */
+
+/** The saved grid document's MIME type (the one constant on this side). */
+export const MIME_TYPE = 'application/vnd.pipatch.grid+json';
+/** The result schema version this front end reads (the document's `version`). */
+export const SCHEMA_VERSION = 1;
+
+/** Kernel → browser: the state of one grid (widget traits of the same names). */
+export const STATE_SCHEMA = {
+  title: 'str',
+  kind: 'str',
+  model_name: 'str',
+  metric: 'str',
+  row_labels: 'str[]',
+  col_labels: 'str[]',
+  col_axis: 'str',
+  views: 'str[]',
+  n_seeds: 'int',
+  arrays: 'arrays',
+  rows_done: '{str: int}',
+  total_rows: 'int',
+  status: 'str',
+  message: 'str',
+  warnings: 'str[]',
+  elapsed: 'float',
+  eta: 'float',
+  baselines: '{str: float?}',
+  detail: 'detail',
+  stoppable: 'bool',
+} as const;
+
+/** The kernel's answer to a click; every field optional. */
+export const DETAIL_SCHEMA = {
+  view: 'str',
+  seed: 'int',
+  row: 'int',
+  col: 'int',
+  value: 'float?',
+  raw: 'float?',
+  top: 'top[]',
+  error: 'str',
+} as const;
+export const TOP_SCHEMA = { token: 'str', prob: 'float?' } as const;
+
+/** Browser → kernel: what the user chose (widget traits of the same names). */
+export const UI_SCHEMA = {
+  view: 'str',
+  seed: 'int',
+  mode: 'str',
+  selected: 'selection',
+  stop_requested: 'bool',
+} as const;
+export const SELECTION_SCHEMA = { view: 'str', seed: 'int', row: 'int', col: 'int' } as const;
+
+/** The saved document is the state (less `detail`) plus these. */
+export const DOCUMENT_SCHEMA = { version: 'int', ui: 'ui' } as const;
+
+export const ARRAY_DTYPE = 'float32';
+export const ARRAY_SCHEMA = {
+  mean: ['rows', 'cols'],
+  raw_mean: ['rows', 'cols'],
+  std: ['rows', 'cols'],
+  seeds: ['seeds', 'rows', 'cols'],
+  raw_seeds: ['seeds', 'rows', 'cols'],
+  verified: ['rows', 'cols'],
+} as const;
+
+export type StateKey = keyof typeof STATE_SCHEMA;
+export const STATE_KEYS = Object.keys(STATE_SCHEMA) as StateKey[];

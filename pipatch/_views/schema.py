@@ -1,0 +1,202 @@
+"""The one view state: its schema, and the function that makes any state conform to it.
+
+``Result.to_state()`` produces the state; every view is made from it: the widget's traits
+(:mod:`pipatch._widget`), the MIME document and bundle (:mod:`.mime`), the figure and PNG
+(:mod:`.render`), the text grid (:mod:`.text`). ``js/schema.ts`` holds the same schema for
+the browser and ``normalizeState`` (``js/data.ts``) reads a state through it;
+``js/__tests__/parity.test.ts`` checks that both schemas are equal and that a state made
+here is read there with the declared types and shapes (``tests/_contract.py`` makes the
+example). A new field is one line here and one in ``js/schema.ts``.
+
+Types: ``str``, ``str[]``, ``int``, ``float``, ``float?`` (``null`` when not finite),
+``bool``, ``{str: int}``, ``{str: float?}``, ``arrays`` (``{name: {data, dtype, shape}}``),
+and the named objects ``detail``, ``top[]``, ``selection``, ``ui``.
+
+Arrays are named ``<view>/<what>``; ``ARRAY_SCHEMA`` gives each ``what`` its shape in terms
+of ``rows`` (``len(row_labels)``), ``cols`` (``len(col_labels)``) and ``seeds``
+(``n_seeds``). Row 0 is layer 0 and is drawn at the top in every view.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .strings import clean_text, json_safe
+
+__all__ = [
+    "ARRAY_DTYPE", "ARRAY_SCHEMA", "DETAIL_SCHEMA", "DOCUMENT_SCHEMA", "MIME_TYPE", "SCHEMA_VERSION",
+    "SELECTION_SCHEMA", "STATE_KEYS", "STATE_SCHEMA", "TOP_SCHEMA", "UI_SCHEMA", "conform_state",
+    "decode_array", "encode_array", "rows_done", "select_matrix",
+]  # fmt: skip
+
+#: The grid document's MIME type (saved notebooks; the JupyterLab extension renders it).
+MIME_TYPE = "application/vnd.pipatch.grid+json"
+#: Version of the result schema: the saved file's header ``schema`` and the document's
+#: ``version``. Bump it when a reader of the previous version would misread the new one.
+SCHEMA_VERSION = 1
+
+#: Kernel → browser: the state of one grid (widget traits of the same names).
+STATE_SCHEMA: dict[str, str] = {
+    "title": "str",
+    "kind": "str",
+    "model_name": "str",
+    "metric": "str",
+    "row_labels": "str[]",
+    "col_labels": "str[]",
+    "col_axis": "str",
+    "views": "str[]",
+    "n_seeds": "int",
+    "arrays": "arrays",
+    "rows_done": "{str: int}",
+    "total_rows": "int",
+    "status": "str",
+    "message": "str",
+    "warnings": "str[]",
+    "elapsed": "float",
+    "eta": "float",
+    "baselines": "{str: float?}",
+    "detail": "detail",
+    "stoppable": "bool",
+}
+STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
+
+#: The answer to a click (``pipatch._live.answer_selection``); every field optional.
+DETAIL_SCHEMA: dict[str, str] = {
+    "view": "str", "seed": "int", "row": "int", "col": "int", "value": "float?", "raw": "float?",
+    "top": "top[]", "error": "str",
+}  # fmt: skip
+TOP_SCHEMA: dict[str, str] = {"token": "str", "prob": "float?"}
+
+#: Browser → kernel: what the user chose (widget traits of the same names).
+UI_SCHEMA: dict[str, str] = {
+    "view": "str", "seed": "int", "mode": "str", "selected": "selection", "stop_requested": "bool",
+}  # fmt: skip
+SELECTION_SCHEMA: dict[str, str] = {"view": "str", "seed": "int", "row": "int", "col": "int"}
+
+#: The saved document is the state (less ``detail``) plus these.
+DOCUMENT_SCHEMA: dict[str, str] = {"version": "int", "ui": "ui"}
+
+ARRAY_DTYPE = "float32"
+ARRAY_SCHEMA: dict[str, tuple[str, ...]] = {
+    "mean": ("rows", "cols"),
+    "raw_mean": ("rows", "cols"),
+    "std": ("rows", "cols"),
+    "seeds": ("seeds", "rows", "cols"),
+    "raw_seeds": ("seeds", "rows", "cols"),
+    "verified": ("rows", "cols"),
+}
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def decode_array(spec: Any) -> np.ndarray:
+    """A float32 ndarray from an ndarray / tensor / ``{data, dtype, shape}`` (bytes or base64)."""
+    if isinstance(spec, Mapping):
+        data = spec.get("data")
+        dtype = np.dtype(spec.get("dtype", ARRAY_DTYPE)).newbyteorder("<")
+        shape = tuple(int(s) for s in spec.get("shape", ()))
+        if isinstance(data, str):
+            raw = base64.b64decode(data)
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+        else:
+            return decode_array(data)
+        arr = np.frombuffer(raw, dtype=dtype).astype(np.float32)
+        return arr.reshape(shape) if shape else arr
+    if hasattr(spec, "detach"):  # torch.Tensor without importing torch
+        spec = spec.detach().float().cpu().numpy()
+    return np.asarray(spec, dtype=np.float32)
+
+
+def encode_array(spec: Any) -> dict[str, Any]:
+    """Wire form of one array: raw little-endian float32 bytes plus dtype and shape."""
+    if isinstance(spec, Mapping) and isinstance(spec.get("data"), bytes) and spec.get("dtype", ARRAY_DTYPE) == ARRAY_DTYPE:
+        return {"data": spec["data"], "dtype": ARRAY_DTYPE, "shape": [int(s) for s in spec["shape"]]}
+    arr = np.ascontiguousarray(decode_array(spec), dtype="<f4")
+    return {"data": arr.tobytes(), "dtype": ARRAY_DTYPE, "shape": list(arr.shape)}
+
+
+def arrays_to_base64(arrays: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The arrays as the JSON document holds them: base64 of the float32 bytes."""
+    return {
+        clean_text(k): {"dtype": ARRAY_DTYPE, "shape": v["shape"], "data": base64.b64encode(v["data"]).decode("ascii")}
+        for k, v in ((k, encode_array(v)) for k, v in (arrays or {}).items())
+    }
+
+
+# --------------------------------------------------------------------------- conforming
+
+
+def _float(value: Any, unknown: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else unknown
+
+
+def _finite_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _conform(kind: str, value: Any) -> Any:
+    if kind == "str":
+        return clean_text(value)
+    if kind == "str[]":
+        return [clean_text(x) for x in value]
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return _float(value, -1.0)  # elapsed / eta: −1 reads "unknown"
+    if kind == "float?":
+        return _finite_or_none(value)
+    if kind == "bool":
+        return bool(value)
+    if kind == "{str: int}":
+        return {clean_text(k): int(v) for k, v in dict(value or {}).items()}
+    if kind == "{str: float?}":
+        return {clean_text(k): _finite_or_none(v) for k, v in dict(value or {}).items()}
+    if kind == "arrays":
+        return {clean_text(k): encode_array(v) for k, v in dict(value or {}).items()}
+    if kind == "detail":
+        return json_safe(dict(value or {}))
+    raise ValueError(f"unknown schema type {kind!r}")
+
+
+def conform_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of ``state`` that the schema knows, each in its declared type: text UTF-8 safe
+    (lone surrogates → U+FFFD), non-finite numbers ``None`` (−1 for ``elapsed``/``eta``),
+    arrays in wire form (float32 bytes). Unknown keys are dropped; missing ones stay missing
+    (a partial state is an update)."""
+    return {key: _conform(kind, state[key]) for key, kind in STATE_SCHEMA.items() if key in state}
+
+
+def select_matrix(state: Mapping[str, Any], view: str, seed: int = -1, mode: str = "recovery") -> np.ndarray | None:
+    """The [rows, cols] values drawn for a view / seed (−1: the mean) / mode (``"recovery"`` or
+    ``"raw"``); ``None`` when the state has no such array. As ``selectMatrix`` in ``js/data.ts``."""
+    arrays = state.get("arrays") or {}
+    base = "raw_" if mode == "raw" else ""
+    if seed >= 0 and f"{view}/{base}seeds" in arrays:
+        seeds = decode_array(arrays[f"{view}/{base}seeds"])
+        if seeds.ndim == 3 and seed < seeds.shape[0]:
+            return seeds[seed]
+    key = f"{view}/{'raw_mean' if mode == 'raw' else 'mean'}"
+    if key not in arrays:
+        return None
+    grid = decode_array(arrays[key])
+    return grid if grid.ndim == 2 else grid.reshape(len(state.get("row_labels") or []) or 1, -1)
+
+
+def rows_done(state: Mapping[str, Any], view: str, n_rows: int) -> int:
+    """How many rows of ``view`` are finished (drawn); the rest are pending. As ``rowsDone`` in
+    ``js/grid.ts``: a view missing from ``rows_done`` is finished unless the grid is running."""
+    done = (state.get("rows_done") or {}).get(view)
+    if done is None:
+        return 0 if state.get("status") == "running" else n_rows
+    return max(0, min(n_rows, int(done)))

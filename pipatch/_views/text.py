@@ -1,0 +1,108 @@
+"""The text views of a state: the terminal grid (``Result.text()``, the CLI) and the one-line
+summary (``text/plain`` of the MIME bundle).
+
+Rows are layers with layer 0 first (the top line, as in every other view), columns are the
+grid's columns; each cell is a block character for its mean recovery (``░▒▓█``, ``?`` for
+NaN, ``·`` for a row not computed yet). Labels go through the one escaper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .schema import rows_done, select_matrix
+from .strings import clean_text, escape_label
+
+__all__ = ["shade", "summary", "text_grid", "top_cells"]
+
+_SHADES = " ░▒▓█"
+
+
+def shade(value: float | None) -> str:
+    """``░▒▓█`` for recovery in [0, 1]; ``?`` for NaN; values outside are clipped."""
+    if value is None or math.isnan(value):
+        return "?"
+    return _SHADES[int(min(max(value, 0.0), 0.999) * len(_SHADES))]
+
+
+def top_cells(grid: np.ndarray, k: int, done: int | None = None) -> list[tuple[int, int, float]]:
+    """The ``k`` finite cells with the highest value as ``(row, col, value)``, highest first
+    (ties: the first in row-major order)."""
+    grid = np.asarray(grid, dtype=np.float64)[: grid.shape[0] if done is None else done]
+    flat = grid.ravel()
+    order = [int(i) for i in np.argsort(-np.where(np.isfinite(flat), flat, -np.inf), kind="stable")[:k]]
+    cols = grid.shape[1] if grid.ndim == 2 else 1
+    return [(i // cols, i % cols, float(flat[i])) for i in order if np.isfinite(flat[i])]
+
+
+def _label(text: str, width: int) -> str:
+    return escape_label(text, width - 1).rjust(width)
+
+
+def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7, top: int = 5) -> str:
+    """Rows = layers (layer 0 first), columns = tokens (or heads); then the top cells."""
+    views = list(state.get("views") or [])
+    view = view if view in views else (views[0] if views else "")
+    rows = [str(x) for x in state.get("row_labels") or []]
+    cols = [str(x) for x in state.get("col_labels") or []]
+    grid = select_matrix(state, view)
+    if grid is None:
+        grid = np.full((len(rows), len(cols)), np.nan, dtype=np.float32)
+    done = rows_done(state, view, grid.shape[0])
+    # One escape (⟨U+000A⟩) must fit in a column.
+    escaped = max((len(escape_label(c)) for c in cols if escape_label(c) != c), default=0)
+    width = max(width, min(escaped + 1, 10))
+    base = state.get("baselines") or {}
+
+    def num(key: str) -> str:
+        value = base.get(key)
+        return "nan" if value is None else f"{value:.4g}"
+
+    lines = [f"{escape_label(state.get('title') or 'pipatch')}  [{view}, {state.get('metric', '')}; "
+             f"clean {num('clean')}, corrupt {num('corrupt')}]"]
+    lines.append(" " * 5 + "".join(_label(c, width) for c in cols))
+    for r in range(grid.shape[0]):
+        label = rows[r] if r < len(rows) else str(r)
+        if r < done:
+            cells = "".join(shade(float(v)).rjust(width) for v in grid[r].tolist())
+        else:
+            cells = "".join("·".rjust(width) for _ in range(grid.shape[1]))
+        lines.append(f"L{escape_label(label):<4}"[:5] + cells)
+    what = {"head": "head", "token": "token"}.get(str(state.get("col_axis")), "column")
+    # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
+    for row, col, value in top_cells(grid, top, done):
+        lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  recovery {value:.3f}")
+    for warning in state.get("warnings") or []:
+        lines.append(f"warning: {escape_label(warning)}")
+    status = str(state.get("status") or "done")
+    if status != "done":
+        message = state.get("message")
+        lines.append(f"status: {status}" + (f" — {escape_label(message)}" if message else ""))
+    return "\n".join(lines)
+
+
+def summary(state: Mapping[str, Any]) -> str:
+    """One line for ``text/plain``: title, what the grid is, its status."""
+    views = [str(v) for v in state.get("views") or []]
+    n_rows = len(state.get("row_labels") or [])
+    n_cols = len(state.get("col_labels") or [])
+    axis = {"head": "heads", "token": "tokens"}.get(str(state.get("col_axis") or "token"), "columns")
+    head = " ".join(escape_label(b, 80) for b in (state.get("kind"), state.get("model_name")) if b)
+    base = state.get("baselines") or {}
+    numbers = ", ".join(f"{escape_label(k, 20)} {'nan' if v is None else format(v, '.4g')}" for k, v in base.items())
+    status = str(state.get("status") or "done")
+    message = state.get("message")
+    parts = [head, f"{n_rows} layers × {n_cols} {axis}", f"views {escape_label(', '.join(views) or '-', 120)}"]
+    if state.get("metric"):
+        parts.append(f"metric {escape_label(state['metric'], 80)}")
+    if numbers:
+        parts.append(numbers)
+    if int(state.get("n_seeds") or 0) > 1:
+        parts.append(f"{int(state['n_seeds'])} seeds")
+    parts.append(f"{escape_label(status, 40)}: {escape_label(message, 400)}" if message else escape_label(status, 40))
+    title = escape_label(state.get("title") or "pipatch", 120)
+    return clean_text(f"PatchGrid: {title} ({'; '.join(p for p in parts if p)})")

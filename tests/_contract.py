@@ -1,0 +1,103 @@
+"""What the kernel promises the browser, as JSON: read by ``js/__tests__/parity.test.ts``.
+
+``python tests/_contract.py`` prints it (the vitest parity test runs this with the project's
+Python); ``tests/test_views.py`` writes it to a file and runs the vitest test on it.
+
+It holds the Python side of every shared definition (the state schema, the MIME type and
+version, the array shapes, the colour map, the escaping rule over all code points) and real
+states made by pipatch: a result's MIME document, its live state and a widget's traits after
+a click was answered. The TypeScript side compares its own definitions with these and reads
+the states through ``normalizeState``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+HOSTILE_LABELS = [
+    " Paris", "<img src=x onerror=alert(1)>", "a\x00b", "\n", "x\u200dy", "\u202eevil", "\ud800", "\udc00x",
+    "\ud83d\ude00", "😀", "  ", " ", "", "\u2066iso\u2069", "\ufff9ann\ufffb", "\u2028", "\u00ad", "\ufe0f", "\U000e0041",
+    "\U000f0000", "\ufffe", "\u0378", "\u3164", "\u180e", "\u0600", "$x$", "x" * 40, "\x7f\x9f", "é", "e\u0301",
+]
+
+
+def example_result():
+    """A small result: 2 views × 3 layers × 4 columns, 2 seeds, one verified mask, hostile labels."""
+    import torch
+
+    from pipatch._result import Result
+
+    raw = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4) / 24
+    raw[:, 0, 0] = float("nan")
+    return Result(
+        kind="attribution", tokens=["The", " Eiffel\ud800", "\u202e", " of"], columns=["The", " Eiffel\ud800", "\u202e", " of"],
+        layers=["0", "1", "2"], metric="logit_diff", raw={"resid": raw, "mlp": raw.flip(1)}, clean=1.0,
+        corrupt=torch.tensor([0.0, 0.1]), meta={"model": "tiny <b>", "verified": {"resid": [[1, 0, 0, 0]] + [[0] * 4] * 2}},
+        rows_done={"resid": 3, "mlp": 2}, status="stopped", message="stopped \ud800", warnings=["w\u2028"],
+    )
+
+
+def contract() -> dict[str, Any]:
+    from pipatch._live import PatchGrid, answer_selection
+    from pipatch._views import colors, schema, strings
+    from pipatch._views.schema import arrays_to_base64
+
+    result = example_result()
+    document = result.to_mime()
+    live = schema.conform_state(result.to_state(live=True))
+    live["arrays"] = arrays_to_base64(live["arrays"])
+    widget = PatchGrid(result)
+    answered = answer_selection(lambda view, row, col, seed, k: [("\ud800 x", 0.5), (" Paris", float("nan"))],
+                                result, {"view": "resid", "seed": -1, "row": 1, "col": 2})
+    failed = answer_selection(None, result, {"view": "resid", "seed": 0, "row": 0, "col": 0})
+    widget.selected = {"view": "resid", "seed": -1, "row": 1, "col": 2}  # answered at once (no model)
+    widget.update_state({"detail": answered})  # what a model's answer sets
+    traits = widget.get_state_dict()
+    traits["arrays"] = arrays_to_base64(traits["arrays"])
+    ui = {key: getattr(widget, key) for key in schema.UI_SCHEMA}
+    samples = [(v / 16, vmax) for vmax in (1.0, 0.37, 2.5) for v in range(-20, 21)] + [(0.3, 0.0), (-0.2, 0.0)]
+    return {
+        "mime_type": schema.MIME_TYPE,
+        "schema_version": schema.SCHEMA_VERSION,
+        "schemas": {
+            "state": schema.STATE_SCHEMA, "detail": schema.DETAIL_SCHEMA, "top": schema.TOP_SCHEMA,
+            "ui": schema.UI_SCHEMA, "selection": schema.SELECTION_SCHEMA, "document": schema.DOCUMENT_SCHEMA,
+        },
+        "array_dtype": schema.ARRAY_DTYPE,
+        "arrays": {k: list(v) for k, v in schema.ARRAY_SCHEMA.items()},
+        "colors": {
+            "stops": list(colors.DIVERGING_STOPS), "nan": list(colors.NAN_RGB),
+            "samples": [[v, vmax, list(colors.diverging_rgb(v, vmax))] for v, vmax in samples],
+        },
+        "escape": {
+            "unicode": unicodedata.unidata_version,
+            "escaped": strings.escaped_ranges(),
+            "unassigned": strings.unassigned_ranges(),
+            "labels": [[label, strings.escape_label(label)] for label in HOSTILE_LABELS],
+            "truncated": [[label, n, strings.escape_label(label, n)] for label in HOSTILE_LABELS for n in (4, 9)],
+        },
+        "examples": {
+            "document": document,
+            "live": strings.json_safe(live),
+            "widget": strings.json_safe(traits),
+            "ui": strings.json_safe(ui),
+            "details": strings.json_safe([answered, failed]),
+        },
+    }
+
+
+def write(path: str | Path) -> Path:
+    path = Path(path)
+    # ensure_ascii: a lone surrogate of a label sample travels as \ud800, which JSON.parse reads back.
+    path.write_text(json.dumps(contract(), ensure_ascii=True, allow_nan=False), "ascii")
+    return path
+
+
+if __name__ == "__main__":
+    sys.stdout.write(json.dumps(contract(), ensure_ascii=True, allow_nan=False))
