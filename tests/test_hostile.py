@@ -226,3 +226,6 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_in_one_line() -> None:
     with pytest.raises(pipatch.PipatchError, match=r"the corrupt prompt holds the surrogate code point U\+DFFF"):
         pipatch.patch(tiny, clean="The Eiffel Tower is in the city of", corrupt="The Colosseum \udfff is in the city of",
                       answer=" Paris", foil=" Rome")
+    with pytest.raises(pipatch.PipatchError, match=r"the answer holds the surrogate code point U\+D800"):
+        pipatch.patch(tiny, clean="The Eiffel Tower is in the city of", corrupt="The Big Ben is in the city of",
+                      answer=" Par\ud800is", foil=" Rome")

@@ -11,6 +11,17 @@ from .._models import PipatchError
 from .._result import recovery_undefined
 
 
+def _refuse_surrogates(text: str, what: str) -> None:
+    """A lone surrogate is not text a tokenizer can read (nor UTF-8): refuse it here, in one
+    line, rather than with the tokenizer's ``TypeError``."""
+    lone = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+    if lone is not None:
+        raise PipatchError(
+            f"the {what} holds the surrogate code point U+{ord(text[lone]):04X} at character {lone}, which is "
+            "not text (it cannot be encoded as UTF-8): remove it, or replace it with U+FFFD"
+        )
+
+
 def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
     """Tokenize ``text`` → (ids [1, T] on the model's device, token strings, character offsets)."""
     if not isinstance(text, str):
@@ -18,13 +29,7 @@ def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list
                            "'The Eiffel Tower is in the city of'")
     if not text.strip():
         raise PipatchError(f"the {what} is empty: pass the text to run, e.g. 'The Eiffel Tower is in the city of'")
-    lone = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
-    if lone is not None:
-        # Not text a tokenizer can read (nor UTF-8): refuse here, not with the tokenizer's TypeError.
-        raise PipatchError(
-            f"the {what} holds the surrogate code point U+{ord(text[lone]):04X} at character {lone}, which is "
-            "not text (it cannot be encoded as UTF-8): remove it, or replace it with U+FFFD"
-        )
+    _refuse_surrogates(text, what)
     tok = backend.tokenizer
     try:
         enc = tok(text, return_offsets_mapping=True)
@@ -48,6 +53,7 @@ def single_token(backend, text: str, role: str) -> int:
         raise PipatchError(f"the {role} must be text (a str), got {type(text).__name__}: e.g. ' Paris'")
     if text == "":
         raise PipatchError(f"the {role} is empty: pass one token, e.g. ' Paris' (mind the leading space)")
+    _refuse_surrogates(text, role)
     ids = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         pieces = backend.decode(ids)
