@@ -65,3 +65,20 @@ def test_mismatched_lists_are_one_clear_line(model):
         pipatch.trace(model, [EIFFEL] * 3, subject="Eiffel Tower", answer=[" Paris", " Paris"], seeds=1)
     with pytest.raises(pipatch.PipatchError, match="same length"):
         pipatch.patch(model, clean=[EIFFEL], corrupt=[COLOSSEUM, COLOSSEUM], answer=" Paris", foil=" Rome")
+
+
+def test_a_positions_subset_is_grouped_by_the_positions_it_swept(model):
+    """With ``positions=``, each prompt's result holds only the swept columns: named groups
+    average those, and a group none of them falls in is NaN (this used to raise IndexError)."""
+    louvre, vatican = "The Louvre is in the city of", "The Vatican is in the city of"
+    pair = dict(answer=" Paris", foil=" Rome", positions=[0, -1])
+    r = pipatch.patch(model, clean=[EIFFEL, louvre], corrupt=[COLOSSEUM, vatican], **pair)
+    assert r.status == "done" and r.columns[-1] == "last"
+    for row, (clean, corrupt) in enumerate([(EIFFEL, COLOSSEUM), (louvre, vatican)]):
+        one = pipatch.patch(model, clean=clean, corrupt=corrupt, **pair)
+        assert torch.allclose(r.raw["resid"][row, :, 0], one.raw["resid"][0, :, 0], atol=1e-5)  # before = <bos>
+        assert torch.allclose(r.raw["resid"][row, :, -1], one.raw["resid"][0, :, -1], atol=1e-5)  # last
+    assert torch.isnan(r.raw["resid"][:, :, 1:-1]).all()  # the changed span was not swept
+    top = pipatch._api.plan_patch(model, clean=[EIFFEL, louvre], corrupt=[COLOSSEUM, vatican],
+                                  **pair).predictor()("resid", 17, 6, 1, 3)
+    assert top[0][0] == " Paris"

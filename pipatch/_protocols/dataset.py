@@ -58,7 +58,7 @@ def named_groups(span: list[int], T: int, noun: str = "subject") -> tuple[list[s
 
 
 def _grouped(raw: torch.Tensor, groups: list[list[int]] | None) -> torch.Tensor:
-    """[S, L, T] → [S, L, len(groups)]: mean over each group's positions (NaN when empty).
+    """[S, L, C] → [S, L, len(groups)]: mean over each group's columns (NaN when empty).
     ``groups=None`` (a head or sender grid): the columns as they are."""
     if groups is None:
         return raw
@@ -108,15 +108,23 @@ class DatasetPlan(Plan):
             if plan.result.views != views:
                 raise PipatchError("every prompt of a dataset must be swept over the same views")
         self.plans = plans
+        # Per prompt: each named group's token positions (what a click patches) and the result
+        # columns holding them (what is averaged; a ``positions=`` subset sweeps only some).
         self.groups: list[list[list[int]] | None] = []
+        self._group_columns: list[list[list[int]] | None] = []
         columns = first.result.columns
         for plan in plans:
             if _position_axis(plan):
                 span, noun = _span(plan.result)
                 columns, groups = named_groups(span, len(plan.result.tokens), noun)
+                swept = plan.result.meta.get("positions") or range(len(plan.result.tokens))
+                where = {position: column for column, position in enumerate(swept)}
+                groups = [[p for p in group if p in where] for group in groups]
                 self.groups.append(groups)
+                self._group_columns.append([[where[p] for p in group] for group in groups])
             else:
                 self.groups.append(None)
+                self._group_columns.append(None)
         self.offsets = [0]
         for plan in plans:
             self.offsets.append(self.offsets[-1] + plan.result.n_seeds)
@@ -133,7 +141,7 @@ class DatasetPlan(Plan):
         result = Result(
             kind=first.result.kind, tokens=list(columns), columns=list(columns), layers=first.result.layers,
             metric=first.result.metric,
-            raw={view: torch.cat([_grouped(p.result.raw[view], g) for p, g in zip(plans, self.groups)])
+            raw={view: torch.cat([_grouped(p.result.raw[view], g) for p, g in zip(plans, self._group_columns)])
                  for view in views},
             clean=torch.cat([torch.full((r.n_seeds,), float(r.clean)) for r in results]),
             corrupt=torch.cat([r.corrupt.float() for r in results]), meta=meta,
@@ -162,7 +170,7 @@ class DatasetPlan(Plan):
         plan.row_done(sweep, row)
         lo, hi = self.offsets[i], self.offsets[i + 1]
         self.result.raw[sweep.view][lo:hi, row] = _grouped(plan.result.raw[sweep.view][:, row : row + 1],
-                                                           self.groups[i])[:, 0]
+                                                           self._group_columns[i])[:, 0]
         if i == len(self.plans) - 1 and sweep.tracks_rows:
             self.result.rows_done[sweep.view] = row + 1
 
