@@ -39,17 +39,14 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-from ._engine import EngineError
+from ._engine import EngineError, Predictor
 from ._registry import experiment
 from ._widget import GridWidget
 
 __all__ = ["TOP_K", "PatchGrid", "answer_selection", "attach_result", "run_live"]
 
-#: A plan's predictor: ``(view, row, col, seed, k) -> [(token text, probability), ...]``.
-Predictor = Callable[[str, int, int, int, int], list]
 
 TOP_K = 5
 

@@ -50,7 +50,7 @@ from IPython.utils.process import arg_split
 
 from ._engine import EngineError
 from ._live import run_live
-from ._models import PipatchError, shared_model
+from ._models import PipatchError, no_progress_bar, shared_model
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
 
 __all__ = ["load_ipython_extension", "make_magic", "magic_parser"]
@@ -119,19 +119,13 @@ def _model(shell: Any, name: str | None) -> Any:
 
 
 def _load(name: str | None) -> Any:
-    # transformers' "Loading weights" bar is a tqdm *widget* in a notebook: once the kernel
-    # is gone the saved cell would show "Error displaying widget" above the grid.
-    from transformers.utils import logging as hf_logging
-
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    # transformers' progress bars (the first load's GGUF conversion too) are tqdm *widgets* in a
+    # notebook: once the kernel is gone the saved cell would show "Error displaying widget".
     try:
-        return shared_model(name)
+        with no_progress_bar():
+            return shared_model(name)
     except PipatchError as error:
         raise UsageError(str(error)) from None
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
 
 
 def _placeholder(shell: Any) -> Any:

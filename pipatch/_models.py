@@ -113,7 +113,7 @@ def _resolve_dtype(dtype: Any) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _no_progress_bar():
+def no_progress_bar():
     """Switch transformers' progress bars off for the block, then back to what they were."""
     from transformers.utils import logging as hf_logging
 
@@ -176,7 +176,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
             raise PipatchError(f"model folder {path!r} does not exist: pass an existing folder or a hub id")
     def load(**kwargs):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        with _no_progress_bar():  # a "Loading weights" bar for a load of seconds is noise in a cell
+        with no_progress_bar():  # a "Loading weights" bar for a load of seconds is noise in a cell
             return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
 
     try:

@@ -52,7 +52,7 @@ import traitlets as t
 
 from ._views import MIME_TYPE, STATE_KEYS, conform_state, mime_bundle, mime_document
 
-__all__ = ["MIME_TYPE", "STATE_KEYS", "GridWidget", "PatchGrid", "final_bundle_from_state"]
+__all__ = ["MIME_TYPE", "STATE_KEYS", "GridWidget"]
 
 _STATIC_ESM = pathlib.Path(__file__).parent / "static" / "widget.js"
 _MISSING_ESM = """
@@ -62,10 +62,6 @@ export default {
   },
 };
 """
-
-#: The saved bundle of a state (:func:`pipatch._views.mime_bundle`), under the name the
-#: browser tests use.
-final_bundle_from_state = mime_bundle
 
 
 # --------------------------------------------------------------------------- widget
@@ -82,8 +78,6 @@ def _prefer_frontend_subshell(comm: Any) -> None:
     """
     if comm is not None and hasattr(comm, "_reply_subshell_for"):
         comm._reply_subshell_for = lambda data, default: default
-
-
 
 
 class GridWidget(anywidget.AnyWidget):
@@ -299,8 +293,3 @@ class GridWidget(anywidget.AnyWidget):
                 self.arrays = {}
             self.close()
         return bundle
-
-
-#: The view under its earlier name, for code that only draws states (saved states, tests).
-#: ``pipatch.PatchGrid`` is :class:`pipatch._live.PatchGrid`, which also runs and answers clicks.
-PatchGrid = GridWidget

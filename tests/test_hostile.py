@@ -14,7 +14,7 @@ import torch
 
 from pipatch._result import Result
 from pipatch._views import MIME_TYPE, clean_text, escape_label, mime_bundle, mime_document
-from pipatch._widget import PatchGrid
+from pipatch._widget import GridWidget
 
 torch.set_num_threads(1)
 
@@ -170,7 +170,7 @@ def test_widget_state_and_bundle_are_utf8_safe_strict_json() -> None:
     # The widget's traits (what the comm sends) are UTF-8 safe too, detail included.
     from jupyter_client.session import json_packer
 
-    w = PatchGrid.from_state(state)
+    w = GridWidget.from_state(state)
     sent = {k: getattr(w, k) for k in ("title", "model_name", "message", "row_labels", "col_labels", "warnings", "detail")}
     json_packer(sent)  # raised UnicodeEncodeError before clean_text
     assert w.detail["top"][0]["token"] == "\ufffd"

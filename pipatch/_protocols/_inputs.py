@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -121,16 +122,22 @@ def layer_labels(backend) -> list[str]:
     return [str(i) for i in range(backend.adapter.n_layers)]
 
 
-def library_versions() -> dict[str, str]:
+@functools.cache
+def _versions() -> tuple[tuple[str, str], ...]:
     import importlib.metadata as md
 
-    out = {}
+    out = []
     for name in ("pipatch", "torch", "nnsight", "transformers"):
         try:
-            out[name] = md.version(name)
+            out.append((name, md.version(name)))
         except md.PackageNotFoundError:
-            out[name] = "?"
-    return out
+            out.append((name, "?"))
+    return tuple(out)
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of pipatch and the libraries that run it (read from disk once per process)."""
+    return dict(_versions())
 
 
 def model_meta(backend) -> dict[str, Any]:

@@ -110,8 +110,9 @@ def plan_attribute(
     k = min(verify, delta.numel())
     order = delta.abs().flatten().argsort(descending=True, stable=True)[:k].tolist()
     chosen = [(i // len(columns), i % len(columns)) for i in order]
-    # The corrupt run's cached blocks (for reuse below each patch) come from a plain capture.
-    base = backend.capture(pair.corrupt_ids, scorer, [where]) if k else clean_run
+    # The corrupt run's cached blocks (reused below each patch, by verification and by clicks on
+    # any cell) come from a plain capture: the gradient run keeps only the site values.
+    base = backend.capture(pair.corrupt_ids, scorer, [where])
     sweep = _VerifySweep(view=where.name, base=Base(pair.corrupt_ids, base), metric=scorer,
                          n_rows=adapter.n_layers, n_cols=len(columns), only=set(chosen), site=where, adapter=adapter,
                          donor=clean_run.sites[where.name], columns=cols, positions=cols)

@@ -2,7 +2,7 @@
 
 FAKE_STATE_SRC = r'''
 import numpy as np
-from pipatch._widget import PatchGrid
+from pipatch import PatchGrid
 
 def fake_state(n_layers=6, n_tokens=7, n_seeds=3, done=None, status="done"):
     rng = np.random.default_rng(0)

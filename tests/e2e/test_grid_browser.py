@@ -157,13 +157,13 @@ def test_mime_renderer_without_kernel(page, lab_server):
     import tempfile
     from pathlib import Path
 
-    from pipatch._widget import final_bundle_from_state
+    from pipatch._views import mime_bundle
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "fs.py"
         p.write_text(FAKE_STATE_SRC)
         fake_state = runpy.run_path(str(p))["fake_state"]
-    bundle = final_bundle_from_state(fake_state(n_layers=40, n_tokens=300))
+    bundle = mime_bundle(fake_state(n_layers=40, n_tokens=300))
     assert base64.b64decode(bundle["image/png"])[:4] == b"\x89PNG"
     output = {"output_type": "display_data", "data": bundle, "metadata": {}}
     nb = lab_server.write_notebook("mime_only.ipynb", [code_cell("# saved", outputs=[output])])

@@ -42,7 +42,8 @@ HOSTILE = [
 STATE_SRC = r'''
 import numpy as np
 from IPython.display import display
-from pipatch._widget import PatchGrid, final_bundle_from_state
+from pipatch import PatchGrid
+from pipatch._views import mime_bundle
 
 def checksum32(a):
     h = 0x811C9DC5
@@ -138,7 +139,7 @@ def _hostile_mime_notebook(lab_server, name: str) -> Path:
         p.write_text(STATE_SRC)
         ns = runpy.run_path(str(p))
     state = ns["hostile_state"](HOSTILE)
-    bundle = ns["final_bundle_from_state"](state, png=b"")  # PNG left out: the JSON is the subject
+    bundle = ns["mime_bundle"](state, png=b"")  # PNG left out: the JSON is the subject
     # The kernel side already replaced the lone surrogate with U+FFFD: a notebook file holding
     # a lone surrogate (JSON escape \ud800) cannot even be opened by jupyter_server
     # (UnicodeEncodeError, "Unhandled error"). The browser-side escaping of lone surrogates
@@ -315,7 +316,7 @@ for i in range(20):
           "col_labels": [f" tok{c}" for c in range(T)], "arrays": {"resid/mean": mean, "resid/raw_mean": mean},
           "rows_done": {"resid": L}, "total_rows": L, "status": "done", "n_seeds": 1}
     if not LIVE:
-        display(final_bundle_from_state(st), raw=True)
+        display(mime_bundle(st), raw=True)
     else:  # what a live run does: a widget, replaced by the saved bundle at the end
         w = PatchGrid.from_state({**st, "status": "running"})
         h = w.display()
