@@ -235,6 +235,26 @@ def test_the_cli_runs_on_the_shared_engine(vllm_model, tmp_path, capsys):
     assert torch.allclose(torch.tensor(data["grid"], dtype=torch.float32), want.grid, atol=1e-6)
 
 
+def test_the_magic_takes_backend_vllm_and_reuses_the_engine(vllm_model, model):
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "pipatch")
+    body = f"clean: {EIFFEL}\ncorrupt: {COLOSSEUM}\n"
+    ip.run_cell_magic("patch", '--backend vllm --answer " Paris" --foil " Rome" --positions -1 -o via_magic', body)
+    r = ip.user_ns["via_magic"]
+    assert r.status == "done" and r.meta["backend"] == "vllm"
+    assert sum(1 for key in _SHARED if key[-1] == "vllm") == 1
+    assert torch.equal(r.raw["resid"], pipatch.patch(vllm_model, **PAIR, positions=[-1]).raw["resid"])
+    ip.user_ns["tm"] = model
+    with pytest.raises(UsageError, match="runs on the transformers backend, not vllm") as error:
+        ip.run_cell_magic("patch", '--backend vllm --model tm --answer " Paris" --foil " Rome"', body)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UsageError, match="invalid choice: 'vlm'"):
+        ip.run_cell_magic("patch", '--backend vlm --answer " Paris" --foil " Rome"', body)
+
+
 def test_bad_backend_choices_are_one_line():
     with pytest.raises(PipatchError, match="unknown backend 'vlm': use transformers or vllm"):
         pipatch.load_model(backend="vlm")
