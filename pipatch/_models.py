@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Adapter", "adapter_for", "load_model", "PipatchError", "default_cache_dir"]
+__all__ = ["Adapter", "adapter_for", "load_model", "PipatchError", "default_cache_dir", "BACKENDS"]
 
 
 class PipatchError(ValueError):
@@ -142,8 +142,18 @@ def _resolve_device(device: Any) -> torch.device:
     return resolved
 
 
-def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None):
-    """Load a causal language model as an nnsight ``TransformersModel``.
+BACKENDS = ("transformers", "vllm")
+
+
+def _check_backend(backend: Any) -> str:
+    if backend not in BACKENDS:
+        raise PipatchError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
+    return backend
+
+
+def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
+               backend: str = "transformers", engine_args: dict[str, Any] | None = None):
+    """Load a causal language model as an nnsight ``TransformersModel`` (or ``VLLM``).
 
     Parameters
     ----------
@@ -157,15 +167,24 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...; default: ``"cuda"`` when torch sees a GPU,
         else ``"cpu"``. Inputs, noise and patched values follow the model's device; results
         always come back to the CPU.
+    backend
+        ``"transformers"`` (default): the model in this process through transformers.
+        ``"vllm"``: nnsight's ``VLLM``, a vLLM engine in this process (``pip install
+        'pipatch[vllm]'``; on the CPU through :mod:`pipatch._vllm_cpu_worker`).
+        Every experiment but attribution (vLLM computes no gradients) runs on either, with
+        the same results.
+    engine_args
+        ``backend="vllm"`` only: extra ``vllm.LLM`` arguments, over pipatch's defaults
+        (``max_model_len=2048``, ``kv_cache_memory_bytes=1 GiB``).
 
     Returns
     -------
-    nnsight.modeling.transformers.TransformersModel
+    nnsight.modeling.transformers.TransformersModel or nnsight.modeling.vllm.VLLM
         Dispatched and ready; ``model.tokenizer`` is its tokenizer.
     """
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    _check_backend(backend)
+    if engine_args is not None and backend != "vllm":
+        raise PipatchError("engine_args are vLLM engine arguments: pass them with backend='vllm'")
     torch_dtype = _resolve_dtype(dtype)
     device = _resolve_device(device)  # before the load: a bad device costs no seconds
     if name is None:
@@ -174,6 +193,12 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         path, label = str(name), str(name)
         if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
             raise PipatchError(f"model folder {path!r} does not exist: pass an existing folder or a hub id")
+    if backend == "vllm":
+        return _load_vllm(path, label, torch_dtype, device, engine_args or {})
+
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     def load(**kwargs):
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         with no_progress_bar():  # a "Loading weights" bar for a load of seconds is noise in a cell
@@ -207,15 +232,62 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
 _SHARED: dict[tuple, Any] = {}
 
 
-def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None):
-    """:func:`load_model`, but each (name, dtype, device) is loaded once per process.
+def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None,
+                 backend: str = "transformers"):
+    """:func:`load_model`, but each (name, dtype, device, backend) is loaded once per process.
 
-    The magics and the CLI use this so a notebook kernel loads the embedded model once.
+    The magics and the CLI use this so a notebook kernel loads the embedded model once (and
+    starts at most one vLLM engine per model).
     """
-    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), str(_resolve_device(device)))
+    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), str(_resolve_device(device)),
+           _check_backend(backend))
     if key not in _SHARED:
-        _SHARED[key] = load_model(name, dtype=dtype, device=device)
+        _SHARED[key] = load_model(name, dtype=dtype, device=device, backend=backend)
     return _SHARED[key]
+
+
+#: vLLM engine arguments pipatch sets unless the caller gives its own. A prompt pipatch runs is
+#: short; a 1 GiB KV cache holds ~28k tokens of Gemma 3 270M in float32, and an explicit size
+#: keeps vLLM from reserving 90 % of the machine's memory (CPU) or GPU.
+VLLM_DEFAULTS: dict[str, Any] = {"max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
+
+
+def _load_vllm(path: str, label: str, torch_dtype: torch.dtype, device: torch.device, engine_args: dict) -> Any:
+    """nnsight's ``VLLM`` over an in-process engine: CPU through pipatch's worker adapter."""
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise PipatchError(f"backend='vllm' runs on the GPUs CUDA_VISIBLE_DEVICES shows, from the first: "
+                           f"set CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', not {str(device)!r}")
+    # In-process engine: Kernel ▸ Interrupt reaches no engine subprocess (which would die and
+    # leave later traces hanging), and the model lives in this process's memory only.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from nnsight.modeling.vllm import VLLM
+
+        if device.type == "cpu":
+            from . import _vllm_cpu_worker as cpu_worker
+    except ImportError as error:
+        raise PipatchError(f"backend='vllm' needs vLLM ({error.name or error}): pip install 'pipatch[vllm]' "
+                           "(on a CUDA machine: pip install vllm), or use backend='transformers'") from None
+    if Path(path).expanduser().is_dir():
+        path = str(Path(path).expanduser())
+    args = {**VLLM_DEFAULTS, "dtype": str(torch_dtype).replace("torch.", ""), **engine_args}
+    previous = VLLM._WORKER_CLS
+    rng = torch.random.get_rng_state()  # the engine seeds torch's global generator; give it back
+    try:
+        if device.type == "cpu":
+            VLLM._WORKER_CLS = cpu_worker.WORKER_CLS
+        model = VLLM(path, dispatch=True, **args)
+    except PipatchError:
+        raise
+    except Exception as error:  # noqa: BLE001 - one line naming the cause
+        text = str(error).strip().splitlines()
+        raise PipatchError(f"cannot start vLLM for {label!r}: {text[0][:200] if text else type(error).__name__}"
+                           ) from error
+    finally:
+        VLLM._WORKER_CLS = previous
+        torch.random.set_rng_state(rng)
+    model._pipatch_name = label
+    return model
 
 
 def _hub_reachable(name: str, timeout: float = 3.0) -> bool:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._engine import EngineError
-from ._models import PipatchError
+from ._models import BACKENDS, PipatchError
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
 
 
@@ -54,6 +54,8 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:1, ... (default: cuda when torch sees a GPU, else cpu)")
     common.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    common.add_argument("--backend", default="transformers", choices=BACKENDS,
+                        help="what runs the model: transformers (default) or vllm (pip install 'pipatch[vllm]')")
     common.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")
     common.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
     # dest is not "save": nnsight gives every object a .save() that would shadow it.
@@ -135,7 +137,7 @@ def _run(entry: Experiment, args: argparse.Namespace) -> int:
     # Everything that can be checked without the model is checked before loading it.
     prompts = entry.prompts.collect({field: getattr(args, field) for field in entry.prompts.fields})
     keywords = entry.keywords(given_options(args, entry), prompts)
-    model = shared_model(args.model, dtype=args.dtype, device=args.device)
+    model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
     plan = entry.plan(model, **keywords)
     result = plan.run(on_row=_Progress(plan.total_rows, not args.quiet))
     for view in result.views:

@@ -18,8 +18,9 @@ engine, the protocols and the result never touch the model; they hand a backend 
 ``decode(ids)``                        token ids → text
 =====================================  ======================================================
 
-A new way of running models (vLLM, a server) is one module here with those members, and a
-line in :func:`backend_for`.
+A new way of running models (a server, say) is one module here with those members, and a
+line in :func:`backend_for`. Today: :mod:`.transformers` (the default) and :mod:`.vllm`
+(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._vllm_cpu_worker`).
 """
 
 from __future__ import annotations
@@ -30,17 +31,24 @@ __all__ = ["backend_for"]
 
 
 def backend_for(model: Any) -> Any:
-    """The backend that runs ``model``: a backend as is; an nnsight model (built by pipatch or
-    by the caller, lazily dispatched or not) or a plain transformers model → the transformers
-    backend, cached on the model so every call shares one."""
+    """The backend that runs ``model``: a backend as is; nnsight's ``VLLM`` → the vLLM backend;
+    any other nnsight model (built by pipatch or by the caller, lazily dispatched or not) or a
+    plain transformers model → the transformers backend. Cached on the model so every call
+    shares one."""
     if hasattr(model, "capture") and hasattr(model, "run") and hasattr(model, "adapter"):
         return model
-    from .transformers import TransformersBackend
+    from .vllm import VLLMBackend, is_vllm_model
 
+    if is_vllm_model(model):
+        kind: type = VLLMBackend
+    else:
+        from .transformers import TransformersBackend
+
+        kind = TransformersBackend
     cached = getattr(model, "_pipatch_backend", None)
-    if isinstance(cached, TransformersBackend):
+    if isinstance(cached, kind):
         return cached
-    backend = TransformersBackend(model)
+    backend = kind(model)
     try:
         model._pipatch_backend = backend
     except Exception:  # noqa: BLE001 - caching is an optimisation only

@@ -1,0 +1,362 @@
+"""The vLLM backend: nnsight's ``VLLM`` model, an in-process vLLM engine.
+
+Same cells, same numbers, another runtime. Each cell is an nnsight *invoke*, and under vLLM
+an invoke is one *request*: a batch of cells is one ``model.trace()`` whose requests vLLM's
+scheduler packs into as few forward steps as fit. What differs from the transformers backend,
+and is handled here and nowhere else:
+
+* **Shapes.** vLLM packs every request's tokens into one flat buffer; inside an invoke a
+  module's value is that request's rows, ``[T, width]``, with no batch dimension. pipatch's
+  site values are ``[1, T, width]``: the backend reads and writes through ``value.unsqueeze(0)``
+  (a view), so an op's index (``(slice(None), position)``, ...) means the same on both.
+* **The residual stream.** A vLLM decoder layer returns ``(hidden, residual)``, and the stream
+  after the block is their sum (the next layer's fused add-norm adds them). Reading ``resid``
+  reads the sum; writing it writes the value into ``residual`` and zeros into ``hidden`` at the
+  written positions, so the sum is the written value exactly.
+* **Embeddings.** Some vLLM models scale the embedding *after* the embedding module (Gemma:
+  ``× √d``), where transformers scales inside it. Causal tracing's noise goes where block 0
+  reads its input, which is the embedding output as transformers defines it; σ is measured at
+  the same place, so the same seeds give the same corrupted runs on both backends.
+* **No values across invokes.** Each invoke is its own request, so a donor is never read from
+  another invoke: every cell's donor values and noise draw are tensors shipped with its
+  request (they are small: a position's or a head's slice). Saved values come back one per
+  invoke; a name saved in several invokes comes back as a list.
+* **No shortcuts needed.** vLLM computes logits at the last position only, so the "unembed one
+  position" shortcut is built in; blocks below a patch are recomputed rather than skipped
+  (``fast`` is accepted and changes nothing), and the metric is read off ``model.logits``.
+* **No gradients.** vLLM runs inference only: attribution is refused in one line.
+* **Interrupts.** Kernel ▸ Interrupt can land while the engine still holds this trace's
+  requests; they are aborted before the ``KeyboardInterrupt`` propagates, so the engine is idle
+  and the next sweep in the same kernel runs normally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._cells import Base, Capture, Cell, Metric
+from .._models import Adapter, PipatchError, adapter_for, dispatched, first
+from .._sites import RESID, Site
+
+__all__ = ["VLLMBackend", "is_vllm_model"]
+
+#: Every pipatch run is one prefill and one greedy step; nothing is generated.
+_SAMPLING = {"temperature": 0.0, "max_tokens": 1}
+
+
+def is_vllm_model(model: Any) -> bool:
+    """Whether ``model`` is nnsight's ``VLLM`` (checked without importing vLLM)."""
+    return any(cls.__module__.startswith("nnsight.modeling.vllm") and cls.__name__ == "VLLM"
+               for cls in type(model).__mro__)
+
+
+class VLLMBackend:
+    """Runs cells on an nnsight ``VLLM`` model (vLLM engine in this process)."""
+
+    kind = "vllm"
+
+    def __init__(self, model: Any):
+        self.model = dispatched(model)
+        if getattr(self.model, "vllm_entrypoint", None) is None:
+            raise PipatchError("this VLLM model has no engine (built without dispatch, or an nnsight-serve client): "
+                               "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
+        self.adapter = _vllm_adapter(self.model)
+        self._quiet_progress()
+
+    # -- what the model is ------------------------------------------------------------------
+    @property
+    def _engine(self) -> Any:
+        return self.model.vllm_entrypoint.llm_engine
+
+    @property
+    def _model_config(self) -> Any:
+        return self._engine.model_config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        """Where pipatch puts inputs, noise and donors: the CPU (the engine moves each request)."""
+        return torch.device("cpu")
+
+    @property
+    def engine_device(self) -> str:
+        return str(getattr(self._engine.vllm_config.device_config, "device_type", "") or "cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._model_config.dtype
+
+    @property
+    def name(self) -> str:
+        return getattr(self.model, "_pipatch_name", None) or str(self._model_config.model)
+
+    @property
+    def context_length(self) -> int | None:
+        return int(self._model_config.max_model_len)
+
+    def meta(self) -> dict[str, Any]:
+        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": self.engine_device}
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.decode([int(i)]) for i in ids]
+
+    # -- runs -------------------------------------------------------------------------------
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        metric: Metric,
+        sites: Sequence[Site] = (),
+        *,
+        noise: torch.Tensor | None = None,
+        noise_positions: list[int] | None = None,
+    ) -> Capture:
+        """Run ``input_ids`` ([1, T]) once per noise draw, keeping every block output and site.
+
+        Same contract as :meth:`TransformersBackend.capture`: ``noise`` [n, P, d] is added at
+        ``noise_positions`` of block 0's input, one draw per invoke.
+        """
+        import nnsight
+
+        model, adapter = self.model, self.adapter
+        ids = _token_list(input_ids)
+        keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
+        draws = [None] if noise is None else [noise[i].detach().cpu() for i in range(noise.shape[0])]
+        positions = list(noise_positions or [])
+        with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
+            for draw in draws:
+                with tracer.invoke(ids):
+                    run = nnsight.save(_capture_run(model, adapter, metric, keep, draw, positions))
+        runs = _per_invoke(run, len(draws))
+        layers = range(adapter.n_layers)
+        resid = [torch.cat([r[0][layer] for r in runs]) for layer in layers]
+        values = {s.name: [torch.cat([r[1][s.name][layer] for r in runs]) for layer in layers] for s in keep}
+        values[RESID.name] = resid
+        return Capture(blocks=resid, sites=values, metric=torch.cat([r[2] for r in runs]),
+                       embedded=torch.cat([r[4] for r in runs]), prob=torch.cat([r[3] for r in runs]))
+
+    def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
+            full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Run ``cells`` on ``base`` as invokes (requests) of one trace.
+
+        Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
+        last position's logits per cell ([len(cells), vocab]) — and, per cell, the values its
+        recording ops read (in op order). ``fast`` changes nothing here (see the module
+        docstring): every cell runs its whole forward.
+        """
+        import nnsight
+
+        model, adapter = self.model, self.adapter
+        ids = _token_list(base.input_ids)
+        positions = list(base.noise_positions or [])
+        jobs = []
+        for cell in cells:
+            draw = None if base.noise is None else base.noise[cell.seed].detach().cpu()
+            ops = [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu())
+                   for op in cell.sorted_ops()]
+            jobs.append((draw, ops))
+        with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
+            for draw, ops in jobs:
+                with tracer.invoke(ids):
+                    out = nnsight.save(_patched_run(model, adapter, metric, draw, positions, ops, full_logits))
+        outs = _per_invoke(out, len(jobs))
+        stacked = torch.cat([o[0] for o in outs]) if outs else torch.zeros(0)
+        return stacked.float(), [o[1] for o in outs]
+
+    def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
+        """Logits from the unembedding's input (final-normed states), [batch, d] → [batch, vocab or
+        len(token_ids)], computed by the engine's own ``compute_logits`` (soft-capping included)."""
+        rows = self.model.vllm_entrypoint.collective_rpc(_compute_logits, args=(hidden.detach().cpu(),))
+        out = rows[0].float()
+        return out if token_ids is None else out[:, token_ids]
+
+    def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
+        raise PipatchError("attribution needs gradients, which vLLM does not compute: load the model with "
+                           "backend='transformers' (the default) for attribute")
+
+    # -- the engine ---------------------------------------------------------------------------
+    def _quiet_progress(self) -> None:
+        """vLLM draws two tqdm bars per ``generate``; in a notebook each is a widget per batch."""
+        llm = self.model.vllm_entrypoint
+        if getattr(llm, "_pipatch_quiet", False):
+            return
+        import functools
+
+        llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=False)
+        llm._pipatch_quiet = True
+
+    @contextlib.contextmanager
+    def _requests_aborted_on_interrupt(self):
+        """On any exception (Kernel ▸ Interrupt above all) abort the engine's unfinished requests.
+
+        ``LLM.generate`` steps the engine until its requests finish; an interrupt between steps
+        leaves them queued, and the next trace would run (and be handed the outputs of) them.
+        """
+        try:
+            yield
+        except BaseException:
+            self.abort_unfinished()
+            raise
+
+    def abort_unfinished(self) -> int:
+        """Abort every request the engine still holds; returns how many there were."""
+        engine = self._engine
+        try:
+            pending = list(engine.output_processor.request_states)  # internal request ids
+        except AttributeError:  # a vLLM without this attribute: nothing we can name
+            return 0
+        if pending:
+            engine.abort_request(pending, internal=True)
+            # Step the (now idle) engine so the scheduler tells the worker which requests
+            # ended and nnsight's runner drops what it held for them; bounded, never a hang.
+            with contextlib.suppress(Exception):
+                for _ in range(8):
+                    if not engine.has_unfinished_requests():
+                        break
+                    engine.step()
+        return len(pending)
+
+
+# --------------------------------------------------------------------------------------------
+# What runs inside an invoke (in the engine's worker): module-level functions, shipped by
+# reference, taking the model and small per-cell data. Values are [T, width] there.
+# --------------------------------------------------------------------------------------------
+
+
+def _block_input(adapter: Adapter, model: Any) -> torch.Tensor:
+    """Block 0's hidden-state input, [T, d]: the (scaled) embeddings every block builds on."""
+    args, kwargs = adapter.block(model, 0).inputs
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.dim() == 2:
+            return arg
+    raise RuntimeError("pipatch: found no hidden-state input to block 0 of this vLLM model")
+
+
+def _add_noise(embedded: torch.Tensor, positions: list[int], draw: torch.Tensor) -> None:
+    embedded[positions] += draw.to(embedded.device, embedded.dtype)
+
+
+def _stream(adapter: Adapter, model: Any, layer: int) -> Any:
+    """Block ``layer``'s output: ``(hidden, residual)`` under vLLM, whose sum is the stream."""
+    return adapter.block(model, layer).output
+
+
+def _resid(out: Any) -> torch.Tensor:
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+        return out[0] + out[1]
+    return first(out)
+
+
+def _site_tensor(site: Site, adapter: Adapter, model: Any, layer: int) -> Any:
+    """The site's live value at ``layer`` ([T, width]), or the block's ``(hidden, residual)``."""
+    if site.where == "block":
+        return _stream(adapter, model, layer)
+    module = site.module(adapter, model, layer)
+    return module.input if site.where == "out_proj" else first(module.output)
+
+
+def _read(value: Any, index: tuple) -> torch.Tensor:
+    if isinstance(value, tuple):
+        value = _resid(value)
+    return value.unsqueeze(0)[index].clone().cpu()
+
+
+def _write(value: Any, index: tuple, new: torch.Tensor) -> None:
+    if isinstance(value, tuple):
+        hidden, residual = value
+        residual.unsqueeze(0)[index] = new.to(residual.device, residual.dtype)
+        hidden.unsqueeze(0)[index] = 0
+        return
+    value.unsqueeze(0)[index] = new.to(value.device, value.dtype)
+
+
+def _metric_or_logits(model: Any, metric: Metric, full_logits: bool) -> torch.Tensor:
+    logits = model.logits  # [1, vocab]: the request's last position
+    return logits.float().cpu() if full_logits else metric.from_logits(logits).cpu()
+
+
+def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site],
+                 draw: torch.Tensor | None, positions: list[int]) -> tuple:
+    embedded = _block_input(adapter, model)
+    if draw is not None:
+        _add_noise(embedded, positions, draw)
+    embedded_copy = embedded.unsqueeze(0).clone().cpu()
+    blocks = []
+    values = {s.name: [] for s in keep}
+    for layer in range(adapter.n_layers):
+        for s in keep:
+            values[s.name].append(_read(_site_tensor(s, adapter, model, layer), (slice(None),)))
+        blocks.append(_resid(_stream(adapter, model, layer)).unsqueeze(0).clone().cpu())
+    logits = model.logits.float()
+    return (blocks, values, metric.from_logits(logits).cpu(), logits.softmax(-1)[:, metric.answer].cpu(),
+            embedded_copy)
+
+
+def _patched_run(model: Any, adapter: Adapter, metric: Metric, draw: torch.Tensor | None,
+                 positions: list[int], ops: list[tuple], full_logits: bool) -> tuple:
+    if draw is not None:
+        _add_noise(_block_input(adapter, model), positions, draw)
+    values: dict[tuple[str, int], Any] = {}
+    reads = []
+    for site, layer, index, value in ops:  # sorted in forward order by the caller
+        key = (site.name, layer)
+        if key not in values:
+            values[key] = _site_tensor(site, adapter, model, layer)
+        if value is None:
+            reads.append(_read(values[key], index))
+        else:
+            _write(values[key], index, value)
+    return _metric_or_logits(model, metric, full_logits), reads
+
+
+def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Run on the engine's worker (``collective_rpc``): the model's own logits of ``hidden``."""
+    runner = worker.model_runner
+    module = runner.get_model()
+    param = next(module.parameters())
+    with torch.no_grad():
+        return module.compute_logits(hidden.to(param.device, param.dtype)).float().cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers on the client side
+# --------------------------------------------------------------------------------------------
+
+
+def _token_list(input_ids: torch.Tensor) -> list[int]:
+    """[1, T] ids → the token list one vLLM request takes (no re-tokenization, no BOS added)."""
+    return [int(i) for i in input_ids.reshape(-1).tolist()]
+
+
+def _per_invoke(saved: Any, n: int) -> list:
+    """nnsight hands back a name saved in ``n`` invokes as a list of ``n``, but a single one as is."""
+    if n == 1:
+        return [saved]
+    if not isinstance(saved, list) or len(saved) != n:
+        raise RuntimeError(f"pipatch: expected {n} values back from the vLLM engine, got "
+                           f"{len(saved) if isinstance(saved, list) else 1}")
+    return saved
+
+
+def _vllm_adapter(model: Any) -> Adapter:
+    """The family adapter over vLLM's module tree.
+
+    vLLM keeps transformers' module names for most families (``model.layers``, ``self_attn``,
+    ``mlp``, ``o_proj``), so the transformers adapter's lookup finds them; what differs is the
+    query/key/value projection: vLLM fuses it into ``qkv_proj``, always laid out
+    ``[q × n_heads | k × n_kv | v × n_kv]`` (``QKVParallelLinear``).
+    """
+    adapter = adapter_for(model)
+    if adapter.qkv == ("qkv_proj",):
+        adapter = dataclasses.replace(adapter, qkv_layout="stacked")
+    return dataclasses.replace(adapter, last_logits_only=False)

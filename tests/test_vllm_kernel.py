@@ -1,0 +1,132 @@
+"""The vLLM backend in a real Jupyter kernel: ``%%patch --backend vllm``, Kernel ▸ Interrupt.
+
+A kernel of this Python is started with jupyter_client (as JupyterLab starts one); the test
+sends cells and reads the kernel's messages. The second sweep is interrupted the way Kernel ▸
+Interrupt does it (``KernelManager.interrupt_kernel``: SIGINT to the kernel process) once the
+live grid has drawn two rows. Then: the partial result is bound, the engine (in the kernel's
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) holds no request, and a third sweep in the same
+kernel finishes with the numbers of the first, on the same engine.
+
+The kernel starts its own vLLM engine (about 5 GB): run this module in a pytest process of its
+own, not after ``test_vllm.py`` (``make test-vllm`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM backend needs pip install 'pipatch[vllm]' (make install-vllm)")
+jupyter_client = pytest.importorskip("jupyter_client")
+
+from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PAIR_BODY = f"clean: {EIFFEL}\ncorrupt: {COLOSSEUM}"
+FLAGS = '--backend vllm --answer " Paris" --foil " Rome"'
+
+
+class Kernel:
+    """One kernel of this interpreter and a client; ``run`` executes a cell and collects its output."""
+
+    def __init__(self, cwd: str):
+        self.manager = jupyter_client.KernelManager(kernel_name="python3")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # pipatch must choose in-process itself
+        self.manager.start_kernel(cwd=cwd, env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+
+    def send(self, code: str) -> str:
+        return self.client.execute(code, store_history=True)
+
+    def collect(self, msg_id: str, timeout: float, on_message=None) -> dict:
+        """Read iopub until the cell is idle; returns its stdout, stderr, error and message types."""
+        out = {"stdout": "", "stderr": "", "error": None, "types": []}
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell still running after {timeout:.0f} s; got {out}")
+            msg = self.client.get_iopub_msg(timeout=left)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            out["types"].append(kind)
+            if kind == "stream":
+                out[content["name"]] += content["text"]
+            elif kind == "error":
+                out["error"] = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status" and content["execution_state"] == "idle":
+                return out
+            if on_message is not None:
+                on_message(msg)
+
+    def run(self, code: str, timeout: float = 600) -> dict:
+        return self.collect(self.send(code), timeout)
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = Kernel(str(tmp_path_factory.mktemp("kernel")))
+    yield k
+    k.close()
+
+
+def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
+    setup = kernel.run(f"import sys; assert sys.prefix == {sys.prefix!r}\n%load_ext pipatch")
+    assert setup["error"] is None, setup
+
+    # 1. The engine starts on the first cell and runs a small sweep.
+    first = kernel.run(f"%%patch {FLAGS} --positions -1 -o small\n{PAIR_BODY}", timeout=900)
+    assert first["error"] is None, first
+    check = kernel.run("import pipatch._models as m\n"
+                       "engine = [v for k, v in m._SHARED.items() if k[-1] == 'vllm']\n"
+                       "print(small.status, small.meta['backend'], len(engine))")
+    assert check["stdout"].split() == ["done", "vllm", "1"], check
+
+    # 2. A full grid, interrupted once the live grid has drawn two rows.
+    seen = {"rows": 0, "interrupted": False}
+
+    def interrupt_after_two_rows(msg):
+        if msg["msg_type"] != "comm_msg":
+            return
+        state = (msg["content"].get("data") or {}).get("state") or {}
+        seen["rows"] = max(seen["rows"], int((state.get("rows_done") or {}).get("resid", 0)))
+        if seen["rows"] >= 2 and not seen["interrupted"]:
+            seen["interrupted"] = True
+            kernel.manager.interrupt_kernel()
+
+    started = time.monotonic()
+    swept = kernel.collect(kernel.send(f"%%patch {FLAGS} --site resid -o big\n{PAIR_BODY}"), 600,
+                           interrupt_after_two_rows)
+    assert seen["interrupted"], f"the sweep ended before it could be interrupted: {swept}"
+    assert swept["error"] is None, swept  # the magic ends the cell normally, with the partial grid
+    assert "interrupted" in swept["stderr"] and "bound to big" in swept["stderr"], swept
+    print(f"interrupted after {time.monotonic() - started:.1f} s")
+    partial = kernel.run("import torch\n"
+                         "done = big.rows_done['resid']\n"
+                         "engine = m._SHARED[[k for k in m._SHARED if k[-1] == 'vllm'][0]]\n"
+                         "print(big.status, done, int(torch.isfinite(big.raw['resid'][0, :done]).all()),\n"
+                         "      int(engine.vllm_entrypoint.llm_engine.has_unfinished_requests()))")
+    status, done, finite, busy = partial["stdout"].split()
+    assert status == "interrupted" and 0 < int(done) < 18 and finite == "1" and busy == "0", partial
+
+    # 3. The same kernel, the same engine: the next sweep finishes, with the first sweep's numbers.
+    again = kernel.run(f"%%patch {FLAGS} --positions -1 -o again\n{PAIR_BODY}", timeout=600)
+    assert again["error"] is None, again
+    same = kernel.run("print(again.status, len([k for k in m._SHARED if k[-1] == 'vllm']),\n"
+                      "      m._SHARED[[k for k in m._SHARED if k[-1] == 'vllm'][0]] is engine,\n"
+                      "      bool(torch.equal(again.raw['resid'], small.raw['resid'])),\n"
+                      "      bool(torch.allclose(big.raw['resid'][0, :done, -1], small.raw['resid'][0, :done, 0],"
+                      " atol=1e-4)))")
+    assert same["stdout"].split() == ["done", "1", "True", "True", "True"], same
