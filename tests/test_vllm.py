@@ -14,6 +14,7 @@ settings, and its memory is not all returned when it shuts down), and apart from
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -40,7 +41,8 @@ SUBJECT_AND_LAST = [2, 3, 4, -1]  # " Eiffel", " Tower" (subject), " is", " of"
 def vllm_model():
     """The embedded model on an in-process vLLM engine, shut down after the module."""
     started = time.perf_counter()
-    model = shared_model(device="cpu", backend="vllm")
+    # bench/device_check.sh sets PIPATCH_TEST_DEVICE=cuda: stock vLLM on the GPU, same checks.
+    model = shared_model(device=os.environ.get("PIPATCH_TEST_DEVICE", "cpu"), backend="vllm")
     print(f"vLLM engine started in {time.perf_counter() - started:.1f} s")
     yield model
     for key in [k for k, v in _SHARED.items() if v is model]:
