@@ -168,6 +168,7 @@ function asNumber(x: unknown, d: number): number {
 const DEFAULTS: Partial<Record<keyof GridState, unknown>> = {
   col_axis: 'token',
   n_seeds: 1,
+  seed_noun: 'seeds',
   status: 'done',
   eta: -1,
 };
@@ -245,6 +246,12 @@ export function arrayProblems(state: GridState, raw: Record<string, unknown> = {
     }
   }
   return problems;
+}
+
+/** The name of entry `seed` of the seed axis (-1: the mean over it), as every view shows it. */
+export function seedLabel(state: GridState, seed: number): string {
+  if (seed < 0) return state.n_seeds > 1 ? `mean of ${state.n_seeds} ${state.seed_noun}` : 'mean';
+  return state.seed_labels[seed] || `seed ${seed}`;
 }
 
 /** Read a raw state (traits or a saved document) through `STATE_SCHEMA`. Never throws on bad arrays. */

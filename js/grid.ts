@@ -7,7 +7,7 @@
  */
 
 import type { GridState, Mode, Selection, UiState } from './data';
-import { gridShape, matrixFor, selectMatrix } from './data';
+import { gridShape, matrixFor, seedLabel, selectMatrix } from './data';
 import {
   NAN_RGB,
   buildCsv,
@@ -260,12 +260,12 @@ export class GridView {
   }
 
   private renderControls(s: GridState): void {
-    const key = JSON.stringify([s.views, s.n_seeds]);
+    const key = JSON.stringify([s.views, s.n_seeds, s.seed_noun, s.seed_labels]);
     if (key !== this.controlsKey) {
       this.controlsKey = key;
       this.viewSel.replaceChildren(...s.views.map((v) => this.option(v, v)));
-      const seeds = [this.option('-1', s.n_seeds > 1 ? `mean of ${s.n_seeds} seeds` : 'mean')];
-      for (let i = 0; i < s.n_seeds; i++) seeds.push(this.option(String(i), `seed ${i}`));
+      const seeds = [this.option('-1', seedLabel(s, -1))];
+      for (let i = 0; i < s.n_seeds; i++) seeds.push(this.option(String(i), shortLabel(seedLabel(s, i), 60)));
       this.seedSel.replaceChildren(...seeds);
     }
     this.viewSel.style.display = s.views.length > 1 ? '' : 'none';
@@ -520,7 +520,7 @@ export class GridView {
     }
     const rec = selectMatrix(s, this.ui.view, this.ui.seed, 'recovery').data;
     const raw = selectMatrix(s, this.ui.view, this.ui.seed, 'raw').data;
-    const std = this.ui.seed < 0 ? matrixFor(s, `${this.ui.view}/std`, rows, cols) : null;
+    const std = this.ui.seed < 0 && s.n_seeds > 1 ? matrixFor(s, `${this.ui.view}/std`, rows, cols) : null;
     if (rec) {
       let t = `recovery: ${formatValue(rec[i])}`;
       if (std && Number.isFinite(std[i])) t += ` ± ${formatValue(std[i])}`;
@@ -529,8 +529,7 @@ export class GridView {
     if (raw) lines.push(`raw ${s.metric || 'metric'}: ${formatValue(raw[i])}`);
     const ver = matrixFor(s, `${this.ui.view}/verified`, rows, cols);
     if (ver && ver[i]) lines.push('verified by a real patch');
-    if (this.ui.seed >= 0) lines.push(`seed ${this.ui.seed}`);
-    else if (s.n_seeds > 1) lines.push(`mean of ${s.n_seeds} seeds`);
+    if (this.ui.seed >= 0 || s.n_seeds > 1) lines.push(tooltipLabel(seedLabel(s, this.ui.seed)));
     return lines;
   }
 
@@ -606,7 +605,7 @@ export class GridView {
     ctx.font = 'bold 14px sans-serif';
     ctx.fillText(shortLabel(s.title || 'pipatch', 120), 8, 20);
     ctx.font = '11px sans-serif';
-    ctx.fillText(shortLabel(`${this.ui.view} · ${this.ui.mode} · ${this.ui.seed < 0 ? 'mean' : `seed ${this.ui.seed}`}`, 120), 8, 34);
+    ctx.fillText(shortLabel(`${this.ui.view} · ${this.ui.mode} · ${seedLabel(s, this.ui.seed)}`, 120), 8, 34);
     if (this.offscreen) {
       ctx.imageSmoothingEnabled = false;
       const done = this.rowsDone(m.rows);

@@ -2,11 +2,16 @@
  * JupyterLab MIME renderer for `application/vnd.pipatch.grid+json`: draws a saved PatchGrid
  * with the same GridView as the live widget, no kernel needed. View / seed / mode switching,
  * hover, PNG and CSV work locally; top-5 predictions need the live widget.
+ *
+ * A document with a `live_id` is the saved copy of a live grid shown just above it: it hides
+ * while that grid is live on the page, and otherwise says in one line how to get a clickable
+ * grid back (see `liveness.ts`).
  */
 import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Widget } from '@lumino/widgets';
 import { normalizeState, type UiState } from './data';
 import { GridView } from './grid';
+import { hideDeadWidgetBefore, isLive, markCopy, onLiveChange, setShown } from './liveness';
 import { MIME_TYPE, SCHEMA_VERSION } from './schema';
 
 export { MIME_TYPE };
@@ -32,9 +37,17 @@ export function documentToState(doc: unknown) {
   return { state, errors, ui: raw.ui as Partial<UiState> | undefined };
 }
 
+/** The saved copy's one line: how to get the interactive grid back. */
+export const SAVED_COPY_HINT =
+  'Saved copy: clicks (top-5) need the live grid. Run the cell again, or show PatchGrid(result) for a result computed in this kernel.';
+
 export class GridRenderer extends Widget implements IRenderMime.IRenderer {
   private grid: GridView | null = null;
   private ui: Partial<UiState> = {};
+  private liveId = '';
+  private hint: HTMLElement | null = null;
+  private unwatch: (() => void)[] = [];
+  private watchingDead = false;
 
   constructor(private options: IRenderMime.IRendererOptions) {
     super();
@@ -56,12 +69,45 @@ export class GridRenderer extends Widget implements IRenderMime.IRenderer {
       if (ui && Object.keys(this.ui).length === 0) this.ui = { ...ui };
       this.grid.setErrors(errors);
       this.grid.update(state, this.ui);
+      this.pairWithLiveGrid(state.live_id);
     } catch (e) {
       this.grid.setErrors([`cannot draw pipatch grid: ${(e as Error).message}`]);
     }
   }
 
+  /** Hide while the live grid `id` is on the page; otherwise show, with the hint line. */
+  private pairWithLiveGrid(id: string): void {
+    if (!id || id === this.liveId) return;
+    if (this.liveId) markCopy(this.liveId, false);
+    this.liveId = id;
+    markCopy(id, true);
+    if (!this.hint) {
+      this.hint = document.createElement('div');
+      this.hint.className = 'pipatch-saved-hint';
+      this.hint.textContent = SAVED_COPY_HINT;
+      this.node.prepend(this.hint);
+    }
+    this.unwatch.push(onLiveChange(id, () => this.syncShown()));
+    if (this.isAttached) this.onAfterAttach();
+  }
+
+  private syncShown(): void {
+    if (this.liveId) setShown(this.node, !isLive(this.liveId));
+  }
+
+  /** In the output area now (JupyterLab attaches a renderer after `renderModel` starts). */
+  protected onAfterAttach(): void {
+    if (!this.liveId) return;
+    this.syncShown();
+    if (!this.watchingDead) {
+      this.watchingDead = true;
+      this.unwatch.push(hideDeadWidgetBefore(this.node));
+    }
+  }
+
   dispose(): void {
+    for (const stop of this.unwatch.splice(0)) stop();
+    if (this.liveId) markCopy(this.liveId, false);
     this.grid?.destroy();
     this.grid = null;
     super.dispose();

@@ -26,6 +26,8 @@ export const STATE_SCHEMA = {
   col_axis: 'str',
   views: 'str[]',
   n_seeds: 'int',
+  seed_noun: 'str',
+  seed_labels: 'str[]',
   arrays: 'arrays',
   rows_done: '{str: int}',
   total_rows: 'int',
@@ -37,6 +39,7 @@ export const STATE_SCHEMA = {
   baselines: '{str: float?}',
   detail: 'detail',
   stoppable: 'bool',
+  live_id: 'str',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */

@@ -56,6 +56,7 @@ export const GRID_CSS = `
 }
 .pipatch-detail { margin-top: 6px; overflow-wrap: anywhere; }
 .pipatch-detail-hint { color: var(--jp-ui-font-color2, #616161); font-style: italic; }
+.pipatch-saved-hint { color: var(--jp-ui-font-color2, #616161); font-style: italic; font-size: 12px; margin-bottom: 4px; }
 .pipatch-detail-error { color: var(--jp-error-color1, #d32f2f); }
 .pipatch-top { border-collapse: collapse; margin-top: 4px; }
 .pipatch-top th, .pipatch-top td { padding: 1px 8px; text-align: left; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0); }

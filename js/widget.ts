@@ -7,6 +7,11 @@
  */
 import { normalizeState, type UiState } from './data';
 import { GridView } from './grid';
+import { hasCopy, markLive, setShown } from './liveness';
+
+/** How long a view waits for its kernel before deferring to its saved copy (ms). */
+const KERNEL_WAIT_MS = 4000;
+const PING_EVERY_MS = 500;
 import { STATE_KEYS, UI_SCHEMA } from './schema';
 
 export { STATE_KEYS };
@@ -18,8 +23,9 @@ interface AnyModel {
   get(name: string): unknown;
   set(name: string, value: unknown): void;
   save_changes(): void;
-  on(event: string, cb: () => void): void;
-  off(event?: string | null, cb?: (() => void) | null): void;
+  on(event: string, cb: (...args: unknown[]) => void): void;
+  off(event?: string | null, cb?: ((...args: unknown[]) => void) | null): void;
+  send(content: unknown): void;
 }
 
 function readUi(model: AnyModel): Partial<UiState> {
@@ -66,8 +72,41 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
   const events = [...STATE_KEYS, ...UI_KEYS].map((k) => `change:${k}`);
   for (const ev of events) model.on(ev, schedule);
   redraw();
+
+  // Live once the kernel answers: then the saved copy below (same live_id) hides. A view
+  // restored from saved widget state, with no kernel behind it, never hears back and leaves
+  // the copy showing (see liveness.ts).
+  const liveId = String(model.get('live_id') ?? '');
+  let live = false;
+  const onMsg = (content: unknown) => {
+    if (!live && (content as { type?: string } | null)?.type === 'pong') {
+      live = true;
+      setShown(el, true); // in case the deadline hid it before a late answer
+      markLive(liveId, true);
+    }
+  };
+  model.on('msg:custom', onMsg);
+  // Ping until answered: a kernel busy with the cell reads the first message of a new comm
+  // on its main channel only when the cell ends; later ones reach it on a subshell at once.
+  const ping = () => {
+    try {
+      model.send({ type: 'ping' });
+    } catch {
+      // no comm (state restored without a kernel): the deadline below decides
+    }
+  };
+  ping();
+  const pinger = setInterval(() => (live ? clearInterval(pinger) : ping()), PING_EVERY_MS);
+  const deadline = setTimeout(() => {
+    clearInterval(pinger);
+    if (!live && hasCopy(liveId)) setShown(el, false);
+  }, KERNEL_WAIT_MS);
   return () => {
+    clearInterval(pinger);
+    clearTimeout(deadline);
     for (const ev of events) model.off(ev, schedule);
+    model.off('msg:custom', onMsg);
+    if (live) markLive(liveId, false);
     grid.destroy();
   };
 }

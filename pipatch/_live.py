@@ -21,9 +21,12 @@ with the sweep. Hence:
 * **Kernel ▸ Interrupt** raises ``KeyboardInterrupt`` on the main thread; the engine ends the
   run ``"interrupted"`` with the partial grid.
 
-At the end the live widget output is replaced by the static bundle
-(:meth:`~pipatch._widget.GridWidget.display_final`): a saved notebook renders the grid
-without a kernel.
+At the end the live widget stays (clicks, switches and exports keep working) and its saved
+copy is shown after it (:meth:`~pipatch._widget.GridWidget.display_final`): a saved notebook
+renders the copy without a kernel. With no browser view watching (nbclient), the copy
+replaces the widget instead. ipywidgets holds every open widget, and a grid holds its
+result's captured activations, so only the last :data:`LIVE_GRIDS` grids a run displayed stay
+open; an older one is closed and its saved copy takes its place in the browser.
 
 Answering clicks on a finished result
 -------------------------------------
@@ -39,6 +42,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 from ._engine import EngineError, Predictor
@@ -132,17 +136,48 @@ class _Dispatcher:
     ``model_lock`` is held by whoever runs the model on behalf of the front end: a sweep for
     its whole length, or one click's answer. A click arriving while it is held is queued;
     the holder drains the queue before letting go.
+
+    A click is also queued while any cell runs (IPython's ``pre_run_cell`` / ``post_run_cell``
+    events): that cell may be using the model (a magic's baselines, a user's own
+    ``pipatch.trace``), and nnsight refuses a second trace of a model already running. The
+    main thread answers such clicks when the cell ends.
     """
 
     def __init__(self) -> None:
         self.state_lock = threading.Lock()
         self.model_lock = threading.Lock()
         self.sweeping = False
+        self.cell_running = False
+        self.hooked = False
         self.queue: list[tuple[Any, dict]] = []
+
+    def watch_cells(self) -> None:
+        """Follow the kernel's cells (once per process; nothing to follow outside IPython)."""
+        try:
+            from IPython import get_ipython
+        except ImportError:  # pragma: no cover - IPython is a dependency
+            return
+        shell = get_ipython()
+        if shell is None or self.hooked:
+            return
+        self.hooked = True
+        shell.events.register("pre_run_cell", self._cell_started)
+        shell.events.register("post_run_cell", self._cell_ended)
+
+    def _cell_started(self, *_: Any) -> None:
+        with self.state_lock:
+            self.cell_running = True
+
+    def _cell_ended(self, *_: Any) -> None:
+        with self.state_lock:
+            self.cell_running = False
+            items, self.queue = self.queue, []
+        for widget, selection in items:
+            self.submit(widget, selection)
 
     def submit(self, widget: Any, selection: dict) -> None:
         with self.state_lock:
-            if self.sweeping or not self.model_lock.acquire(blocking=False):
+            if self.sweeping or self.cell_running or not self.model_lock.acquire(blocking=False):
                 self.queue = [(w, s) for w, s in self.queue if w is not widget] + [(widget, selection)]
                 return
         self._serve((widget, selection))
@@ -190,6 +225,7 @@ def attach_result(widget: Any, result: Any, predictor: Predictor | None = None) 
     if predictor is not None:
         _remember(result, predictor)
     widget._pipatch_result = result
+    _DISPATCHER.watch_cells()
     if not getattr(widget, "_pipatch_select_hooked", False):
         widget._pipatch_select_hooked = True
         widget.on_select(lambda selection: _DISPATCHER.submit(widget, selection))
@@ -227,8 +263,8 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
     widget
         A grid widget to fill (a new :class:`PatchGrid` when ``None``).
     show
-        Display the widget now and replace it by the static bundle at the end (``None``:
-        when running under IPython).
+        Display the widget now and its saved copy at the end (``None``: when running under
+        IPython); see :meth:`~pipatch._widget.GridWidget.display_final`.
     handle
         A ``DisplayHandle`` to show the widget in (e.g. a "preparing…" line shown while the
         baselines ran) instead of a new output.
@@ -277,17 +313,27 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
         unsubscribe_stop()
     final = {**result.to_state(), **_progress(result, total_rows), "eta": -1.0, "stoppable": False}
     if show:
-        widget.display_final(handle, final)  # the bundle's PNG is drawn from the same state
-        if owned:
-            # The output now holds the static bundle; a live model left open would keep the
-            # result's captured activations for the kernel's lifetime (ipywidgets holds every
-            # open widget). ``PatchGrid(result)`` makes a clickable grid again.
-            widget.close()
+        keep = widget.has_frontend()  # someone can click: the grid stays live above its copy
+        widget.display_final(handle, final, keep=keep)
+        if keep and owned:
+            _keep_open(widget)
     else:
         widget.flush(final)
     if error is not None:
         raise error
     return result
+
+
+#: How many grids displayed by runs stay live (clickable) in one kernel; older ones close.
+LIVE_GRIDS = 16
+_OPEN: deque[GridWidget] = deque()
+
+
+def _keep_open(widget: GridWidget) -> None:
+    """Keep ``widget`` live, closing the oldest run grid beyond :data:`LIVE_GRIDS`."""
+    _OPEN.append(widget)
+    while len(_OPEN) > LIVE_GRIDS:
+        _OPEN.popleft().close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,9 +370,9 @@ class PatchGrid(GridWidget):
         ``"attribute"``, ``"path_patch"``) and ``kwargs`` are its Python function's arguments,
         e.g. ``PatchGrid.run(model, "patch", clean=..., corrupt=..., answer=" Paris")``.
         ``model`` is a loaded model or anything :func:`pipatch.load_model` takes. The grid is
-        displayed at once, fills in row by row, has a Stop button and answers clicks; at the
-        end it is replaced by the static bundle that a saved notebook shows without a kernel.
-        Show ``PatchGrid(result)`` for a clickable grid later.
+        displayed at once, fills in row by row, has a Stop button and answers clicks, and
+        stays clickable after the run; its saved copy (shown once the kernel is gone) is added
+        below it. Show ``PatchGrid(result)`` for a clickable grid later.
         """
         plan = experiment(kind).plan(model, **kwargs)
         return run_live(plan)

@@ -23,9 +23,10 @@ Each magic plans the sweep (its baselines run first, under a "loading…" line),
 :class:`~pipatch._live.PatchGrid` that fills in row by row (Stop button; a click shows the
 patched run's top-5 next tokens), and binds the :class:`~pipatch.Result` to ``-o NAME``
 (default ``_trace``, ``_patch``, ``_attribute``, ``_path_patch``) in the user namespace. When
-the run ends the live widget is replaced by the static grid (pipatch MIME + PNG + text), which
-a saved notebook shows without a kernel; the magic itself returns ``None`` so the grid is not
-shown twice. ``PatchGrid(NAME)`` shows a clickable grid again.
+the run ends the grid stays live and its saved copy (pipatch MIME + PNG + text) is added below
+it, which a saved notebook shows without a kernel (see :mod:`pipatch._widget`); the magic
+itself returns ``None`` so the grid is not shown twice. ``PatchGrid(NAME)`` shows a clickable
+grid again later.
 
 A stopped (Stop button), interrupted (Kernel ▸ Interrupt) or failed run still binds its
 partial result, whose ``status`` says which; a line on stderr says so too.

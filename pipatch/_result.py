@@ -183,7 +183,7 @@ class Result:
         shape = "×".join(str(n) for n in self.raw[self.views[0]].shape[1:])
         return (f"<pipatch.Result {self.kind} {self.status}: views {', '.join(self.views)} [{shape}], "
                 f"metric {self.metric}, clean {self.clean_value:.4g}, corrupt {float(self.corrupt.mean()):.4g}, "
-                f"{self.n_seeds} seed(s)>")
+                f"{self.n_seeds} {self._seed_axis()['seed_noun'] if self.n_seeds > 1 else 'seed'}>")
 
     def text(self, view: str | None = None, width: int = 7) -> str:
         """A text heatmap: layers as rows (layer 0 first), columns as columns, block characters
@@ -302,13 +302,24 @@ class Result:
             "title": self.title, "kind": self.kind, "model_name": str(meta.get("model", "")),
             "metric": self.metric, "row_labels": list(self.layers), "col_labels": list(self.columns),
             "col_axis": self.col_axis, "views": self.views,
-            "n_seeds": self.n_seeds, "arrays": self.arrays(live=live), "rows_done": dict(self.rows_done),
+            "n_seeds": self.n_seeds, **self._seed_axis(), "arrays": self.arrays(live=live), "rows_done": dict(self.rows_done),
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
             "baselines": {"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))},
-            "stoppable": False,
+            "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
         })
+
+    def _seed_axis(self) -> dict[str, Any]:
+        """What the seed axis holds: noise draws, or (a dataset) one entry per prompt and seed,
+        prompt-major, each named by its prompt."""
+        prompts = self.meta.get("prompts") or []
+        if not prompts:
+            return {"seed_noun": "seeds", "seed_labels": []}
+        per = self.meta.get("rows_per_prompt") or [max(1, self.n_seeds // len(prompts))] * len(prompts)
+        labels = [f"prompt {p}" + (f" · seed {s}" if n > 1 else "") + f": {text or ''}"
+                  for p, (text, n) in enumerate(zip(prompts, per)) for s in range(n)]
+        return {"seed_noun": "prompts" if max(per) == 1 else "prompt × seed runs", "seed_labels": labels}
 
     def to_mime(self) -> dict[str, Any]:
         """The ``application/vnd.pipatch.grid+json`` document: the state with base64 arrays."""

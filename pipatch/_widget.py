@@ -27,15 +27,24 @@ Front ends without subshells (classic Notebook, VS Code, Lab with the setting
 ``disabled``) queue the comm message until the cell ends; there the Interrupt button is the
 way to stop, and the engine must keep its partial grid on ``KeyboardInterrupt``.
 
-Saved notebooks
----------------
+Saved notebooks: a live grid and its saved copy
+-----------------------------------------------
 A widget output is ``application/vnd.jupyter.widget-view+json`` and the widget renderer
 (rank -10) always wins; once the kernel is gone it prints "Error displaying widget: model
-not found" and never falls back to other MIME types. So the live widget is shown with a
-``display_id`` and, when the run ends, :meth:`GridWidget.display_final` replaces that display
-with a bundle without the widget view: ``application/vnd.pipatch.grid+json`` (drawn by the
-pipatch lab extension with the same grid code, no kernel), ``image/png`` (nbconvert, GitHub,
-other front ends) and ``text/plain``.
+not found" and never falls back to other MIME types. So when a run ends the live widget
+*stays* (clicks, view / seed switches and exports keep working in this kernel) and
+:meth:`GridWidget.display_final` adds, as the next output, the saved copy: a bundle without
+the widget view, ``application/vnd.pipatch.grid+json`` (drawn by the pipatch lab extension
+with the same grid code, no kernel), ``image/png`` (nbconvert, GitHub, other front ends) and
+``text/plain``. A run that no browser view is watching (:meth:`GridWidget.has_frontend`:
+nbclient, ``nbconvert --execute``) replaces the widget output by the copy and closes the
+widget instead, so an executed notebook holds no dead widget and no copy of the JS module.
+
+The two outputs know each other by ``live_id`` (the widget's model id, a state key): in the
+browser (``js/liveness.ts``) a widget view that has heard back from its kernel marks its id
+live, and the saved copy with that id hides while it is; when the live view goes (kernel
+gone, widget closed, notebook reopened) the copy shows, says in one line how to get a
+clickable grid back, and hides the dead widget output's "model not found" line above it.
 """
 
 from __future__ import annotations
@@ -62,6 +71,10 @@ export default {
   },
 };
 """
+
+
+#: Set once any grid's browser view has pinged this kernel: a front end draws widgets here.
+_FRONTEND_SEEN = threading.Event()
 
 
 # --------------------------------------------------------------------------- widget
@@ -115,6 +128,8 @@ class GridWidget(anywidget.AnyWidget):
     col_axis = t.Unicode("token").tag(sync=True)
     views = t.List(t.Unicode()).tag(sync=True)
     n_seeds = t.Int(1).tag(sync=True)
+    seed_noun = t.Unicode("seeds").tag(sync=True)
+    seed_labels = t.List(t.Unicode()).tag(sync=True)
     arrays = t.Dict().tag(sync=True)
     rows_done = t.Dict().tag(sync=True)
     total_rows = t.Int(0).tag(sync=True)
@@ -126,6 +141,7 @@ class GridWidget(anywidget.AnyWidget):
     baselines = t.Dict().tag(sync=True)
     detail = t.Dict().tag(sync=True)
     stoppable = t.Bool(False).tag(sync=True)
+    live_id = t.Unicode("").tag(sync=True)
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)
@@ -148,6 +164,16 @@ class GridWidget(anywidget.AnyWidget):
             state = state.to_state()
         if state:
             self.update_state(state)
+        self.live_id = self.model_id  # names this widget's saved copy (see the module docstring)
+        self._pinged = False
+        self.on_msg(self._on_custom_msg)
+
+    def _on_custom_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        """A view asks whether its kernel is there (``ping``): answer, so it can say it is live."""
+        if isinstance(content, Mapping) and content.get("type") == "ping":
+            self._pinged = True
+            _FRONTEND_SEEN.set()
+            self.send({"type": "pong"})
 
     @t.observe("comm")
     def _observe_comm(self, change: dict[str, Any]) -> None:
@@ -161,8 +187,10 @@ class GridWidget(anywidget.AnyWidget):
         return cls(state, **kwargs)
 
     def update_state(self, partial: Mapping[str, Any]) -> None:
-        """Set many traits at once: one comm message for the whole update."""
+        """Set many traits at once: one comm message for the whole update. ``live_id`` is the
+        widget's own (its model id) and is never taken from a state."""
         clean = conform_state(partial)
+        clean.pop("live_id", None)
         with self._lock, self.hold_sync():
             for k, v in clean.items():
                 setattr(self, k, v)
@@ -266,25 +294,39 @@ class GridWidget(anywidget.AnyWidget):
             self.flush(state)
         return mime_bundle(self.get_state_dict(), self.ui_state(), png=png)
 
+    def has_frontend(self) -> bool:
+        """Whether a browser view can use this widget: one of its views (or any grid's view in
+        this kernel) has pinged it. Not so when nbclient / ``nbconvert --execute`` runs the
+        notebook headless, nor, in a front end without comm subshells, before the first cell
+        that showed a grid has ended."""
+        return self._pinged or _FRONTEND_SEEN.is_set()
+
     def display_final(
         self,
         handle: Any = None,
         state: Mapping[str, Any] | None = None,
         png: bytes | None = None,
+        *,
+        keep: bool = False,
     ) -> dict[str, Any]:
-        """Replace the live widget output (``handle`` or display id) by the saved bundle.
+        """Show the saved copy (the bundle) of this grid; returns the bundle.
 
-        Without a handle the bundle is displayed as a new output. Returns the bundle.
+        ``keep=True``: the widget stays live and the copy is a new output after it (in the
+        browser the copy hides while the widget's view is connected; see the module
+        docstring). Otherwise the copy *replaces* the widget's output (``handle``, a
+        ``DisplayHandle`` or display id; without one the copy is a new output) and the widget
+        closes: what a headless run (no one to click) should leave in the file.
         """
         from IPython.display import display, update_display
 
         bundle = self.final_bundle(state, png)
-        if handle is None:
+        if keep or handle is None:
             display(bundle, raw=True)
         elif isinstance(handle, str):
             update_display(bundle, raw=True, display_id=handle)
         else:
             handle.update(bundle, raw=True)
+        if not keep and handle is not None:
             # The view is gone. Blank the JS module and the arrays before closing: tools that
             # record widget state (nbclient / nbconvert --execute keeps the last state of every
             # widget, closed or not) would otherwise store a copy of the bundle per grid.

@@ -9,6 +9,7 @@ import torch
 
 import pipatch
 from pipatch._protocols.dataset import named_groups
+from pipatch._views import mime_bundle
 from tests.conftest import COLOSSEUM, EIFFEL
 
 NAMES = ["before", "first subject", "middle subject", "last subject", "first after", "further", "last"]
@@ -46,6 +47,11 @@ def test_trace_over_prompts_of_different_lengths(model):
     assert not math.isnan(float(r.grid[0, 2]))
     assert r.std().shape == (18, 7) and float(r.std()[:, -1].max()) > 0
     assert r.meta["prompts"] == prompts and r.meta["rows_per_prompt"] == [2, 2]
+    # Every view names the seed axis's entries by prompt (and seed), never "seed 3".
+    state = r.to_state()
+    assert state["seed_noun"] == "prompt × seed runs"
+    assert state["seed_labels"] == [f"prompt {p} · seed {s}: {prompts[p]}" for p in (0, 1) for s in (0, 1)]
+    assert "4 prompt × seed runs" in repr(r) and "4 prompt × seed runs" in mime_bundle(state)["text/plain"]
 
 
 def test_patch_over_pairs(model, tmp_path):
@@ -54,6 +60,11 @@ def test_patch_over_pairs(model, tmp_path):
     r = pipatch.patch(model, clean=pairs_clean, corrupt=pairs_corrupt, answer=[" Paris", " Paris"],
                       foil=[" Rome", " Rome"])
     assert r.columns[1] == "first changed" and r.n_seeds == 2
+    state = r.to_state()
+    assert state["seed_noun"] == "prompts" and state["seed_labels"] == [f"prompt 0: {EIFFEL}",
+                                                                         "prompt 1: The Louvre is in the city of"]
+    assert pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=2,
+                         scale=3.0).to_state()["seed_labels"] == []
     assert r.grid[-1, -1] == pytest.approx(1.0, abs=1e-4)
     back = pipatch.load_result(r.save(tmp_path / "pairs.safetensors"))
     assert torch.allclose(back.grid, r.grid, equal_nan=True)

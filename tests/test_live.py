@@ -139,6 +139,29 @@ def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model
     grid.close()
 
 
+def test_a_click_while_a_cell_runs_waits_for_the_cell_to_end(model, live_patch):
+    """A cell may be using the model (a magic's baselines, the user's own sweep): nnsight
+    refuses a second trace of a running model, so a click is answered when the cell ends."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from pipatch._live import _DISPATCHER
+
+    shell = InteractiveShell.instance()
+    grid = PatchGrid(live_patch["result"])  # hooks the shell's cell events
+    assert _DISPATCHER.hooked
+    selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
+    shell.events.trigger("pre_run_cell", None)
+    try:
+        _in_thread(lambda: setattr(grid, "selected", selection))
+        assert grid.detail == {}  # queued: the cell might be tracing this model right now
+        with model.trace(EIFFEL):  # ... as it may: the model is free for the cell
+            model.output.save()
+    finally:
+        shell.events.trigger("post_run_cell", None)
+    assert grid.detail["top"] == live_patch["widget"].detail["top"]  # answered at the cell's end
+    grid.close()
+
+
 def test_registry_entry_goes_with_its_result(model):
     plan = plan_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[-1])
     widget = PatchGrid()

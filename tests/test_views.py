@@ -112,7 +112,9 @@ def test_widget_traits_are_the_schema_and_the_document_is_the_state():
     assert synced == set(STATE_SCHEMA) | set(UI_SCHEMA)
     doc = w.to_mime()
     assert set(doc) == (set(STATE_SCHEMA) - {"detail"}) | set(DOCUMENT_SCHEMA)
-    assert mime_document(_hot_cold().to_state()) == {k: v for k, v in doc.items() if k != "ui"}
+    # The widget's document is the result's, plus the widget's own id (its copy's pairing).
+    assert doc["live_id"] == w.model_id != "" and _hot_cold().to_state()["live_id"] == ""
+    assert mime_document(_hot_cold().to_state()) == {k: v for k, v in doc.items() if k != "ui"} | {"live_id": ""}
 
 
 def test_one_mime_constant_and_one_version_per_language():

@@ -175,8 +175,26 @@ def test_final_bundle_survives_partial_and_empty_states():
     assert MIME_TYPE in b2
 
 
-def test_display_final_updates_the_handle():
+def test_display_final_adds_the_saved_copy_and_keeps_the_widget():
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    InteractiveShell.instance()
     w = GridWidget.from_state(fake_state())
+    with capture_output() as shown:
+        bundle = w.display_final(None, {"status": "done"}, png=b"\x89PNG\r\n\x1a\nfake", keep=True)
+    (output,) = shown.outputs
+    assert output.data == bundle and MIME_TYPE in bundle
+    assert "application/vnd.jupyter.widget-view+json" not in bundle
+    # The copy names the widget it copies; the widget is still open (its comm is there).
+    assert bundle[MIME_TYPE]["live_id"] == w.live_id == w.model_id != ""
+    assert w.comm is not None and w.status == "done"
+
+
+def test_display_final_without_keep_replaces_the_widget_output_and_closes_it():
+    """What a headless run (nbclient: no view ever pinged) leaves: the copy in the widget's place."""
+    w = GridWidget.from_state(fake_state())
+    assert not w.has_frontend() or pipatch._widget._FRONTEND_SEEN.is_set()
     calls = []
 
     class Handle:
@@ -186,6 +204,37 @@ def test_display_final_updates_the_handle():
     w.display_final(Handle(), {"status": "done"}, png=b"\x89PNG\r\n\x1a\nfake")
     ((obj, kw),) = calls
     assert kw == {"raw": True} and MIME_TYPE in obj
+    assert w.comm is None and w._esm == "" and w.arrays == {}
+
+
+def test_a_view_that_pings_hears_back():
+    """The browser view asks whether its kernel is there; the widget answers ``pong``."""
+    w = GridWidget.from_state(fake_state())
+    sent = []
+    w.send = sent.append  # record what would go to the browser
+    other = GridWidget.from_state(fake_state())
+    pipatch._widget._FRONTEND_SEEN.clear()
+    assert not w.has_frontend() and not other.has_frontend()
+    w._on_custom_msg(w, {"type": "something else"}, [])
+    w._on_custom_msg(w, "not a dict", [])
+    assert sent == [] and not w.has_frontend()
+    w._on_custom_msg(w, {"type": "ping"}, [])
+    assert sent == [{"type": "pong"}]
+    # A front end draws grids in this kernel: later grids keep their live view too.
+    assert w.has_frontend() and other.has_frontend()
+    pipatch._widget._FRONTEND_SEEN.clear()
+
+
+def test_run_grids_beyond_the_limit_are_closed_oldest_first(monkeypatch):
+    from pipatch import _live
+
+    monkeypatch.setattr(_live, "LIVE_GRIDS", 2)
+    monkeypatch.setattr(_live, "_OPEN", _live.deque())
+    grids = [GridWidget.from_state(fake_state()) for _ in range(3)]
+    for g in grids:
+        _live._keep_open(g)
+    assert grids[0].comm is None and grids[1].comm is not None and grids[2].comm is not None
+    assert list(_live._OPEN) == grids[1:]
 
 
 @pytest.mark.parametrize(

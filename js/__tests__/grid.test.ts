@@ -67,6 +67,22 @@ describe('GridView (DOM)', () => {
     expect(g.cellInfo(2, 0).join('\n')).toContain('pending');
     expect(el.querySelector('.pipatch-grid')!.getAttribute('data-rows-done')).toBe('2');
   });
+  it('names the seed axis as the state does, and shows no spread for one seed', () => {
+    const el = document.createElement('div');
+    const g = new GridView(el, {});
+    const raw = { ...sample('done'), seed_noun: 'prompts', seed_labels: ['prompt 0: The Eiffel', 'prompt 1: The Louvre'] };
+    g.update(normalizeState(raw as never), { view: 'resid', seed: -1, mode: 'recovery' });
+    const options = Array.from(el.querySelectorAll('select.pipatch-seed option')).map((o) => o.textContent);
+    expect(options).toEqual(['mean of 2 prompts', 'prompt 0: The Eiffel', 'prompt 1: The Louvre']);
+    expect(g.cellInfo(0, 1)).toContain('mean of 2 prompts');
+    g.update(normalizeState(raw as never), { view: 'resid', seed: 1, mode: 'recovery' });
+    expect(g.cellInfo(0, 1)).toContain('prompt 1: The Louvre');
+    // One seed: the std array (all zeros) is no spread to show.
+    const one = normalizeState({ ...sample('done'), n_seeds: 1 } as never);
+    g.update(one, { view: 'resid', seed: -1, mode: 'recovery' });
+    expect(g.cellInfo(0, 1).join('\n')).not.toContain('±');
+    expect(g.cellInfo(0, 1).join('\n')).not.toContain('seed');
+  });
   it('switches view through the select and reports it', () => {
     const el = document.createElement('div');
     const changes: unknown[] = [];

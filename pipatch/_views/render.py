@@ -78,7 +78,8 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
     ax.set_ylabel("layer")
     metric = str(state.get("metric") or "metric")
     what = f"raw {metric}" if mode == "raw" else f"normalized recovery ({metric})"
-    seed_text = f", seed {seed}" if seed >= 0 else ""
+    labels = state.get("seed_labels") or []
+    seed_text = "" if seed < 0 else f", {labels[seed] if seed < len(labels) else f'seed {seed}'}"
     ax.set_title(f"{tick_text(state.get('title') or 'pipatch', 110)}\n{tick_text(view, 40)}: {tick_text(what, 60)}{seed_text}",
                  fontsize=9)
     ax.figure.colorbar(image, ax=ax, label="raw metric" if mode == "raw" else "recovery", fraction=0.05, pad=0.02)

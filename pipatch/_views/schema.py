@@ -51,6 +51,8 @@ STATE_SCHEMA: dict[str, str] = {
     "col_axis": "str",
     "views": "str[]",
     "n_seeds": "int",
+    "seed_noun": "str",  # what the seed axis holds: "seeds" (noise draws) or a dataset's "prompts"
+    "seed_labels": "str[]",  # a name per entry of the seed axis ([]: "seed i")
     "arrays": "arrays",
     "rows_done": "{str: int}",
     "total_rows": "int",
@@ -62,6 +64,7 @@ STATE_SCHEMA: dict[str, str] = {
     "baselines": "{str: float?}",
     "detail": "detail",
     "stoppable": "bool",
+    "live_id": "str",  # the live widget a saved copy stands in for ("" for none)
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 

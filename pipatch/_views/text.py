@@ -102,7 +102,7 @@ def summary(state: Mapping[str, Any]) -> str:
     if numbers:
         parts.append(numbers)
     if int(state.get("n_seeds") or 0) > 1:
-        parts.append(f"{int(state['n_seeds'])} seeds")
+        parts.append(f"{int(state['n_seeds'])} {escape_label(state.get('seed_noun') or 'seeds', 40)}")
     parts.append(f"{escape_label(status, 40)}: {escape_label(message, 400)}" if message else escape_label(status, 40))
     title = escape_label(state.get("title") or "pipatch", 120)
     return clean_text(f"PatchGrid: {title} ({'; '.join(p for p in parts if p)})")

@@ -89,11 +89,24 @@ def code_cell(source: str, outputs: list[dict] | None = None) -> dict:
 
 @pytest.fixture(scope="session")
 def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    """``jupyter lab`` on a free port, serving a temporary folder."""
+    yield from _serve(tmp_path_factory, "jupyterlab")
+
+
+@pytest.fixture(scope="session")
+def notebook_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    """``jupyter notebook`` (Notebook 7) on a free port, serving a temporary folder."""
+    yield from _serve(tmp_path_factory, "notebook")
+
+
+def _serve(tmp_path_factory: pytest.TempPathFactory, app: str) -> Iterator[LabServer]:
+    """Start ``python -m <app>`` (``jupyterlab`` or ``notebook``) with the galata test settings
+    (the app object exposed as ``window.jupyterapp``), wait for it, stop it at the end."""
     if not (REPO / "pipatch" / "static" / "widget.js").exists() or not (
         REPO / "pipatch" / "labextension" / "package.json"
     ).exists():
         pytest.fail("front end not built: run `npm ci && npm run build` first", pytrace=False)
-    base = tmp_path_factory.mktemp("lab")
+    base = tmp_path_factory.mktemp(app)
     root = base / "root"
     root.mkdir()
     cfg_dir = base / "config"
@@ -110,6 +123,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         "c.LabApp.extension_manager = 'readonly'\n"
         "c.LabApp.news_url = None\n"
         "c.LabApp.check_for_updates_class = 'jupyterlab.NeverCheckForUpdate'\n"
+        "c.JupyterNotebookApp.expose_app_in_browser = True\n"
     )
     env = dict(os.environ)
     env["JUPYTER_CONFIG_DIR"] = str(cfg_dir)
@@ -125,10 +139,10 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         env["JUPYTER_PATH"] = os.pathsep.join([str(data), env.get("JUPYTER_PATH", "")]).rstrip(
             os.pathsep
         )
-    log = base / "lab.log"
+    log = base / f"{app}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", f"--config={cfg_dir / 'jupyter_server_config.py'}"],
+            [sys.executable, "-m", app, f"--config={cfg_dir / 'jupyter_server_config.py'}"],
             cwd=root,
             env=env,
             stdout=fh,
@@ -145,7 +159,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"jupyter lab did not start:\n{log.read_text()[-3000:]}", pytrace=False)
+            pytest.fail(f"{app} did not start:\n{log.read_text()[-3000:]}", pytrace=False)
         time.sleep(0.5)
     server = LabServer(url, root, proc, log)
     yield server
@@ -155,7 +169,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     except subprocess.TimeoutExpired:
         proc.kill()
     ARTIFACTS.mkdir(exist_ok=True)
-    shutil.copy(log, ARTIFACTS / "jupyter-lab.log")
+    shutil.copy(log, ARTIFACTS / f"{app}.log")
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +201,13 @@ def page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
 
     pg.on("dialog", on_dialog)
     pg.console_errors = []  # type: ignore[attr-defined]
-    pg.on("pageerror", lambda e: pg.console_errors.append(str(e)))  # type: ignore[attr-defined]
+    pg.error_stacks = []  # type: ignore[attr-defined]
+
+    def on_error(e: Any) -> None:
+        pg.console_errors.append(str(e))  # type: ignore[attr-defined]
+        pg.error_stacks.append(e.stack or str(e))  # type: ignore[attr-defined]
+
+    pg.on("pageerror", on_error)
     yield pg
     ARTIFACTS.mkdir(exist_ok=True)
     try:
@@ -201,6 +221,19 @@ def open_notebook(page: Any, server: LabServer, name: str) -> None:
     # A fresh workspace per notebook: no tab of an earlier test is restored next to it.
     ws = f"w{os.urandom(4).hex()}"
     page.goto(f"{server.url}/lab/workspaces/{ws}/tree/{name}?reset")
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=90_000)
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+    page.wait_for_function(
+        """() => {
+            const w = window.jupyterapp.shell.currentWidget;
+            return !!(w && w.sessionContext && w.sessionContext.isReady !== undefined);
+        }"""
+    )
+
+
+def open_notebook7(page: Any, server: LabServer, name: str) -> None:
+    """Open ``name`` in Notebook 7's own page (``/notebooks/<name>``)."""
+    page.goto(f"{server.url}/notebooks/{name}")
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=90_000)
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
     page.wait_for_function(
@@ -228,6 +261,21 @@ def run_command(page: Any, command: str, args: dict | None = None) -> Any:
     )
 
 
+def run_cells(page: Any, indices: Any) -> None:
+    """Queue cells for execution, in order (each waits in the kernel for the one before)."""
+    wait_kernel_idle(page, timeout=120_000)
+    page.evaluate(
+        """(indices) => {
+            const panel = window.jupyterapp.shell.currentWidget;
+            for (const i of indices) {
+                panel.content.activeCellIndex = i;
+                window.jupyterapp.commands.execute('notebook:run-cell');
+            }
+        }""",
+        list(indices),
+    )
+
+
 def run_all(page: Any) -> None:
     wait_kernel_idle(page, timeout=120_000)
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
@@ -243,6 +291,21 @@ def shot(page: Any, name: str) -> None:
 
 def grid_cell(page, index: int):
     return page.locator(".jp-NotebookPanel .jp-CodeCell").nth(index)
+
+
+_GRID = "contains(concat(' ', @class, ' '), ' pipatch-grid ')"
+_COPY = "contains(concat(' ', @class, ' '), ' pipatch-mime ')"
+
+
+def live_grid(cell, status: str | None = None):
+    """The widget's grid in a cell (not its saved copy), optionally with a given status."""
+    cond = f" and @data-status='{status}'" if status else ""
+    return cell.locator(f"xpath=.//div[{_GRID}{cond} and not(ancestor::*[{_COPY}])]").first
+
+
+def saved_copy(cell):
+    """The saved copy (``application/vnd.pipatch.grid+json`` output) of a cell's live grid."""
+    return cell.locator(".pipatch-mime").first
 
 
 def cell_point(grid, row: int, col: int) -> tuple[float, float]:

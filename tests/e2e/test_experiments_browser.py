@@ -26,6 +26,7 @@ from .conftest import (
     cell_point,
     code_cell,
     grid_cell,
+    live_grid,
     open_notebook,
     run_all,
     shot,
@@ -112,7 +113,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     run_all(page)
 
     # -- attribution: grid at once, running through the verification, then done ------------
-    attr_done = grid_cell(page, ATTR).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    attr_done = live_grid(grid_cell(page, ATTR), "done")
     attr_done.wait_for(timeout=300_000)
     shot(page, "experiments-attribute-done")
     seen = _history(page, ATTR)
@@ -131,7 +132,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     path_tokens = _click_top5(page, path_live, 0, 1)
     path_clicked_running = path_live.get_attribute("data-status") == "running"
     shot(page, "experiments-path-top5")
-    path_done = grid_cell(page, PATH).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    path_done = live_grid(grid_cell(page, PATH), "done")
     path_done.wait_for(timeout=300_000)
     assert path_done.get_attribute("data-rows-done") == path_done.get_attribute("data-rows") == "18"
 
@@ -142,7 +143,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     ds_tokens = _click_top5(page, ds_live, 0, int(ds_live.get_attribute("data-cols")) - 1)
     assert ds_live.get_attribute("data-status") == "running"
     shot(page, "experiments-dataset-top5")
-    ds_done = grid_cell(page, DATASET).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    ds_done = live_grid(grid_cell(page, DATASET), "done")
     ds_done.wait_for(timeout=300_000)
     assert ds_done.get_attribute("data-rows-done") == ds_done.get_attribute("data-rows") == "18"
     labels = [
@@ -188,6 +189,8 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     row, col = verified[0]
     assert "verified by a real patch" in _hover_text(page, again, row, col)
     attr_tokens = _click_top5(page, again, row, col)
+    # The run's own grid stays live after the run: the same click there, the same answer.
+    assert _click_top5(page, attr_done, row, col) == attr_tokens
     shot(page, "experiments-attribute-top5")
     wait_kernel_idle(page, timeout=120_000)
     assert page.locator("text=Error displaying widget").count() == 0

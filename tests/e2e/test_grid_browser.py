@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from .conftest import code_cell, open_notebook, run_all, run_command, shot, wait_kernel_idle
+from .conftest import (
+    code_cell,
+    grid_cell,
+    live_grid,
+    open_notebook,
+    run_all,
+    run_command,
+    saved_copy,
+    shot,
+    wait_kernel_idle,
+)
 from .fake_state import FAKE_STATE_SRC
 
 pytestmark = pytest.mark.e2e
@@ -116,28 +126,37 @@ def test_final_bundle_survives_save_shutdown_reload(page, lab_server):
                 "h = w.display()\n"
                 "for r in range(1, 7):\n"
                 "    w.push({'rows_done': {'resid': r, 'mlp': r}, 'elapsed': r * 0.1})\n"
-                "w.display_final(h, {'status': 'done', 'stoppable': False, 'eta': -1})\n"
+                "w.display_final(h, {'status': 'done', 'stoppable': False, 'eta': -1}, keep=True)\n"
                 "None"
             ),
         ],
     )
     open_notebook(page, lab_server, name)
     run_all(page)
-    page.wait_for_selector(f".pipatch-mime {GRID.split(' ')[-1]}[data-status='done']")
+    # The widget stays live; its saved copy is the next output, hidden while the widget lives.
+    live_grid(grid_cell(page, 1), "done").wait_for(timeout=60_000)
+    copy = saved_copy(grid_cell(page, 1))
+    copy.wait_for(state="attached", timeout=60_000)
     wait_kernel_idle(page)
+    assert not copy.is_visible()
     run_command(page, "docmanager:save")
     page.wait_for_timeout(1000)
     saved = json.loads((lab_server.root / name).read_text())
     outputs = saved["cells"][1]["outputs"]
     kinds = [sorted(o.get("data", {})) for o in outputs]
-    assert ["application/vnd.pipatch.grid+json", "image/png", "text/plain"] in kinds, kinds
-    assert not any("application/vnd.jupyter.widget-view+json" in k for k in kinds)
-    # Shut the kernel down, reload: the grid is drawn from the saved document alone.
+    assert kinds[-1] == ["application/vnd.pipatch.grid+json", "image/png", "text/plain"], kinds
+    assert any("application/vnd.jupyter.widget-view+json" in k for k in kinds[:-1]), kinds
+    # Shut the kernel down, reload: the grid is drawn from the saved document alone, with its
+    # one-line hint; the dead widget output above it says nothing.
     for k in lab_server.api("GET", "/api/kernels"):
         lab_server.api("DELETE", f"/api/kernels/{k['id']}")
     page.reload()
     page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='done']", timeout=90_000)
-    assert page.locator("text=Error displaying widget").count() == 0
+    wait_kernel_idle(page)
+    page.wait_for_timeout(2000)
+    assert saved_copy(grid_cell(page, 1)).locator(".pipatch-saved-hint").is_visible()
+    errors = page.locator("text=Error displaying widget")
+    assert all(not errors.nth(i).is_visible() for i in range(errors.count()))
     grid = page.locator(".pipatch-mime .pipatch-grid").first
     grid.locator("select.pipatch-view").select_option("mlp")
     grid.locator("select.pipatch-seed").select_option("1")

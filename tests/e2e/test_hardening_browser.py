@@ -317,10 +317,10 @@ for i in range(20):
           "rows_done": {"resid": L}, "total_rows": L, "status": "done", "n_seeds": 1}
     if not LIVE:
         display(mime_bundle(st), raw=True)
-    else:  # what a live run does: a widget, replaced by the saved bundle at the end
+    else:  # what a live run does with no browser view (nbclient): the copy replaces the widget
         w = PatchGrid.from_state({**st, "status": "running"})
         h = w.display()
-        w.display_final(h, {"status": "done"})
+        w.display_final(h, {"status": "done"}, keep=w.has_frontend())
 '''
 
 

@@ -4,13 +4,16 @@ One notebook, run top to bottom (the model loads once):
 
 1. ``%load_ext pipatch``
 2. a short ``%%trace`` (2 seeds): the grid shows rows before the run ends, hover shows a
-   value, a click during the run gets the patched run's top-5 from the kernel;
+   value, a click during the run gets the patched run's top-5 from the kernel; after the run
+   the same grid stays live (a click on another cell is answered, a view switch redraws) and
+   its saved copy below it stays hidden;
 3. a long ``%%trace`` (10 seeds, three kinds) on a prompt holding ``<img src=x onerror=...>``:
    Stop ends it ``stopped`` with the partial grid, and the token text stays text;
 4. ``PatchGrid(eiffel)``: a click on a finished result is answered too;
 
 then the notebook is saved, the kernel shut down and the page reloaded: both grids are drawn
-from the saved bundle, with no "Error displaying widget".
+from their saved copies, each with its one-line hint, with no "Error displaying widget" in
+sight (the dead widget outputs are still in the file, hidden by their copies).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from .conftest import (
     cell_point,
     code_cell,
     grid_cell,
+    live_grid,
     open_notebook,
-    run_all,
+    run_cells,
     run_command,
+    saved_copy,
     shot,
     wait_kernel_idle,
     wait_rows_streaming,
@@ -50,7 +55,7 @@ CELLS = [
 def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     name = lab_server.write_notebook("magics.ipynb", [code_cell(src) for src in CELLS])
     open_notebook(page, lab_server, name)
-    run_all(page)
+    run_cells(page, range(2))  # the rest once the first grid is done: the kernel is free for clicks
 
     # -- the short trace: rows stream in, hover, click → top-5 during the run ------------
     wait_rows_streaming(page, 1, timeout=180_000)
@@ -67,17 +72,39 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     assert top.count() == 5
     assert live.get_attribute("data-status") == "running"
     shot(page, "magic-trace-top5")
-    # At the end the live widget is replaced by the saved-notebook bundle.
-    done = grid_cell(page, 1).locator(".pipatch-mime .pipatch-grid[data-status='done']")
+    # At the end the same grid stays live; its saved copy is added below it, hidden.
+    done = live_grid(grid_cell(page, 1), "done")
     done.wait_for(timeout=240_000)
     assert done.get_attribute("data-rows-done") == done.get_attribute("data-rows") == "18"
+    copy = saved_copy(grid_cell(page, 1))
+    copy.wait_for(state="attached", timeout=60_000)
+    assert copy.locator(".pipatch-grid").get_attribute("data-status") == "done"
+    assert not copy.is_visible()
+    page.mouse.click(*cell_point(done, 15, 8))  # last position, late layer: another answer
+    # The detail pane names the clicked cell and shows the kernel's answer for it.
+    page.wait_for_function(
+        """(g) => {
+            const head = g.querySelector('.pipatch-detail-head');
+            const toks = g.querySelectorAll('table.pipatch-top .pipatch-top-token');
+            return !!head && head.textContent.includes('layer: 15 ·') && toks.length === 5;
+        }""",
+        arg=done.element_handle(), timeout=120_000)
+    assert "live kernel" not in done.locator(".pipatch-detail").text_content()
+    before = done.get_attribute("data-checksum")
+    done.locator("select.pipatch-seed").select_option("0")  # seed 0 of 2: another grid drawn
+    page.wait_for_function("([g, b]) => g.getAttribute('data-checksum') !== b",
+                           arg=[done.element_handle(), before], timeout=10_000)
+    shot(page, "magic-trace-done-still-live")
 
     # -- the long trace: Stop keeps the partial grid; tokens are text ---------------------
+    run_cells(page, range(2, 6))
     wait_rows_streaming(page, 2, timeout=180_000)
     stop = grid_cell(page, 2).locator("button.pipatch-stop")
     stop.click()
-    stopped = grid_cell(page, 2).locator(".pipatch-mime .pipatch-grid[data-status='stopped']")
+    stopped = live_grid(grid_cell(page, 2), "stopped")
     stopped.wait_for(timeout=120_000)
+    saved_copy(grid_cell(page, 2)).wait_for(state="attached", timeout=60_000)
+    assert not saved_copy(grid_cell(page, 2)).is_visible()
     status = stopped.locator(".pipatch-status").text_content()
     assert status.startswith("stopped")
     rows_done, total = map(int, re.search(r"(\d+) / (\d+) rows", status).groups())
@@ -115,13 +142,25 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
     for index in (1, 2):
         kinds = [sorted(o.get("data", {})) for o in saved["cells"][index]["outputs"]]
         assert ["application/vnd.pipatch.grid+json", "image/png", "text/plain"] in kinds, kinds
-        assert not any("application/vnd.jupyter.widget-view+json" in k for k in kinds)
+        copy_doc = next(o["data"]["application/vnd.pipatch.grid+json"] for o in saved["cells"][index]["outputs"]
+                        if "application/vnd.pipatch.grid+json" in o.get("data", {}))
+        widget = [o["data"]["application/vnd.jupyter.widget-view+json"] for o in saved["cells"][index]["outputs"]
+                  if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+        assert [w["model_id"] for w in widget] == [copy_doc["live_id"]], (widget, copy_doc["live_id"])
     for kernel in lab_server.api("GET", "/api/kernels"):
         lab_server.api("DELETE", f"/api/kernels/{kernel['id']}")
     page.reload()
     page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='stopped']", timeout=90_000)
     page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='done']")
-    assert page.locator("text=Error displaying widget").count() == 0
+    wait_kernel_idle(page)  # the new kernel is up: the widget manager has looked for the models
+    page.wait_for_timeout(2000)
+    for index in (1, 2):
+        copy = saved_copy(grid_cell(page, index))
+        assert copy.is_visible()
+        hint = copy.locator(".pipatch-saved-hint")
+        assert hint.is_visible() and "Run the cell again" in hint.text_content()
+    errors = page.locator("text=Error displaying widget")
+    assert all(not errors.nth(i).is_visible() for i in range(errors.count()))
     assert page.locator("img[src='x']").count() == 0
     shot(page, "magic-trace-reloaded")
     assert page.dialogs == []
