@@ -55,7 +55,7 @@ chromium:
 
 test: $(STAMP) chromium install-vllm
 	npm test
-	$(PY) -m pytest -q -ra -m "not vllm"
+	$(PY) -m pytest -q -ra -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py
 	$(MAKE) test-vllm
 
 # One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
@@ -65,7 +65,7 @@ test-vllm: install-vllm
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py
 
 test-py: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e and not vllm"
+	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py
 
 test-js:
 	npm test

@@ -140,7 +140,8 @@ class _Dispatcher:
     A click is also queued while any cell runs (IPython's ``pre_run_cell`` / ``post_run_cell``
     events): that cell may be using the model (a magic's baselines, a user's own
     ``pipatch.trace``), and nnsight refuses a second trace of a model already running. The
-    main thread answers such clicks when the cell ends.
+    main thread answers such clicks when the cell ends. (A selection made by the cell's own
+    code arrives on the main thread and is answered at once.)
     """
 
     def __init__(self) -> None:
@@ -176,8 +177,11 @@ class _Dispatcher:
             self.submit(widget, selection)
 
     def submit(self, widget: Any, selection: dict) -> None:
+        # A selection set by the running cell itself (``grid.selected = ...`` in code) comes on
+        # the main thread: nothing else can be using the model then, so it is answered at once.
+        busy_cell = self.cell_running and threading.current_thread() is not threading.main_thread()
         with self.state_lock:
-            if self.sweeping or self.cell_running or not self.model_lock.acquire(blocking=False):
+            if self.sweeping or busy_cell or not self.model_lock.acquire(blocking=False):
                 self.queue = [(w, s) for w, s in self.queue if w is not widget] + [(widget, selection)]
                 return
         self._serve((widget, selection))

@@ -142,11 +142,11 @@ def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model
 def test_a_click_while_a_cell_runs_waits_for_the_cell_to_end(model, live_patch):
     """A cell may be using the model (a magic's baselines, the user's own sweep): nnsight
     refuses a second trace of a running model, so a click is answered when the cell ends."""
-    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.testing.globalipapp import get_ipython  # the one test shell of this process
 
     from pipatch._live import _DISPATCHER
 
-    shell = InteractiveShell.instance()
+    shell = get_ipython()
     grid = PatchGrid(live_patch["result"])  # hooks the shell's cell events
     assert _DISPATCHER.hooked
     selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
@@ -159,6 +159,13 @@ def test_a_click_while_a_cell_runs_waits_for_the_cell_to_end(model, live_patch):
     finally:
         shell.events.trigger("post_run_cell", None)
     assert grid.detail["top"] == live_patch["widget"].detail["top"]  # answered at the cell's end
+    # A selection made by the cell's own code (main thread) is answered at once.
+    shell.events.trigger("pre_run_cell", None)
+    try:
+        grid.selected = {"view": "resid", "seed": -1, "row": 1, "col": 0}
+        assert grid.detail["row"] == 1 and len(grid.detail["top"]) == 5
+    finally:
+        shell.events.trigger("post_run_cell", None)
     grid.close()
 
 

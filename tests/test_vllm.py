@@ -213,6 +213,30 @@ def test_an_interrupt_keeps_the_rows_and_the_engine_keeps_working(vllm_model):
     assert again.status == "done" and torch.equal(again.raw["resid"], reference.raw["resid"])
 
 
+def test_stop_keeps_the_rows_and_the_engine_runs_the_next_sweep(vllm_model):
+    """The Stop button of a live grid (set from another thread, as a kernel subshell does)."""
+    from pipatch._live import PatchGrid, run_live
+
+    kwargs = {**PAIR, "site": "resid", "positions": [4, -1]}
+    widget = PatchGrid()
+
+    def on_rows(change):
+        if sum(change["new"].values()) >= 2 and not widget.stop_requested:
+            pressed = threading.Thread(target=setattr, args=(widget, "stop_requested", True))
+            pressed.start()
+            pressed.join()
+
+    widget.observe(on_rows, names="rows_done")
+    r = run_live(plan_patch(vllm_model, **kwargs, batch_size=1), widget=widget, show=False)
+    assert r.status == "stopped" and widget.status == "stopped"
+    assert 2 <= r.rows_done["resid"] < 18
+    assert not vllm_model.vllm_entrypoint.llm_engine.has_unfinished_requests()
+    again = pipatch.patch(vllm_model, **kwargs)
+    done = r.rows_done["resid"]
+    assert again.status == "done" and torch.equal(again.raw["resid"][:, :done], r.raw["resid"][:, :done])
+    widget.close()
+
+
 def test_memory_stays_flat_over_many_sweeps(vllm_model):
     psutil = pytest.importorskip("psutil")
     process = psutil.Process()

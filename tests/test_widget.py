@@ -176,10 +176,10 @@ def test_final_bundle_survives_partial_and_empty_states():
 
 
 def test_display_final_adds_the_saved_copy_and_keeps_the_widget():
-    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.testing.globalipapp import get_ipython  # the one test shell of this process
     from IPython.utils.capture import capture_output
 
-    InteractiveShell.instance()
+    get_ipython()
     w = GridWidget.from_state(fake_state())
     with capture_output() as shown:
         bundle = w.display_final(None, {"status": "done"}, png=b"\x89PNG\r\n\x1a\nfake", keep=True)

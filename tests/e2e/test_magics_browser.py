@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -52,7 +54,7 @@ CELLS = [
 ]
 
 
-def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
+def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server, tmp_path):
     name = lab_server.write_notebook("magics.ipynb", [code_cell(src) for src in CELLS])
     open_notebook(page, lab_server, name)
     run_cells(page, range(2))  # the rest once the first grid is done: the kernel is free for clicks
@@ -147,6 +149,12 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server):
         widget = [o["data"]["application/vnd.jupyter.widget-view+json"] for o in saved["cells"][index]["outputs"]
                   if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
         assert [w["model_id"] for w in widget] == [copy_doc["live_id"]], (widget, copy_doc["live_id"])
+    # nbconvert's HTML of the saved file: each grid as its copy's PNG, no dead widget.
+    subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", str(lab_server.root / name),
+                    "--output-dir", str(tmp_path)], check=True, capture_output=True, timeout=120)
+    html = (tmp_path / name.replace(".ipynb", ".html")).read_text("utf-8")
+    assert html.count('<img src="data:image/png;base64,') == 2, html.count("data:image/png")
+    assert "Error displaying widget" not in html
     for kernel in lab_server.api("GET", "/api/kernels"):
         lab_server.api("DELETE", f"/api/kernels/{kernel['id']}")
     page.reload()
