@@ -153,7 +153,7 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server, tmp_pat
     subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", str(lab_server.root / name),
                     "--output-dir", str(tmp_path)], check=True, capture_output=True, timeout=120)
     html = (tmp_path / name.replace(".ipynb", ".html")).read_text("utf-8")
-    assert html.count('<img src="data:image/png;base64,') == 2, html.count("data:image/png")
+    assert html.count('src="data:image/png;base64,') == 2, html.count("data:image/png")
     assert "Error displaying widget" not in html
     for kernel in lab_server.api("GET", "/api/kernels"):
         lab_server.api("DELETE", f"/api/kernels/{kernel['id']}")
