@@ -217,10 +217,8 @@ def page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     context.close()
 
 
-def open_notebook(page: Any, server: LabServer, name: str) -> None:
-    # A fresh workspace per notebook: no tab of an earlier test is restored next to it.
-    ws = f"w{os.urandom(4).hex()}"
-    page.goto(f"{server.url}/lab/workspaces/{ws}/tree/{name}?reset")
+def _wait_notebook_open(page: Any) -> None:
+    """Until the page's app shows a notebook whose session is set up (JupyterLab or Notebook 7)."""
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=90_000)
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
     page.wait_for_function(
@@ -229,19 +227,19 @@ def open_notebook(page: Any, server: LabServer, name: str) -> None:
             return !!(w && w.sessionContext && w.sessionContext.isReady !== undefined);
         }"""
     )
+
+
+def open_notebook(page: Any, server: LabServer, name: str) -> None:
+    # A fresh workspace per notebook: no tab of an earlier test is restored next to it.
+    ws = f"w{os.urandom(4).hex()}"
+    page.goto(f"{server.url}/lab/workspaces/{ws}/tree/{name}?reset")
+    _wait_notebook_open(page)
 
 
 def open_notebook7(page: Any, server: LabServer, name: str) -> None:
     """Open ``name`` in Notebook 7's own page (``/notebooks/<name>``)."""
     page.goto(f"{server.url}/notebooks/{name}")
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=90_000)
-    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
-    page.wait_for_function(
-        """() => {
-            const w = window.jupyterapp.shell.currentWidget;
-            return !!(w && w.sessionContext && w.sessionContext.isReady !== undefined);
-        }"""
-    )
+    _wait_notebook_open(page)
 
 
 def wait_kernel_idle(page: Any, timeout: float = 60_000) -> None:
@@ -314,6 +312,17 @@ def cell_point(grid, row: int, col: int) -> tuple[float, float]:
     box = overlay.bounding_box()
     rows, cols = int(grid.get_attribute("data-rows")), int(grid.get_attribute("data-cols"))
     return box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
+
+
+def wait_top5_for_layer(page, grid, layer: int, timeout: float = 120_000) -> None:
+    """Until the grid's detail pane names a clicked cell of ``layer`` and shows the kernel's top-5."""
+    page.wait_for_function(
+        """([g, label]) => {
+            const head = g.querySelector('.pipatch-detail-head');
+            const toks = g.querySelectorAll('table.pipatch-top .pipatch-top-token');
+            return !!head && head.textContent.includes(label) && toks.length === 5;
+        }""",
+        arg=[grid.element_handle(), f"layer: {layer} ·"], timeout=timeout)
 
 
 def wait_rows_streaming(page, cell_index: int, timeout: float) -> int:

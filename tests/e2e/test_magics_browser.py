@@ -37,6 +37,7 @@ from .conftest import (
     shot,
     wait_kernel_idle,
     wait_rows_streaming,
+    wait_top5_for_layer,
 )
 
 pytestmark = pytest.mark.e2e
@@ -84,13 +85,7 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server, tmp_pat
     assert not copy.is_visible()
     page.mouse.click(*cell_point(done, 15, 8))  # last position, late layer: another answer
     # The detail pane names the clicked cell and shows the kernel's answer for it.
-    page.wait_for_function(
-        """(g) => {
-            const head = g.querySelector('.pipatch-detail-head');
-            const toks = g.querySelectorAll('table.pipatch-top .pipatch-top-token');
-            return !!head && head.textContent.includes('layer: 15 ·') && toks.length === 5;
-        }""",
-        arg=done.element_handle(), timeout=120_000)
+    wait_top5_for_layer(page, done, 15)
     assert "live kernel" not in done.locator(".pipatch-detail").text_content()
     before = done.get_attribute("data-checksum")
     done.locator("select.pipatch-seed").select_option("0")  # seed 0 of 2: another grid drawn

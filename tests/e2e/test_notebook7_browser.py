@@ -33,6 +33,7 @@ from .conftest import (
     shot,
     wait_kernel_idle,
     wait_rows_streaming,
+    wait_top5_for_layer,
 )
 
 pytestmark = pytest.mark.e2e
@@ -75,13 +76,7 @@ def test_notebook7_live_grid_clicks_stop_and_saved_copy(page, notebook_server):
     assert not copy.is_visible()
     page.mouse.click(*cell_point(done, 15, 8))
     # The detail pane names the clicked cell and shows the kernel's answer for it.
-    page.wait_for_function(
-        """(g) => {
-            const head = g.querySelector('.pipatch-detail-head');
-            const toks = g.querySelectorAll('table.pipatch-top .pipatch-top-token');
-            return !!head && head.textContent.includes('layer: 15 ·') && toks.length === 5;
-        }""",
-        arg=done.element_handle(), timeout=120_000)
+    wait_top5_for_layer(page, done, 15)
     checksum = done.get_attribute("data-checksum")
     done.locator("select.pipatch-seed").select_option("1")
     page.wait_for_function("([g, c]) => g.getAttribute('data-checksum') !== c",
