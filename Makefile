@@ -55,17 +55,21 @@ chromium:
 
 test: $(STAMP) chromium install-vllm
 	npm test
-	$(PY) -m pytest -q -ra -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py
+	$(PY) -m pytest -q -ra -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
+		--ignore=tests/test_served.py
 	$(MAKE) test-vllm
 
 # One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
-# settings): the backend's tests, then the Jupyter-kernel test, which starts its own.
+# settings): the backend's tests, then the Jupyter-kernel test, which starts its own, then
+# the served backend's, which start one `pipatch serve` (~7.4 GB) and stop it.
 test-vllm: install-vllm
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm.py
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py
+	$(VPY) -m pytest -q -ra -m vllm tests/test_served.py
 
 test-py: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py
+	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
+		--ignore=tests/test_served.py
 
 test-js:
 	npm test
@@ -76,6 +80,7 @@ test-e2e: $(STAMP) chromium
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(VPY) bench/backends.py
+	$(VPY) bench/served.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipatch tests bench

@@ -12,7 +12,8 @@ attribute | path-patch``; live without magics: ``pipatch.PatchGrid.run(model, "p
 """
 
 from ._api import attribute, patch, path_patch, trace
-from ._models import PipatchError, load_model
+from ._load import load_model
+from ._models import PipatchError
 from ._result import Result, load_result
 
 __version__ = "0.1.0"

@@ -19,7 +19,8 @@ from typing import Any
 
 from ._backends import backend_for
 from ._engine import Plan
-from ._models import PipatchError, shared_model
+from ._load import shared_model
+from ._models import PipatchError
 from ._protocols.attribution import plan_attribute as _plan_attribute
 from ._protocols.dataset import per_prompt, plan_dataset
 from ._protocols.patching import plan_patch as _plan_patch
@@ -35,7 +36,7 @@ OnRow = Callable[[Result, str, int], None]
 
 def backend_of(model: Any) -> Any:
     """The backend for ``model``: a loaded model or backend as is; ``None``, a name or a folder
-    through :func:`pipatch._models.shared_model` (each loaded once per process)."""
+    through :func:`pipatch._load.shared_model` (each loaded once per process)."""
     if model is None or isinstance(model, (str, os.PathLike)):
         model = shared_model(None if model is None else os.fspath(model))
     elif not hasattr(model, "trace") and not hasattr(model, "run"):

@@ -28,6 +28,9 @@ it, which a saved notebook shows without a kernel (see :mod:`pipatch._widget`); 
 itself returns ``None`` so the grid is not shown twice. ``PatchGrid(NAME)`` shows a clickable
 grid again later.
 
+``--serve URL`` (with ``--api-key KEY``) runs the cell on a ``pipatch serve`` server; the
+grid fills in here as each batch comes back.
+
 A stopped (Stop button), interrupted (Kernel ▸ Interrupt) or failed run still binds its
 partial result, whose ``status`` says which; a line on stderr says so too.
 
@@ -42,6 +45,7 @@ inside an nnsight trace.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +56,8 @@ from IPython.utils.process import arg_split
 from ._backends import backend_for
 from ._engine import EngineError
 from ._live import run_live
-from ._models import BACKENDS, PipatchError, no_progress_bar, shared_model
+from ._load import shared_model
+from ._models import BACKENDS, PipatchError, no_progress_bar
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
 
 __all__ = ["load_ipython_extension", "make_magic", "magic_parser"]
@@ -88,6 +93,10 @@ def magic_parser(entry: Experiment) -> argparse.ArgumentParser:
                              "(default: the embedded Gemma 3 270M)")
     parser.add_argument("--backend", default=None, choices=BACKENDS,
                         help="what runs the model pipatch loads: transformers (default) or vllm")
+    parser.add_argument("--serve", metavar="URL", default=None,
+                        help="run on a `pipatch serve` server (http://host:port); the model it serves")
+    parser.add_argument("--api-key", default=None,
+                        help="the server's key (with --serve; default: $PIPATCH_API_KEY)")
     parser.add_argument("-o", "--out", default=default_name(entry),
                         help=f"variable to bind the Result to (default {default_name(entry)})")
     return parser
@@ -108,11 +117,16 @@ def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
     return args
 
 
-def _model(shell: Any, name: str | None, backend: str | None = None) -> Any:
+def _model(shell: Any, name: str | None, backend: str | None = None, serve: str | None = None,
+           api_key: str | None = None) -> Any:
     """``--model``: a variable holding a loaded model, else a hub id / local folder (loaded
-    through ``--backend``)."""
+    through ``--backend``, or a client of the ``--serve`` server)."""
+    if serve is not None and backend is not None:
+        raise UsageError("--serve runs the model on the server, which chose its backend: drop --backend")
+    if serve is not None:
+        backend = "served"
     if name is None:
-        return _load(None, backend)
+        return _load(None, backend, serve, api_key)
     user_ns = shell.user_ns if shell is not None else {}
     if name.isidentifier() and name in user_ns:
         model = user_ns[name]
@@ -121,16 +135,19 @@ def _model(shell: Any, name: str | None, backend: str | None = None) -> Any:
                              "(use pipatch.load_model(...)), or pass a hub id / folder")
         if backend is not None and backend_for(model).kind != backend:
             raise UsageError(f"--model {name} runs on the {backend_for(model).kind} backend, not {backend}: "
-                             "drop --backend, or load the model with pipatch.load_model(..., backend=...)")
+                             "drop --backend / --serve, or load the model with pipatch.load_model(..., "
+                             "backend= or serve=)")
         return model
-    return _load(name, backend)
+    return _load(name, backend, serve, api_key)
 
 
-def _load(name: str | None, backend: str | None = None) -> Any:
+def _load(name: str | None, backend: str | None = None, serve: str | None = None, api_key: str | None = None) -> Any:
     # transformers' progress bars (the first load's GGUF conversion too) are tqdm *widgets* in a
     # notebook: once the kernel is gone the saved cell would show "Error displaying widget".
     try:
         with no_progress_bar():
+            if serve is not None:
+                return shared_model(name, serve=serve, api_key=api_key or os.environ.get("PIPATCH_API_KEY"))
             return shared_model(name, backend=backend or "transformers")
     except PipatchError as error:
         raise UsageError(str(error)) from None
@@ -146,12 +163,11 @@ def _placeholder(shell: Any) -> Any:
                    raw=True, display_id=True)
 
 
-def _run(shell: Any, entry: Experiment, name: str, model_arg: str | None, keywords: dict[str, Any],
-         backend: str | None = None) -> None:
+def _run(shell: Any, entry: Experiment, name: str, args: argparse.Namespace, keywords: dict[str, Any]) -> None:
     """Load the model, plan (baselines), run live, bind the result to ``name``."""
     placeholder = _placeholder(shell)
     try:
-        model = _model(shell, model_arg, backend)
+        model = _model(shell, args.model, args.backend, args.serve, args.api_key)
         try:
             plan = entry.plan(model, **keywords)
         except PipatchError as error:
@@ -184,7 +200,7 @@ def make_magic(shell: Any, entry: Experiment) -> Callable[[str, str], None]:
             keywords = entry.keywords(given_options(args, entry), prompts)
         except PipatchError as error:
             raise UsageError(f"%%{entry.name}: {error}") from None
-        _run(shell, entry, args.out, args.model, keywords, args.backend)
+        _run(shell, entry, args.out, args, keywords)
 
     magic.__name__ = magic.__qualname__ = entry.name
     magic.__doc__ = parser.format_help()

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Adapter", "adapter_for", "load_model", "PipatchError", "default_cache_dir", "BACKENDS"]
+__all__ = ["Adapter", "adapter_for", "build_vllm", "PipatchError", "default_cache_dir", "BACKENDS"]
 
 
 class PipatchError(ValueError):
@@ -151,115 +151,28 @@ def _check_backend(backend: Any) -> str:
     return backend
 
 
-def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
-               backend: str = "transformers", engine_args: dict[str, Any] | None = None):
-    """Load a causal language model as an nnsight ``TransformersModel`` (or ``VLLM``).
-
-    Parameters
-    ----------
-    name
-        ``None`` for the embedded default (Gemma 3 270M, offline), a local folder holding a
-        transformers checkpoint, or a Hugging Face id such as ``"gpt2"`` (needs the hub or a
-        filled Hugging Face cache).
-    dtype
-        ``torch.float32`` (default), ``torch.bfloat16``, ... or their names.
-    device
-        ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...; default: ``"cuda"`` when torch sees a GPU,
-        else ``"cpu"``. Inputs, noise and patched values follow the model's device; results
-        always come back to the CPU.
-    backend
-        ``"transformers"`` (default): the model in this process through transformers.
-        ``"vllm"``: nnsight's ``VLLM``, a vLLM engine in this process (``pip install
-        'pipatch[vllm]'``; on the CPU through :mod:`pipatch._vllm_cpu_worker`).
-        Every experiment but attribution (vLLM computes no gradients) runs on either, with
-        the same results.
-    engine_args
-        ``backend="vllm"`` only: extra ``vllm.LLM`` arguments, over pipatch's defaults
-        (``max_model_len=2048``, ``kv_cache_memory_bytes=1 GiB``).
-
-    Returns
-    -------
-    nnsight.modeling.transformers.TransformersModel or nnsight.modeling.vllm.VLLM
-        Dispatched and ready; ``model.tokenizer`` is its tokenizer.
-    """
-    _check_backend(backend)
-    if engine_args is not None and backend != "vllm":
-        raise PipatchError("engine_args are vLLM engine arguments: pass them with backend='vllm'")
-    torch_dtype = _resolve_dtype(dtype)
-    device = _resolve_device(device)  # before the load: a bad device costs no seconds
-    if name is None:
-        path, label = str(_embedded_default_dir()), EMBEDDED_NAME
-    else:
-        path, label = str(name), str(name)
-        if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
-            raise PipatchError(f"model folder {path!r} does not exist: pass an existing folder or a hub id")
-    if backend == "vllm":
-        return _load_vllm(path, label, torch_dtype, device, engine_args or {})
-
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    def load(**kwargs):
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        with no_progress_bar():  # a "Loading weights" bar for a load of seconds is noise in a cell
-            return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
-
-    try:
-        try:
-            # The local Hugging Face cache first: no network, no retries.
-            tokenizer, hf_model = load(local_files_only=True)
-        except OSError:
-            if Path(path).expanduser().is_dir() or not _hub_reachable(path):
-                raise
-            tokenizer, hf_model = load()
-    except (OSError, ValueError) as error:
-        reason = "not in the local Hugging Face cache and the hub is unreachable (offline)"
-        if Path(path).expanduser().is_dir() or _hub_reachable(path):
-            text = str(error).strip()
-            reason = text.splitlines()[0][:160] if text else type(error).__name__
-        raise PipatchError(
-            f"cannot load model {label!r}: {reason}; pass a local folder holding a transformers "
-            "checkpoint, or omit the name for the embedded default"
-        ) from None
-    hf_model.eval()
-    hf_model.to(device)
-    hf_model.name_or_path = label  # shown in results; the checkpoint path is an implementation detail
-    model = TransformersModel(hf_model, tokenizer=tokenizer)
-    model._pipatch_name = label
-    return model
-
-
-_SHARED: dict[tuple, Any] = {}
-
-
-def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None,
-                 backend: str = "transformers"):
-    """:func:`load_model`, but each (name, dtype, device, backend) is loaded once per process.
-
-    The magics and the CLI use this so a notebook kernel loads the embedded model once (and
-    starts at most one vLLM engine per model).
-    """
-    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), str(_resolve_device(device)),
-           _check_backend(backend))
-    if key not in _SHARED:
-        _SHARED[key] = load_model(name, dtype=dtype, device=device, backend=backend)
-    return _SHARED[key]
-
-
 #: vLLM engine arguments pipatch sets unless the caller gives its own. A prompt pipatch runs is
 #: short; a 1 GiB KV cache holds ~28k tokens of Gemma 3 270M in float32, and an explicit size
 #: keeps vLLM from reserving 90 % of the machine's memory (CPU) or GPU.
 VLLM_DEFAULTS: dict[str, Any] = {"max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
 
 
-def _load_vllm(path: str, label: str, torch_dtype: torch.dtype, device: torch.device, engine_args: dict) -> Any:
-    """nnsight's ``VLLM`` over an in-process engine: CPU through pipatch's worker adapter."""
+def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
+               engine_args: dict[str, Any] | None = None, mode: str = "sync", dispatch: bool = True) -> Any:
+    """nnsight's ``VLLM`` for ``name`` (``None``: the embedded model): the one place pipatch
+    builds one — an in-process engine (:func:`load_model`), the server's async engine
+    (:mod:`pipatch._serve`) or, with ``dispatch=False``, a client's weightless module tree
+    (:mod:`pipatch._backends.served`). Without CUDA the worker is pipatch's CPU adapter."""
+    torch_dtype = _resolve_dtype(dtype)
+    device = _resolve_device(device)
+    path, label = _model_path(name)
     if device.type == "cuda" and device.index not in (None, 0):
         raise PipatchError(f"backend='vllm' runs on the GPUs CUDA_VISIBLE_DEVICES shows, from the first: "
                            f"set CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', not {str(device)!r}")
-    # In-process engine: Kernel ▸ Interrupt reaches no engine subprocess (which would die and
-    # leave later traces hanging), and the model lives in this process's memory only.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if mode == "sync" and dispatch:
+        # In-process engine: Kernel ▸ Interrupt reaches no engine subprocess (which would die and
+        # leave later traces hanging), and the model lives in this process's memory only.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from nnsight.modeling.vllm import VLLM
 
@@ -270,13 +183,15 @@ def _load_vllm(path: str, label: str, torch_dtype: torch.dtype, device: torch.de
                            "(on a CUDA machine: pip install vllm), or use backend='transformers'") from None
     if Path(path).expanduser().is_dir():
         path = str(Path(path).expanduser())
-    args = {**VLLM_DEFAULTS, "dtype": str(torch_dtype).replace("torch.", ""), **engine_args}
+    args = {**VLLM_DEFAULTS, "dtype": str(torch_dtype).replace("torch.", ""), **(engine_args or {})}
+    if mode != "sync":
+        args["mode"] = mode
     previous = VLLM._WORKER_CLS
     rng = torch.random.get_rng_state()  # the engine seeds torch's global generator; give it back
     try:
         if device.type == "cpu":
             VLLM._WORKER_CLS = cpu_worker.WORKER_CLS
-        model = VLLM(path, dispatch=True, **args)
+        model = VLLM(path, dispatch=True, **args) if dispatch else VLLM(path)
     except PipatchError:
         raise
     except Exception as error:  # noqa: BLE001 - one line naming the cause
@@ -288,6 +203,16 @@ def _load_vllm(path: str, label: str, torch_dtype: torch.dtype, device: torch.de
         torch.random.set_rng_state(rng)
     model._pipatch_name = label
     return model
+
+
+def _model_path(name: str | os.PathLike | None) -> tuple[str, str]:
+    """``(where to load from, what results call it)`` for a model name (``None``: embedded)."""
+    if name is None:
+        return str(_embedded_default_dir()), EMBEDDED_NAME
+    path = str(name)
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise PipatchError(f"model folder {path!r} does not exist: pass an existing folder or a hub id")
+    return path, path
 
 
 def _hub_reachable(name: str, timeout: float = 3.0) -> bool:
@@ -480,7 +405,10 @@ def first(value: Any) -> Any:
 def dispatched(model):
     """``model`` with real weights: an nnsight model built lazily (``LanguageModel("gpt2")``,
     nnsight's default, holds meta tensors until its first trace) is dispatched now, because
-    pipatch reads the device, the embeddings' spread and cached activations before tracing."""
+    pipatch reads the device, the embeddings' spread and cached activations before tracing.
+    A ``serve=`` client stays weightless: its weights are on the server."""
+    if getattr(model, "_pipatch_serve", None) is not None:
+        return model
     if getattr(model, "dispatched", True) is False and callable(getattr(model, "dispatch", None)):
         model.dispatch()
     return model

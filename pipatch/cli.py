@@ -15,13 +15,15 @@ once per prompt); the other commands take ``--clean`` / ``--corrupt``, repeated 
 layers), shows progress on stderr, and writes ``--json`` (``{"kind", "model", "tokens",
 "layers", "grid", "metric", "clean", "corrupt", ...}``), ``--png`` and ``--save``
 (safetensors) files. Bad input prints one line on stderr, naming the command, and exits with
-status 2.
+status 2. ``--serve URL`` runs any of them on a server started with ``pipatch serve [MODEL]``
+(see :mod:`pipatch._serve`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -56,6 +58,9 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     common.add_argument("--backend", default="transformers", choices=BACKENDS,
                         help="what runs the model: transformers (default) or vllm (pip install 'pipatch[vllm]')")
+    common.add_argument("--serve", metavar="URL", default=None,
+                        help="run on a `pipatch serve` server (http://host:port) instead of in this process")
+    common.add_argument("--api-key", default=None, help="the server's key (with --serve; default: $PIPATCH_API_KEY)")
     common.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")
     common.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
     # dest is not "save": nnsight gives every object a .save() that would shadow it.
@@ -115,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     still writes the files), 1 when a batch failed (the partial grid is written), 2 for bad
     input (one line on stderr).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from ._serve import main as serve
+
+        return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     entry: Experiment = args.experiment
@@ -132,12 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(entry: Experiment, args: argparse.Namespace) -> int:
-    from ._models import shared_model
+    from ._load import shared_model
 
     # Everything that can be checked without the model is checked before loading it.
     prompts = entry.prompts.collect({field: getattr(args, field) for field in entry.prompts.fields})
     keywords = entry.keywords(given_options(args, entry), prompts)
-    model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend)
+    api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
+    model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                         serve=args.serve, api_key=api_key)
     plan = entry.plan(model, **keywords)
     result = plan.run(on_row=_Progress(plan.total_rows, not args.quiet))
     for view in result.views:

@@ -2,7 +2,7 @@
 
 One vLLM engine for the whole module (in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 1 GiB KV cache, about 5 GB): it is the engine the magics and the CLI would load
-(:func:`pipatch._models.shared_model`), so the CLI test reuses it. The transformers model of
+(:func:`pipatch._load.shared_model`), so the CLI test reuses it. The transformers model of
 ``conftest.py`` runs the same experiments; every vLLM number must equal its number within 1e-4
 (vLLM packs requests into one flat batch and uses its own kernels, so the last bits differ).
 
@@ -27,12 +27,13 @@ import pipatch  # noqa: E402
 from pipatch import cli  # noqa: E402
 from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
-from pipatch._models import _SHARED, PipatchError, shared_model  # noqa: E402
+from pipatch._load import _SHARED, shared_model  # noqa: E402
+from pipatch._models import PipatchError  # noqa: E402
+from tests._equal import assert_close, assert_same  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ATOL = 1e-4
 PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
 SUBJECT_AND_LAST = [2, 3, 4, -1]  # " Eiffel", " Tower" (subject), " is", " of"
 
@@ -48,26 +49,6 @@ def vllm_model():
     for key in [k for k, v in _SHARED.items() if v is model]:
         del _SHARED[key]
     model.vllm_entrypoint.llm_engine.engine_core.shutdown()
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
-    assert got.shape == want.shape
-    assert torch.equal(got.isnan(), want.isnan())
-    diff = float((got - want).nan_to_num().abs().max())
-    assert diff <= atol, f"max |Δ| {diff:.3g} > {atol}"
-
-
-def assert_same(got, want, atol: float = ATOL) -> None:
-    """Two results of one experiment: same axes, same raw values and grid within ``atol``."""
-    assert got.status == want.status == "done"
-    assert (got.kind, got.tokens, got.columns, got.layers, got.views) == (
-        want.kind, want.tokens, want.columns, want.layers, want.views)
-    assert_close(got._clean_rows(), want._clean_rows(), atol)
-    assert_close(got.corrupt, want.corrupt, atol)
-    for view in want.views:
-        assert_close(got.raw[view], want.raw[view], atol)
-        assert_close(got.mean(view), want.mean(view), atol)
-    assert (got.meta.get("backend"), want.meta.get("backend")) == ("vllm", "transformers")
 
 
 # --------------------------------------------------------------------------------------------

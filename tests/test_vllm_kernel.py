@@ -89,7 +89,7 @@ def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
     # 1. The engine starts on the first cell and runs a small sweep.
     first = kernel.run(f"%%patch {FLAGS} --positions -1 -o small\n{PAIR_BODY}", timeout=900)
     assert first["error"] is None, first
-    check = kernel.run("import pipatch._models as m\n"
+    check = kernel.run("import pipatch._load as m\n"
                        "engine = [v for k, v in m._SHARED.items() if k[-1] == 'vllm']\n"
                        "print(small.status, small.meta['backend'], len(engine))")
     assert check["stdout"].split() == ["done", "vllm", "1"], check

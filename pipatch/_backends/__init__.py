@@ -19,8 +19,9 @@ engine, the protocols and the result never touch the model; they hand a backend 
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a
-line in :func:`backend_for`. Today: :mod:`.transformers` (the default) and :mod:`.vllm`
-(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._vllm_cpu_worker`).
+line in :func:`backend_for`. Today: :mod:`.transformers` (the default), :mod:`.vllm`
+(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._vllm_cpu_worker`)
+and :mod:`.served` (the vLLM backend's invokes sent to a ``pipatch serve`` server).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ __all__ = ["backend_for"]
 
 
 def backend_for(model: Any) -> Any:
-    """The backend that runs ``model``: a backend as is; nnsight's ``VLLM`` → the vLLM backend;
+    """The backend that runs ``model``: a backend as is; a ``serve=`` client → the served backend;
+    nnsight's ``VLLM`` → the vLLM backend;
     any other nnsight model (built by pipatch or by the caller, lazily dispatched or not) or a
     plain transformers model → the transformers backend. Cached on the model so every call
     shares one."""
@@ -39,6 +41,10 @@ def backend_for(model: Any) -> Any:
         return model
     from .vllm import VLLMBackend, is_vllm_model
 
+    if getattr(model, "_pipatch_serve", None) is not None:
+        from .served import served_backend
+
+        return served_backend(model)  # kept apart: nnsight ships the model's attributes
     if is_vllm_model(model):
         kind: type = VLLMBackend
     else:

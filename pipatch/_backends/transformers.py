@@ -27,11 +27,12 @@ import torch
 from .._cells import Base, Capture, Cell, Metric
 from .._models import _get, adapter_for, dispatched, first
 from .._sites import RESID, Site
+from ._described import Described
 
 __all__ = ["TransformersBackend"]
 
 
-class TransformersBackend:
+class TransformersBackend(Described):
     """Runs cells on an nnsight model of a transformers checkpoint, in this process."""
 
     kind = "transformers"
@@ -82,13 +83,9 @@ class TransformersBackend:
                 return value
         return None
 
-    def meta(self) -> dict[str, Any]:
-        """What a result records about the model."""
-        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
-                "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device)}
-
-    def decode(self, ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([int(i)]) for i in ids]
+    @property
+    def runs_on(self) -> str:
+        return str(self.device)
 
     # -- runs -------------------------------------------------------------------------------
     def capture(

@@ -42,6 +42,7 @@ import torch
 from .._cells import Base, Capture, Cell, Metric
 from .._models import Adapter, PipatchError, adapter_for, dispatched, first
 from .._sites import RESID, Site
+from ._described import Described
 
 __all__ = ["VLLMBackend", "is_vllm_model"]
 
@@ -55,7 +56,7 @@ def is_vllm_model(model: Any) -> bool:
                for cls in type(model).__mro__)
 
 
-class VLLMBackend:
+class VLLMBackend(Described):
     """Runs cells on an nnsight ``VLLM`` model (vLLM engine in this process)."""
 
     kind = "vllm"
@@ -87,7 +88,7 @@ class VLLMBackend:
         return torch.device("cpu")
 
     @property
-    def engine_device(self) -> str:
+    def runs_on(self) -> str:
         return str(getattr(self._engine.vllm_config.device_config, "device_type", "") or "cpu")
 
     @property
@@ -102,12 +103,6 @@ class VLLMBackend:
     def context_length(self) -> int | None:
         return int(self._model_config.max_model_len)
 
-    def meta(self) -> dict[str, Any]:
-        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
-                "dtype": str(self.dtype).replace("torch.", ""), "device": self.engine_device}
-
-    def decode(self, ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([int(i)]) for i in ids]
 
     # -- runs -------------------------------------------------------------------------------
     def capture(
@@ -124,18 +119,12 @@ class VLLMBackend:
         Same contract as :meth:`TransformersBackend.capture`: ``noise`` [n, P, d] is added at
         ``noise_positions`` of block 0's input, one draw per invoke.
         """
-        import nnsight
-
-        model, adapter = self.model, self.adapter
-        ids = _token_list(input_ids)
+        adapter = self.adapter
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         draws = [None] if noise is None else [noise[i].detach().cpu() for i in range(noise.shape[0])]
         positions = list(noise_positions or [])
-        with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
-            for draw in draws:
-                with tracer.invoke(ids):
-                    run = nnsight.save(_capture_run(model, adapter, metric, keep, draw, positions))
-        runs = _per_invoke(run, len(draws))
+        runs = self._invokes(_token_list(input_ids), _capture_run,
+                             [(adapter, metric, keep, draw, positions) for draw in draws])
         layers = range(adapter.n_layers)
         resid = [torch.cat([r[0][layer] for r in runs]) for layer in layers]
         values = {s.name: [torch.cat([r[1][s.name][layer] for r in runs]) for layer in layers] for s in keep}
@@ -152,22 +141,14 @@ class VLLMBackend:
         recording ops read (in op order). ``fast`` changes nothing here (see the module
         docstring): every cell runs its whole forward.
         """
-        import nnsight
-
-        model, adapter = self.model, self.adapter
-        ids = _token_list(base.input_ids)
         positions = list(base.noise_positions or [])
         jobs = []
         for cell in cells:
             draw = None if base.noise is None else base.noise[cell.seed].detach().cpu()
             ops = [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu())
                    for op in cell.sorted_ops()]
-            jobs.append((draw, ops))
-        with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
-            for draw, ops in jobs:
-                with tracer.invoke(ids):
-                    out = nnsight.save(_patched_run(model, adapter, metric, draw, positions, ops, full_logits))
-        outs = _per_invoke(out, len(jobs))
+            jobs.append((self.adapter, metric, draw, positions, ops, full_logits))
+        outs = self._invokes(_token_list(base.input_ids), _patched_run, jobs)
         stacked = torch.cat([o[0] for o in outs]) if outs else torch.zeros(0)
         return stacked.float(), [o[1] for o in outs]
 
@@ -183,6 +164,19 @@ class VLLMBackend:
                            "backend='transformers' (the default) for attribute")
 
     # -- the engine ---------------------------------------------------------------------------
+    def _invokes(self, ids: list[int], body: Any, jobs: list[tuple]) -> list:
+        """``body(model, *job)`` for each job, each in its own invoke (request) of one trace on
+        the prompt ``ids``; returns what each returned, in order. The one place this backend
+        opens a trace (the served backend sends the same invokes over HTTP instead)."""
+        import nnsight
+
+        model = self.model
+        with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
+            for job in jobs:
+                with tracer.invoke(ids):
+                    out = nnsight.save(body(model, *job))
+        return _per_invoke(out, len(jobs))
+
     def _quiet_progress(self) -> None:
         """vLLM draws two tqdm bars per ``generate``; in a notebook each is a widget per batch."""
         llm = self.model.vllm_entrypoint

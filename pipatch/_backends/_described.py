@@ -1,0 +1,22 @@
+"""What every backend says the same way about its model: the result's metadata, token text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Described"]
+
+
+class Described:
+    """Mixin for a backend with ``name``, ``adapter``, ``kind``, ``dtype``, ``tokenizer`` and
+    ``runs_on`` (where the forward passes run: ``"cpu"``, ``"cuda:0"``, ...)."""
+
+    def meta(self) -> dict[str, Any]:
+        """What a result records about the model."""
+        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": self.runs_on}
+
+    def decode(self, ids: Sequence[int]) -> list[str]:
+        """Each token id's text, alone."""
+        return [self.tokenizer.decode([int(i)]) for i in ids]

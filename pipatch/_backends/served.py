@@ -1,0 +1,244 @@
+"""The served backend: the vLLM backend's invokes, run on a ``pipatch serve`` server.
+
+``pipatch.load_model(name, serve="http://host:6677", api_key=...)`` connects here. This
+process holds nnsight's ``VLLM`` *without* an engine (the module tree on the meta device, no
+weights, no GPU) and the server (:mod:`pipatch._serve`: nnsight's own ``nnsight-serve`` app)
+holds the engine. Everything an experiment does is what the vLLM backend does — the same
+invoke bodies (:func:`~pipatch._backends.vllm._capture_run`,
+:func:`~pipatch._backends.vllm._patched_run`), so the same numbers — and only the transport
+differs, in :meth:`ServedBackend._invokes`:
+
+* **One request per invoke.** nnsight's server returns a trace's saves by *name*, merged
+  over its invokes (a name saved in several invokes comes back holding the last one's value
+  only). So each cell is a trace of its own, with one invoke, serialized here one after
+  another (nnsight's tracer is not thread-safe) and sent together on a pool of connections;
+  the server's async engine batches the requests that arrive together, as one in-process
+  trace's invokes would be. A batch of cells returns when its last request does, so the live
+  grid fills in batch by batch.
+* **What travels.** nnsight's request format (``RequestModel``): the invoke's source, the
+  values it reads (a cell's donor slices and noise draw, a few KB), and the invoke body by
+  reference to pipatch's module, so the server runs the same pipatch version. The answer is
+  nnsight's ``torch.save`` of the saved values: connect only to servers you trust (the
+  ``api_key`` says who may send code; nothing authenticates the server).
+* **Errors.** Unreachable server, refused key, another model, a failure inside the trace, a
+  timeout: each is one :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
+  and keeps the finished rows. Kernel ▸ Interrupt and Stop land between requests: requests
+  not yet sent are dropped, those in flight finish on the server and are discarded here.
+
+NDIF (``remote=True``) takes the same request format, but runs only code from its allowed
+modules, and pipatch's invoke bodies are pipatch functions: it is not this backend with
+another transport, so it is not offered.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
+from .vllm import _SAMPLING, VLLMBackend, _vllm_adapter
+
+__all__ = ["ServedBackend", "connect", "Server", "served_backend"]
+
+#: Requests in flight at once per client: enough for the server to fill an engine step.
+CONCURRENCY = 32
+
+#: nnsight's tracer keeps per-thread and per-model state: requests are built one at a time.
+_TRACING = threading.Lock()
+
+
+class Server:
+    """The HTTP side: one connection pool to one ``pipatch serve`` server."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise PipatchError(f"serve={url!r} is not a server URL: pass 'http://host:port' (pipatch serve prints it)")
+        self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, float(timeout)
+        self._http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENCY))
+        self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="pipatch-serve")
+        self.info: dict[str, Any] = {}
+
+    def _headers(self) -> dict[str, str]:
+        from nnsight.modeling.vllm.serve import http
+
+        return http.headers(self.api_key)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One HTTP call; every transport failure becomes one line naming the fix."""
+        import httpx
+
+        try:
+            response = self._http.request(method, self.url + path, headers=self._headers(),
+                                          timeout=httpx.Timeout(10.0, read=self.timeout), **kwargs)
+        except httpx.TimeoutException:
+            raise PipatchError(f"the server at {self.url} did not answer within {self.timeout:g} s: it may be "
+                               "busy or stuck; load the model with a larger timeout=, or check the server") from None
+        except httpx.TransportError as error:
+            raise PipatchError(f"cannot reach a pipatch server at {self.url} ({type(error).__name__}: {error}): "
+                               "start one with `pipatch serve`, or check the URL") from None
+        if response.status_code == 401:
+            raise PipatchError(f"the server at {self.url} refused the API key: pass api_key= as given to "
+                               "`pipatch serve --api-key`")
+        if response.status_code == 404 and path.endswith("/info"):
+            raise PipatchError(f"{self.url} is not a pipatch server (no {path}): start it with `pipatch serve`")
+        if response.status_code != 200:
+            raise PipatchError(f"the server at {self.url} answered {response.status_code}: "
+                               f"{response.text.strip()[:200] or response.reason_phrase}")
+        return response
+
+    def describe(self) -> dict[str, Any]:
+        """What the server serves (``GET /v1/pipatch/info``)."""
+        from .._serve import INFO_PATH
+
+        self.info = self._call("GET", INFO_PATH).json()
+        return self.info
+
+    def generate(self, blob: bytes) -> dict[str, Any]:
+        """Send one serialized trace; its saved values by name (a failure in it: one line)."""
+        from nnsight.intervention.errors import raise_deferred
+
+        response = self._call("POST", "/v1/nnsight/generate", content=blob)
+        answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=False)
+        try:
+            raise_deferred(answer.get("error"))
+        except Exception as error:  # noqa: BLE001 - the server's exception, named in one line
+            raise PipatchError(f"the server failed the request: {type(error).__name__}: {_reason(error)}") from None
+        return answer.get("saves", {})
+
+    def generate_all(self, blobs: list[bytes]) -> list[dict[str, Any]]:
+        """Send ``blobs`` concurrently; their saves in order. Raises the first failure; an
+        interrupt drops the requests not yet sent."""
+        futures = [self._pool.submit(self.generate, blob) for blob in blobs]
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+
+def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = None, timeout: float = 600.0) -> Any:
+    """A weightless ``VLLM`` client for ``name`` whose experiments run on the server at ``url``.
+
+    Checks first (one line each, before the ~20 s module-tree build): the server answers, takes
+    the key, serves ``name`` (``None``: the embedded model) in ``dtype`` (if given).
+    """
+    server = Server(url, api_key, timeout)
+    info = server.describe()
+    want = EMBEDDED_NAME if name is None else str(name)
+    if info.get("model") != want:
+        hint = "omit the name" if info.get("model") == EMBEDDED_NAME else f"pass {info.get('model')!r}"
+        raise PipatchError(f"the server at {server.url} serves {info.get('model')!r}, not {want!r}: {hint}, "
+                           "or point serve= at a server for that model")
+    served_dtype = _resolve_dtype(info.get("dtype"))
+    if dtype is not None and _resolve_dtype(dtype) != served_dtype:
+        raise PipatchError(f"the server at {server.url} runs {info.get('dtype')}, not {dtype}: drop dtype= "
+                           "(results use the server's), or start a server with --dtype")
+    model = build_vllm(name, dtype=served_dtype, dispatch=False)
+    # A plain string on the model (nnsight pickles the model's attributes into every request);
+    # the connection and its backend live here, by the model's id, as long as the model does.
+    model._pipatch_serve = server.url
+    backend = ServedBackend(model, server)
+    _BACKENDS[id(model)] = backend
+    weakref.finalize(model, _forget, id(model))
+    return model
+
+
+#: The backend of each live ``serve=`` client model, by ``id(model)``.
+_BACKENDS: dict[int, ServedBackend] = {}
+
+
+def _forget(key: int) -> None:
+    backend = _BACKENDS.pop(key, None)
+    if backend is not None:
+        backend.server.close()
+
+
+def served_backend(model: Any) -> ServedBackend:
+    """The backend :func:`connect` made for ``model``."""
+    backend = _BACKENDS.get(id(model))
+    if backend is None:
+        raise PipatchError("this serve= client has lost its connection: load it again with "
+                           "pipatch.load_model(name, serve=URL)")
+    return backend
+
+
+class ServedBackend(VLLMBackend):
+    """The vLLM backend with its invokes sent to a server (see the module docstring)."""
+
+    kind = "served"
+
+    def __init__(self, model: Any, server: Server):  # no engine here: not VLLMBackend.__init__
+        self.model = model
+        self.server = server
+        self.adapter = _vllm_adapter(model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _resolve_dtype(self.server.info.get("dtype"))
+
+    @property
+    def runs_on(self) -> str:
+        return str(self.server.info.get("device") or "cpu")
+
+    @property
+    def name(self) -> str:
+        return getattr(self.model, "_pipatch_name", None) or str(self.server.info.get("model"))
+
+    @property
+    def context_length(self) -> int | None:
+        return int(self.server.info.get("max_model_len") or 0) or None
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "server": self.server.url}
+
+    def _invokes(self, ids: list[int], body: Any, jobs: list[tuple]) -> list:
+        """Each job as a one-invoke trace of its own, all sent at once (module docstring)."""
+        with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
+            blobs = [self._request(ids, body, job) for job in jobs]
+        return [saves["out"] for saves in self.server.generate_all(blobs)]
+
+    def _request(self, ids: list[int], body: Any, job: tuple) -> bytes:
+        """nnsight's serialized request for ``body(model, *job)`` on the prompt ``ids``."""
+        import nnsight
+
+        model, request = self.model, _Serialized()
+        with torch.no_grad(), model.trace(ids, backend=request, **_SAMPLING):
+            out = nnsight.save(body(model, *job))  # noqa: F841 - the server returns it by this name
+        return request.blob
+
+    def logits(self, hidden: torch.Tensor, token_ids: Sequence[int] | None = None) -> torch.Tensor:
+        raise PipatchError("logits of given states need the engine in this process: load the model without serve=")
+
+    def abort_unfinished(self) -> int:
+        return 0  # requests in flight finish on the server; their answers are discarded
+
+
+def _reason(error: BaseException) -> str:
+    """The line of a server-side exception that says what went wrong (nnsight's message also
+    carries the traceback of the shipped code, whose last lines are source and ``^^^`` marks)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = [line for line in lines if line[0] not in "~^" and ("Error" in line or "error" in line)]
+    return (said or lines or [""])[-1][:200]
+
+
+class _Serialized:
+    """An nnsight backend that runs nothing: it keeps the trace's serialized request."""
+
+    blob: bytes = b""
+
+    def __call__(self, tracer: Any) -> None:
+        from nnsight.schema.request import RequestModel
+
+        self.blob = RequestModel.serialize(tracer, compress=False)

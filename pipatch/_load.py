@@ -1,0 +1,137 @@
+"""Loading a model: :func:`load_model` (public) and :func:`shared_model` (once per process).
+
+Where a model comes from (the embedded default, a local folder, the Hugging Face hub), which
+runtime holds it (transformers in this process, a vLLM engine in this process, a ``pipatch
+serve`` server) and the checks that make a bad choice one line before any second is spent.
+The pieces (the embedded model's cache, dtype and device names, building nnsight's ``VLLM``)
+live in :mod:`pipatch._models`; the server's client in :mod:`pipatch._backends.served`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ._models import (
+    PipatchError,
+    _check_backend,
+    _hub_reachable,
+    _model_path,
+    _resolve_device,
+    _resolve_dtype,
+    build_vllm,
+    no_progress_bar,
+)
+
+__all__ = ["load_model", "shared_model"]
+
+
+def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
+               backend: str = "transformers", engine_args: dict[str, Any] | None = None,
+               serve: str | None = None, api_key: str | None = None, timeout: float = 600.0):
+    """Load a causal language model as an nnsight ``TransformersModel`` (or ``VLLM``).
+
+    Parameters
+    ----------
+    name
+        ``None`` for the embedded default (Gemma 3 270M, offline), a local folder holding a
+        transformers checkpoint, or a Hugging Face id such as ``"gpt2"`` (needs the hub or a
+        filled Hugging Face cache).
+    dtype
+        ``torch.float32`` (default), ``torch.bfloat16``, ... or their names.
+    device
+        ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...; default: ``"cuda"`` when torch sees a GPU,
+        else ``"cpu"``. Inputs, noise and patched values follow the model's device; results
+        always come back to the CPU.
+    backend
+        ``"transformers"`` (default): the model in this process through transformers.
+        ``"vllm"``: nnsight's ``VLLM``, a vLLM engine in this process (``pip install
+        'pipatch[vllm]'``; on the CPU through :mod:`pipatch._vllm_cpu_worker`).
+        Every experiment but attribution (vLLM computes no gradients) runs on either, with
+        the same results.
+    engine_args
+        ``backend="vllm"`` only: extra ``vllm.LLM`` arguments, over pipatch's defaults
+        (``max_model_len=2048``, ``kv_cache_memory_bytes=1 GiB``).
+    serve
+        The URL of a ``pipatch serve`` server (``"http://gpu-box:6677"``): every experiment
+        runs there, on its vLLM engine; this process holds a weightless copy of the module
+        tree (needs ``pipatch[vllm]`` installed, no GPU). ``name`` must be the model the
+        server serves (``None``: the embedded one); ``dtype`` is the server's.
+    api_key
+        With ``serve``: the key the server was started with (``--api-key``).
+    timeout
+        With ``serve``: seconds to wait for one batch's answer before giving up.
+
+    Returns
+    -------
+    nnsight.modeling.transformers.TransformersModel or nnsight.modeling.vllm.VLLM
+        Dispatched and ready; ``model.tokenizer`` is its tokenizer.
+    """
+    _check_backend(backend)
+    if serve is None and api_key is not None:
+        raise PipatchError("api_key is for a server: pass it with serve='http://host:port'")
+    if serve is not None and (backend != "transformers" or engine_args is not None or device is not None):
+        raise PipatchError("serve= runs the model on the server, which chose its backend, engine and device: "
+                           "drop backend=, engine_args= and device=")
+    if engine_args is not None and backend != "vllm":
+        raise PipatchError("engine_args are vLLM engine arguments: pass them with backend='vllm'")
+    torch_dtype = _resolve_dtype(dtype)
+    device = _resolve_device(device)  # before the load: a bad device costs no seconds
+    if serve is not None:
+        from ._backends.served import connect
+
+        return connect(name, serve, api_key=api_key, dtype=dtype, timeout=timeout)
+    if backend == "vllm":
+        return build_vllm(name, dtype=dtype, device=device, engine_args=engine_args)
+    path, label = _model_path(name)
+
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(**kwargs):
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        with no_progress_bar():  # a "Loading weights" bar for a load of seconds is noise in a cell
+            return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+
+    try:
+        try:
+            # The local Hugging Face cache first: no network, no retries.
+            tokenizer, hf_model = load(local_files_only=True)
+        except OSError:
+            if Path(path).expanduser().is_dir() or not _hub_reachable(path):
+                raise
+            tokenizer, hf_model = load()
+    except (OSError, ValueError) as error:
+        reason = "not in the local Hugging Face cache and the hub is unreachable (offline)"
+        if Path(path).expanduser().is_dir() or _hub_reachable(path):
+            text = str(error).strip()
+            reason = text.splitlines()[0][:160] if text else type(error).__name__
+        raise PipatchError(
+            f"cannot load model {label!r}: {reason}; pass a local folder holding a transformers "
+            "checkpoint, or omit the name for the embedded default"
+        ) from None
+    hf_model.eval()
+    hf_model.to(device)
+    hf_model.name_or_path = label  # shown in results; the checkpoint path is an implementation detail
+    model = TransformersModel(hf_model, tokenizer=tokenizer)
+    model._pipatch_name = label
+    return model
+
+
+_SHARED: dict[tuple, Any] = {}
+
+
+def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None,
+                 backend: str = "transformers", serve: str | None = None, api_key: str | None = None):
+    """:func:`load_model`, but each (name, dtype, device, backend or server) is loaded once per
+    process.
+
+    The magics and the CLI use this so a notebook kernel loads the embedded model once (and
+    starts at most one vLLM engine, or one client per server, per model).
+    """
+    where = ("serve", serve, api_key) if serve else (str(_resolve_device(device)), _check_backend(backend))
+    key = (None if name is None else str(name), str(_resolve_dtype(dtype)), *where)
+    if key not in _SHARED:
+        _SHARED[key] = load_model(name, dtype=dtype, device=device, backend=backend, serve=serve, api_key=api_key)
+    return _SHARED[key]

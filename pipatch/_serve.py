@@ -1,0 +1,256 @@
+"""``pipatch serve``: nnsight's own server (``nnsight-serve``) for pipatch's notebooks.
+
+A team runs one server on the machine with the GPUs; every notebook points at it with
+``pipatch.load_model(MODEL, serve="http://host:6677")`` (the served backend,
+:mod:`pipatch._backends.served`) and keeps its live grid while the sweeps run there. The
+server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started the way
+``nnsight-serve`` starts it, plus what pipatch needs of it:
+
+* **The right worker.** On a machine without CUDA the engine's worker is pipatch's CPU
+  adapter (:mod:`pipatch._vllm_cpu_worker`), named before the model is built (the worker
+  processes import it by name).
+* **Fresh sources per request.** nnsight memoizes each traced file's source and ``with``
+  blocks by file name, and the server registers each request's shipped source under the
+  *client's* file name: the second, different trace sent from one client file would be
+  parsed against the first one's source (``WithBlockNotFoundError``). Those memos are
+  dropped before each request is built (builds run one at a time, with no ``await``).
+* **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
+  engine and its worker processes (the stock server leaves them running, ~6 GB).
+* **Who may send code.** Requests carry code the server runs: the server listens on the
+  loopback only, unless ``--host`` comes with ``--api-key``.
+* **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
+  versions; a client checks it when it connects (and a wrong key fails there, at once).
+
+The ready line (``pipatch serve: ready at http://...``) is printed on stdout once the port
+accepts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "Spawned", "INFO_PATH", "LOOPBACK"]
+
+#: Where a client asks the server what it serves.
+INFO_PATH = "/v1/pipatch/info"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipatch serve",
+        description="Serve a model to pipatch notebooks (nnsight's server on a vLLM engine). "
+                    "Options it does not know go to the vLLM engine: --tensor-parallel-size 2, "
+                    "--max-model-len 4096, --kv-cache-memory-bytes 2000000000, ...")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF id or local folder (default: the embedded Gemma 3 270M)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="bind address (default 127.0.0.1; any other needs --api-key)")
+    parser.add_argument("--port", type=int, default=6677, help="port (default 6677)")
+    parser.add_argument("--api-key", default=None, help="require this key (header ndif-api-key)")
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit status (2: bad options)."""
+    # anyio imports parts of itself on first use (the API-key middleware's streams, sync
+    # routes' thread pool), and those imports fail once nnsight is imported ("Attribute 'save'
+    # is missing its type annotation"): import them before anything imports nnsight.
+    import anyio._backends._asyncio  # noqa: F401
+    import anyio.abc  # noqa: F401
+
+    from ._models import PipatchError
+
+    parser = build_parser()
+    args, engine_words = parser.parse_known_args(argv)
+    try:
+        engine_args = _engine_args(engine_words)
+        if args.host not in LOOPBACK and not args.api_key:
+            raise PipatchError(f"--host {args.host} lets other machines send code for this server to run: "
+                               "add --api-key KEY (clients pass api_key=KEY), or keep the default 127.0.0.1")
+        return _serve(args, engine_args)
+    except PipatchError as error:
+        sys.stderr.write(f"pipatch serve: error: {error}\n")
+        return 2
+
+
+def _engine_args(words: list[str]) -> dict[str, Any]:
+    """``--flag value`` words → vLLM engine keywords, as ``nnsight-serve`` reads them; a word
+    that is no ``--flag`` (``-tp 2``) is refused rather than dropped."""
+    from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
+
+    from ._models import PipatchError
+
+    stray = [w for i, w in enumerate(words) if not w.startswith("--") and (i == 0 or not words[i - 1].startswith("--"))]
+    if stray:
+        raise PipatchError(f"unrecognized argument {stray[0]!r}: engine options are --long-flags with a value "
+                           "(--tensor-parallel-size 2, not -tp 2)")
+    return _parse_vllm_args(words)
+
+
+def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    import uvicorn
+    from nnsight.modeling.vllm.serve import server
+    from nnsight.modeling.vllm.serve.cli import _add_api_key_middleware
+
+    from ._models import EMBEDDED_NAME, build_vllm
+
+    label = args.model or EMBEDDED_NAME
+    print(f"pipatch serve: starting {label} (the engine takes about a minute) ...", flush=True)
+    model = build_vllm(args.model, dtype=args.dtype, device=args.device, engine_args=engine_args, mode="async")
+    server.set_model(model)
+    _fresh_sources_per_request(server)
+    config = model.vllm_entrypoint.vllm_config
+    info = {
+        "model": label, "dtype": str(config.model_config.dtype).replace("torch.", ""),
+        "device": str(getattr(config.device_config, "device_type", "") or "cpu"),
+        "max_model_len": int(config.model_config.max_model_len),
+        "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
+        "pipatch": _version("pipatch"), "nnsight": _version("nnsight"), "vllm": _version("vllm"),
+    }
+
+    async def describe() -> dict[str, Any]:
+        return info
+
+    server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
+    if args.api_key:
+        _add_api_key_middleware(server.app, args.api_key)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"pipatch serve: ready at http://{args.host}:{args.port} ({label}, {info['dtype']}, "
+                      f"{info['device']}; pid {os.getpid()})", flush=True)
+
+    # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal with the
+    # handler it found: SystemExit (not the default, which kills at once) lets the engine
+    # shut down below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning")).run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        model.vllm_entrypoint.shutdown()  # the engine core and its workers: no orphans
+        print("pipatch serve: stopped", flush=True)
+    return 0
+
+
+def _fresh_sources_per_request(server: Any) -> None:
+    """Drop nnsight's per-file source and ``with``-block memos before each request is built."""
+    from nnsight.tracing import globals as memos
+
+    build = server._build_tracer
+
+    def build_fresh(body: bytes, compress: bool) -> Any:
+        memos.SOURCES.clear()
+        memos.BLOCKS.clear()
+        return build(body, compress)
+
+    server._build_tracer = build_fresh
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return ""
+
+
+class Spawned:
+    """A ``pipatch serve`` child process, started and read until its ready line.
+
+    For scripts, benchmarks and tests that need a server of their own::
+
+        server = Spawned("--api-key", key)          # returns once the port accepts requests
+        model = pipatch.load_model(serve=server.url, api_key=key)
+        ...
+        server.stop()                               # SIGTERM: the engine processes go too
+
+    ``tree`` lists the pids it started (the web server, the engine core, its workers),
+    ``rss_gb()`` their resident memory and ``alive()`` those still running.
+    """
+
+    def __init__(self, *args: str, port: int | None = None, timeout: float = 600, python: str | None = None):
+        import socket
+        import subprocess
+        import threading
+        import time
+
+        import psutil
+
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [python or sys.executable, "-m", "pipatch.cli", "serve", "--port", str(port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.tree = [self.proc.pid]
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("pipatch serve: ready at "):
+                    ready.set()
+            ready.set()  # it exited
+
+        threading.Thread(target=read, daemon=True).start()
+        started = time.monotonic()
+        if not ready.wait(timeout) or self.proc.poll() is not None:
+            self.kill()
+            tail = "".join(self.lines[-15:])
+            raise RuntimeError(f"pipatch serve did not get ready in {timeout:.0f} s:\n{tail}")
+        self.start_s = time.monotonic() - started
+        self.tree += [child.pid for child in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def rss_gb(self) -> float:
+        import psutil
+
+        total = 0
+        for pid in self.tree:
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total / 2**30
+
+    def alive(self) -> list[int]:
+        import psutil
+
+        running = []
+        for pid in self.tree:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return running
+
+    def stop(self, timeout: float = 120) -> int:
+        """SIGTERM, as a service manager stops it; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL whatever of it is left (cleanup after a failure)."""
+        for pid in self.tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
