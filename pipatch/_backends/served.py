@@ -110,7 +110,7 @@ class Server:
         try:
             raise_deferred(answer.get("error"))
         except Exception as error:  # noqa: BLE001 - the server's exception, named in one line
-            raise PipatchError(f"the server failed the request: {type(error).__name__}: {_reason(error)}") from None
+            raise PipatchError(f"the server failed the request: {_reason(error)}") from None
         return answer.get("saves", {})
 
     def generate_all(self, blobs: list[bytes]) -> list[dict[str, Any]]:
@@ -228,9 +228,11 @@ class ServedBackend(VLLMBackend):
 def _reason(error: BaseException) -> str:
     """The line of a server-side exception that says what went wrong (nnsight's message also
     carries the traceback of the shipped code, whose last lines are source and ``^^^`` marks)."""
+    kind = type(error).__name__
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     said = [line for line in lines if line[0] not in "~^" and ("Error" in line or "error" in line)]
-    return (said or lines or [""])[-1][:200]
+    line = (said or lines or [""])[-1][:200]
+    return line if line.startswith(kind) else f"{kind}: {line}"
 
 
 class _Serialized:
