@@ -19,6 +19,7 @@ Two exact shortcuts, used when the engine asks for ``fast=True`` (a test compare
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,10 +83,19 @@ class TransformersBackend:
                 return value
         return None
 
+    @property
+    def path(self) -> str:
+        """Where the model loads from: the folder or hub id it was loaded from, else its checkpoint's."""
+        hf = self._hf
+        return str(getattr(self.model, "_pipatch_path", None) or getattr(hf.config, "_name_or_path", "")
+                   or getattr(hf, "name_or_path", ""))
+
     def meta(self) -> dict[str, Any]:
-        """What a result records about the model."""
-        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
-                "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device)}
+        """What a result records about the model: its name, where it loads from (``model_path``)
+        and where the adapter found each site (``adapter``), which ``Result.code()`` reads."""
+        return {"model": self.name, "model_path": self.path, "family": self.adapter.family, "backend": self.kind,
+                "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+                "adapter": dataclasses.asdict(self.adapter)}
 
     def decode(self, ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([int(i)]) for i in ids]
