@@ -28,11 +28,13 @@ valid script. Module paths from the metadata are checked to be dotted identifier
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from string import Template
 from typing import Any
 
 from ._models import Adapter, PipatchError
+from ._sites import SITES
 
 __all__ = ["script"]
 
@@ -212,15 +214,15 @@ def causal_trace(prompt, subject, answer, scale):
     corrupt = torch.stack(list(corrupt))
 
     # 3. Restore: the noised run with one clean state (or a window of sublayer outputs) written
-    #    back at one position; all positions of a layer as invokes of one trace.
+    #    back at one position; every (seed, position) of a layer as invokes of one trace.
     raw = {kind: torch.zeros(SEEDS, n_layers, T) for kind in KINDS}
     for kind in KINDS:
         for layer in range(n_layers):
             window = [layer] if kind == "resid" else range(layer, min(layer + WINDOW, n_layers))
-            for seed in range(SEEDS):
-                donor = corrupt_states[seed][kind] if CONTROL else clean_states[kind]
-                with model.trace(**LAST_ONLY) as tracer:
-                    row = nnsight.save([])
+            with model.trace(**LAST_ONLY) as tracer:
+                row = nnsight.save([])
+                for seed in range(SEEDS):
+                    donor = corrupt_states[seed][kind] if CONTROL else clean_states[kind]
                     for pos in range(T):
                         with tracer.invoke(input_ids):
                             embedded = embed.output
@@ -228,7 +230,7 @@ def causal_trace(prompt, subject, answer, scale):
                             for w in window:
                                 site(kind, w)[:, pos] = donor[w][:, pos]
                             row.append(metric(model.output.logits[0, -1], answer))
-                raw[kind][seed, layer] = torch.stack(list(row))
+            raw[kind][:, layer] = torch.stack(list(row)).reshape(SEEDS, T)
     return raw, clean, corrupt
 ''')
 
@@ -421,7 +423,8 @@ def _adapter(meta: dict) -> Adapter:
         _path(getattr(adapter, what), what)
     for name in adapter.qkv:
         _path(name, "q/k/v projection")
-    return adapter
+    return dataclasses.replace(adapter, n_layers=int(adapter.n_layers), n_heads=int(adapter.n_heads),
+                               n_kv_heads=int(adapter.n_kv_heads), head_dim=int(adapter.head_dim))
 
 
 def _site_lines(adapter: Adapter, names: list[str]) -> str:
@@ -468,10 +471,12 @@ def _experiment(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str
         kinds = sorted(meta.get("kinds") or result.views, key=("attn", "mlp", "resid").index)
         code = _TRACE.substitute(kinds=repr(kinds), window=int(meta.get("window", 10)), seeds=int(meta["seeds"]),
                                  control=bool(meta.get("control")), embed=_path(adapter.embed, "embedding"))
-        summary = (f"noise the subject's embeddings ({meta['seeds']} seeded draws), restore one clean state per\n"
+        summary = (f"noise the subject's embeddings ({int(meta['seeds'])} seeded draws), restore one clean state per\n"
                    "(layer, position), average normalized recovery over the seeds.")
         return "causal_trace", code, kinds, summary
     site = meta.get("site", "resid")
+    if kind in ("patch", "attribution") and site not in SITES:
+        raise PipatchError(f"code(): unknown site {site!r}")
     heads = meta.get("col_axis") == "head"
     n_columns = "N_HEADS" if heads else "len(positions)"
     columns_doc = "head (each patched at `positions`)" if heads else "position in `positions`"
@@ -549,6 +554,8 @@ def script(result: Any) -> str:
     except KeyError as missing:
         raise PipatchError(f"code() needs meta[{missing}], which this result does not record (saved by an older "
                            "pipatch, or built by hand): rerun the experiment") from None
+    except (TypeError, ValueError) as error:
+        raise PipatchError(f"code(): this result's metadata is not what pipatch records ({error})") from None
 
 
 def _script(result: Any) -> str:
@@ -561,10 +568,12 @@ def _script(result: Any) -> str:
                            "which this result does not record (saved by an older pipatch): rerun the experiment")
     adapter = _adapter(meta)
     function, experiment, sites, summary = _experiment(result, adapter)
+    if result.metric not in _METRIC_BODY:
+        raise PipatchError(f"code(): unknown metric {result.metric!r}")
     device = str(meta.get("device", "cpu"))
     dtype = str(meta.get("dtype", "float32"))
-    if not _IDENTIFIER_PATH.fullmatch(dtype) or "." in dtype:
-        raise PipatchError(f"code(): the result's dtype {dtype!r} is not a torch dtype name")
+    if dtype not in ("float32", "bfloat16", "float16", "float64"):
+        raise PipatchError(f"code(): the result's dtype {dtype!r} is not a floating-point torch dtype")
     header = _HEADER.substitute(
         title=_docstring_line(result.title), summary=summary, model=repr(str(meta["model_path"])),
         label=repr(str(meta.get("model", ""))), device_line=_device_line(device), dtype=dtype,
@@ -584,7 +593,7 @@ def _script(result: Any) -> str:
             raise PipatchError("code() needs each prompt's inputs (meta['items']), which this dataset result does not "
                                "record (saved by an older pipatch): rerun the experiment")
         run = _DATASET.substitute(entries="\n".join(entries), function=function,
-                                  groups=", ".join(result.columns) if result.col_axis == "token" else "none")
+                                  groups=repr(list(result.columns)) if result.col_axis == "token" else "none")
     else:
         run = _SINGLE.substitute(call=_call(function, *_inputs_of(result.kind, meta)))
     return header + experiment + run + _FOOTER.substitute(view=repr(result.views[0]))

@@ -27,11 +27,12 @@ from pipatch._models import PipatchError
 from tests.conftest import COLOSSEUM, EIFFEL
 
 LOUVRE, VATICAN = "The Louvre is in the city of", "The Vatican is in the city of"
+PARIS = "Paris is in"  # traces cost seeds × kinds × layers × tokens runs: a short prompt
 PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
 
 #: name → (experiment, keyword arguments): every kind, every site, every direction, datasets.
 CASES: dict[str, tuple[str, dict]] = {
-    "trace resid+mlp+attn": ("trace", {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "seeds": 2,
+    "trace resid+mlp+attn": ("trace", {"prompt": PARIS, "subject": "Paris", "answer": " France", "seeds": 2,
                                        "scale": 3.0, "kind": "resid,mlp,attn", "window": 3}),
     "patch resid denoise": ("patch", {**PAIR, "site": "resid", "positions": [2, 4, -1]}),
     "patch attn noise prob": ("patch", {**PAIR, "site": "attn", "direction": "noise", "metric": "prob",
@@ -46,8 +47,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "path mlp to q/k/v noise": ("path_patch", {**PAIR, "sender": "mlp", "direction": "noise",
                                                "receivers": [("head", 6, 0, "q"), ("head", 6, 1, "k"),
                                                              ("head", 8, 2, "v")]}),
-    "dataset trace": ("trace", {"prompt": [EIFFEL, LOUVRE], "subject": ["Eiffel Tower", "Louvre"],
-                                "answer": " Paris", "seeds": 1, "scale": 3.0}),
+    "dataset trace": ("trace", {"prompt": [PARIS, "The Colosseum is in"], "subject": ["Paris", "Colosseum"],
+                                "answer": [" France", " Rome"], "seeds": 1, "scale": 3.0}),
     "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
                                 "foil": " Rome", "positions": [1, 3, -2, -1]}),
 }
