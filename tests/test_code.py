@@ -39,8 +39,7 @@ CASES: dict[str, tuple[str, dict]] = {
                                         "positions": [3, -1]}),
     "patch mlp zero logprob": ("patch", {**PAIR, "site": "mlp", "direction": "zero", "metric": "logprob",
                                          "positions": [4, -1]}),
-    "patch head mean": ("patch", {**PAIR, "site": "head", "direction": "mean", "positions": [-1],
-                                  "mean_prompts": [EIFFEL, COLOSSEUM, LOUVRE]}),
+    "patch head mean": ("patch", {**PAIR, "site": "head", "direction": "mean", "positions": [-1]}),
     "attribute resid": ("attribute", {**PAIR, "site": "resid"}),
     "attribute head": ("attribute", {**PAIR, "site": "head", "positions": [3, -1]}),
     "path heads to logits": ("path_patch", PAIR),
@@ -120,7 +119,7 @@ def test_the_script_recomputes_the_grid(name, results, tmp_path):
 
 
 def test_a_result_read_back_from_its_file_gives_the_same_script(results, tmp_path):
-    for name in ("trace resid+mlp+attn", "dataset patch", "path mlp to q/k/v noise"):
+    for name in ("dataset trace", "dataset patch", "path mlp to q/k/v noise"):
         result = results(name)
         back = load_result(result.save(tmp_path / "r.safetensors"))
         assert back.code() == result.code()
