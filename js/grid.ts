@@ -91,6 +91,11 @@ export class GridView {
   private pngBtn = h('button', 'pipatch-png', 'PNG');
   private csvBtn = h('button', 'pipatch-csv', 'CSV');
   private stopBtn = h('button', 'pipatch-stop', 'Stop');
+  private codeBtn = h('button', 'pipatch-code-toggle', 'Code');
+  /** Result.code(): a <pre> whose text is the script (never parsed as HTML), and a Copy button. */
+  private codePanel = h('div', 'pipatch-code');
+  private codeCopy = h('button', 'pipatch-code-copy', 'Copy');
+  private codeText = h('pre', 'pipatch-code-text');
   private statusEl = h('div', 'pipatch-status');
   private warningsEl = h('ul', 'pipatch-warnings');
   private body = h('div', 'pipatch-body');
@@ -134,8 +139,12 @@ export class GridView {
     this.pngBtn.title = 'download the heatmap as PNG';
     this.csvBtn.title = 'download the values as CSV';
     this.stopBtn.title = 'stop the sweep after the current chunk (keeps the partial grid)';
-    for (const b of [this.pngBtn, this.csvBtn, this.stopBtn]) b.type = 'button';
-    this.toolbar.append(this.viewSel, this.seedSel, this.modeSel, this.pngBtn, this.csvBtn, this.stopBtn);
+    this.codeBtn.title = 'show a plain nnsight script that recomputes this grid';
+    this.codeCopy.title = 'copy the script to the clipboard';
+    for (const b of [this.pngBtn, this.csvBtn, this.codeBtn, this.codeCopy, this.stopBtn]) b.type = 'button';
+    this.toolbar.append(this.viewSel, this.seedSel, this.modeSel, this.pngBtn, this.csvBtn, this.codeBtn, this.stopBtn);
+    this.codePanel.append(this.codeCopy, this.codeText);
+    this.codePanel.style.display = 'none';
 
     this.plot.append(this.canvas, this.overlay, this.colLabels);
     this.scroll.append(this.plot);
@@ -157,6 +166,7 @@ export class GridView {
       this.statusEl,
       this.warningsEl,
       this.errorsEl,
+      this.codePanel,
       this.body,
       this.legend,
       this.detailEl,
@@ -170,6 +180,10 @@ export class GridView {
     this.modeSel.addEventListener('change', () => this.changeUi({ mode: this.modeSel.value as Mode }));
     this.pngBtn.addEventListener('click', () => this.downloadPng());
     this.csvBtn.addEventListener('click', () => this.downloadCsv());
+    this.codeBtn.addEventListener('click', () => {
+      this.codePanel.style.display = this.codePanel.style.display === 'none' ? '' : 'none';
+    });
+    this.codeCopy.addEventListener('click', () => this.copyCode());
     this.stopBtn.addEventListener('click', () => {
       this.stopClicked = true;
       this.stopBtn.disabled = true;
@@ -255,6 +269,7 @@ export class GridView {
     this.statusEl.textContent = statusText(s);
     this.statusEl.setAttribute('data-status', s.status);
     this.renderWarnings(s);
+    this.renderCode(s);
     this.renderGrid(s);
     this.renderDetail(s);
   }
@@ -282,6 +297,32 @@ export class GridView {
     } else if (this.stopClicked) {
       this.stopBtn.disabled = true;
     }
+  }
+
+  private renderCode(s: GridState): void {
+    this.codeBtn.style.display = s.code ? '' : 'none';
+    if (!s.code) this.codePanel.style.display = 'none';
+    if (this.codeText.textContent !== s.code) this.codeText.textContent = s.code;
+  }
+
+  /** Copy the script as text: the clipboard API where the page may use it, else select it for Ctrl-C. */
+  copyCode(): void {
+    const text = this.codeText.textContent ?? '';
+    const done = () => {
+      this.codeCopy.textContent = 'Copied';
+      setTimeout(() => (this.codeCopy.textContent = 'Copy'), 1500);
+    };
+    const select = () => {
+      const sel = this.root.ownerDocument.getSelection?.();
+      if (!sel) return;
+      const range = this.root.ownerDocument.createRange();
+      range.selectNodeContents(this.codeText);
+      sel.removeAllRanges();
+      sel.addRange(range);
+    };
+    const clip = typeof navigator !== 'undefined' ? navigator.clipboard : undefined;
+    if (clip?.writeText) clip.writeText(text).then(done, select);
+    else select();
   }
 
   private renderWarnings(s: GridState): void {

@@ -40,6 +40,7 @@ export const STATE_SCHEMA = {
   detail: 'detail',
   stoppable: 'bool',
   live_id: 'str',
+  code: 'str',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */

@@ -55,6 +55,10 @@ export const GRID_CSS = `
   background: repeating-linear-gradient(45deg, var(--jp-layout-color2, #eeeeee) 0 3px, var(--jp-border-color1, #bdbdbd) 3px 4px);
 }
 .pipatch-detail { margin-top: 6px; overflow-wrap: anywhere; }
+.pipatch-code { position: relative; margin: 4px 0 6px; }
+.pipatch-code-text { max-height: 360px; overflow: auto; margin: 0; padding: 6px 8px; font-size: 11px; line-height: 1.35;
+  background: var(--jp-layout-color2, #f5f5f5); border: 1px solid var(--jp-border-color2, #e0e0e0); white-space: pre; }
+.pipatch-code-copy { position: absolute; top: 4px; right: 16px; font-size: 11px; }
 .pipatch-detail-hint { color: var(--jp-ui-font-color2, #616161); font-style: italic; }
 .pipatch-saved-hint { color: var(--jp-ui-font-color2, #616161); font-style: italic; font-size: 12px; margin-bottom: 4px; }
 .pipatch-detail-error { color: var(--jp-error-color1, #d32f2f); }

@@ -116,6 +116,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     hf_model.name_or_path = label  # shown in results; the checkpoint path is an implementation detail
     model = TransformersModel(hf_model, tokenizer=tokenizer)
     model._pipatch_name = label
+    model._pipatch_path = path  # what Result.code()'s script loads (the embedded default's converted folder)
     return model
 
 

@@ -219,6 +219,26 @@ class Result:
                     })
         return pd.DataFrame(rows)
 
+    def code(self) -> str:
+        """A short Python script, using nnsight and transformers only (no pipatch), that recomputes
+        this result's grid the straightforward way: same model, prompts, answer / foil, site,
+        direction, metric, seeds and noise. ``python script.py OUT.json`` writes
+        ``{"grid": [[...], ...], "grids": {view: ...}}``, equal to :attr:`grid` / :attr:`grids`.
+
+        Works for a result read back with :func:`load_result` too (it reads ``meta`` only).
+        Raises :class:`PipatchError` for a result it cannot express (see :mod:`pipatch._code`).
+        """
+        from ._code import script
+
+        return script(self)
+
+    def _code_or_empty(self) -> str:
+        """:meth:`code`, or ``""`` where there is none (the views then show no Code button)."""
+        try:
+            return self.code()
+        except PipatchError:
+            return ""
+
     # -- serialization --------------------------------------------------------------------
     def _header(self) -> dict[str, Any]:
         return {
@@ -308,6 +328,7 @@ class Result:
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
             "baselines": {"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))},
             "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
+            "code": self._code_or_empty(),
         })
 
     def _seed_axis(self) -> dict[str, Any]:

@@ -142,6 +142,7 @@ class GridWidget(anywidget.AnyWidget):
     detail = t.Dict().tag(sync=True)
     stoppable = t.Bool(False).tag(sync=True)
     live_id = t.Unicode("").tag(sync=True)
+    code = t.Unicode("").tag(sync=True)
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)

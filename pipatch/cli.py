@@ -13,10 +13,10 @@ its Python function::
 once per prompt); the other commands take ``--clean`` / ``--corrupt``, repeated for a dataset
 (paired in order). Every command prints a text heatmap (columns: tokens or heads, rows:
 layers), shows progress on stderr, and writes ``--json`` (``{"kind", "model", "tokens",
-"layers", "grid", "metric", "clean", "corrupt", ...}``), ``--png`` and ``--save``
-(safetensors) files. Bad input prints one line on stderr, naming the command, and exits with
-status 2. ``--serve URL`` runs any of them on a server started with ``pipatch serve [MODEL]``
-(see :mod:`pipatch._serve`).
+"layers", "grid", "metric", "clean", "corrupt", ...}``), ``--png``, ``--save``
+(safetensors) and ``--code`` (a plain nnsight script that recomputes the grid) files. Bad
+input prints one line on stderr, naming the command, and exits with status 2. ``--serve URL``
+runs any of them on a server started with ``pipatch serve [MODEL]`` (see :mod:`pipatch._serve`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
     # dest is not "save": nnsight gives every object a .save() that would shadow it.
     common.add_argument("--save", dest="save_path", metavar="FILE", help="write the full result (safetensors)")
+    common.add_argument("--code", metavar="FILE",
+                        help="write a plain nnsight + transformers script that recomputes the grid (Result.code())")
     common.add_argument("--quiet", action="store_true", help="no progress bar")
     return common
 
@@ -173,6 +175,11 @@ def _write(result: Any, args: argparse.Namespace) -> None:
     if args.save_path:
         result.save(args.save_path)
         print(f"wrote {args.save_path}")
+    if args.code:
+        text = result.code()
+        with open(args.code, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        print(f"wrote {args.code}")
 
 
 if __name__ == "__main__":  # pragma: no cover

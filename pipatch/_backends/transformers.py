@@ -19,6 +19,7 @@ Two exact shortcuts, used when the engine asks for ``fast=True`` (a test compare
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +87,19 @@ class TransformersBackend(Described):
     @property
     def runs_on(self) -> str:
         return str(self.device)
+
+    @property
+    def path(self) -> str:
+        """Where the model loads from: the folder or hub id it was loaded from, else its checkpoint's."""
+        hf = self._hf
+        return str(getattr(self.model, "_pipatch_path", None) or getattr(hf.config, "_name_or_path", "")
+                   or getattr(hf, "name_or_path", ""))
+
+    def meta(self) -> dict[str, Any]:
+        """What a result records about the model (:meth:`Described.meta`), plus where it loads
+        from (``model_path``) and where the adapter found each site (``adapter``), which
+        ``Result.code()`` reads."""
+        return {**super().meta(), "model_path": self.path, "adapter": dataclasses.asdict(self.adapter)}
 
     # -- runs -------------------------------------------------------------------------------
     def capture(

@@ -35,6 +35,7 @@ from .._cells import Cell
 from .._engine import Plan, Predictor, SiteSweep, Sweep
 from .._models import PipatchError
 from .._result import Result
+from ._inputs import model_meta
 
 __all__ = ["plan_dataset", "named_groups", "per_prompt"]
 
@@ -88,6 +89,17 @@ def _span(result: Result) -> tuple[list[int], str]:
     return changed or [len(clean) - 1], "changed"
 
 
+def prompt_groups(result: Result) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    """One prompt's named positions: their names, the token positions in each (of those swept),
+    and the result columns holding them (a ``positions=`` subset sweeps only some)."""
+    span, noun = _span(result)
+    names, groups = named_groups(span, len(result.tokens), noun)
+    swept = result.meta.get("positions") or range(len(result.tokens))
+    where = {position: column for column, position in enumerate(swept)}
+    groups = [[p for p in group if p in where] for group in groups]
+    return names, groups, [[where[p] for p in group] for group in groups]
+
+
 def _position_axis(plan: Plan) -> bool:
     sweep = plan.sweeps[0]
     return isinstance(sweep, SiteSweep) and sweep.site.axis == "token"
@@ -115,13 +127,9 @@ class DatasetPlan(Plan):
         columns = first.result.columns
         for plan in plans:
             if _position_axis(plan):
-                span, noun = _span(plan.result)
-                columns, groups = named_groups(span, len(plan.result.tokens), noun)
-                swept = plan.result.meta.get("positions") or range(len(plan.result.tokens))
-                where = {position: column for column, position in enumerate(swept)}
-                groups = [[p for p in group if p in where] for group in groups]
+                columns, groups, group_columns = prompt_groups(plan.result)
                 self.groups.append(groups)
-                self._group_columns.append([[where[p] for p in group] for group in groups])
+                self._group_columns.append(group_columns)
             else:
                 self.groups.append(None)
                 self._group_columns.append(None)
@@ -131,12 +139,16 @@ class DatasetPlan(Plan):
         self._owner = {id(sweep): i for i, plan in enumerate(plans) for sweep in plan.sweeps}
         results = [p.result for p in plans]
         meta = dict(first.result.meta)
+        shared = set(model_meta(backend))
         meta.update({
             "dataset": True,
             "prompts": [r.meta.get("prompt") or r.meta.get("clean_prompt") for r in results],
             "rows_per_prompt": [r.n_seeds for r in results],
             "per_prompt_clean": [float(r.clean) for r in results],
             "per_prompt_corrupt": [r.corrupt.tolist() for r in results],
+            # Each prompt's own inputs (what Result.code() replays) and the columns of its named positions.
+            "items": [{**{k: v for k, v in r.meta.items() if k not in shared}, "group_columns": g}
+                      for r, g in zip(results, self._group_columns)],
         })
         result = Result(
             kind=first.result.kind, tokens=list(columns), columns=list(columns), layers=first.result.layers,

@@ -65,6 +65,7 @@ STATE_SCHEMA: dict[str, str] = {
     "detail": "detail",
     "stoppable": "bool",
     "live_id": "str",  # the live widget a saved copy stands in for ("" for none)
+    "code": "str",  # Result.code(): the plain nnsight script that recomputes the grid ("" for none)
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 

@@ -1,0 +1,179 @@
+"""``Result.code()``: the plain nnsight script recomputes each result's grid, in a fresh process.
+
+Every experiment kind and site on the embedded model: the script, run as
+``python script.py OUT.json`` with nothing of pipatch imported, writes grids equal to
+``result.grids`` within 1e-4. Results are small (short sweeps, 2 seeds for traces, column
+subsets) and each is computed once per module. Then: the script is the same for a result read
+back from its file, hostile prompts still give a valid script, what cannot be expressed says
+so in one line, and the widget and the CLI carry it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pipatch
+from pipatch import cli, load_result
+from pipatch._models import PipatchError
+from tests.conftest import COLOSSEUM, EIFFEL
+
+LOUVRE, VATICAN = "The Louvre is in the city of", "The Vatican is in the city of"
+PARIS = "Paris is in"  # traces cost seeds × kinds × layers × tokens runs: a short prompt
+PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
+
+#: name → (experiment, keyword arguments): every kind, every site, every direction, datasets.
+CASES: dict[str, tuple[str, dict]] = {
+    "trace resid+mlp+attn": ("trace", {"prompt": PARIS, "subject": "Paris", "answer": " France", "seeds": 2,
+                                       "scale": 3.0, "kind": "resid,mlp,attn", "window": 3}),
+    "patch resid denoise": ("patch", {**PAIR, "site": "resid", "positions": [2, 4, -1]}),
+    "patch attn noise prob": ("patch", {**PAIR, "site": "attn", "direction": "noise", "metric": "prob",
+                                        "positions": [3, -1]}),
+    "patch mlp zero logprob": ("patch", {**PAIR, "site": "mlp", "direction": "zero", "metric": "logprob",
+                                         "positions": [4, -1]}),
+    "patch head mean": ("patch", {**PAIR, "site": "head", "direction": "mean", "positions": [-1]}),
+    "attribute resid": ("attribute", {**PAIR, "site": "resid"}),
+    "attribute head": ("attribute", {**PAIR, "site": "head", "positions": [3, -1]}),
+    "path heads to logits": ("path_patch", PAIR),
+    "path mlp to q/k/v noise": ("path_patch", {**PAIR, "sender": "mlp", "direction": "noise",
+                                               "receivers": [("head", 6, 0, "q"), ("head", 6, 1, "k"),
+                                                             ("head", 8, 2, "v")]}),
+    "dataset trace": ("trace", {"prompt": [PARIS, "The Colosseum is in"], "subject": ["Paris", "Colosseum"],
+                                "answer": [" France", " Rome"], "seeds": 1, "scale": 3.0}),
+    "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
+                                "foil": " Rome", "positions": [1, 3, -2, -1]}),
+}
+
+
+@pytest.fixture(scope="module")
+def results(model):
+    """``results(name)``: the pipatch result of ``CASES[name]``, computed once per module."""
+    cache: dict[str, pipatch.Result] = {}
+
+    def get(name: str) -> pipatch.Result:
+        if name not in cache:
+            experiment, kwargs = CASES[name]
+            kwargs = dict(kwargs)
+            args = [kwargs.pop("prompt")] if "prompt" in kwargs else []
+            cache[name] = getattr(pipatch, experiment)(model, *args, **kwargs)
+        return cache[name]
+
+    return get
+
+
+def run_script(code: str, tmp_path) -> tuple[dict, float]:
+    """Run ``code`` as ``python script.py OUT.json`` in a fresh process; its JSON and seconds."""
+    script, out = tmp_path / "script.py", tmp_path / "out.json"
+    script.write_text(code, encoding="utf-8")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text()), time.perf_counter() - started
+
+
+def imports(code: str) -> set[str]:
+    """Top-level package names a script imports."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+def max_difference(got: list, want: torch.Tensor) -> float:
+    """Largest |got − want| over the cells; NaN must meet NaN (``null`` in the JSON)."""
+    worst = 0.0
+    assert len(got) == want.shape[0]
+    for got_row, want_row in zip(got, want.tolist(), strict=True):
+        for a, b in zip(got_row, want_row, strict=True):
+            if math.isnan(b):
+                assert a is None
+            else:
+                assert a is not None
+                worst = max(worst, abs(a - b))
+    return worst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_script_recomputes_the_grid(name, results, tmp_path):
+    result = results(name)
+    code = result.code()
+    assert imports(code) == {"json", "sys", "torch", "nnsight", "transformers"}
+    assert "trust_remote_code" not in code
+    data, seconds = run_script(code, tmp_path)
+    assert set(data["grids"]) == set(result.views)
+    worst = max(max_difference(data["grids"][view], result.mean(view)) for view in result.views)
+    assert max_difference(data["grid"], result.grid) <= 1e-4
+    print(f"{name}: max |Δ| {worst:.2e}, script {seconds:.0f}s")
+    assert worst <= 1e-4
+
+
+def test_a_result_read_back_from_its_file_gives_the_same_script(results, tmp_path):
+    for name in ("dataset trace", "dataset patch", "path mlp to q/k/v noise"):
+        result = results(name)
+        back = load_result(result.save(tmp_path / "r.safetensors"))
+        assert back.code() == result.code()
+
+
+def test_the_script_loads_the_model_the_result_records(results):
+    result = results("attribute resid")
+    code = result.code()
+    assert f"MODEL = {result.meta['model_path']!r}" in code
+    assert "dtype=torch.float32" in code
+    assert result.meta["model_path"].startswith(str(pipatch._models.default_cache_dir()))
+
+
+HOSTILE = 'He said "no\\" \'\'\' """\nthen {x} $y %s \\n \\\\ Paris is in'
+
+
+def test_a_hostile_prompt_gives_a_valid_script_that_keeps_it_verbatim(model):
+    """Quotes, a newline, backslashes and triple quotes: the script compiles and its literal is the prompt."""
+    corrupt = HOSTILE.replace("Paris", "Rome")
+    result = pipatch.attribute(model, clean=HOSTILE, corrupt=corrupt, answer=" France", foil=" Italy",
+                               site="mlp", positions=[-1])
+    code = result.code()
+    tree = ast.parse(code)
+    compile(code, "script.py", "exec")
+    given = {kw.arg: ast.literal_eval(kw.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+             for kw in node.keywords if kw.arg in ("clean_prompt", "corrupt_prompt")}
+    assert given == {"clean_prompt": HOSTILE, "corrupt_prompt": corrupt}
+    assert "pipatch" not in imports(code)
+
+
+def test_what_cannot_be_expressed_says_so_in_one_line(results):
+    result = results("attribute resid")
+    for meta, words in [({**result.meta, "backend": "vllm"}, "vllm"),
+                        ({k: v for k, v in result.meta.items() if k != "adapter"}, "module layout"),
+                        ({**result.meta, "adapter": {**result.meta["adapter"], "blocks": "model.layers;import os"}},
+                         "dotted name")]:
+        with pytest.raises(PipatchError, match=words) as error:
+            dataclasses.replace(result, meta=meta).code()
+        assert "\n" not in str(error.value)
+    assert dataclasses.replace(result, meta={**result.meta, "backend": "vllm"}).to_state()["code"] == ""
+
+
+def test_the_widget_state_carries_the_script(results):
+    from pipatch._widget import GridWidget
+
+    result = results("attribute resid")
+    assert result.to_state()["code"] == result.code()
+    assert GridWidget(result).code == result.code()
+
+
+def test_the_cli_writes_the_script(results, tmp_path, capsys):
+    path = tmp_path / "attribute.py"
+    argv = ["attribute", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome",
+            "--site", "resid", "--device", "cpu", "--quiet", "--code", str(path)]
+    assert cli.main(argv) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert path.read_text(encoding="utf-8") == results("attribute resid").code()
