@@ -40,6 +40,8 @@ export const STATE_SCHEMA = {
   detail: 'detail',
   stoppable: 'bool',
   live_id: 'str',
+  sides: 'str[]',
+  compared: 'str',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */
@@ -76,6 +78,8 @@ export const ARRAY_SCHEMA = {
   seeds: ['seeds', 'rows', 'cols'],
   raw_seeds: ['seeds', 'rows', 'cols'],
   verified: ['rows', 'cols'],
+  a: ['rows', 'cols'],
+  b: ['rows', 'cols'],
 } as const;
 
 export type StateKey = keyof typeof STATE_SCHEMA;

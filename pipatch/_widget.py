@@ -142,6 +142,8 @@ class GridWidget(anywidget.AnyWidget):
     detail = t.Dict().tag(sync=True)
     stoppable = t.Bool(False).tag(sync=True)
     live_id = t.Unicode("").tag(sync=True)
+    sides = t.List(t.Unicode()).tag(sync=True)
+    compared = t.Unicode("").tag(sync=True)
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)
