@@ -35,10 +35,14 @@ A bad cell (missing ``--answer``, subject not in the prompt, no ``corrupt:`` lin
 different token lengths, unknown site, ...) is refused with one ``UsageError`` line and binds
 nothing: earlier variables stay as they were.
 
-``%%compare a b`` (or ``%compare a b``) shows ``a − b`` of two results already in the
-namespace (:func:`pipatch.compare`) and binds it to ``-o NAME`` (default ``_compare``)::
+``%compare a b`` shows ``a − b`` of two results already in the namespace
+(:func:`pipatch.compare`) and binds it to ``-o NAME`` (default ``_compare``); as a cell magic
+the names go on its line or in its body (IPython refuses a cell magic with an empty body)::
 
-    %%compare -o moved f32 bf16
+    %compare -o moved f32 bf16
+
+    %%compare -o moved
+    f32 bf16
 
 Its grid toggles between a, b and a − b; ``--values raw`` subtracts the raw metric instead of
 normalized recovery, ``--view mlp`` compares one view.
@@ -205,10 +209,11 @@ def make_compare_magic(shell: Any) -> Callable[..., None]:
     """``%%compare [-o NAME] [--values raw] [--view VIEW] a b``: show ``a − b`` of two results
     of the user namespace (or two result files) and bind it to ``NAME``."""
     parser = _MagicParser(prog="%%compare", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                          description="a − b of two results, cell by cell (pipatch.compare).\n\nExample::\n\n"
-                                      "    %%compare -o moved f32 bf16")
-    for side in ("a", "b"):
-        parser.add_argument(side, help=f"{side}: a variable holding a pipatch Result (or a result file)")
+                          description="a − b of two results, cell by cell (pipatch.compare).\n\nExamples::\n\n"
+                                      "    %compare -o moved f32 bf16\n\n    %%compare -o moved\n    f32 bf16")
+    parser.add_argument("names", nargs="*", metavar="A B",
+                        help="two variables holding pipatch Results (or result files): a, then b; on the line "
+                             "or in the cell body")
     parser.add_argument("--values", default="recovery", choices=VALUES,
                         help="subtract normalized recovery (default) or the raw metric")
     parser.add_argument("--view", default=None, help="compare only this view (resid, mlp, attn, ...)")
@@ -218,9 +223,10 @@ def make_compare_magic(shell: Any) -> Callable[..., None]:
         from IPython.display import display
 
         args = _parse(parser, line)
-        if cell and cell.strip():
-            raise UsageError("%%compare: name the two results on the magic's line; the cell body must be empty")
-        sides = [_result_named(shell, name) for name in (args.a, args.b)]
+        names = args.names + arg_split(cell or "", posix=True)
+        if len(names) != 2:
+            raise UsageError(f"%%compare: name two results, a then b (got {len(names)}: {' '.join(names) or 'none'})")
+        sides = [_result_named(shell, name) for name in names]
         try:
             result = compare(*sides, values=args.values, view=args.view)
         except PipatchError as error:
