@@ -572,7 +572,8 @@ export class GridView {
   private renderDetail(s: GridState): void {
     const sel = this.ui.selected as Partial<Selection>;
     if (typeof sel.row !== 'number' || typeof sel.col !== 'number') {
-      this.detailEl.replaceChildren(h('div', 'pipatch-detail-hint', this.cb.live ? 'Click a cell to see the patched run’s top-5 next tokens.' : ''));
+      // A comparison has no patched run of its own: its sides' grids have the top-5.
+      this.detailEl.replaceChildren(h('div', 'pipatch-detail-hint', this.cb.live && !isComparison(s) ? 'Click a cell to see the patched run’s top-5 next tokens.' : ''));
       return;
     }
     const kids: HTMLElement[] = [];
