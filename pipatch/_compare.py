@@ -199,7 +199,8 @@ class Comparison(Result):
         tensors: dict[str, torch.Tensor] = {}
         for name, side in zip(SIDES, (self.a, self.b)):
             header[name], side_tensors = side._file_parts()
-            tensors.update({f"{name}/{key}": t for key, t in side_tensors.items()})
+            # A copy each: safetensors refuses two names for one memory (``compare(r, r)``).
+            tensors.update({f"{name}/{key}": t.clone() for key, t in side_tensors.items()})
         return header, tensors
 
     def to_json(self) -> dict[str, Any]:

@@ -196,8 +196,9 @@ class Result:
         """A matplotlib heatmap of one view: layers × columns with layer 0 at the top (as in the
         live grid), the diverging map centred at 0 of every view, NaN grey.
 
-        ``mode="raw"`` colours by the raw metric, ``seed`` (≥ 0) shows one seed instead of the
-        mean. Drawn into ``ax`` when given, else into a new pyplot figure. Returns the figure.
+        ``mode="raw"`` colours by the raw metric (a comparison's ``mode="a"`` / ``"b"`` shows one
+        side), ``seed`` (≥ 0) shows one seed instead of the mean. Drawn into ``ax`` when given,
+        else into a new pyplot figure. Returns the figure.
         """
         from ._views import figure
 

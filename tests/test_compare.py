@@ -140,6 +140,12 @@ def test_a_comparison_saves_and_loads_whole(tmp_path, prompts, eiffel_patch, col
     (tmp_path / "p.json").write_text(json.dumps(eiffel_patch.to_json()), encoding="utf-8")
     back = pipatch.load_result(tmp_path / "p.json")
     assert _same(back.raw["resid"], eiffel_patch.raw["resid"]) and back.meta == json.loads(json.dumps(eiffel_patch.meta))
+    # A comparison of comparisons nests its sides, and reads back whole too.
+    nested = pipatch.compare(prompts, pipatch.compare(colosseum_patch, eiffel_patch))
+    back = pipatch.load_result(nested.save(tmp_path / "nested.safetensors"))
+    assert _same(back.grid, 2 * prompts.grid) and isinstance(back.a, Comparison) and back.to_json() == nested.to_json()
+    # A result compared with itself saves too (the same tensors on both sides).
+    assert pipatch.load_result(pipatch.compare(eiffel_patch, eiffel_patch).save(tmp_path / "same.safetensors")).a.kind == "patch"
     # Raw differences survive the round trip as well.
     raw = pipatch.compare(eiffel_patch, colosseum_patch, values="raw")
     assert _same(pipatch.load_result(raw.save(tmp_path / "raw.safetensors")).grid, raw.grid)
