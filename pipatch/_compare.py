@@ -105,7 +105,7 @@ def _load_side(side: Any, name: str) -> Result:
     raise PipatchError(f"compare takes two pipatch Results (or result files); {name} is a {type(side).__name__}")
 
 
-class Comparison(Result):
+class Comparison(Result, file_kind="compare"):
     """``a − b`` of two results, cell by cell, with both sides kept (see :mod:`pipatch._compare`).
 
     A :class:`~pipatch.Result` whose ``raw[view]`` is the difference of the compared values,

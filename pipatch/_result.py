@@ -20,7 +20,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -79,6 +79,16 @@ class Result:
     status: str = "done"
     message: str = ""
     warnings: list[str] = field(default_factory=list)
+
+    #: Subclasses that read and write their own files, by the ``kind`` those files hold
+    #: (``class Comparison(Result, file_kind="compare")``): :func:`load_result` hands such a
+    #: file to the subclass's ``from_parts`` / ``parts_from_json``.
+    FILE_KINDS: ClassVar[dict[str, type[Result]]] = {}
+
+    def __init_subclass__(cls, file_kind: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if file_kind is not None:
+            Result.FILE_KINDS[file_kind] = cls
 
     # -- derived values -------------------------------------------------------------------
     @property
@@ -402,10 +412,8 @@ def _read_json(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The file parts (header, tensors) of a :meth:`Result.to_json` document."""
-    if doc.get("kind") == "compare":
-        from ._compare import Comparison
-
-        return Comparison.parts_from_json(doc)
+    if doc.get("kind") in Result.FILE_KINDS:
+        return Result.FILE_KINDS[doc["kind"]].parts_from_json(doc)
     views = doc["views"]
     header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
                                             "status", "message", "warnings", "meta")}
@@ -434,10 +442,8 @@ def _tensor(values: Any) -> torch.Tensor:
 
 def result_from_parts(header: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> Result:
     """The result a file's header and tensors describe, checked whole (``where`` names the file)."""
-    if header.get("kind") == "compare":
-        from ._compare import Comparison
-
-        return Comparison.from_parts(header, tensors, where)
+    if header.get("kind") in Result.FILE_KINDS:
+        return Result.FILE_KINDS[header["kind"]].from_parts(header, tensors, where)
     views = header.get("views") or []
     raw = {}
     corrupt = tensors.get("corrupt")
