@@ -183,6 +183,25 @@ describe('state schema', () => {
   });
 });
 
+describe('a comparison', () => {
+  it("is read through the same schema: both sides named, a − b and each side's values in their shape", () => {
+    const doc = C.examples.comparison;
+    const errors: string[] = [];
+    const { state } = documentToState(doc);
+    normalizeState(doc, errors);
+    expect(errors).toEqual([]);
+    expect(arrayProblems(state, doc)).toEqual([]);
+    expect(state.kind).toBe('compare');
+    expect(state.compared).toBe('recovery');
+    expect(state.sides.map((s) => s.slice(0, 3))).toEqual(['a: ', 'b: ']);
+    expect(Object.keys(state.arrays).sort()).toEqual(['mlp/a', 'mlp/b', 'mlp/mean', 'resid/a', 'resid/b', 'resid/mean']);
+    const [diff, a, b] = ['mean', 'a', 'b'].map((what) => state.arrays[`resid/${what}`].data);
+    for (let i = 0; i < diff.length; i++) {
+      if (Number.isFinite(diff[i])) expect(diff[i]).toBeCloseTo(a[i] - b[i], 6);
+    }
+  });
+});
+
 describe('colour map', () => {
   it('has the same stops and gives the same colour for the same value', () => {
     expect([...DIVERGING_STOPS]).toEqual(C.colors.stops);
