@@ -35,6 +35,12 @@ def colosseum_patch(model):
 
 
 @pytest.fixture(scope="module")
+def two_positions(model):
+    """The Eiffel patch at two positions only (bfloat16 matmuls are slow on a CPU)."""
+    return pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[5, 8])
+
+
+@pytest.fixture(scope="module")
 def prompts(eiffel_patch, colosseum_patch):
     return pipatch.compare(eiffel_patch, colosseum_patch)
 
@@ -72,11 +78,10 @@ def test_two_prompts_of_the_same_length_give_the_difference_of_their_grids(eiffe
     assert c.n_seeds == 1 and c.status == "done"
 
 
-def test_float32_against_bfloat16_of_the_embedded_model(model):
+def test_float32_against_bfloat16_of_the_embedded_model(two_positions):
     bf16 = pipatch.load_model(dtype="bfloat16", device="cpu")
-    # Two positions only: bfloat16 matmuls are slow on a CPU.
-    sides = [pipatch.patch(m, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[5, 8])
-             for m in (model, bf16)]
+    sides = [two_positions, pipatch.patch(bf16, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome",
+                                          positions=[5, 8])]
     c = pipatch.compare(*sides)
     assert c.grid.shape == (18, 2) and torch.isfinite(c.grid).all()
     assert _same(c.grid, sides[0].grid - sides[1].grid)
@@ -99,9 +104,8 @@ def test_two_seed_sets_compare_their_means(model):
     assert "seeds 1" in c.meta["sides"][0] and "seeds 2" in c.meta["sides"][1]
 
 
-def test_grids_that_do_not_line_up_are_refused_naming_the_axis(model, eiffel_patch):
-    p = eiffel_patch
-    fewer_columns = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[5, 8])
+def test_grids_that_do_not_line_up_are_refused_naming_the_axis(model, eiffel_patch, two_positions):
+    p, fewer_columns = eiffel_patch, two_positions
     heads = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", site="head")
     shallower = dataclasses.replace(p, layers=p.layers[:6], raw={"resid": p.raw["resid"][:, :6]})
     more_views = dataclasses.replace(p, raw={**p.raw, "extra": p.raw["resid"]})

@@ -89,7 +89,7 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
 def scale_max(state: Mapping[str, Any], view: str, mode: str, grid: np.ndarray, done: int) -> float:
     """The colour scale's half-range: max |v| over the finished rows drawn; for one side of a
     comparison, over both sides, so switching a ↔ b keeps the colours comparable. As
-    ``scaleMax`` in ``js/grid.ts``."""
+    ``scaleMax`` in ``js/format.ts``."""
     if mode in ("a", "b") and state.get("sides"):
         sides = [select_matrix(state, view, -1, side) for side in ("a", "b")]
         return symmetric_max(np.concatenate([np.ravel(m[:done]) for m in sides if m is not None] or [grid[:done].ravel()]))
