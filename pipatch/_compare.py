@@ -95,14 +95,8 @@ def compare(a: Result | str | os.PathLike, b: Result | str | os.PathLike, *, val
         When the grids do not line up (layers, column axis, column count, site, views) or
         ``values="raw"`` meets two metrics: one line naming the axis and the fix.
     """
-    sides = [side if isinstance(side, Result) else _load_side(side, name) for side, name in zip((a, b), SIDES)]
+    sides = [load_result(side) if isinstance(side, (str, os.PathLike)) else side for side in (a, b)]
     return Comparison(*sides, values=values, views=None if view is None else [view])
-
-
-def _load_side(side: Any, name: str) -> Result:
-    if isinstance(side, (str, os.PathLike)):
-        return load_result(side)
-    raise PipatchError(f"compare takes two pipatch Results (or result files); {name} is a {type(side).__name__}")
 
 
 class Comparison(Result, file_kind="compare"):
@@ -111,7 +105,9 @@ class Comparison(Result, file_kind="compare"):
     A :class:`~pipatch.Result` whose ``raw[view]`` is the difference of the compared values,
     tensor[1, layers, columns] (one entry: the difference of the means over seeds), so
     ``grid``, ``mean()``, ``raw_mean()``, ``top_cells()`` and every view read it as they read
-    any result.
+    any result. ``clean`` and ``corrupt`` are a − b of the sides' baselines (the views show
+    both sides' own); ``meta["sides"]`` labels the sides, ``meta["a"]`` / ``meta["b"]`` are
+    their metadata.
 
     Attributes
     ----------
@@ -150,7 +146,7 @@ class Comparison(Result, file_kind="compare"):
         """One side's compared values: mean recovery or mean raw metric, tensor[layers, columns]."""
         return side.mean(view) if self.values == "recovery" else side.raw_mean(view)
 
-    def sides(self, view: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def side_values(self, view: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The compared values of a and of b for ``view``: two tensors [layers, columns]."""
         view = self._view(view)
         return self._side(self.a, view), self._side(self.b, view)
@@ -179,7 +175,7 @@ class Comparison(Result, file_kind="compare"):
         out: dict[str, np.ndarray] = {}
         for view in views or self.views:
             out[f"{view}/mean"] = self.mean(view).numpy().astype("<f4")
-            for name, values in zip(SIDES, self.sides(view)):
+            for name, values in zip(SIDES, self.side_values(view)):
                 out[f"{view}/{name}"] = values.numpy().astype("<f4")
         return out
 
@@ -213,7 +209,7 @@ class Comparison(Result, file_kind="compare"):
             "title": self.title, "tokens": self.tokens, "columns": self.columns, "layers": self.layers,
             "grid": _rows(self.grid), "metric": self.metric, "status": self.status, "message": self.message,
             "warnings": self.warnings, "meta": meta,
-            "views": {view: {"mean": _rows(self.mean(view)), **{name: _rows(t) for name, t in zip(SIDES, self.sides(view))}}
+            "views": {view: {"mean": _rows(self.mean(view)), **{name: _rows(t) for name, t in zip(SIDES, self.side_values(view))}}
                       for view in self.views},
             "a": self.a.to_json(), "b": self.b.to_json(),
         }
@@ -252,7 +248,7 @@ def _check_comparable(a: Result, b: Result, values: str, views: Sequence[str] | 
     """The views to compare, or one :class:`PipatchError` line naming the axis that differs."""
     for name, side in zip(SIDES, (a, b)):
         if not isinstance(side, Result):
-            raise PipatchError(f"compare takes two pipatch Results (or result files); {name} is a {type(side).__name__}")
+            raise PipatchError(f"compare takes two pipatch Results (or result files); {name} is of type {type(side).__name__}")
     if values not in VALUES:
         raise PipatchError(f"unknown values {values!r}: use 'recovery' (normalized, the default) or 'raw' (the metric)")
     if len(a.layers) != len(b.layers):

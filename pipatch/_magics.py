@@ -247,7 +247,7 @@ def _result_named(shell: Any, name: str) -> Result | str:
         raise UsageError(f"%%compare: no variable {name!r}: name two Results (the -o of %%trace, say) or two result files")
     value = shell.user_ns[name]
     if not isinstance(value, Result):
-        raise UsageError(f"%%compare: {name} is a {type(value).__name__}, not a pipatch Result")
+        raise UsageError(f"%%compare: {name} is of type {type(value).__name__}, not a pipatch Result")
     return value
 
 

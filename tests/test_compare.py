@@ -69,7 +69,7 @@ def test_two_prompts_of_the_same_length_give_the_difference_of_their_grids(eiffe
         assert float(c.grid[row, col]) == pytest.approx(float(a.grid[row, col]) - float(b.grid[row, col]), abs=1e-7)
     raw = pipatch.compare(a, b, values="raw")
     assert _same(raw.grid, a.raw_mean() - b.raw_mean())
-    assert c.a is a and c.b is b and all(_same(x, y) for x, y in zip(c.sides(), (a.grid, b.grid)))
+    assert c.a is a and c.b is b and all(_same(x, y) for x, y in zip(c.side_values(), (a.grid, b.grid)))
     # Labelled with both sides: tokens where they differ, prompts and what differs in the settings.
     assert c.columns[2] == f"{a.columns[2]} / {b.columns[2]}" and c.columns[-1] == " of"
     assert c.meta["sides"][0].startswith("a: ") and repr(EIFFEL) in c.meta["sides"][0]
@@ -119,7 +119,7 @@ def test_grids_that_do_not_line_up_are_refused_naming_the_axis(model, eiffel_pat
         ((p, more_views), {}, "views differ: a holds resid, b holds resid, extra; .* pass view='resid'"),
         ((p, other_metric), {"values": "raw"}, "metrics differ: a measures logit_diff, b prob"),
         ((p, p), {"values": "logits"}, "unknown values 'logits'"),
-        ((p, 3), {}, "b is a int"),
+        ((p, 3), {}, "b is of type int"),
     ]
     for sides, options, message in cases:
         with pytest.raises(pipatch.PipatchError, match=message) as error:
@@ -217,7 +217,7 @@ def test_the_magic_shows_and_binds_the_comparison(ip, eiffel_patch, colosseum_pa
     assert _same(ip.user_ns["again"].grid, moved.grid)
     shallower = dataclasses.replace(eiffel_patch, layers=eiffel_patch.layers[:6], raw={"resid": eiffel_patch.raw["resid"][:, :6]})
     ip.user_ns["shallower"] = shallower
-    for line, message in [("eiffel nothing", "no variable 'nothing'"), ("eiffel number", "number is a int"),
+    for line, message in [("eiffel nothing", "no variable 'nothing'"), ("eiffel number", "number is of type int"),
                           ("-o x eiffel shallower", "layers differ"), ("eiffel", "name two results")]:
         with pytest.raises(UsageError, match=message):
             ip.run_line_magic("compare", line)
