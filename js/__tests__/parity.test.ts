@@ -42,7 +42,7 @@ interface Contract {
     labels: [string, string][];
     truncated: [string, number, string][];
   };
-  examples: { document: Json; live: Json; widget: Json; ui: Json; details: Json[] };
+  examples: { document: Json; live: Json; widget: Json; ui: Json; details: Json[]; comparison: Json };
 }
 
 const ROOT = process.cwd(); // vitest runs in the checkout's root (npm test, tests/test_views.py)
