@@ -16,7 +16,12 @@ import {
   TOP_SCHEMA,
 } from './schema';
 
-export type Mode = 'recovery' | 'raw';
+/**
+ * What a view's cells show: for one result normalized recovery or the raw metric; for a
+ * comparison (`sides` set) a − b ('diff') or one side ('a', 'b'). As `select_matrix` in
+ * `pipatch/_views/schema.py`.
+ */
+export type Mode = 'recovery' | 'raw' | 'diff' | 'a' | 'b';
 export type Status = 'running' | 'done' | 'stopped' | 'interrupted' | 'failed' | string;
 
 export interface DecodedArray {
@@ -286,18 +291,34 @@ export interface Matrix {
   cols: number;
 }
 
+/** Whether the state is a comparison of two results (its cells are a − b). */
+export function isComparison(state: GridState): boolean {
+  return state.sides.length === 2;
+}
+
+/** The modes the grid offers, with their names: a − b / a / b for a comparison. */
+export function modeChoices(state: GridState): [Mode, string][] {
+  if (!isComparison(state)) return [['recovery', 'normalized recovery'], ['raw', 'raw metric']];
+  return [['diff', 'a − b'], ['a', 'a'], ['b', 'b']];
+}
+
+/** What the cells of a comparison hold, in words. */
+export function comparedValues(state: GridState): string {
+  return state.compared === 'raw' ? `raw ${state.metric || 'metric'}` : 'normalized recovery';
+}
+
 /** The [rows, cols] slice shown for this view / seed (-1 = mean) / mode; seed slices are views. */
 export function selectMatrix(state: GridState, view: string, seed: number, mode: Mode): Matrix {
   const { rows, cols } = gridShape(state, view);
-  const base = mode === 'raw' ? 'raw_' : '';
-  if (seed >= 0) {
-    const a = state.arrays[`${view}/${base}seeds`];
+  const names = mode === 'a' || mode === 'b' ? [`${view}/${mode}`] : mode === 'raw' ? [`${view}/raw_seeds`, `${view}/raw_mean`] : [`${view}/seeds`, `${view}/mean`];
+  if (seed >= 0 && names.length === 2) {
+    const a = state.arrays[names[0]];
     if (a && a.shape.length === 3 && seed < a.shape[0]) {
       const n = a.shape[1] * a.shape[2];
       return { data: a.data.subarray(seed * n, (seed + 1) * n), rows: a.shape[1], cols: a.shape[2] };
     }
   }
-  const m = state.arrays[`${view}/${mode === 'raw' ? 'raw_mean' : 'mean'}`];
+  const m = state.arrays[names[names.length - 1]];
   if (m && m.data.length === rows * cols) return { data: m.data, rows, cols };
   return { data: null, rows, cols };
 }

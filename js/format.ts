@@ -1,7 +1,7 @@
 /** Pure helpers: label escaping, colour scale, layout maths, number formatting, CSV. */
 
 import type { GridState, Mode } from './data';
-import { gridShape, matrixFor, selectMatrix } from './data';
+import { gridShape, isComparison, matrixFor, selectMatrix, type Matrix } from './data';
 
 /**
  * The escaping rule (the same as `pipatch/_views/strings.py`, checked on every code point by
@@ -86,6 +86,24 @@ export function symmetricMax(data: ArrayLike<number> | null, limit = data ? data
     }
   }
   return m > 0 ? m : 1;
+}
+
+/**
+ * The colour scale's half-range for matrix `m` of `view` drawn in `mode`: max |v| over the
+ * finished rows (`done`); for one side of a comparison over both sides, so switching a ↔ b
+ * keeps the colours comparable. As `scale_max` in `pipatch/_views/render.py`.
+ */
+export function scaleMax(state: GridState, view: string, mode: Mode, m: Matrix, done: number): number {
+  const n = done * m.cols;
+  if ((mode === 'a' || mode === 'b') && isComparison(state)) {
+    const sides = (['a', 'b'] as Mode[]).map((side) => selectMatrix(state, view, -1, side).data).filter((d): d is Float32Array => d !== null);
+    if (sides.length) {
+      const both = new Float32Array(n * sides.length);
+      sides.forEach((d, i) => both.set(d.subarray(0, n), i * n));
+      return symmetricMax(both);
+    }
+  }
+  return symmetricMax(m.data, n);
 }
 
 /**
@@ -227,35 +245,30 @@ export function csvField(v: string | number): string {
 
 /**
  * Long-format CSV for one view and seed selection: one line per cell, pending rows left out.
- * Columns: view, seed, row, row_label, col, col_label, recovery, std, raw, verified.
+ * Columns: view, seed, row, row_label, col, col_label, then the values: recovery, std, raw,
+ * verified (1/0); for a comparison a_minus_b, a, b.
  */
 export function buildCsv(state: GridState, view: string, seed: number): string {
   const { rows, cols } = gridShape(state, view);
-  const rec = selectMatrix(state, view, seed, 'recovery' as Mode).data;
-  const raw = selectMatrix(state, view, seed, 'raw' as Mode).data;
-  const std = seed < 0 ? matrixFor(state, `${view}/std`, rows, cols) : null;
+  const values = (mode: Mode) => selectMatrix(state, view, seed, mode).data;
   const ver = matrixFor(state, `${view}/verified`, rows, cols);
+  const valueColumns: [string, Float32Array | null, (v: number) => string][] = isComparison(state)
+    ? [['a_minus_b', values('diff'), csvField], ['a', values('a'), csvField], ['b', values('b'), csvField]]
+    : [
+        ['recovery', values('recovery'), csvField],
+        ['std', seed < 0 ? matrixFor(state, `${view}/std`, rows, cols) : null, csvField],
+        ['raw', values('raw'), csvField],
+        ['verified', ver, (v) => String(v ? 1 : 0)],
+      ];
   const done = Math.min(rows, state.rows_done[view] ?? rows);
-  const lines = ['view,seed,row,row_label,col,col_label,recovery,std,raw,verified'];
+  const lines = [['view', 'seed', 'row', 'row_label', 'col', 'col_label', ...valueColumns.map(([name]) => name)].join(',')];
   const seedName = seed < 0 ? 'mean' : String(seed);
   for (let r = 0; r < done; r++) {
     const rl = csvField(state.row_labels[r] ?? String(r));
     for (let c = 0; c < cols; c++) {
       const i = r * cols + c;
-      lines.push(
-        [
-          csvField(view),
-          seedName,
-          r,
-          rl,
-          c,
-          csvField(state.col_labels[c] ?? String(c)),
-          rec ? csvField(rec[i]) : '',
-          std ? csvField(std[i]) : '',
-          raw ? csvField(raw[i]) : '',
-          ver ? String(ver[i] ? 1 : 0) : '',
-        ].join(','),
-      );
+      const cells = valueColumns.map(([, data, text]) => (data ? text(data[i]) : ''));
+      lines.push([csvField(view), seedName, r, rl, c, csvField(state.col_labels[c] ?? String(c)), ...cells].join(','));
     }
   }
   return lines.join('\n') + '\n';

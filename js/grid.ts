@@ -7,7 +7,7 @@
  */
 
 import type { GridState, Mode, Selection, UiState } from './data';
-import { gridShape, matrixFor, seedLabel, selectMatrix } from './data';
+import { comparedValues, gridShape, isComparison, matrixFor, modeChoices, seedLabel, selectMatrix } from './data';
 import {
   NAN_RGB,
   buildCsv,
@@ -17,9 +17,9 @@ import {
   divergingColor,
   formatValue,
   safeFileName,
+  scaleMax,
   shortLabel,
   statusText,
-  symmetricMax,
   tooltipLabel,
   type Layout,
 } from './format';
@@ -84,6 +84,7 @@ export class GridView {
 
   private titleEl = h('div', 'pipatch-title');
   private subtitleEl = h('div', 'pipatch-subtitle');
+  private sidesEl = h('div', 'pipatch-sides');
   private toolbar = h('div', 'pipatch-toolbar');
   private viewSel = h('select', 'pipatch-view');
   private seedSel = h('select', 'pipatch-seed');
@@ -132,10 +133,8 @@ export class GridView {
     this.root.setAttribute('data-status', 'loading');
 
     const header = h('div', 'pipatch-header');
-    header.append(this.titleEl, this.subtitleEl);
+    header.append(this.titleEl, this.subtitleEl, this.sidesEl);
 
-    this.modeSel.append(this.option('recovery', 'normalized recovery'), this.option('raw', 'raw metric'));
-    this.modeSel.title = 'colour by normalized recovery or by the raw metric';
     this.pngBtn.title = 'download the heatmap as PNG';
     this.csvBtn.title = 'download the values as CSV';
     this.stopBtn.title = 'stop the sweep after the current chunk (keeps the partial grid)';
@@ -218,7 +217,8 @@ export class GridView {
     this.ui = { ...this.ui, ...ui };
     if (!state.views.includes(this.ui.view)) this.ui.view = state.views[0] ?? '';
     if (this.ui.seed >= state.n_seeds) this.ui.seed = -1;
-    if (this.ui.mode !== 'raw') this.ui.mode = 'recovery';
+    const modes = modeChoices(state);
+    if (!modes.some(([m]) => m === this.ui.mode)) this.ui.mode = modes[0][0];
     this.render();
   }
 
@@ -265,6 +265,7 @@ export class GridView {
       .join(', ');
     if (bl) sub.push(bl);
     this.subtitleEl.textContent = sub.join(' · ');
+    this.sidesEl.replaceChildren(...s.sides.map((side) => h('div', 'pipatch-side', tooltipLabel(side))));
     this.renderControls(s);
     this.statusEl.textContent = statusText(s);
     this.statusEl.setAttribute('data-status', s.status);
@@ -275,10 +276,15 @@ export class GridView {
   }
 
   private renderControls(s: GridState): void {
-    const key = JSON.stringify([s.views, s.n_seeds, s.seed_noun, s.seed_labels]);
+    const modes = modeChoices(s);
+    const key = JSON.stringify([s.views, s.n_seeds, s.seed_noun, s.seed_labels, modes]);
     if (key !== this.controlsKey) {
       this.controlsKey = key;
       this.viewSel.replaceChildren(...s.views.map((v) => this.option(v, v)));
+      this.modeSel.replaceChildren(...modes.map(([m, name]) => this.option(m, name)));
+      this.modeSel.title = isComparison(s)
+        ? `show a − b, or one side, of ${comparedValues(s)}`
+        : 'colour by normalized recovery or by the raw metric';
       const seeds = [this.option('-1', seedLabel(s, -1))];
       for (let i = 0; i < s.n_seeds; i++) seeds.push(this.option(String(i), shortLabel(seedLabel(s, i), 60)));
       this.seedSel.replaceChildren(...seeds);
@@ -352,7 +358,7 @@ export class GridView {
     const layout = computeLayout(rows, cols, avail, { maxLabelChars: maxChars });
     this.layout = layout;
     const done = this.rowsDone(rows);
-    this.vmax = symmetricMax(m.data, done * cols);
+    this.vmax = scaleMax(s, this.ui.view, this.ui.mode, m, done);
 
     // Canvas backing store: device pixels when affordable.
     const dprWanted = Math.min(typeof devicePixelRatio === 'number' ? devicePixelRatio : 1, 2);
@@ -476,7 +482,7 @@ export class GridView {
 
   private renderLegend(): void {
     const vmax = this.vmax;
-    this.barName.textContent = this.ui.mode === 'raw' ? `raw ${this.state?.metric || 'metric'}` : 'normalized recovery';
+    this.barName.textContent = this.valuesName();
     this.barMin.textContent = formatValue(-vmax, 2);
     this.barMax.textContent = formatValue(vmax, 2);
     const W = 160;
@@ -491,6 +497,13 @@ export class GridView {
       ctx.fillRect(x, 0, 1, H);
     }
     this.barCanvas.title = `colour scale symmetric around 0: ${formatValue(-vmax)} … ${formatValue(vmax)}`;
+  }
+
+  /** What the drawn cells are, in words (the colour bar's name). */
+  private valuesName(): string {
+    const s = this.state;
+    if (s && isComparison(s)) return `${this.ui.mode === 'a' || this.ui.mode === 'b' ? this.ui.mode : 'a − b'}: ${comparedValues(s)}`;
+    return this.ui.mode === 'raw' ? `raw ${s?.metric || 'metric'}` : 'normalized recovery';
   }
 
   private drawOverlay(): void {
@@ -559,6 +572,12 @@ export class GridView {
       lines.push('pending (not computed yet)');
       return lines;
     }
+    if (isComparison(s)) {
+      const [diff, a, b] = (['diff', 'a', 'b'] as const).map((m) => selectMatrix(s, this.ui.view, -1, m).data);
+      lines.push(`a − b: ${formatValue(diff ? diff[i] : NaN)} (${comparedValues(s)})`);
+      lines.push(`a: ${formatValue(a ? a[i] : NaN)}`, `b: ${formatValue(b ? b[i] : NaN)}`);
+      return lines;
+    }
     const rec = selectMatrix(s, this.ui.view, this.ui.seed, 'recovery').data;
     const raw = selectMatrix(s, this.ui.view, this.ui.seed, 'raw').data;
     const std = this.ui.seed < 0 && s.n_seeds > 1 ? matrixFor(s, `${this.ui.view}/std`, rows, cols) : null;
@@ -594,7 +613,8 @@ export class GridView {
   private renderDetail(s: GridState): void {
     const sel = this.ui.selected as Partial<Selection>;
     if (typeof sel.row !== 'number' || typeof sel.col !== 'number') {
-      this.detailEl.replaceChildren(h('div', 'pipatch-detail-hint', this.cb.live ? 'Click a cell to see the patched run’s top-5 next tokens.' : ''));
+      // A comparison has no patched run of its own: its sides' grids have the top-5.
+      this.detailEl.replaceChildren(h('div', 'pipatch-detail-hint', this.cb.live && !isComparison(s) ? 'Click a cell to see the patched run’s top-5 next tokens.' : ''));
       return;
     }
     const kids: HTMLElement[] = [];

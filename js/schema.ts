@@ -41,6 +41,8 @@ export const STATE_SCHEMA = {
   stoppable: 'bool',
   live_id: 'str',
   code: 'str',
+  sides: 'str[]',
+  compared: 'str',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */
@@ -77,6 +79,8 @@ export const ARRAY_SCHEMA = {
   seeds: ['seeds', 'rows', 'cols'],
   raw_seeds: ['seeds', 'rows', 'cols'],
   verified: ['rows', 'cols'],
+  a: ['rows', 'cols'],
+  b: ['rows', 'cols'],
 } as const;
 
 export type StateKey = keyof typeof STATE_SCHEMA;

@@ -13,6 +13,7 @@ export const GRID_CSS = `
 .pipatch-header { display: flex; gap: 10px; align-items: baseline; flex-wrap: wrap; }
 .pipatch-title { font-weight: 600; font-size: var(--jp-ui-font-size2, 14px); overflow-wrap: anywhere; }
 .pipatch-subtitle { color: var(--jp-ui-font-color2, #616161); overflow-wrap: anywhere; }
+.pipatch-sides { flex-basis: 100%; color: var(--jp-ui-font-color1, #424242); overflow-wrap: anywhere; font-size: 0.92em; }
 .pipatch-toolbar { display: flex; gap: 6px; margin: 6px 0; flex-wrap: wrap; align-items: center; }
 .pipatch-toolbar select, .pipatch-toolbar button {
   font: inherit;

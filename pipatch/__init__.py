@@ -5,13 +5,16 @@
 >>> r = pipatch.trace(model, "The Eiffel Tower is in the city of",
 ...                   subject="Eiffel Tower", answer=" Paris")
 >>> r.grid                                   # tensor[layers, tokens], mean normalized recovery
+>>> pipatch.compare(r, other).grid           # a − b, cell by cell, of two results
 
 In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...`` (also
-``%%patch``, ``%%attribute``, ``%%path_patch``); in a shell: ``pipatch trace | patch |
-attribute | path-patch``; live without magics: ``pipatch.PatchGrid.run(model, "patch", ...)``.
+``%%patch``, ``%%attribute``, ``%%path_patch``, and ``%%compare a b``); in a shell: ``pipatch
+trace | patch | attribute | path-patch | compare``; live without magics:
+``pipatch.PatchGrid.run(model, "patch", ...)``.
 """
 
 from ._api import attribute, patch, path_patch, trace
+from ._compare import compare
 from ._load import load_model
 from ._models import PipatchError
 from ._result import Result, load_result
@@ -19,14 +22,14 @@ from ._result import Result, load_result
 __version__ = "0.1.0"
 
 __all__ = [
-    "load_model", "trace", "patch", "attribute", "path_patch", "Result", "load_result", "PipatchError",
+    "load_model", "trace", "patch", "attribute", "path_patch", "compare", "Result", "load_result", "PipatchError",
     "PatchGrid", "load_ipython_extension", "__version__",
 ]  # fmt: skip
 
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext pipatch``: register the cell magics ``%%trace``, ``%%patch``, ``%%attribute`` and
-    ``%%path_patch`` (one per experiment of :mod:`pipatch._registry`)."""
+    ``%%path_patch`` (one per experiment of :mod:`pipatch._registry`), and ``%%compare``."""
     from ._magics import load_ipython_extension as register
 
     register(ipython)

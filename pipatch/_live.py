@@ -107,6 +107,9 @@ def answer_selection(predictor: Predictor | None, result: Any, selection: dict) 
     else:
         value, raw = float(result.recovery(view)[seed, row, col]), float(result.raw[view][seed, row, col])
     detail.update(value=_finite(value), raw=_finite(raw))
+    if predictor is None and result.kind == "compare":
+        return {**detail, "error": "a comparison has no patched run of its own: click the cell in "
+                                   "PatchGrid(result.a) or PatchGrid(result.b) for its top-5"}
     if predictor is None:
         return {**detail, "error": "top-5 needs the model and plan this result was computed with "
                                    "(not available for a loaded result)"}

@@ -38,6 +38,18 @@ A bad cell (missing ``--answer``, subject not in the prompt, no ``corrupt:`` lin
 different token lengths, unknown site, ...) is refused with one ``UsageError`` line and binds
 nothing: earlier variables stay as they were.
 
+``%compare a b`` shows ``a − b`` of two results already in the namespace
+(:func:`pipatch.compare`) and binds it to ``-o NAME`` (default ``_compare``); as a cell magic
+the names go on its line or in its body (IPython refuses a cell magic with an empty body)::
+
+    %compare -o moved f32 bf16
+
+    %%compare -o moved
+    f32 bf16
+
+Its grid toggles between a, b and a − b; ``--values raw`` subtracts the raw metric instead of
+normalized recovery, ``--view mlp`` compares one view.
+
 The magics run pipatch's own functions on the cell's text; they never execute user code
 inside an nnsight trace.
 """
@@ -54,13 +66,15 @@ from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
 from ._backends import backend_for
+from ._compare import VALUES, compare
 from ._engine import EngineError
 from ._live import run_live
 from ._load import shared_model
 from ._models import BACKENDS, PipatchError, no_progress_bar
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
+from ._result import Result
 
-__all__ = ["load_ipython_extension", "make_magic", "magic_parser"]
+__all__ = ["load_ipython_extension", "make_compare_magic", "make_magic", "magic_parser"]
 
 
 class _MagicParser(argparse.ArgumentParser):
@@ -207,7 +221,54 @@ def make_magic(shell: Any, entry: Experiment) -> Callable[[str, str], None]:
     return magic
 
 
+def make_compare_magic(shell: Any) -> Callable[..., None]:
+    """``%%compare [-o NAME] [--values raw] [--view VIEW] a b``: show ``a − b`` of two results
+    of the user namespace (or two result files) and bind it to ``NAME``."""
+    parser = _MagicParser(prog="%%compare", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description="a − b of two results, cell by cell (pipatch.compare).\n\nExamples::\n\n"
+                                      "    %compare -o moved f32 bf16\n\n    %%compare -o moved\n    f32 bf16")
+    parser.add_argument("names", nargs="*", metavar="A B",
+                        help="two variables holding pipatch Results (or result files): a, then b; on the line "
+                             "or in the cell body")
+    parser.add_argument("--values", default="recovery", choices=VALUES,
+                        help="subtract normalized recovery (default) or the raw metric")
+    parser.add_argument("--view", default=None, help="compare only this view (resid, mlp, attn, ...)")
+    parser.add_argument("-o", "--out", default="_compare", help="variable to bind the comparison to (default _compare)")
+
+    def magic(line: str, cell: str | None = None) -> None:
+        from IPython.display import display
+
+        args = _parse(parser, line)
+        names = args.names + arg_split(cell or "", posix=True)
+        if len(names) != 2:
+            raise UsageError(f"%%compare: name two results, a then b (got {len(names)}: {' '.join(names) or 'none'})")
+        sides = [_result_named(shell, name) for name in names]
+        try:
+            result = compare(*sides, values=args.values, view=args.view)
+        except PipatchError as error:
+            raise UsageError(f"%%compare: {error}") from None
+        shell.user_ns[args.out] = result
+        display(result)
+
+    magic.__name__ = magic.__qualname__ = "compare"
+    magic.__doc__ = parser.format_help()
+    return magic
+
+
+def _result_named(shell: Any, name: str) -> Result | str:
+    """The Result a variable holds; a name that is no identifier is a result file's path."""
+    if not name.isidentifier():
+        return name
+    if name not in shell.user_ns:
+        raise UsageError(f"%%compare: no variable {name!r}: name two Results (the -o of %%trace, say) or two result files")
+    value = shell.user_ns[name]
+    if not isinstance(value, Result):
+        raise UsageError(f"%%compare: {name} is of type {type(value).__name__}, not a pipatch Result")
+    return value
+
+
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext pipatch``: register one cell magic per experiment."""
+    """``%load_ext pipatch``: register one cell magic per experiment, and ``%%compare``."""
     for entry in EXPERIMENTS.values():
         ipython.register_magic_function(make_magic(ipython, entry), "cell", entry.name)
+    ipython.register_magic_function(make_compare_magic(ipython), "line_cell", "compare")

@@ -20,7 +20,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -79,6 +79,16 @@ class Result:
     status: str = "done"
     message: str = ""
     warnings: list[str] = field(default_factory=list)
+
+    #: Subclasses that read and write their own files, by the ``kind`` those files hold
+    #: (``class Comparison(Result, file_kind="compare")``): :func:`load_result` hands such a
+    #: file to the subclass's ``from_parts`` / ``parts_from_json``.
+    FILE_KINDS: ClassVar[dict[str, type[Result]]] = {}
+
+    def __init_subclass__(cls, file_kind: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if file_kind is not None:
+            Result.FILE_KINDS[file_kind] = cls
 
     # -- derived values -------------------------------------------------------------------
     @property
@@ -196,8 +206,9 @@ class Result:
         """A matplotlib heatmap of one view: layers × columns with layer 0 at the top (as in the
         live grid), the diverging map centred at 0 of every view, NaN grey.
 
-        ``mode="raw"`` colours by the raw metric, ``seed`` (≥ 0) shows one seed instead of the
-        mean. Drawn into ``ax`` when given, else into a new pyplot figure. Returns the figure.
+        ``mode="raw"`` colours by the raw metric (a comparison's ``mode="a"`` / ``"b"`` shows one
+        side), ``seed`` (≥ 0) shows one seed instead of the mean. Drawn into ``ax`` when given,
+        else into a new pyplot figure. Returns the figure.
         """
         from ._views import figure
 
@@ -250,25 +261,35 @@ class Result:
         }
 
     def to_json(self) -> dict[str, Any]:
-        """A plain-JSON summary: the first view's mean grid as a list of rows, plus every view.
+        """A plain-JSON copy: the first view's mean grid as a list of rows, plus every view.
 
-        Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``.
-        NaN becomes ``null``.
+        Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``;
+        ``views[view]`` holds ``mean``, ``std``, ``raw`` (means over seeds) and ``raw_seeds``
+        (the raw metric per seed, [seeds][layers][columns]), so :func:`load_result` reads the
+        file back whole. NaN becomes ``null``.
         """
-        def rows(t: torch.Tensor):
-            return [[None if math.isnan(v) else v for v in row] for row in t.tolist()]
-
         out = {
-            "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
-            "columns": self.columns, "layers": self.layers, "grid": rows(self.grid),
-            "metric": self.metric,
+            "schema": SCHEMA_VERSION, "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
+            "columns": self.columns, "layers": self.layers, "grid": _rows(self.grid), "metric": self.metric,
             "clean": self.clean if isinstance(self.clean, float) else self._clean_rows().tolist(),
-            "corrupt": self.corrupt.tolist(),
-            "status": self.status, "warnings": self.warnings, "meta": self.meta,
-            "views": {v: {"mean": rows(self.mean(v)), "std": rows(self.std(v)), "raw": rows(self.raw_mean(v))}
+            "corrupt": self.corrupt.tolist(), "rows_done": self.rows_done,
+            "status": self.status, "message": self.message, "warnings": self.warnings, "meta": self.meta,
+            "views": {v: {"mean": _rows(self.mean(v)), "std": _rows(self.std(v)), "raw": _rows(self.raw_mean(v)),
+                          "raw_seeds": [_rows(seed) for seed in self.raw[v]]}
                       for v in self.views},
         }
         return json_safe(out)
+
+    def _file_parts(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The JSON header and the tensors of the result's file (read back by :func:`load_result`)."""
+        header = self._header()
+        tensors = {f"raw/{clean_text(view)}": t.contiguous().float() for view, t in self.raw.items()}
+        tensors["corrupt"] = self.corrupt.contiguous().float()
+        if not isinstance(self.clean, float) or not math.isfinite(self.clean):
+            tensors["clean"] = self._clean_rows().contiguous()
+            if isinstance(self.clean, float):
+                header["clean_scalar"] = True
+        return header, tensors
 
     def save(self, path: str | Path) -> Path:
         """Write the result as one safetensors file (tensors + JSON metadata in its header).
@@ -279,13 +300,7 @@ class Result:
         from safetensors.torch import save_file
 
         path = Path(path)
-        header = self._header()
-        tensors = {f"raw/{clean_text(view)}": t.contiguous().float() for view, t in self.raw.items()}
-        tensors["corrupt"] = self.corrupt.contiguous().float()
-        if not isinstance(self.clean, float) or not math.isfinite(self.clean):
-            tensors["clean"] = self._clean_rows().contiguous()
-            if isinstance(self.clean, float):
-                header["clean_scalar"] = True
+        header, tensors = self._file_parts()
         text = json.dumps(json_safe(header), ensure_ascii=False, allow_nan=False)
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"pipatch": text})
@@ -329,6 +344,7 @@ class Result:
             "baselines": {"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))},
             "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
             "code": self._code_or_empty(),
+            "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
         })
 
     def _seed_axis(self) -> dict[str, Any]:
@@ -357,18 +373,36 @@ def _nanmean(t: torch.Tensor) -> torch.Tensor:
         return torch.nanmean(t, dim=0)
 
 
-def load_result(path: str | Path) -> Result:
-    """Read a file written by :meth:`Result.save`.
+def _rows(t: torch.Tensor) -> list[list[float | None]]:
+    """A [rows, columns] tensor as JSON rows, NaN as ``None``."""
+    return [[None if math.isnan(v) else v for v in row] for row in t.tolist()]
 
-    Refuses, with one clear line, anything that is not a complete pipatch safetensors file of a
-    known schema: a truncated file, another format (a renamed Python object dump, say), a newer schema, or
-    tensors whose shapes disagree with the labels. Nothing is half-loaded.
+
+def load_result(path: str | Path) -> Result:
+    """Read a file written by :meth:`Result.save` (safetensors) or a ``.json`` file written from
+    :meth:`Result.to_json` (the CLI's ``--json``).
+
+    Refuses, with one clear line, anything that is not a complete pipatch result of a known
+    schema: a truncated file, another format (a renamed Python object dump, say), a newer
+    schema, JSON without the per-seed values, or tensors whose shapes disagree with the labels.
+    Nothing is half-loaded.
     """
+    path = Path(path)
+    where = repr(str(path))
+    if not path.exists():
+        raise PipatchError(f"no result file at {where}: check the path")
+    header, tensors = _read_json(path) if path.suffix.lower() == ".json" else _read_safetensors(path)
+    if header.get("schema") != SCHEMA_VERSION:
+        raise PipatchError(
+            f"{where} has result schema {header.get('schema')!r}, this pipatch reads {SCHEMA_VERSION}: "
+            "upgrade pipatch or re-save the result"
+        )
+    return result_from_parts(header, tensors, where)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    path = Path(path)
-    if not path.exists():
-        raise PipatchError(f"no result file at {str(path)!r}: check the path")
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -381,14 +415,56 @@ def load_result(path: str | Path) -> Result:
     if "pipatch" not in metadata:
         raise PipatchError(f"{str(path)!r} is a safetensors file but not a pipatch result: no pipatch header")
     try:
-        header = json.loads(metadata["pipatch"])
+        return json.loads(metadata["pipatch"]), tensors
     except json.JSONDecodeError:
         raise PipatchError(f"{str(path)!r} has a damaged pipatch header: re-save the result") from None
-    if header.get("schema") != SCHEMA_VERSION:
+
+
+def _read_json(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        return parts_from_json(doc)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise PipatchError(
-            f"{str(path)!r} has result schema {header.get('schema')!r}, this pipatch reads {SCHEMA_VERSION}: "
-            "upgrade pipatch or re-save the result"
-        )
+            f"{str(path)!r} is not a pipatch result's JSON ({type(error).__name__}: {error}): write it with "
+            "Result.to_json() or the CLI's --json"
+        ) from None
+
+
+def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The file parts (header, tensors) of a :meth:`Result.to_json` document."""
+    if doc.get("kind") in Result.FILE_KINDS:
+        return Result.FILE_KINDS[doc["kind"]].parts_from_json(doc)
+    views = doc["views"]
+    header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
+                                            "status", "message", "warnings", "meta")}
+    header["views"] = list(views)
+    tensors = {"corrupt": _tensor(doc["corrupt"])}
+    for view, grids in views.items():
+        if "raw_seeds" not in grids:
+            raise ValueError(f"view {view!r} holds only means (no raw_seeds): write it again with this pipatch")
+        tensors[f"raw/{view}"] = _tensor(grids["raw_seeds"])
+    clean = doc.get("clean")
+    if isinstance(clean, (int, float)):
+        header["clean"] = float(clean)
+    else:  # per-row baselines (a dataset), or a non-finite one written as null
+        tensors["clean"] = _tensor(clean if isinstance(clean, list) else [float("nan")])
+        header["clean_scalar"] = not isinstance(clean, list)
+    return header, tensors
+
+
+def _tensor(values: Any) -> torch.Tensor:
+    """A float32 tensor from JSON numbers (``null`` → NaN)."""
+    def nan(x):
+        return [nan(v) for v in x] if isinstance(x, list) else float("nan") if x is None else float(x)
+
+    return torch.tensor(nan(values), dtype=torch.float32)
+
+
+def result_from_parts(header: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> Result:
+    """The result a file's header and tensors describe, checked whole (``where`` names the file)."""
+    if header.get("kind") in Result.FILE_KINDS:
+        return Result.FILE_KINDS[header["kind"]].from_parts(header, tensors, where)
     views = header.get("views") or []
     raw = {}
     corrupt = tensors.get("corrupt")
@@ -397,19 +473,19 @@ def load_result(path: str | Path) -> Result:
         expected = (corrupt.numel() if corrupt is not None else -1, len(header["layers"]), len(header["columns"]))
         if t is None or tuple(t.shape) != expected:
             raise PipatchError(
-                f"{str(path)!r} is inconsistent: view {view!r} has shape "
+                f"{where} is inconsistent: view {view!r} has shape "
                 f"{None if t is None else tuple(t.shape)}, labels say {expected}; re-save the result"
             )
         raw[view] = t
     if header.get("clean") is None and tensors.get("clean") is None:
-        raise PipatchError(f"{str(path)!r} has no clean baseline: re-save the result")
+        raise PipatchError(f"{where} has no clean baseline: re-save the result")
     if not raw or corrupt is None:
-        raise PipatchError(f"{str(path)!r} holds no grid: re-save the result")
+        raise PipatchError(f"{where} holds no grid: re-save the result")
     return Result(
         kind=header["kind"], tokens=header["tokens"], columns=header["columns"], layers=header["layers"],
         metric=header["metric"], raw=raw, corrupt=corrupt,
         clean=(float(header["clean"]) if header.get("clean") is not None
                else float(tensors["clean"].reshape(-1)[0]) if header.get("clean_scalar") else tensors["clean"]),
-        meta=header.get("meta", {}), rows_done=header.get("rows_done", {}), status=header.get("status", "done"),
-        message=header.get("message", ""), warnings=header.get("warnings", []),
+        meta=header.get("meta") or {}, rows_done=header.get("rows_done") or {}, status=header.get("status") or "done",
+        message=header.get("message") or "", warnings=header.get("warnings") or [],
     )

@@ -143,6 +143,8 @@ class GridWidget(anywidget.AnyWidget):
     stoppable = t.Bool(False).tag(sync=True)
     live_id = t.Unicode("").tag(sync=True)
     code = t.Unicode("").tag(sync=True)
+    sides = t.List(t.Unicode()).tag(sync=True)
+    compared = t.Unicode("").tag(sync=True)
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)

@@ -8,15 +8,18 @@ its Python function::
                   --corrupt "The Colosseum is in the city of" --answer " Paris" --foil " Rome"
     pipatch attribute --clean ... --corrupt ... --answer " Paris" --foil " Rome" --site head --verify 5
     pipatch path-patch --clean ... --corrupt ... --answer " Paris" --foil " Rome" --sender 12.2
+    pipatch compare f32.json bf16.json --png moved.png
 
 ``trace`` takes one prompt or several (a dataset, with ``--subject`` / ``--answer`` once or
 once per prompt); the other commands take ``--clean`` / ``--corrupt``, repeated for a dataset
 (paired in order). Every command prints a text heatmap (columns: tokens or heads, rows:
 layers), shows progress on stderr, and writes ``--json`` (``{"kind", "model", "tokens",
 "layers", "grid", "metric", "clean", "corrupt", ...}``), ``--png``, ``--save``
-(safetensors) and ``--code`` (a plain nnsight script that recomputes the grid) files. Bad
-input prints one line on stderr, naming the command, and exits with status 2. ``--serve URL``
-runs any of them on a server started with ``pipatch serve [MODEL]`` (see :mod:`pipatch._serve`).
+(safetensors) and ``--code`` (a plain nnsight script that recomputes the grid) files.
+``compare A B`` reads two such files (``--json`` or ``--save``) and does the same for
+``a − b`` (:func:`pipatch.compare`). Bad input prints one line on stderr, naming the command,
+and exits with status 2. ``--serve URL`` runs any experiment on a server started with
+``pipatch serve [MODEL]`` (see :mod:`pipatch._serve`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ._compare import VALUES, compare
 from ._engine import EngineError
 from ._models import BACKENDS, PipatchError
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
@@ -50,8 +54,17 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def _common() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
+def _outputs() -> argparse.ArgumentParser:
+    outputs = _Parser(add_help=False)
+    outputs.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")
+    outputs.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
+    # dest is not "save": nnsight gives every object a .save() that would shadow it.
+    outputs.add_argument("--save", dest="save_path", metavar="FILE", help="write the full result (safetensors)")
+    return outputs
+
+
+def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    common = _Parser(add_help=False, parents=[outputs])
     common.add_argument("--model", default=None, help="HF id or local folder (default: embedded Gemma 3 270M)")
     common.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:1, ... (default: cuda when torch sees a GPU, else cpu)")
@@ -61,10 +74,6 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--serve", metavar="URL", default=None,
                         help="run on a `pipatch serve` server (http://host:port) instead of in this process")
     common.add_argument("--api-key", default=None, help="the server's key (with --serve; default: $PIPATCH_API_KEY)")
-    common.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")
-    common.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
-    # dest is not "save": nnsight gives every object a .save() that would shadow it.
-    common.add_argument("--save", dest="save_path", metavar="FILE", help="write the full result (safetensors)")
     common.add_argument("--code", metavar="FILE",
                         help="write a plain nnsight + transformers script that recomputes the grid (Result.code())")
     common.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -72,14 +81,15 @@ def _common() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``pipatch COMMAND ...``, one command per experiment of the registry."""
+    """``pipatch COMMAND ...``, one command per experiment of the registry, and ``compare``."""
     parser = _Parser(prog="pipatch", description="Causal tracing and activation patching for language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    common = _common()
+    outputs = _outputs()
+    common = _common(outputs)
     parser.commands = {}
     for entry in EXPERIMENTS.values():
         command = sub.add_parser(entry.command, parents=[common], help=entry.summary, description=entry.summary)
-        command.set_defaults(experiment=entry)
+        command.set_defaults(experiment=entry, run=_run)
         parser.commands[entry.command] = command
         form = entry.prompts
         if len(form.fields) == 1:
@@ -92,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      help=f"the {field} prompt (repeat --{form.fields[0]} / --{form.fields[-1]} "
                                           "for a dataset, paired in order)")
         add_options(command, entry)
+    summary = "a − b of two saved results, cell by cell (their --json or --save files)"
+    command = sub.add_parser("compare", parents=[outputs], help=summary, description=summary)
+    command.set_defaults(run=_run_compare)
+    parser.commands["compare"] = command
+    for side in ("a", "b"):
+        command.add_argument(side, metavar=side.upper(), help=f"{side}: a result file (.json or .safetensors)")
+    command.add_argument("--values", default="recovery", choices=VALUES,
+                         help="subtract normalized recovery (default) or the raw metric")
+    command.add_argument("--view", default=None, help="compare only this view (resid, mlp, attn, ...)")
     return parser
 
 
@@ -129,10 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    entry: Experiment = args.experiment
-    prog = f"{parser.prog} {entry.command}"
+    prog = f"{parser.prog} {args.command}"
     try:
-        return _run(entry, args)
+        return args.run(args)
     except PipatchError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         return 2
@@ -143,9 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _run(entry: Experiment, args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     from ._load import shared_model
 
+    entry: Experiment = args.experiment
     # Everything that can be checked without the model is checked before loading it.
     prompts = entry.prompts.collect({field: getattr(args, field) for field in entry.prompts.fields})
     keywords = entry.keywords(given_options(args, entry), prompts)
@@ -154,11 +173,21 @@ def _run(entry: Experiment, args: argparse.Namespace) -> int:
                          serve=args.serve, api_key=api_key)
     plan = entry.plan(model, **keywords)
     result = plan.run(on_row=_Progress(plan.total_rows, not args.quiet))
+    _show(result, args)
+    return 0 if result.status == "done" else 130
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    _show(compare(args.a, args.b, values=args.values, view=args.view), args)
+    return 0
+
+
+def _show(result: Any, args: argparse.Namespace) -> None:
+    """Print every view's text grid, then write the files asked for."""
     for view in result.views:
         print(result.text(view))
         print()
     _write(result, args)
-    return 0 if result.status == "done" else 130
 
 
 def _write(result: Any, args: argparse.Namespace) -> None:
@@ -175,7 +204,7 @@ def _write(result: Any, args: argparse.Namespace) -> None:
     if args.save_path:
         result.save(args.save_path)
         print(f"wrote {args.save_path}")
-    if args.code:
+    if getattr(args, "code", None):  # experiments only (compare has no --code)
         text = result.code()
         with open(args.code, "w", encoding="utf-8") as handle:
             handle.write(text)

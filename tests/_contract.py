@@ -27,14 +27,16 @@ HOSTILE_LABELS = [
 ]
 
 
-def example_result():
-    """A small result: 2 views × 3 layers × 4 columns, 2 seeds, one verified mask, hostile labels."""
+def example_result(flip: bool = False):
+    """A small result: 2 views × 3 layers × 4 columns, 2 seeds, one verified mask, hostile labels
+    (``flip``: the same with its columns reversed, to compare it with)."""
     import torch
 
     from pipatch._result import Result
 
     raw = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4) / 24
     raw[:, 0, 0] = float("nan")
+    raw = raw.flip(2) if flip else raw
     return Result(
         kind="attribution", tokens=["The", " Eiffel\ud800", "\u202e", " of"], columns=["The", " Eiffel\ud800", "\u202e", " of"],
         layers=["0", "1", "2"], metric="logit_diff", raw={"resid": raw, "mlp": raw.flip(1)}, clean=1.0,
@@ -44,6 +46,7 @@ def example_result():
 
 
 def contract() -> dict[str, Any]:
+    from pipatch import compare
     from pipatch._live import PatchGrid, answer_selection
     from pipatch._views import colors, schema, strings
     from pipatch._views.schema import arrays_to_base64
@@ -88,6 +91,7 @@ def contract() -> dict[str, Any]:
             "widget": strings.json_safe(traits),
             "ui": strings.json_safe(ui),
             "details": strings.json_safe([answered, failed]),
+            "comparison": compare(result, example_result(flip=True)).to_mime(),
         },
     }
 

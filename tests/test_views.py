@@ -93,14 +93,22 @@ def _check_state(state: dict, *, live: bool) -> None:
         assert spec["shape"] == [dims[d] for d in ARRAY_SCHEMA[what]], name
         assert len(spec["data"]) == 4 * int(np.prod(spec["shape"]))
         names.add(what)
-    # Live updates carry the means and the (small) verified mask only.
-    assert names == ({"mean", "raw_mean", "verified"} if live else set(ARRAY_SCHEMA))
+    if state["sides"]:  # a comparison: a − b and both sides, live or not
+        assert names == {"mean", "a", "b"} and state["compared"] in ("recovery", "raw")
+    else:  # live updates carry the means and the (small) verified mask only
+        assert names == ({"mean", "raw_mean", "verified"} if live else set(ARRAY_SCHEMA) - {"a", "b"})
 
 
 def test_a_results_state_follows_the_schema():
+    import pipatch
+
     r = _hot_cold(meta={"model": "m", "verified": {"resid": [[1, 0, 0, 0, 0]] + [[0] * 5] * 3}})
     _check_state(r.to_state(), live=False)
     _check_state(r.to_state(live=True), live=True)
+    assert r.to_state()["sides"] == [] and r.to_state()["compared"] == ""
+    c = pipatch.compare(r, _hot_cold(hot=(2, 2)))
+    _check_state(c.to_state(), live=False)
+    _check_state(c.to_state(live=True), live=True)
 
 
 def test_widget_traits_are_the_schema_and_the_document_is_the_state():

@@ -42,7 +42,7 @@ interface Contract {
     labels: [string, string][];
     truncated: [string, number, string][];
   };
-  examples: { document: Json; live: Json; widget: Json; ui: Json; details: Json[] };
+  examples: { document: Json; live: Json; widget: Json; ui: Json; details: Json[]; comparison: Json };
 }
 
 const ROOT = process.cwd(); // vitest runs in the checkout's root (npm test, tests/test_views.py)
@@ -180,6 +180,25 @@ describe('state schema', () => {
     expect(state.detail.top?.map((t) => t.token)).toEqual(['\uFFFD x', ' Paris']);
     expect(Number.isNaN(state.detail.top?.[1].prob)).toBe(true);
     expect(normalizeState({ detail: C.examples.details[1] }).detail.error).toContain('top-5 needs');
+  });
+});
+
+describe('a comparison', () => {
+  it("is read through the same schema: both sides named, a − b and each side's values in their shape", () => {
+    const doc = C.examples.comparison;
+    const errors: string[] = [];
+    const { state } = documentToState(doc);
+    normalizeState(doc, errors);
+    expect(errors).toEqual([]);
+    expect(arrayProblems(state, doc)).toEqual([]);
+    expect(state.kind).toBe('compare');
+    expect(state.compared).toBe('recovery');
+    expect(state.sides.map((s) => s.slice(0, 3))).toEqual(['a: ', 'b: ']);
+    expect(Object.keys(state.arrays).sort()).toEqual(['mlp/a', 'mlp/b', 'mlp/mean', 'resid/a', 'resid/b', 'resid/mean']);
+    const [diff, a, b] = ['mean', 'a', 'b'].map((what) => state.arrays[`resid/${what}`].data);
+    for (let i = 0; i < diff.length; i++) {
+      if (Number.isFinite(diff[i])) expect(diff[i]).toBeCloseTo(a[i] - b[i], 6);
+    }
   });
 });
 

@@ -20,8 +20,9 @@ import numpy as np
 from .colors import PENDING_RGB, colormap, symmetric_max
 from .schema import rows_done, select_matrix
 from .strings import escape_label
+from .text import values_label
 
-__all__ = ["draw", "figure_size", "png", "tick_text"]
+__all__ = ["draw", "figure_size", "png", "scale_max", "tick_text"]
 
 
 def tick_text(text: Any, limit: int = 16) -> str:
@@ -58,7 +59,7 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
         grid = np.full((1, 1), np.nan)
     n_rows, n_cols = grid.shape
     done = rows_done(state, view, n_rows)
-    vmax = symmetric_max(grid[:done])
+    vmax = scale_max(state, view, mode, grid, done)
     grid[done:] = np.nan
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=colormap(), norm=Normalize(-vmax, vmax),
                       aspect="auto", interpolation="nearest", origin="upper")
@@ -76,14 +77,23 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
                        fontsize=8)
     ax.set_xlabel(escape_label(state.get("col_axis") or "token", 24))
     ax.set_ylabel("layer")
-    metric = str(state.get("metric") or "metric")
-    what = f"raw {metric}" if mode == "raw" else f"normalized recovery ({metric})"
     labels = state.get("seed_labels") or []
     seed_text = "" if seed < 0 else f", {labels[seed] if seed < len(labels) else f'seed {seed}'}"
-    ax.set_title(f"{tick_text(state.get('title') or 'pipatch', 110)}\n{tick_text(view, 40)}: {tick_text(what, 60)}{seed_text}",
-                 fontsize=9)
-    ax.figure.colorbar(image, ax=ax, label="raw metric" if mode == "raw" else "recovery", fraction=0.05, pad=0.02)
+    sides = "".join(f"\n{tick_text(side, 85)}" for side in state.get("sides") or [])
+    ax.set_title(f"{tick_text(state.get('title') or 'pipatch', 110)}{sides}\n{tick_text(view, 40)}: "
+                 f"{tick_text(values_label(state, mode), 60)}{seed_text}", fontsize=9)
+    ax.figure.colorbar(image, ax=ax, label=values_label(state, mode, short=True), fraction=0.05, pad=0.02)
     return image
+
+
+def scale_max(state: Mapping[str, Any], view: str, mode: str, grid: np.ndarray, done: int) -> float:
+    """The colour scale's half-range: max |v| over the finished rows drawn; for one side of a
+    comparison, over both sides, so switching a ↔ b keeps the colours comparable. As
+    ``scaleMax`` in ``js/format.ts``."""
+    if mode in ("a", "b") and state.get("sides"):
+        sides = [select_matrix(state, view, -1, side) for side in ("a", "b")]
+        return symmetric_max(np.concatenate([np.ravel(m[:done]) for m in sides if m is not None] or [grid[:done].ravel()]))
+    return symmetric_max(grid[:done])
 
 
 def _layout(fig) -> None:

@@ -66,6 +66,8 @@ STATE_SCHEMA: dict[str, str] = {
     "stoppable": "bool",
     "live_id": "str",  # the live widget a saved copy stands in for ("" for none)
     "code": "str",  # Result.code(): the plain nnsight script that recomputes the grid ("" for none)
+    "sides": "str[]",  # a comparison's two sides, "a: …" and "b: …" ([] for one result)
+    "compared": "str",  # what a comparison subtracts: "recovery" or "raw" ("" for one result)
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 
@@ -93,6 +95,8 @@ ARRAY_SCHEMA: dict[str, tuple[str, ...]] = {
     "seeds": ("seeds", "rows", "cols"),
     "raw_seeds": ("seeds", "rows", "cols"),
     "verified": ("rows", "cols"),
+    "a": ("rows", "cols"),  # a comparison's sides (its "mean" is a − b)
+    "b": ("rows", "cols"),
 }
 
 
@@ -182,18 +186,27 @@ def conform_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def select_matrix(state: Mapping[str, Any], view: str, seed: int = -1, mode: str = "recovery") -> np.ndarray | None:
-    """The [rows, cols] values drawn for a view / seed (−1: the mean) / mode (``"recovery"`` or
-    ``"raw"``); ``None`` when the state has no such array. As ``selectMatrix`` in ``js/data.ts``."""
+    """The [rows, cols] values drawn for a view / seed (−1: the mean) / mode; ``None`` when the
+    state has no such array. As ``selectMatrix`` in ``js/data.ts``.
+
+    ``mode`` is what the cells show: for one result ``"recovery"`` (normalized recovery) or
+    ``"raw"`` (the raw metric); for a comparison (``sides`` set) ``"diff"`` (a − b), ``"a"`` or
+    ``"b"`` (one side's compared values). Any other mode shows ``<view>/mean``.
+    """
     arrays = state.get("arrays") or {}
-    base = "raw_" if mode == "raw" else ""
-    if seed >= 0 and f"{view}/{base}seeds" in arrays:
-        seeds = decode_array(arrays[f"{view}/{base}seeds"])
+    if mode in ("a", "b"):
+        names = [f"{view}/{mode}"]
+    elif mode == "raw":
+        names = [f"{view}/raw_seeds", f"{view}/raw_mean"]
+    else:
+        names = [f"{view}/seeds", f"{view}/mean"]
+    if seed >= 0 and len(names) == 2 and names[0] in arrays:
+        seeds = decode_array(arrays[names[0]])
         if seeds.ndim == 3 and seed < seeds.shape[0]:
             return seeds[seed]
-    key = f"{view}/{'raw_mean' if mode == 'raw' else 'mean'}"
-    if key not in arrays:
+    if names[-1] not in arrays:
         return None
-    grid = decode_array(arrays[key])
+    grid = decode_array(arrays[names[-1]])
     return grid if grid.ndim == 2 else grid.reshape(len(state.get("row_labels") or []) or 1, -1)
 
 

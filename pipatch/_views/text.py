@@ -3,7 +3,9 @@ summary (``text/plain`` of the MIME bundle).
 
 Rows are layers with layer 0 first (the top line, as in every other view), columns are the
 grid's columns; each cell is a block character for its mean recovery (``░▒▓█``, ``?`` for
-NaN, ``·`` for a row not computed yet). Labels go through the one escaper.
+NaN, ``·`` for a row not computed yet); a comparison's cells are signed (``+▓``, ``-░``: the
+size of a − b against the largest |a − b|), preceded by its two sides' labels. Labels go
+through the one escaper.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from .colors import symmetric_max
 from .schema import rows_done, select_matrix
 from .strings import clean_text, escape_label
 
-__all__ = ["shade", "summary", "text_grid", "top_cells"]
+__all__ = ["shade", "signed_shade", "summary", "text_grid", "top_cells", "values_label"]
 
 _SHADES = " ░▒▓█"
 
@@ -29,14 +32,36 @@ def shade(value: float | None) -> str:
     return _SHADES[int(min(max(value, 0.0), 0.999) * len(_SHADES))]
 
 
-def top_cells(grid: np.ndarray, k: int, done: int | None = None) -> list[tuple[int, int, float]]:
-    """The ``k`` finite cells with the highest value as ``(row, col, value)``, highest first
-    (ties: the first in row-major order)."""
+def top_cells(grid: np.ndarray, k: int, done: int | None = None, *, by_size: bool = False) -> list[tuple[int, int, float]]:
+    """The ``k`` finite cells with the highest value (``by_size``: the highest ``|value|``) as
+    ``(row, col, value)``, highest first (ties: the first in row-major order)."""
     grid = np.asarray(grid, dtype=np.float64)[: grid.shape[0] if done is None else done]
     flat = grid.ravel()
-    order = [int(i) for i in np.argsort(-np.where(np.isfinite(flat), flat, -np.inf), kind="stable")[:k]]
+    key = np.abs(flat) if by_size else flat
+    order = [int(i) for i in np.argsort(-np.where(np.isfinite(flat), key, -np.inf), kind="stable")[:k]]
     cols = grid.shape[1] if grid.ndim == 2 else 1
     return [(i // cols, i % cols, float(flat[i])) for i in order if np.isfinite(flat[i])]
+
+
+def signed_shade(value: float | None, vmax: float) -> str:
+    """A difference as sign + block for ``|value| / vmax``: ``+▓``, ``-░``; ``?`` for NaN."""
+    if value is None or math.isnan(value):
+        return "?"
+    return ("+" if value > 0 else "-" if value < 0 else " ") + shade(abs(value) / vmax)
+
+
+def values_label(state: Mapping[str, Any], mode: str = "recovery", *, short: bool = False) -> str:
+    """What the drawn cells are, in words (``short``: for a colour bar). One result:
+    normalized recovery or the raw metric; a comparison (``sides`` set): a − b of the compared
+    values, or one side of them (``mode`` ``"a"`` / ``"b"``)."""
+    metric = str(state.get("metric") or "metric")
+    if state.get("sides"):
+        what = f"raw {metric}" if state.get("compared") == "raw" else "normalized recovery"
+        which = mode if mode in ("a", "b") else "a − b"
+        return which if short else f"{which}: {what}" if mode in ("a", "b") else f"a − b of {what}"
+    if mode == "raw":
+        return "raw metric" if short else f"raw {metric}"
+    return "recovery" if short else f"normalized recovery ({metric})"
 
 
 def _label(text: str, width: int) -> str:
@@ -57,25 +82,28 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     escaped = max((len(escape_label(c)) for c in cols if escape_label(c) != c), default=0)
     width = max(width, min(escaped + 1, 10))
     base = state.get("baselines") or {}
+    numbers = ", ".join(f"{escape_label(k, 20)} {'nan' if v is None else format(v, '.4g')}" for k, v in base.items())
+    compared = bool(state.get("sides"))
+    vmax = symmetric_max(grid[:done])
 
-    def num(key: str) -> str:
-        value = base.get(key)
-        return "nan" if value is None else f"{value:.4g}"
+    def cell(value: float) -> str:
+        return signed_shade(value, vmax) if compared else shade(value)
 
-    lines = [f"{escape_label(state.get('title') or 'pipatch')}  [{view}, {state.get('metric', '')}; "
-             f"clean {num('clean')}, corrupt {num('corrupt')}]"]
+    lines = [f"{escape_label(state.get('title') or 'pipatch')}  [{view}, {state.get('metric', '')}; {numbers}]"]
+    lines += [escape_label(side) for side in state.get("sides") or []]
     lines.append(" " * 5 + "".join(_label(c, width) for c in cols))
     for r in range(grid.shape[0]):
         label = rows[r] if r < len(rows) else str(r)
         if r < done:
-            cells = "".join(shade(float(v)).rjust(width) for v in grid[r].tolist())
+            cells = "".join(cell(float(v)).rjust(width) for v in grid[r].tolist())
         else:
             cells = "".join("·".rjust(width) for _ in range(grid.shape[1]))
         lines.append(f"L{escape_label(label):<4}"[:5] + cells)
     what = {"head": "head", "token": "token"}.get(str(state.get("col_axis")), "column")
+    word = "a − b" if compared else "recovery"
     # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
-    for row, col, value in top_cells(grid, top, done):
-        lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  recovery {value:.3f}")
+    for row, col, value in top_cells(grid, top, done, by_size=compared):
+        lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  {word} {value:.3f}")
     for warning in state.get("warnings") or []:
         lines.append(f"warning: {escape_label(warning)}")
     status = str(state.get("status") or "done")
