@@ -179,6 +179,10 @@ class Comparison(Result, file_kind="compare"):
                 out[f"{view}/{name}"] = values.numpy().astype("<f4")
         return out
 
+    def code(self) -> str:
+        """A comparison is no sweep of its own: each side has its script."""
+        raise PipatchError("a comparison has no script of its own: use result.a.code() and result.b.code()")
+
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
         """The view state of any result, plus the sides' labels, what was subtracted, and both
         sides' baselines (not their difference)."""

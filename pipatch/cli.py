@@ -82,7 +82,8 @@ def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """``pipatch COMMAND ...``, one command per experiment of the registry, and ``compare``."""
-    parser = _Parser(prog="pipatch", description="Causal tracing and activation patching for language models.")
+    parser = _Parser(prog="pipatch", description="Causal tracing and activation patching for language models. "
+                     "`pipatch serve [MODEL]` starts a server for --serve (see pipatch serve --help).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     outputs = _outputs()
     common = _common(outputs)
