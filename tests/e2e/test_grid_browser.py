@@ -7,6 +7,7 @@ import json
 import pytest
 
 from .conftest import (
+    cell_point,
     code_cell,
     grid_cell,
     live_grid,
@@ -25,11 +26,7 @@ GRID = ".jp-OutputArea-output .pipatch-grid"
 
 
 def _hover_cell(page, grid, row: int, col: int) -> None:
-    overlay = page.locator(f"{grid} canvas.pipatch-overlay").first
-    box = overlay.bounding_box()
-    rows = int(page.locator(grid).first.get_attribute("data-rows"))
-    cols = int(page.locator(grid).first.get_attribute("data-cols"))
-    page.mouse.move(box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows)
+    page.mouse.move(*cell_point(page.locator(grid).first, row, col))  # scrolled into view first
 
 
 def test_widget_grid_hover_and_text_only_labels(page, lab_server):
