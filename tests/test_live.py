@@ -6,6 +6,7 @@ sweep runs on the main thread; here a plain thread sets the same traits.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -131,7 +132,7 @@ def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model
     _in_thread(lambda: setattr(grid, "selected", selection))  # answered at once, in that thread
     assert grid.detail["top"] == live_patch["widget"].detail["top"]
     # A result without its model and plan (loaded from a file) says why there is no top-5.
-    other = PatchGrid(result.__class__(**{f: getattr(result, f) for f in result.__dataclass_fields__}))
+    other = PatchGrid(result.__class__(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)}))
     other.selected = selection
     assert other.detail["top"] == [] and "top-5 needs the model" in other.detail["error"]
     assert other.detail["value"] == pytest.approx(float(result.grid[0, 0]), abs=1e-6)
