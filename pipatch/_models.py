@@ -191,7 +191,7 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     try:
         if device.type == "cpu":
             VLLM._WORKER_CLS = cpu_worker.WORKER_CLS
-        model = VLLM(path, dispatch=True, **args) if dispatch else VLLM(path)
+        model = VLLM(path, dispatch=dispatch, **args)  # undispatched: the same config, no weights
     except PipatchError:
         raise
     except Exception as error:  # noqa: BLE001 - one line naming the cause

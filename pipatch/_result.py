@@ -244,11 +244,16 @@ class Result:
         return script(self)
 
     def _code_or_empty(self) -> str:
-        """:meth:`code`, or ``""`` where there is none (the views then show no Code button)."""
-        try:
-            return self.code()
-        except PipatchError:
-            return ""
+        """:meth:`code`, or ``""`` where there is none (the views then show no Code button).
+
+        Made once per result: the script reads ``meta``'s inputs, which are set when the sweep is
+        planned, and a live grid asks for the state after every row."""
+        if "_code_text" not in self.__dict__:
+            try:
+                self.__dict__["_code_text"] = self.code()
+            except PipatchError:
+                self.__dict__["_code_text"] = ""
+        return self.__dict__["_code_text"]
 
     # -- serialization --------------------------------------------------------------------
     def _header(self) -> dict[str, Any]:

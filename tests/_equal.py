@@ -26,3 +26,15 @@ def assert_same(got, want, atol: float = ATOL, backend: str = "vllm") -> None:
         assert_close(got.raw[view], want.raw[view], atol)
         assert_close(got.mean(view), want.mean(view), atol)
     assert (got.meta.get("backend"), want.meta.get("backend")) == (backend, "transformers")
+
+
+def assert_same_click(got_model, want_model, pair: dict) -> None:
+    """A click (resid at " is", layer 6) shows the same top-5 tokens and probabilities (1e-5)."""
+    import pytest
+
+    from pipatch._api import plan_patch
+
+    got = plan_patch(got_model, **pair, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
+    want = plan_patch(want_model, **pair, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-5)

@@ -153,16 +153,16 @@ def test_remote_code_is_never_run(tmp_path):
 
 
 def test_no_pickle_or_remote_code_switch_in_pipatch():
-    """Results never go through pickle. The one unpickling call in pipatch is the served
-    backend's reading of nnsight's serve answer (nnsight's own wire format, a ``torch.save``,
-    from a server the user chose and authenticates), in one place."""
+    """Results never go through pickle. The one ``torch.load`` in pipatch is the served
+    backend's reading of nnsight's serve answer (a ``torch.save``), with ``weights_only=True``."""
     sources = {p.relative_to(Path(pipatch.__file__).parent).as_posix(): p.read_text()
                for p in Path(pipatch.__file__).parent.rglob("*.py")}
-    for needle in ("import pickle", "torch.load(", "allow_pickle=True", "trust_remote_code=True",
-                   "trust_remote_code = True"):
+    for needle in ("import pickle", "torch.load(", "allow_pickle=True", "weights_only=False",
+                   "trust_remote_code=True", "trust_remote_code = True"):
         found = sorted(name for name, text in sources.items() if needle in text)
         assert found == (["_backends/served.py"] if needle == "torch.load(" else []), (needle, found)
     assert sources["_backends/served.py"].count("torch.load(") == 1
+    assert "weights_only=True)" in sources["_backends/served.py"]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from pipatch._engine import EngineError  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
 from pipatch._serve import Spawned  # noqa: E402
 from pipatch._sites import RESID  # noqa: E402
-from tests._equal import assert_close, assert_same  # noqa: E402
+from tests._equal import assert_close, assert_same, assert_same_click  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -120,10 +120,7 @@ def test_path_patching_a_dataset_and_a_click_equal_transformers(served, model):
              "corrupt": [COLOSSEUM, "The Vatican is in the city of"], "answer": " Paris", "foil": " Rome"}
     assert_same(pipatch.patch(served, **pairs, site="mlp", positions=[-1]),
                 pipatch.patch(model, **pairs, site="mlp", positions=[-1]), backend="served")
-    got = plan_patch(served, **PAIR, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
-    want = plan_patch(model, **PAIR, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
-    assert [t for t, _ in got] == [t for t, _ in want]
-    assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-5)
+    assert_same_click(served, model, PAIR)
 
 
 def test_attribution_is_refused_in_one_line(served):

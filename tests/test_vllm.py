@@ -29,7 +29,7 @@ from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._load import _SHARED, shared_model  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
-from tests._equal import assert_close, assert_same  # noqa: E402
+from tests._equal import assert_close, assert_same, assert_same_click  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -155,10 +155,7 @@ def test_a_dataset_equals_transformers(vllm_model, model):
 
 
 def test_a_click_shows_the_same_top_predictions(vllm_model, model):
-    got = plan_patch(vllm_model, **PAIR, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
-    want = plan_patch(model, **PAIR, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
-    assert [t for t, _ in got] == [t for t, _ in want]
-    assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-5)
+    assert_same_click(vllm_model, model, PAIR)
 
 
 def test_attribution_is_refused_in_one_line(vllm_model):

@@ -106,7 +106,9 @@ class Server:
         from nnsight.intervention.errors import raise_deferred
 
         response = self._call("POST", "/v1/nnsight/generate", content=blob)
-        answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=False)
+        # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
+        # bodies save, and nnsight's error dict); no object the server names is ever built.
+        answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
         try:
             raise_deferred(answer.get("error"))
         except Exception as error:  # noqa: BLE001 - the server's exception, named in one line
@@ -145,7 +147,8 @@ def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = Non
     if dtype is not None and _resolve_dtype(dtype) != served_dtype:
         raise PipatchError(f"the server at {server.url} runs {info.get('dtype')}, not {dtype}: drop dtype= "
                            "(results use the server's), or start a server with --dtype")
-    model = build_vllm(name, dtype=served_dtype, dispatch=False)
+    length = {"max_model_len": int(info["max_model_len"])} if info.get("max_model_len") else {}
+    model = build_vllm(name, dtype=served_dtype, engine_args=length, dispatch=False)  # the server's config
     # A plain string on the model (nnsight pickles the model's attributes into every request);
     # the connection and its backend live here, by the model's id, as long as the model does.
     model._pipatch_serve = server.url

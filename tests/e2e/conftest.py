@@ -314,6 +314,14 @@ def cell_point(grid, row: int, col: int) -> tuple[float, float]:
     return box["x"] + (col + 0.5) * box["width"] / cols, box["y"] + (row + 0.5) * box["height"] / rows
 
 
+def hover_text(page, grid, row: int, col: int) -> str:
+    """Hover cell ``(row, col)`` of ``grid`` and return its tooltip's text once shown."""
+    page.mouse.move(*cell_point(grid, row, col))
+    tip = grid.locator(".pipatch-tooltip")
+    tip.wait_for(state="visible")
+    return tip.text_content()
+
+
 def wait_top5_for_layer(page, grid, layer: int, timeout: float = 120_000) -> None:
     """Until the grid's detail pane names a clicked cell of ``layer`` and shows the kernel's top-5."""
     page.wait_for_function(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .conftest import cell_point, code_cell, grid_cell, live_grid, open_notebook, run_all, shot
+from .conftest import code_cell, grid_cell, hover_text, live_grid, open_notebook, run_all, shot
 from .test_views_browser import READ_CELLS
 
 pytestmark = pytest.mark.e2e
@@ -44,12 +44,6 @@ def _expected(mode: str) -> np.ndarray:
     return np.array([[diverging_rgb(float(v), vmax) for v in row] for row in values])
 
 
-def _tooltip(page, grid, row: int, col: int) -> str:
-    page.mouse.move(*cell_point(grid, row, col))
-    tip = grid.locator(".pipatch-tooltip")
-    tip.wait_for(state="visible")
-    return tip.text_content()
-
 
 def test_the_toggle_redraws_a_b_and_a_minus_b_and_the_tooltip_shows_both_values(page, lab_server):
     name = lab_server.write_notebook("compare.ipynb", [code_cell(SOURCE), code_cell("PatchGrid(c)"), code_cell("c")])
@@ -75,7 +69,7 @@ def test_the_toggle_redraws_a_b_and_a_minus_b_and_the_tooltip_shows_both_values(
         # Equal cells are the white centre in a − b; b higher is blue, a higher red.
         assert tuple(drawn["diff"][0][2]) == (247, 247, 247)
         assert drawn["diff"][1][0][2] > drawn["diff"][1][0][0] and drawn["diff"][0][0][0] > drawn["diff"][0][0][2]
-        tip = _tooltip(page, grid, 1, 0)
+        tip = hover_text(page, grid, 1, 0)
         assert "a − b: -0.400 (normalized recovery)" in tip and "a: 0.200" in tip and "b: 0.600" in tip, tip
         shot(page, f"compare-{which}")
     assert page.console_errors == []

@@ -26,6 +26,7 @@ from .conftest import (
     cell_point,
     code_cell,
     grid_cell,
+    hover_text,
     live_grid,
     open_notebook,
     run_all,
@@ -98,12 +99,6 @@ def _click_top5(page, grid, row: int, col: int, timeout: float = 120_000) -> lis
     assert probs.count() == 5 and all(probs.nth(i).text_content().strip() for i in range(5))
     return texts
 
-
-def _hover_text(page, grid, row: int, col: int) -> str:
-    page.mouse.move(*cell_point(grid, row, col))
-    tip = grid.locator(".pipatch-tooltip")
-    tip.wait_for(state="visible")
-    return tip.text_content()
 
 
 def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_server):
@@ -179,15 +174,15 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
 
     # -- verified cells are marked in the final grid; others are not --------------------------
     for row, col in verified:
-        assert "verified by a real patch" in _hover_text(page, attr_done, row, col)
+        assert "verified by a real patch" in hover_text(page, attr_done, row, col)
     others = [(r, c) for r in range(18) for c in range(4) if (r, c) not in verified]
-    assert "verified by a real patch" not in _hover_text(page, attr_done, *others[0])
+    assert "verified by a real patch" not in hover_text(page, attr_done, *others[0])
 
     # -- PatchGrid(attr): a click after the run gets the real patched run's top-5 ------------
     again = grid_cell(page, AGAIN).locator(".pipatch-grid[data-status='done']").first
     again.wait_for(timeout=120_000)
     row, col = verified[0]
-    assert "verified by a real patch" in _hover_text(page, again, row, col)
+    assert "verified by a real patch" in hover_text(page, again, row, col)
     attr_tokens = _click_top5(page, again, row, col)
     # The run's own grid stays live after the run: the same click there, the same answer.
     assert _click_top5(page, attr_done, row, col) == attr_tokens
