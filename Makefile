@@ -55,7 +55,7 @@ chromium:
 
 test: $(STAMP) chromium install-vllm
 	npm test
-	$(PY) -m pytest -q -ra -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
+	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
 		--ignore=tests/test_served.py
 	$(MAKE) test-vllm
 

@@ -147,7 +147,8 @@ def trace(
         The subject's text as it appears in ``prompt`` (every token overlapping it is noised,
         BPE pieces included) or a list of token indices.
     answer
-        One token, e.g. ``" Paris"``.
+        The text that follows the prompt: one token (``" Paris"``) or several (``" New York"``,
+        read teacher-forced: P of the whole sequence, the sum of its tokens' log-probabilities).
     seeds
         Number of noise draws; recovery is averaged over them.
     scale
@@ -207,11 +208,14 @@ def patch(
         Prompts of equal token length; or two lists of such prompts (pairs, in order),
         averaged over named positions, with ``answer`` / ``foil`` given once or once per pair.
     answer, foil
-        Single tokens; ``foil`` is required for ``metric="logit_diff"`` (e.g. ``" Rome"``).
+        One token each (``" Paris"``, ``" Rome"``) or several (``" New York"``, read
+        teacher-forced; ``logit_diff`` then becomes the sequences' log-probability difference,
+        ``"logprob_diff"``). ``foil`` is required for ``logit_diff`` and ``logprob_diff``.
     site
         ``"resid"``, ``"attn"``, ``"mlp"`` or ``"head"``.
     metric
-        ``"logit_diff"``, ``"prob"`` or ``"logprob"``.
+        ``"logit_diff"``, ``"prob"``, ``"logprob"`` or ``"logprob_diff"`` (log P(answer) − log
+        P(foil), for a dataset mixing one-token and multi-token answers).
     direction
         ``"denoise"``, ``"noise"``, ``"zero"`` or ``"mean"`` (see
         :mod:`pipatch._protocols.patching`).

@@ -2,18 +2,21 @@
 
 A **cell** is one patched forward pass: a *base run* (a prompt, maybe under noise) with a list
 of **ops** — write this value at that site, layer and index; or record what is there — and one
-number read off its last position, the **metric**. A protocol turns a researcher's question
+number read off its last position(s), the **metric** (a multi-token answer is read teacher-forced
+over the positions after the prompt: :class:`Metric`). A protocol turns a researcher's question
 into cells; the engine batches them; a backend runs a batch as invokes of one trace. Nothing
 here touches a model.
 
 Shapes: a site value is ``[batch, T, width]``; an op's ``index`` selects into one batch row's
 value (``value[index]`` with the batch dimension kept, e.g. ``(slice(None), 4)`` for position
-4, or ``(slice(None), [2, 3], slice(0, 64))`` for head 0's slice at positions 2 and 3).
+4, or ``(slice(None), [2, 3], slice(0, 64))`` for head 0's slice at positions 2 and 3). Indices
+name prompt positions only: a run's value may be longer (the answer's tokens follow the prompt)
+and have several batch rows (:attr:`Metric.n_inputs`), which a write covers alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,35 +26,146 @@ from ._sites import Site
 
 __all__ = ["METRICS", "Metric", "Capture", "Base", "Op", "Cell"]
 
-METRICS = ("logit_diff", "prob", "logprob")
+METRICS = ("logit_diff", "prob", "logprob", "logprob_diff")
+
+
+def _ids(value: int | Sequence[int] | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 @dataclass(frozen=True)
 class Metric:
-    """A number read off the last position's logits.
+    """A number read off the logits at the answer's positions: the metric of one run.
 
-    ``prob`` and ``logprob`` of ``answer`` need the whole vocabulary (for the softmax);
-    ``logit_diff`` (answer − foil) needs two rows of the unembedding only.
+    ``answer`` (and ``foil``) are token ids: one token, or a sequence (" New York"). A
+    multi-token answer is read **teacher-forced**: the run's input is the prompt followed by
+    the answer's tokens but the last (:meth:`inputs`), and the answer's log-probability is the
+    sum of its tokens' log-probabilities, each read at the position before it. So a run reads
+    the logits at its last :attr:`n_read` positions (one for a one-token answer: the last
+    prompt position, as always). Writes go to prompt positions only; the answer's positions
+    are computed from them.
+
+    * ``prob`` / ``logprob``: P(answer sequence) / its log.
+    * ``logit_diff``: answer − foil logits when both are one token (two rows of the
+      unembedding suffice); otherwise the **log-probability difference** of the two sequences
+      (:attr:`label` ``"logprob_diff"``). ``logprob_diff`` asks for that difference whatever
+      the lengths (a dataset mixing one-token and multi-token answers). When the foil's tokens diverge from the answer's
+      before its last token, the foil needs an input of its own: a run is then
+      :attr:`n_inputs` sequences (prompt + each continuation, padded to one length).
+
+    A backend hands :meth:`score` the logits of a batch of runs, ``[batch, n_inputs, n_read,
+    vocab]``, or computes :meth:`pieces` of each input where the logits are (a vLLM worker)
+    and combines them with :meth:`combine`.
     """
 
     name: str
-    answer: int
-    foil: int | None = None
+    answer: tuple[int, ...]
+    foil: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "answer", _ids(self.answer))
+        object.__setattr__(self, "foil", _ids(self.foil))
+
+    # -- what the metric reads ----------------------------------------------------------------
+    @property
+    def single(self) -> bool:
+        """One-token answer (and foil): read at the last prompt position only."""
+        return len(self.answer) == 1 and (self.foil is None or len(self.foil) == 1)
+
+    @property
+    def label(self) -> str:
+        """The metric's name as results show it: ``logprob_diff`` for multi-token ``logit_diff``."""
+        return "logprob_diff" if self.name == "logit_diff" and not self.single else self.name
+
+    @property
+    def is_difference(self) -> bool:
+        """answer − foil (``logit_diff``, ``logprob_diff``), not a function of the answer alone."""
+        return self.name in ("logit_diff", "logprob_diff")
+
+    @property
+    def sequences(self) -> list[tuple[int, ...]]:
+        """The token sequences scored: the answer, then (``logit_diff``) the foil."""
+        return [self.answer, self.foil] if self.is_difference else [self.answer]
+
+    @property
+    def n_read(self) -> int:
+        """Positions read per input: the last ``n_read`` (the longest sequence's length)."""
+        return max(len(s) for s in self.sequences)
+
+    @property
+    def continuations(self) -> list[tuple[int, ...]]:
+        """Tokens appended to the prompt, one tuple per input, each ``n_read − 1`` long.
+
+        A sequence ``s`` is read from the input whose continuation starts with ``s[:-1]``; the
+        answer's continuation comes first, and a foil shares it when it can. Padding (the
+        answer's first token, never read) makes every input the same length.
+        """
+        out: list[tuple[int, ...]] = []
+        for seq in self.sequences:
+            if not any(c[: len(seq) - 1] == seq[:-1] for c in out):
+                out.append(seq[:-1])
+        pad = self.n_read - 1
+        return [c + (self.answer[0],) * (pad - len(c)) for c in out]
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.continuations)
+
+    def inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prompt ids [1, T] → the run's input ids [n_inputs, T + n_read − 1]."""
+        conts = self.continuations
+        if not conts[0]:
+            return input_ids
+        extra = torch.tensor(conts, dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids.expand(len(conts), -1), extra], dim=1)
+
+    def _where(self) -> list[int]:
+        """Which input each sequence is read from."""
+        conts = self.continuations
+        return [next(i for i, c in enumerate(conts) if c[: len(s) - 1] == s[:-1]) for s in self.sequences]
 
     @property
     def token_ids(self) -> list[int] | None:
-        """Vocabulary rows the metric reads, or ``None`` for all of them."""
-        return [self.answer, self.foil] if self.name == "logit_diff" else None
+        """Vocabulary rows the metric reads, or ``None`` for all of them (a softmax needs all)."""
+        return [self.answer[0], self.foil[0]] if self.name == "logit_diff" and self.single else None
 
-    def from_logits(self, logits: torch.Tensor, subset: bool = False) -> torch.Tensor:
-        """``logits``: [batch, vocab] (or [batch, 2] when ``subset``) → [batch] float32."""
+    # -- reading it -------------------------------------------------------------------------
+    def pieces(self, logits: torch.Tensor, index: int = 0, subset: bool = False) -> torch.Tensor:
+        """Input ``index``'s logits ``[..., n_read, vocab]`` → what :meth:`combine` needs of them,
+        ``[..., n_read, n_sequences]``: per read position, each sequence's token log-probability
+        (raw logits for a one-token ``logit_diff``; with ``subset`` the logits are already just
+        :attr:`token_ids`' columns)."""
         logits = logits.float()
-        if self.name == "logit_diff":
-            if subset:
-                return logits[:, 0] - logits[:, 1]
-            return logits[:, self.answer] - logits[:, self.foil]
-        logp = torch.log_softmax(logits, dim=-1)[:, self.answer]
-        return logp.exp() if self.name == "prob" else logp
+        if subset:
+            return logits
+        table = torch.tensor([[s[j] if j < len(s) else 0 for s in self.sequences] for j in range(self.n_read)],
+                             device=logits.device)
+        table = table.expand(*logits.shape[:-1], table.shape[-1])
+        if self.token_ids is not None:
+            return logits.gather(-1, table)
+        return torch.log_softmax(logits, dim=-1).gather(-1, table)
+
+    def combine(self, pieces: torch.Tensor) -> torch.Tensor:
+        """``[batch, n_inputs, n_read, n_sequences]`` pieces → the metric, [batch] float32."""
+        values = [pieces[:, i, : len(s), k].sum(-1) for k, (s, i) in enumerate(zip(self.sequences, self._where()))]
+        if self.is_difference:
+            return values[0] - values[1]
+        return values[0].exp() if self.name == "prob" else values[0]
+
+    def score(self, logits: torch.Tensor, subset: bool = False) -> torch.Tensor:
+        """Logits ``[batch, n_inputs, n_read, vocab]`` (``[..., 2]`` with ``subset``) → [batch]."""
+        return self.combine(self.pieces(logits, subset=subset))
+
+    def answer_prob(self, logits: torch.Tensor) -> torch.Tensor:
+        """P(answer sequence) from logits ``[batch, n_inputs, n_read, vocab]`` → [batch]."""
+        logits = logits.float()
+        if len(self.answer) == 1:
+            return logits[:, 0, 0].softmax(-1)[:, self.answer[0]]
+        rows = logits[:, self._where()[0], : len(self.answer)]
+        ids = torch.tensor(self.answer, device=rows.device).expand(rows.shape[0], -1)
+        return torch.log_softmax(rows, dim=-1).gather(-1, ids[..., None]).squeeze(-1).sum(-1).exp()
 
 
 @dataclass
@@ -59,9 +173,10 @@ class Capture:
     """What one traced run (or a batch of ``n`` runs, e.g. one per noise seed) leaves behind.
 
     ``blocks[l]`` is block ``l``'s raw output (tensor or tuple) for the whole batch, as a
-    backend must hand it back to skip the block. ``sites[name][l]`` is a site value,
-    [n, T, width] (``"resid"`` always). ``metric`` and ``prob`` (of the answer) are [n];
-    ``embedded`` is the embedding output, [n, T, d].
+    backend must hand it back to skip the block: ``inputs`` rows per run (the metric's
+    :attr:`~Metric.n_inputs`), at every position of the run's input. ``sites[name][l]`` is a
+    site value at the prompt's positions, [n, T, width] (``"resid"`` always). ``metric`` and
+    ``prob`` (of the answer) are [n]; ``embedded`` is the embedding output, [n, T, d].
     """
 
     blocks: list[Any]
@@ -69,16 +184,19 @@ class Capture:
     metric: torch.Tensor
     embedded: torch.Tensor
     prob: torch.Tensor
+    inputs: int = 1
 
     def block_for(self, layer: int, row: int) -> Any:
-        """Block ``layer``'s output for batch row ``row`` only, in the block's own structure."""
+        """Block ``layer``'s output for run ``row`` only (its ``inputs`` batch rows), in the
+        block's own structure."""
         value = self.blocks[layer]
+        lo, hi = row * self.inputs, (row + 1) * self.inputs
         if isinstance(value, tuple):
-            return (value[0][row : row + 1],) + tuple(
-                v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[:1] == value[0].shape[:1] else v
+            return (value[0][lo:hi],) + tuple(
+                v[lo:hi] if isinstance(v, torch.Tensor) and v.shape[:1] == value[0].shape[:1] else v
                 for v in value[1:]
             )
-        return value[row : row + 1]
+        return value[lo:hi]
 
     def site(self, name: str, layer: int, row: int) -> torch.Tensor | None:
         """Site ``name``'s value at ``layer`` for batch row ``row`` ([1, T, width]), if kept."""

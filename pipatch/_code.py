@@ -44,11 +44,13 @@ _METRIC_DOC = {
     "prob": "P(answer) at the last position",
     "logprob": "log P(answer) at the last position",
     "logit_diff": "logit(answer) − logit(foil) at the last position",
+    "logprob_diff": "log P(answer) − log P(foil) at the last position",
 }
 _METRIC_BODY = {
     "prob": "return logits.float().log_softmax(-1)[answer].exp()",
     "logprob": "return logits.float().log_softmax(-1)[answer]",
     "logit_diff": "logits = logits.float()\n    return logits[answer] - logits[foil]",
+    "logprob_diff": "logprobs = logits.float().log_softmax(-1)\n    return logprobs[answer] - logprobs[foil]",
 }
 
 # --------------------------------------------------------------------------------------------
@@ -566,6 +568,13 @@ def _script(result: Any) -> str:
     if not meta.get("model_path"):
         raise PipatchError("code() needs the folder or hub id the model was loaded from (meta['model_path']), "
                            "which this result does not record (saved by an older pipatch): rerun the experiment")
+    for entry in [meta, *(meta.get("items") or [])]:
+        for role in ("answer", "foil"):
+            ids = entry.get(f"{role}_ids")
+            if ids is not None and len(ids) > 1:
+                raise PipatchError(f"code() writes scripts for one-token answers; this result's {role} "
+                                   f"{entry.get(role)!r} is {len(ids)} tokens (read teacher-forced): use result.grid, "
+                                   "or rerun with a one-token answer for the script")
     adapter = _adapter(meta)
     function, experiment, sites, summary = _experiment(result, adapter)
     if result.metric not in _METRIC_BODY:

@@ -306,7 +306,7 @@ class Adapter:
         out (``"stacked"``, ``"per_head"``, ``"per_group"``; see :meth:`qkv_columns`).
         ``qkv_layout`` is ``None`` where pipatch does not know the layout.
     last_logits_only
-        Whether the forward takes ``logits_to_keep`` (see :attr:`trace_kwargs`).
+        Whether the forward takes ``logits_to_keep`` (see :meth:`trace_kwargs`).
     """
 
     family: str
@@ -328,12 +328,11 @@ class Adapter:
     qkv_layout: str | None = None
     last_logits_only: bool = False
 
-    @property
-    def trace_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``model.trace()`` when only the last position's logits are read:
-        ``logits_to_keep=1`` where the model's forward takes it, so the unembedding is not run
-        at every position (Gemma: 262k × T floats per run)."""
-        return {"logits_to_keep": 1} if self.last_logits_only else {}
+    def trace_kwargs(self, n_read: int = 1) -> dict[str, Any]:
+        """Keyword arguments for ``model.trace()`` when only the last ``n_read`` positions'
+        logits are read: ``logits_to_keep=n_read`` where the model's forward takes it, so the
+        unembedding is not run at every position (Gemma: 262k × T floats per run)."""
+        return {"logits_to_keep": n_read} if self.last_logits_only else {}
 
     # -- envoys ---------------------------------------------------------------------------
     def embedding(self, model):

@@ -349,11 +349,11 @@ def experiment(kind: str) -> Experiment:
 
 # Shared options, one object each.
 _ANSWER = Option("--answer", "answer", required=True, per_prompt=True,
-                 help="the expected next token, e.g. ' Paris' (quote a leading space)")
+                 help="the expected continuation, e.g. ' Paris' or ' New York' (quote a leading space)")
 _FOIL = Option("--foil", "foil", per_prompt=True,
-               help="the corrupt prompt's answer token, e.g. ' Rome' (needed by logit_diff)")
+               help="the corrupt prompt's answer, e.g. ' Rome' (needed by logit_diff)")
 _PAIR_METRIC = Option("--metric", "metric", default="logit_diff",
-                      help="logit_diff (answer − foil), prob or logprob of the answer")
+                      help="logit_diff (answer − foil), prob, logprob or logprob_diff")
 _DIRECTION = Option("--direction", "direction", default="denoise",
                     help="denoise (clean into corrupt) or noise (corrupt into clean)")
 _SITE = Option("--site", "site", default="resid", help="resid, attn, mlp or head")

@@ -38,3 +38,31 @@ def assert_same_click(got_model, want_model, pair: dict) -> None:
     want = plan_patch(want_model, **pair, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
     assert [t for t, _ in got] == [t for t, _ in want]
     assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-5)
+
+
+def assert_same_multi_token(got_model, want_model, backend: str, everything: bool = True) -> None:
+    """Multi-token answers (read teacher-forced) on ``backend`` equal transformers within 1e-4:
+    " New York" vs " San Francisco" (the foil diverges at its first token: two inputs per
+    cell), a one-token foil, a trace's P(" New York"), path patching, a click after the prompt.
+    ``everything=False`` (a backend that runs the same invoke bodies as one already checked in
+    full, over another transport): the two-input patch, a one-seed trace and the click."""
+    import pipatch
+    from pipatch._api import plan_patch
+
+    pair = {"clean": "The Statue of Liberty is in the city of", "corrupt": "The Golden Gate Bridge is in the city of",
+            "answer": " New York", "foil": " San Francisco"}
+    patches = ({"site": "resid", "positions": [3, 5, -1]}, {"site": "head", "foil": " Boston"},
+               {"site": "mlp", "positions": [-1], "direction": "noise"})
+    for kwargs in patches if everything else patches[:1]:
+        got, want = pipatch.patch(got_model, **pair | kwargs), pipatch.patch(want_model, **pair | kwargs)
+        assert got.metric == want.metric == "logprob_diff"
+        assert_same(got, want, backend=backend)
+    trace = {"subject": "Statue of Liberty", "answer": " New York", "seeds": 2 if everything else 1}
+    got, want = pipatch.trace(got_model, pair["clean"], **trace), pipatch.trace(want_model, pair["clean"], **trace)
+    assert abs(got.meta["clean_prob"] - want.meta["clean_prob"]) < 1e-5
+    assert_same(got, want, backend=backend)
+    if everything:
+        got, want = (pipatch.path_patch(m, **pair, sender="mlp") for m in (got_model, want_model))
+        assert_same(got, want, backend=backend)
+    clicks = [plan_patch(m, **pair, positions=[-1]).predictor()("resid", 14, 0, k=5) for m in (got_model, want_model)]
+    assert [t for t, _ in clicks[0]] == [t for t, _ in clicks[1]] and clicks[1][0][0] == " New"

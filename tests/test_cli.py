@@ -190,7 +190,7 @@ PAIR = ["--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil
         # refused by the planner
         (["trace", "", "--subject", "x", "--answer", " Paris"], "empty"),
         (["trace", EIFFEL, "--subject", "Big Ben", "--answer", " Paris"], "not in the prompt"),
-        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris Texas"], "not one"),
+        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", ""], "answer is empty"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--kind", "ffn"], "unknown kind"),
         (["patch", "--clean", EIFFEL, "--corrupt", "Rome is", "--answer", " Paris", "--foil", " Rome"], "same length"),
         (["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--site", "neuron"], "unknown site"),

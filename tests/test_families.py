@@ -119,7 +119,7 @@ def test_adapter_finds_sites_and_sizes(family):
     assert adapter.n_kv_heads == EXPECTED[family][0]
     assert adapter.final_norm is not None
     assert adapter.softcap == (1.0 if family == "gemma2" else None)
-    assert adapter.trace_kwargs == {"logits_to_keep": 1}  # baselines unembed the last position only
+    assert adapter.trace_kwargs() == {"logits_to_keep": 1} and adapter.trace_kwargs(2) == {"logits_to_keep": 2}  # baselines unembed the last position only
     if family == "gemma3_mm":
         assert adapter.blocks == "model.language_model.layers"
         assert adapter.family == "gemma3_text"

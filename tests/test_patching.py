@@ -114,7 +114,8 @@ def test_prob_and_logprob_metrics(model):
     "kwargs, match",
     [
         (dict(corrupt="The big old Colosseum is in the city of"), r"same length.*'<bos>'"),
-        (dict(answer=" Parisian suburbs"), r"2 tokens.*suburbs.*not one"),
+        (dict(answer=""), "answer is empty"),
+        (dict(foil=""), "foil is empty"),
         (dict(foil=None), "needs a foil"),
         (dict(site="neuron"), "unknown site"),
         (dict(metric="kl"), "unknown metric"),

@@ -38,7 +38,7 @@ from pipatch._engine import EngineError  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
 from pipatch._serve import Spawned  # noqa: E402
 from pipatch._sites import RESID  # noqa: E402
-from tests._equal import assert_close, assert_same, assert_same_click  # noqa: E402
+from tests._equal import assert_close, assert_same, assert_same_click, assert_same_multi_token  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -121,6 +121,12 @@ def test_path_patching_a_dataset_and_a_click_equal_transformers(served, model):
     assert_same(pipatch.patch(served, **pairs, site="mlp", positions=[-1]),
                 pipatch.patch(model, **pairs, site="mlp", positions=[-1]), backend="served")
     assert_same_click(served, model, PAIR)
+
+
+def test_multi_token_answers_equal_transformers(served, model):
+    """The served backend runs the vLLM backend's invoke bodies (checked in full in test_vllm.py):
+    here the two-input requests of one cell over HTTP, a trace and a click."""
+    assert_same_multi_token(served, model, backend="served", everything=False)
 
 
 def test_attribution_is_refused_in_one_line(served):

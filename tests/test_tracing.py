@@ -144,7 +144,7 @@ def test_fast_path_equals_the_straightforward_one(model):
         (dict(prompt="", subject="x", answer=" Paris"), "empty"),
         (dict(subject="Big Ben", answer=" Paris"), "not in the prompt"),
         (dict(subject=[0, 40], answer=" Paris"), "out of range"),
-        (dict(subject="Eiffel Tower", answer=" Parisian suburbs"), "not one"),
+        (dict(subject="Eiffel Tower", answer=""), "answer is empty"),
         (dict(subject="Eiffel Tower", answer=" Paris", seeds=0), "seeds"),
         (dict(subject="Eiffel Tower", answer=" Paris", scale=-1.0), "positive"),
         (dict(subject="Eiffel Tower", answer=" Paris", kind="mlpp"), "unknown kind"),

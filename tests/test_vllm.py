@@ -29,7 +29,7 @@ from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._load import _SHARED, shared_model  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
-from tests._equal import assert_close, assert_same, assert_same_click  # noqa: E402
+from tests._equal import assert_close, assert_same, assert_same_click, assert_same_multi_token  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -156,6 +156,12 @@ def test_a_dataset_equals_transformers(vllm_model, model):
 
 def test_a_click_shows_the_same_top_predictions(vllm_model, model):
     assert_same_click(vllm_model, model, PAIR)
+
+
+def test_multi_token_answers_equal_transformers(vllm_model, model):
+    """" New York" vs " San Francisco" (two inputs per cell: the foil diverges at its first
+    token), a one-token foil, P(" New York") of a trace, path patching, and a click."""
+    assert_same_multi_token(vllm_model, model, backend="vllm")
 
 
 def test_attribution_is_refused_in_one_line(vllm_model):

@@ -206,19 +206,19 @@ class ServedBackend(VLLMBackend):
     def meta(self) -> dict[str, Any]:
         return {**super().meta(), "server": self.server.url}
 
-    def _invokes(self, ids: list[int], body: Any, jobs: list[tuple]) -> list:
+    def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> list:
         """Each job as a one-invoke trace of its own, all sent at once (module docstring)."""
         with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
-            blobs = [self._request(ids, body, job) for job in jobs]
+            blobs = [self._request(ids, body, args) for ids, args in jobs]
         return [saves["out"] for saves in self.server.generate_all(blobs)]
 
-    def _request(self, ids: list[int], body: Any, job: tuple) -> bytes:
-        """nnsight's serialized request for ``body(model, *job)`` on the prompt ``ids``."""
+    def _request(self, ids: list[int], body: Any, args: tuple) -> bytes:
+        """nnsight's serialized request for ``body(model, *args)`` on the token list ``ids``."""
         import nnsight
 
         model, request = self.model, _Serialized()
         with torch.no_grad(), model.trace(ids, backend=request, **_SAMPLING):
-            out = nnsight.save(body(model, *job))  # noqa: F841 - the server returns it by this name
+            out = nnsight.save(body(model, *args))  # noqa: F841 - the server returns it by this name
         return request.blob
 
     def logits(self, hidden: torch.Tensor, token_ids: Sequence[int] | None = None) -> torch.Tensor:

@@ -11,9 +11,9 @@ Two exact shortcuts, used when the engine asks for ``fast=True`` (a test compare
 * **Reuse below the patch.** Blocks below a cell's ``start`` layer see exactly the base run's
   inputs, so their outputs are the base run's cached ones: the block is ``skip()``\\ ped with
   the cached value instead of recomputed.
-* **Unembed one position.** The metric needs the last position only, and a logit difference
-  needs two rows of the unembedding, not 262k: the invoke reads the unembedding's *input* at
-  the last position and skips the unembedding; :meth:`TransformersBackend.logits` computes
+* **Unembed one position.** The metric needs the last position only (the last few for a
+  multi-token answer), and a logit difference needs two rows of the unembedding, not 262k: the
+  invoke reads the unembedding's *input* at those positions and skips the unembedding; :meth:`TransformersBackend.logits` computes
   just the rows the metric reads.
 """
 
@@ -119,51 +119,56 @@ class TransformersBackend(Described):
         """
         model, adapter = self.model, self.adapter
         n = 1 if noise is None else noise.shape[0]
+        T, m = input_ids.shape[1], metric.n_read
+        run_ids = metric.inputs(input_ids)
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         layers = range(adapter.n_layers)
-        with torch.no_grad(), model.trace(**adapter.trace_kwargs) as tracer:
+        with torch.no_grad(), model.trace(**adapter.trace_kwargs(m)) as tracer:
             runs = list().save()
             for i in range(n):
-                with tracer.invoke(input_ids):
+                with tracer.invoke(run_ids):
                     embedded = adapter.embedding(model).output
                     if noise is not None:
                         embedded[:, noise_positions] += noise[i].to(embedded.dtype)
-                    embedded_copy = embedded.clone()
+                    embedded_copy = embedded[:1, :T].clone()
                     blocks = []
                     values = {s.name: [] for s in keep}
                     for layer in layers:
                         for s in keep:
-                            values[s.name].append(s.value(adapter, model, layer).clone())
+                            values[s.name].append(s.value(adapter, model, layer)[:1, :T].clone())
                         out = adapter.block(model, layer).output
                         blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
                                       if isinstance(out, tuple) else out.clone())
-                    logits = model.output.logits[:, -1].float()
+                    logits = model.output.logits[:, -m:].float()
                     runs.append((blocks, values, logits, embedded_copy))
         blocks = [_cat([r[0][layer] for r in runs]) for layer in layers]
         values = {s.name: [torch.cat([r[1][s.name][layer] for r in runs]) for layer in layers] for s in keep}
-        values[RESID.name] = [first(b) for b in blocks]
-        logits = torch.cat([r[2] for r in runs])
-        return Capture(blocks=blocks, sites=values, metric=metric.from_logits(logits),
-                       embedded=torch.cat([r[3] for r in runs]), prob=logits.softmax(-1)[:, metric.answer])
+        values[RESID.name] = [first(b)[:: metric.n_inputs, :T] for b in blocks]
+        logits = torch.stack([r[2] for r in runs])  # [n, inputs, n_read, vocab]
+        return Capture(blocks=blocks, sites=values, metric=metric.score(logits),
+                       embedded=torch.cat([r[3] for r in runs]), prob=metric.answer_prob(logits),
+                       inputs=metric.n_inputs)
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
             full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Run ``cells`` on ``base`` as invokes of one trace.
 
         Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
-        last position's logits per cell ([len(cells), vocab]) — and, per cell, the values its
-        recording ops read (in op order).
+        last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
+        its recording ops read (in op order). A cell is one invoke of ``metric.n_inputs`` batch
+        rows (the prompt and each answer continuation); its writes cover every row.
         """
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
-        T = base.input_ids.shape[1]
+        run_ids = metric.inputs(base.input_ids)
+        L, m = run_ids.shape[1], metric.n_read
         last_only = fast and not full_logits
         plans = [cell.sorted_ops() for cell in cells]
         with torch.no_grad(), model.trace() as tracer:
             outs = list().save()
             recorded = list().save()
             for cell, ops in zip(cells, plans):
-                with tracer.invoke(base.input_ids):
+                with tracer.invoke(run_ids):
                     if base.noise is not None and (cell.start == 0 or not fast):
                         embedded = adapter.embedding(model).output
                         embedded[:, base.noise_positions] += base.noise[cell.seed].to(embedded.dtype)
@@ -183,29 +188,32 @@ class TransformersBackend(Described):
                     recorded.append(reads)
                     if last_only:
                         final = unembed.input
-                        outs.append(final[:, -1])
-                        # The logits are computed from ``final`` outside the trace, for the last
-                        # position and the metric's rows only; the module returns a placeholder.
-                        unembed.skip(torch.zeros(1, T, 1, dtype=final.dtype, device=final.device))
+                        outs.append(final[:, -m:])
+                        # The logits are computed from ``final`` outside the trace, for the read
+                        # positions and the metric's rows only; the module returns a placeholder.
+                        unembed.skip(torch.zeros(run_ids.shape[0], L, 1, dtype=final.dtype, device=final.device))
+                    elif full_logits:
+                        outs.append(model.output.logits[:1, -m])  # the next token after the prompt
                     else:
-                        outs.append(model.output.logits[:, -1])
-        stacked = torch.cat(list(outs))
+                        outs.append(model.output.logits[:, -m:])
         if full_logits:
-            return stacked.float(), list(recorded)
+            return torch.cat(list(outs)).float(), list(recorded)
+        stacked = torch.stack(list(outs))  # [cells, inputs, n_read, d or vocab]
         if last_only:
             return self.metric_from_hidden(metric, stacked), list(recorded)
-        return metric.from_logits(stacked), list(recorded)
+        return metric.score(stacked), list(recorded)
 
     def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor, chunk: int = 32) -> torch.Tensor:
-        """The metric from the unembedding's input at the last position, [batch, d] → [batch]."""
+        """The metric from the unembedding's input at the read positions,
+        [batch, inputs, n_read, d] → [batch]."""
         out = []
         for start in range(0, hidden.shape[0], chunk):
             part = self.logits(hidden[start : start + chunk], metric.token_ids)
-            out.append(metric.from_logits(part, subset=metric.token_ids is not None))
+            out.append(metric.score(part, subset=metric.token_ids is not None))
         return torch.cat(out) if out else torch.zeros(0)
 
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
-        """Logits from the input of the unembedding (the final-normed last-position states).
+        """Logits from the input of the unembedding (final-normed states, [..., d] → [..., vocab]).
 
         ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
         all a logit difference needs and avoids multiplying by a 262k-row matrix.
@@ -231,10 +239,11 @@ class TransformersBackend(Described):
         model, and a frozen model (``requires_grad=False``) works too.
         """
         model, adapter = self.model, self.adapter
-        with torch.enable_grad(), model.trace(**adapter.trace_kwargs) as tracer:
+        T, m = input_ids.shape[1], metric.n_read
+        with torch.enable_grad(), model.trace(**adapter.trace_kwargs(m)) as tracer:
             values = list().save()
             grads = list().save()
-            with tracer.invoke(input_ids):
+            with tracer.invoke(metric.inputs(input_ids)):
                 embedding = adapter.embedding(model)
                 leaf = embedding.output.detach().requires_grad_(True)
                 embedding.output = leaf
@@ -242,13 +251,14 @@ class TransformersBackend(Described):
                 for layer in range(adapter.n_layers):
                     act = site.value(adapter, model, layer)
                     acts.append(act)
-                    values.append(act.detach().clone())
-                score = metric.from_logits(model.output.logits[:, -1])[0]
+                    values.append(act[:1, :T].detach().clone())
+                score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
                 value = score.detach().save()
-                # nnsight serves .grad in the reverse of the forward order.
+                # nnsight serves .grad in the reverse of the forward order. A prompt position's
+                # activation is shared by every input of the run: its gradients add up.
                 with score.backward(inputs=[leaf]):
                     for act in reversed(acts):
-                        grads.append(act.grad.detach().clone())
+                        grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
         return list(values), list(reversed(list(grads))), float(value)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric
-from .._models import Adapter, PipatchError, adapter_for, dispatched, first
+from .._models import Adapter, PipatchError, _get, adapter_for, dispatched, first
 from .._sites import RESID, Site
 from ._described import Described
 
@@ -123,34 +123,45 @@ class VLLMBackend(Described):
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         draws = [None] if noise is None else [noise[i].detach().cpu() for i in range(noise.shape[0])]
         positions = list(noise_positions or [])
-        runs = self._invokes(_token_list(input_ids), _capture_run,
-                             [(adapter, metric, keep, draw, positions) for draw in draws])
+        inputs = _inputs(metric, input_ids)
+        runs = self._invokes(_capture_run, [(ids, (adapter, metric, keep if c == 0 else None, draw, positions))
+                                            for draw in draws for c, ids in enumerate(inputs)])
+        heads, n = runs[:: len(inputs)], len(inputs)
         layers = range(adapter.n_layers)
-        resid = [torch.cat([r[0][layer] for r in runs]) for layer in layers]
-        values = {s.name: [torch.cat([r[1][s.name][layer] for r in runs]) for layer in layers] for s in keep}
+        resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
+        values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
         values[RESID.name] = resid
-        return Capture(blocks=resid, sites=values, metric=torch.cat([r[2] for r in runs]),
-                       embedded=torch.cat([r[4] for r in runs]), prob=torch.cat([r[3] for r in runs]))
+        pieces = torch.stack([torch.stack([r[2] for r in runs[i : i + n]]) for i in range(0, len(runs), n)])
+        return Capture(blocks=resid, sites=values, metric=metric.combine(pieces),
+                       embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads]))
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
             full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Run ``cells`` on ``base`` as invokes (requests) of one trace.
 
         Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
-        last position's logits per cell ([len(cells), vocab]) — and, per cell, the values its
-        recording ops read (in op order). ``fast`` changes nothing here (see the module
+        last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
+        its recording ops read (in op order). A cell is ``metric.n_inputs`` requests (the prompt
+        and each answer continuation), combined here. ``fast`` changes nothing (see the module
         docstring): every cell runs its whole forward.
         """
         positions = list(base.noise_positions or [])
+        inputs = _inputs(metric, base.input_ids)[: 1 if full_logits else None]
         jobs = []
         for cell in cells:
             draw = None if base.noise is None else base.noise[cell.seed].detach().cpu()
             ops = [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu())
                    for op in cell.sorted_ops()]
-            jobs.append((self.adapter, metric, draw, positions, ops, full_logits))
-        outs = self._invokes(_token_list(base.input_ids), _patched_run, jobs)
-        stacked = torch.cat([o[0] for o in outs]) if outs else torch.zeros(0)
-        return stacked.float(), [o[1] for o in outs]
+            jobs += [(ids, (self.adapter, metric, draw, positions, ops, full_logits)) for ids in inputs]
+        outs = self._invokes(_patched_run, jobs)
+        n = len(inputs)
+        reads = [o[1] for o in outs[::n]]
+        if not outs:
+            return torch.zeros(0), reads
+        if full_logits:
+            return torch.cat([o[0] for o in outs]).float(), reads
+        pieces = torch.stack([torch.stack([o[0] for o in outs[i : i + n]]) for i in range(0, len(outs), n)])
+        return metric.combine(pieces), reads
 
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Logits from the unembedding's input (final-normed states), [batch, d] → [batch, vocab or
@@ -164,17 +175,18 @@ class VLLMBackend(Described):
                            "backend='transformers' (the default) for attribute")
 
     # -- the engine ---------------------------------------------------------------------------
-    def _invokes(self, ids: list[int], body: Any, jobs: list[tuple]) -> list:
-        """``body(model, *job)`` for each job, each in its own invoke (request) of one trace on
-        the prompt ``ids``; returns what each returned, in order. The one place this backend
-        opens a trace (the served backend sends the same invokes over HTTP instead)."""
+    def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> list:
+        """``body(model, *args)`` for each job ``(ids, args)``, each in its own invoke (request)
+        of one trace on the token list ``ids``; returns what each returned, in order. The one
+        place this backend opens a trace (the served backend sends the same invokes over HTTP
+        instead)."""
         import nnsight
 
         model = self.model
         with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
-            for job in jobs:
+            for ids, args in jobs:
                 with tracer.invoke(ids):
-                    out = nnsight.save(body(model, *job))
+                    out = nnsight.save(body(model, *args))
         return _per_invoke(out, len(jobs))
 
     def _quiet_progress(self) -> None:
@@ -274,30 +286,44 @@ def _write(value: Any, index: tuple, new: torch.Tensor) -> None:
     value.unsqueeze(0)[index] = new.to(value.device, value.dtype)
 
 
-def _metric_or_logits(model: Any, metric: Metric, full_logits: bool) -> torch.Tensor:
-    logits = model.logits  # [1, vocab]: the request's last position
-    return logits.float().cpu() if full_logits else metric.from_logits(logits).cpu()
+def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
+    """The request's logits at its last ``n_read`` positions, [n_read, vocab] float32.
+
+    vLLM computes logits at the last position only (``model.logits``); for more (a multi-token
+    answer, read teacher-forced) the final norm's output at those positions goes through the
+    model's own ``compute_logits`` (soft-capping included), in the worker.
+    """
+    if n_read == 1:
+        return model.logits.float()
+    hidden = first(_get(model, adapter.final_norm).output)[-n_read:]
+    return model._module.compute_logits(hidden).float()
 
 
-def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site],
+def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None,
                  draw: torch.Tensor | None, positions: list[int]) -> tuple:
+    """One baseline request: the metric's pieces and P(answer), with (``keep`` given) the
+    embedding, block and ``keep`` site values at the prompt's positions. ``keep is None``: a
+    further input of the run (the foil's continuation), which only reads the pieces."""
     embedded = _block_input(adapter, model)
     if draw is not None:
         _add_noise(embedded, positions, draw)
-    embedded_copy = embedded.unsqueeze(0).clone().cpu()
-    blocks = []
-    values = {s.name: [] for s in keep}
-    for layer in range(adapter.n_layers):
-        for s in keep:
-            values[s.name].append(_read(_site_tensor(s, adapter, model, layer), (slice(None),)))
-        blocks.append(_resid(_stream(adapter, model, layer)).unsqueeze(0).clone().cpu())
-    logits = model.logits.float()
-    return (blocks, values, metric.from_logits(logits).cpu(), logits.softmax(-1)[:, metric.answer].cpu(),
-            embedded_copy)
+    blocks, values, embedded_copy = None, None, None
+    if keep is not None:
+        T = slice(0, embedded.shape[0] - metric.n_read + 1)  # the prompt's positions
+        embedded_copy = embedded[T].unsqueeze(0).clone().cpu()
+        blocks, values = [], {s.name: [] for s in keep}
+        for layer in range(adapter.n_layers):
+            for s in keep:
+                values[s.name].append(_read(_site_tensor(s, adapter, model, layer), (slice(None), T)))
+            blocks.append(_resid(_stream(adapter, model, layer))[T].unsqueeze(0).clone().cpu())
+    logits = _read_logits(model, adapter, metric.n_read)
+    return blocks, values, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy
 
 
 def _patched_run(model: Any, adapter: Adapter, metric: Metric, draw: torch.Tensor | None,
                  positions: list[int], ops: list[tuple], full_logits: bool) -> tuple:
+    """One patched request: the metric's pieces at the read positions (or, ``full_logits``, the
+    logits after the prompt) and the values the recording ops read."""
     if draw is not None:
         _add_noise(_block_input(adapter, model), positions, draw)
     values: dict[tuple[str, int], Any] = {}
@@ -310,7 +336,9 @@ def _patched_run(model: Any, adapter: Adapter, metric: Metric, draw: torch.Tenso
             reads.append(_read(values[key], index))
         else:
             _write(values[key], index, value)
-    return _metric_or_logits(model, metric, full_logits), reads
+    logits = _read_logits(model, adapter, metric.n_read)
+    out = logits[:1] if full_logits else metric.pieces(logits)
+    return out.cpu(), reads
 
 
 def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -327,9 +355,10 @@ def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _token_list(input_ids: torch.Tensor) -> list[int]:
-    """[1, T] ids → the token list one vLLM request takes (no re-tokenization, no BOS added)."""
-    return [int(i) for i in input_ids.reshape(-1).tolist()]
+def _inputs(metric: Metric, input_ids: torch.Tensor) -> list[list[int]]:
+    """The prompt's ids [1, T] → the token list of each request a run takes (the prompt and each
+    answer continuation: :meth:`Metric.inputs`; no re-tokenization, no BOS added)."""
+    return [[int(i) for i in row] for row in metric.inputs(input_ids).tolist()]
 
 
 def _per_invoke(saved: Any, n: int) -> list:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._cells import Metric
 from .._models import PipatchError
 from .._result import recovery_undefined
 
@@ -48,21 +49,40 @@ def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list
     return torch.tensor([ids], device=backend.device), tokens, offsets
 
 
-def single_token(backend, text: str, role: str) -> int:
-    """The id of ``text`` when it is exactly one token; otherwise an error showing the split."""
+def answer_ids(backend, text: str, role: str) -> tuple[int, ...]:
+    """The token ids of an answer or foil: one token (" Paris") or several (" New York").
+
+    A multi-token answer is read teacher-forced (:class:`~pipatch._cells.Metric`); the text is
+    tokenized on its own, without special tokens, as it would follow the prompt.
+    """
     if not isinstance(text, str):
         raise PipatchError(f"the {role} must be text (a str), got {type(text).__name__}: e.g. ' Paris'")
     if text == "":
-        raise PipatchError(f"the {role} is empty: pass one token, e.g. ' Paris' (mind the leading space)")
+        raise PipatchError(f"the {role} is empty: pass the text that follows the prompt, e.g. ' Paris' "
+                           "(mind the leading space)")
     _refuse_surrogates(text, role)
     ids = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        pieces = backend.decode(ids)
-        raise PipatchError(
-            f"the {role} {text!r} is {len(ids)} tokens {pieces}, not one: pick a single-token "
-            f"{role} (often with a leading space, e.g. ' Paris')"
-        )
-    return int(ids[0])
+    if not ids:
+        raise PipatchError(f"the {role} {text!r} is no token at all for this tokenizer: pass visible text, e.g. ' Paris'")
+    return tuple(int(i) for i in ids)
+
+
+def check_run_length(backend, input_ids: torch.Tensor, metric: Metric) -> None:
+    """Refuse a prompt + answer that does not fit the model's context, in one line."""
+    limit = backend.context_length
+    total = input_ids.shape[1] + metric.n_read - 1
+    if limit and total > limit:
+        raise PipatchError(f"the prompt and the answer's tokens make {total} tokens, longer than the model's "
+                           f"context of {limit}: shorten the prompt or the answer")
+
+
+def answer_meta(backend, role: str, ids: tuple[int, ...] | None) -> dict[str, Any]:
+    """What a result records of an answer or foil's tokens: ids, their text, and (one token)
+    the id alone, as results always have."""
+    if ids is None:
+        return {f"{role}_id": None, f"{role}_ids": None, f"{role}_tokens": None}
+    return {f"{role}_id": ids[0] if len(ids) == 1 else None, f"{role}_ids": list(ids),
+            f"{role}_tokens": backend.decode(list(ids))}
 
 
 def subject_positions(subject: str | Sequence[int], prompt: str, tokens: list[str],

@@ -97,14 +97,14 @@ def plan_attribute(
 
     meta = model_meta(backend)
     meta.update({
-        **pair.meta(), "site": where.name, "col_axis": where.axis, "direction": "denoise", "positions": cols,
+        **pair.meta(backend), "site": where.name, "col_axis": where.axis, "direction": "denoise", "positions": cols,
         "estimate": "attribution patching: grad(metric) at the corrupt run · (clean − corrupt) activation",
     })
     result = Result(
-        kind="attribution", tokens=pair.clean_tokens, columns=columns, layers=layer_labels(backend), metric=metric,
+        kind="attribution", tokens=pair.clean_tokens, columns=columns, layers=layer_labels(backend), metric=scorer.label,
         raw={where.name: (corrupt_value + delta).unsqueeze(0)}, clean=clean_value,
         corrupt=torch.tensor([corrupt_value]), meta=meta,
-        warnings=undefined_recovery_warning(metric, clean_value, corrupt_value),
+        warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
         rows_done={where.name: adapter.n_layers},
     )
     k = min(verify, delta.numel())

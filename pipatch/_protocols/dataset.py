@@ -119,6 +119,10 @@ class DatasetPlan(Plan):
         for plan in plans:
             if plan.result.views != views:
                 raise PipatchError("every prompt of a dataset must be swept over the same views")
+        metrics = sorted({plan.result.metric for plan in plans})
+        if metrics == ["logit_diff", "logprob_diff"]:
+            raise PipatchError("the prompts mix one-token and multi-token answers, so logit_diff would average "
+                               "logit differences with log-prob differences: pass metric='logprob_diff'")
         self.plans = plans
         # Per prompt: each named group's token positions (what a click patches) and the result
         # columns holding them (what is averaged; a ``positions=`` subset sweeps only some).

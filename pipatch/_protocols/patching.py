@@ -17,7 +17,9 @@ Sites: ``resid`` (a block's output), ``attn`` / ``mlp`` (what that sublayer adds
 layers × heads, each head patched at ``positions``, all by default).
 
 Metrics, read at the last position: ``logit_diff`` (answer − foil, linear in what the model
-computes; the standard choice), ``prob``, ``logprob``. The grid is normalized recovery
+computes; the standard choice), ``prob``, ``logprob``. A multi-token answer or foil (" New
+York") is read teacher-forced after the prompt, and ``logit_diff`` then becomes the sequences'
+log-probability difference, ``logprob_diff`` (:class:`~pipatch._cells.Metric`). The grid is normalized recovery
 ``(patched − corrupt) / (clean − corrupt)`` whatever the direction: 1 is the clean run's
 behaviour, 0 the corrupt run's. Raw values and both baselines are kept.
 """
@@ -35,11 +37,13 @@ from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import (
+    answer_ids,
+    answer_meta,
     check_choice,
+    check_run_length,
     encode,
     layer_labels,
     model_meta,
-    single_token,
     sweep_positions,
     undefined_recovery_warning,
 )
@@ -63,18 +67,19 @@ class PairInputs:
     answer: str
     foil: str | None
 
-    def meta(self) -> dict:
-        """The pair as a result's metadata records it."""
+    def meta(self, backend) -> dict:
+        """The pair as a result's metadata records it (the answer's and foil's tokens too)."""
         return {"clean_prompt": self.clean, "corrupt_prompt": self.corrupt, "clean_tokens": self.clean_tokens,
                 "corrupt_tokens": self.corrupt_tokens, "answer": self.answer, "foil": self.foil,
-                "answer_id": self.metric.answer, "foil_id": self.metric.foil}
+                **answer_meta(backend, "answer", self.metric.answer), **answer_meta(backend, "foil", self.metric.foil)}
 
 
 def pair_inputs(backend, clean: str, corrupt: str, answer: str, foil: str | None, metric: str) -> PairInputs:
     """Tokenize and check a clean/corrupt pair and its answer/foil (shared by every pair protocol).
 
     Raises :class:`PipatchError` when the prompts tokenize to different lengths (showing both
-    tokenizations), when ``answer`` or ``foil`` is not one token, or when ``logit_diff`` has no foil.
+    tokenizations), when ``answer`` or ``foil`` is no token, when a prompt and the answer do not
+    fit the context, or when ``logit_diff`` has no foil. Answers may be several tokens.
     """
     check_choice(metric, METRICS, "metric")
     clean_ids, clean_tokens, _ = encode(backend, clean, "clean prompt")
@@ -85,12 +90,13 @@ def pair_inputs(backend, clean: str, corrupt: str, answer: str, foil: str | None
             f"clean {len(clean_tokens)} tokens {clean_tokens} vs corrupt {len(corrupt_tokens)} tokens "
             f"{corrupt_tokens}; reword one of them"
         )
-    answer_id = single_token(backend, answer, "answer")
-    if metric == "logit_diff" and foil is None:
-        raise PipatchError("metric 'logit_diff' needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
-    foil_id = single_token(backend, foil, "foil") if foil is not None else None
-    return PairInputs(clean, corrupt, clean_ids, clean_tokens, corrupt_ids, corrupt_tokens,
-                      Metric(metric, answer_id, foil_id), answer, foil)
+    answer_id = answer_ids(backend, answer, "answer")
+    if metric in ("logit_diff", "logprob_diff") and foil is None:
+        raise PipatchError(f"metric {metric!r} needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
+    foil_id = answer_ids(backend, foil, "foil") if foil is not None else None
+    scorer = Metric(metric, answer_id, foil_id)
+    check_run_length(backend, clean_ids, scorer)
+    return PairInputs(clean, corrupt, clean_ids, clean_tokens, corrupt_ids, corrupt_tokens, scorer, answer, foil)
 
 
 def plan_patch(
@@ -148,13 +154,13 @@ def plan_patch(
     columns = where.columns(adapter, pair.clean_tokens, cols)
     raw = {where.name: torch.full((1, adapter.n_layers, len(columns)), float("nan"))}
     meta = model_meta(backend)
-    meta.update({**pair.meta(), "site": where.name, "col_axis": where.axis, "direction": direction, "positions": cols,
+    meta.update({**pair.meta(backend), "site": where.name, "col_axis": where.axis, "direction": direction, "positions": cols,
                  "mean_prompts": list(mean_prompts) if mean_prompts else None})
     clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
     result = Result(
-        kind="patch", tokens=pair.clean_tokens, columns=columns, layers=layer_labels(backend), metric=metric,
+        kind="patch", tokens=pair.clean_tokens, columns=columns, layers=layer_labels(backend), metric=scorer.label,
         raw=raw, clean=clean_value, corrupt=torch.tensor([corrupt_value]), meta=meta,
-        warnings=undefined_recovery_warning(metric, clean_value, corrupt_value),
+        warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
     )
     sweep = SiteSweep(view=where.name, base=Base(base_ids, base), metric=scorer, n_rows=adapter.n_layers,
                       n_cols=len(columns), site=where, adapter=adapter, donor=donor, columns=cols, positions=cols)

@@ -46,7 +46,10 @@ after attention this is ``W_O[:, head] (z_donor − z_base)``; in families that 
 attention output before adding it (Gemma 2/3's ``post_attention_layernorm``) it is that norm
 applied to the whole attention output, recomputed — the head's write is not separable there.
 
-The sender and receivers are patched at every position.
+The sender and receivers are patched at every position of the prompt. With a multi-token answer
+(read teacher-forced after the prompt: :class:`~pipatch._cells.Metric`) the freezing of run 2
+also covers the prompt's positions only; the answer's own positions are computed from them, so
+a sender's effect reaches the answer's positions through them by every route.
 
 **A sweep over senders.** As in the IOI paper's figures, the default sender is *every* head:
 the result is a grid of layers × heads, one path-patched run per sender, batched as invokes
@@ -77,7 +80,6 @@ __all__ = ["plan_path_patch", "DIRECTIONS"]
 
 DIRECTIONS = ("denoise", "noise")
 _QKV = ("q", "k", "v")
-_FULL = (slice(None),)
 
 
 @dataclass
@@ -89,9 +91,9 @@ class _Receiver:
     lo: int
     hi: int
 
-    @property
-    def index(self) -> tuple:
-        return (slice(None), slice(None), slice(self.lo, self.hi))
+    def index(self, prompt: slice) -> tuple:
+        """Columns ``lo:hi`` at the prompt's positions."""
+        return (slice(None), prompt, slice(self.lo, self.hi))
 
 
 @dataclass
@@ -112,16 +114,18 @@ class _PathSweep(Sweep):
     def cell(self, row: int, col: int, seed: int) -> Cell:
         kind, layer, head = self.senders[row][col]
         base = self.base.capture
+        prompt = slice(0, self.base.input_ids.shape[1])  # writes and freezes: prompt positions only
+        full = (slice(None), prompt)
         ops = []
         if kind == "head":
-            index = (slice(None), slice(None), HEAD.head_slice(self.adapter, head))
+            index = (slice(None), prompt, HEAD.head_slice(self.adapter, head))
             ops.append(Op(HEAD, layer, index, self.donor.sites[HEAD.name][layer][index]))
         for later in range(layer, self.adapter.n_layers):
             if later > layer:
-                ops.append(Op(ATTN, later, _FULL, base.sites[ATTN.name][later]))
+                ops.append(Op(ATTN, later, full, base.sites[ATTN.name][later]))
             mlp = self.donor if (later == layer and kind == "mlp") else base
-            ops.append(Op(MLP, later, _FULL, mlp.sites[MLP.name][later]))
-        ops += [Op(r.site, r.layer, r.index) for r in self.receivers]
+            ops.append(Op(MLP, later, full, mlp.sites[MLP.name][later]))
+        ops += [Op(r.site, r.layer, r.index(prompt)) for r in self.receivers]
         then = None
         if self.receivers:
             receivers = self.receivers
@@ -130,7 +134,7 @@ class _PathSweep(Sweep):
             def then(recorded: list[torch.Tensor], row=row, col=col, seed=seed) -> Cell:
                 ordered = sorted(receivers, key=lambda r: (r.layer, r.site.order))
                 return Cell(row, col, seed, start=start,
-                            ops=[Op(r.site, r.layer, r.index, value) for r, value in zip(ordered, recorded)])
+                            ops=[Op(r.site, r.layer, r.index(prompt), value) for r, value in zip(ordered, recorded)])
 
         return Cell(row, col, seed, start=layer, ops=ops, then=then)
 
@@ -180,16 +184,16 @@ def plan_path_patch(
     only = {(row, col) for row in range(len(senders)) for col in range(len(senders[row]))
             if senders[row][col][1] < first_receiver}
     meta = model_meta(backend)
-    meta.update({**pair.meta(), "site": view, "col_axis": "head" if view == HEAD.name else "component",
+    meta.update({**pair.meta(backend), "site": view, "col_axis": "head" if view == HEAD.name else "component",
                  "direction": direction,
                  "sender": list(sender) if isinstance(sender, (tuple, list)) else sender,
                  "receivers": "logits" if not receiver_list else [list(r) for r in receiver_list]})
     clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
     result = Result(
-        kind="path", tokens=pair.clean_tokens, columns=columns, layers=rows, metric=metric,
+        kind="path", tokens=pair.clean_tokens, columns=columns, layers=rows, metric=scorer.label,
         raw={view: torch.full((1, len(rows), len(columns)), float("nan"))}, clean=clean_value,
         corrupt=torch.tensor([corrupt_value]), meta=meta,
-        warnings=undefined_recovery_warning(metric, clean_value, corrupt_value),
+        warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
     )
     sweep = _PathSweep(view=view, base=Base(base_ids, base), metric=scorer, n_rows=len(rows), n_cols=len(columns),
                        only=None if len(only) == len(rows) * len(columns) else only, adapter=adapter, donor=donor,

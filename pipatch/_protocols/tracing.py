@@ -19,6 +19,11 @@ The protocol is three kinds of run on one prompt:
 Each cell is reported as normalized recovery ``(restored − corrupt) / (clean − corrupt)``, per
 seed, then averaged; the per-seed grids are kept because one draw is one sample.
 
+A multi-token answer (" New York") is read teacher-forced: every run's input is the prompt
+followed by the answer's tokens but the last, noise and restorations touch the prompt's
+positions only, and P(answer) is the probability of the whole sequence
+(:class:`~pipatch._cells.Metric`).
+
 **Choosing the scale.** ``scale="auto"`` tries :data:`AUTO_SCALES` in order and takes the
 smallest whose *worst* seed collapses the answer: P(answer) ≤ :data:`COLLAPSE_FRACTION` × the
 clean P(answer) on every seed. Judging by the mean would hide a seed that barely corrupts —
@@ -42,7 +47,17 @@ from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
-from ._inputs import check_choice, check_int, encode, layer_labels, model_meta, single_token, subject_positions
+from ._inputs import (
+    answer_ids,
+    answer_meta,
+    check_choice,
+    check_int,
+    check_run_length,
+    encode,
+    layer_labels,
+    model_meta,
+    subject_positions,
+)
 
 __all__ = ["plan_trace", "noise_draws", "KINDS", "AUTO_SCALES"]
 
@@ -102,9 +117,9 @@ def plan_trace(
     sites = [site_named(k, adapter) for k in kinds]
     input_ids, tokens, offsets = encode(backend, prompt)
     positions = subject_positions(subject, prompt, tokens, offsets)
-    answer_id = single_token(backend, answer, "answer")
     batch = check_batch_size(batch_size, input_ids.shape[1])
-    scorer = Metric(metric, answer_id)
+    scorer = Metric(metric, answer_ids(backend, answer, "answer"))
+    check_run_length(backend, input_ids, scorer)
 
     clean = backend.capture(input_ids, scorer, sites)
     sigma = float(clean.embedded[0, positions].float().std())
@@ -150,7 +165,8 @@ def plan_trace(
     meta = model_meta(backend)
     meta.update({
         "prompt": prompt, "subject": subject if isinstance(subject, str) else list(subject),
-        "subject_positions": positions, "answer": answer, "answer_id": answer_id, "seeds": seeds,
+        "subject_positions": positions, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
+        "seeds": seeds,
         "scale": scale_value, "scale_requested": scale, "sigma": sigma, "scales": scales_tried,
         "collapse_fraction": COLLAPSE_FRACTION, "window": window, "kinds": kinds, "control": control,
         "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": "resid", "col_axis": "token",
