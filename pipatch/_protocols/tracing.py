@@ -103,7 +103,7 @@ def plan_trace(
     input_ids, tokens, offsets = encode(backend, prompt)
     positions = subject_positions(subject, prompt, tokens, offsets)
     answer_id = single_token(backend, answer, "answer")
-    batch = check_batch_size(batch_size, input_ids.shape[1])
+    batch = check_batch_size(batch_size, input_ids.shape[1], backend)
     scorer = Metric(metric, answer_id)
 
     clean = backend.capture(input_ids, scorer, sites)
