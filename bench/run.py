@@ -18,8 +18,10 @@ Methods:
 Methods 1, 2 and 4 must give the same grid within 1e-4 (checked before printing any time).
 Also reported: pipatch's time to its first finished row after the baselines, peak resident
 memory per method, a ``head`` sweep on a 128-token prompt against the memory target, and
-scaling tables (prompt length 8/32/128; seeds 1/3/10). Figures are written to
-``bench/results/bench.json``.
+scaling tables (prompt length 8/32/128; seeds 1/3/10). Each sweep also reports its FLOP
+limit (:mod:`bench.flops`): the matmul FLOPs it needs, full runs and only what each patch can
+change, that limit in seconds at this machine's measured matmul peak, and pipatch's time as a
+multiple of it. Figures are written to ``bench/results/bench.json``.
 
 Run: ``make bench`` (or ``.venv/bin/python bench/run.py [--quick]``).
 """
@@ -40,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
+from bench.flops import Sizes, matmul_peak, sweep_flops  # noqa: E402
 from pipatch._api import plan_patch, plan_trace  # noqa: E402
 from pipatch._protocols.tracing import noise_draws  # noqa: E402
 
@@ -230,6 +233,27 @@ def check_same(name: str, reference: torch.Tensor, other: torch.Tensor, label: s
     return diff
 
 
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The first position where two [1, T] token rows differ (T when they are equal)."""
+    differ = (a[0] != b[0]).nonzero()
+    return int(differ[0]) if len(differ) else a.shape[1]
+
+
+def limit(model, peak: float, n_tokens: int, cells, logit_rows: int, baselines: int, seconds: float) -> dict:
+    """The FLOP limit of a sweep (see bench/flops.py) and pipatch's ``seconds`` against it.
+
+    ``cells`` are the (layer, position) block outputs patched, no-op cells left out.
+    """
+    flops = sweep_flops(Sizes.from_config(model._module.config), n_tokens, cells, logit_rows, baselines)
+    limit_s = flops["limit"] / peak
+    return {"full_gflop": flops["full"] / 1e9, "limit_gflop": flops["limit"] / 1e9, "limit_s": limit_s,
+            "pipatch_x_limit": seconds / limit_s}
+
+
+def vocab_of(model) -> int:
+    return model._module.config.get_text_config().vocab_size
+
+
 def run_pipatch(model, plan_fn, *args, **kwargs):
     """Plan (baselines included) and run; returns result, total seconds, first-row latency, peak."""
     marks = {}
@@ -245,7 +269,7 @@ def run_pipatch(model, plan_fn, *args, **kwargs):
     return result, peak.seconds, first, peak.peak
 
 
-def sweep_a(model, quick: bool):
+def sweep_a(model, quick: bool, peak: float):
     tok = model.tokenizer
     clean_ids = tok(CLEAN, return_tensors="pt").input_ids
     corrupt_ids = tok(CORRUPT, return_tensors="pt").input_ids
@@ -263,10 +287,13 @@ def sweep_a(model, quick: bool):
     _, t, m = timed(floor, model, corrupt_ids, L * T)
     rows["floor"] = (t, m, None)
     rows["pipatch"] = (t_pipatch, m_pipatch, 0.0)
-    return {"cells": L * T, "methods": rows, "first_row_s": first_row}
+    # Positions before the first differing token hold the same state in both runs: no-ops.
+    cells = [(i, p) for i in range(L) for p in range(first_difference(clean_ids, corrupt_ids), T)]
+    return {"cells": L * T, "methods": rows, "first_row_s": first_row,
+            "limit": limit(model, peak, T, cells, 2, 2, t_pipatch)}
 
 
-def sweep_b(model, quick: bool, seeds: int = 10):
+def sweep_b(model, quick: bool, peak: float, seeds: int = 10):
     tok = model.tokenizer
     ids = tok(CLEAN, return_tensors="pt").input_ids
     answer = tok(" Paris", add_special_tokens=False).input_ids[0]
@@ -286,7 +313,17 @@ def sweep_b(model, quick: bool, seeds: int = 10):
     _, t, m = timed(floor_noised, model, ids, noise, positions, L * T)
     rows["floor"] = (t, m, None)
     rows["pipatch"] = (t_pipatch, m_pipatch, 0.0)
-    return {"cells": seeds * L * T, "scale": meta["scale"], "methods": rows, "first_row_s": first_row}
+    return {"cells": seeds * L * T, "scale": meta["scale"], "methods": rows, "first_row_s": first_row,
+            "limit": trace_limit(model, peak, T, positions, seeds, t_pipatch)}
+
+
+def trace_limit(model, peak: float, n_tokens: int, subject: list[int], seeds: int, seconds: float) -> dict:
+    """A causal trace's limit: the clean run, one noised run per seed, then per seed every
+    restoration at or after the subject's first token (before it, the noised run's states are
+    the clean ones), each read as P(answer): the whole vocabulary at the last position."""
+    L = model._module.config.get_text_config().num_hidden_layers
+    cells = [(i, p) for _ in range(seeds) for i in range(L) for p in range(min(subject), n_tokens)]
+    return limit(model, peak, n_tokens, cells, vocab_of(model), 1 + seeds, seconds)
 
 
 def prompt_of(model, n_tokens: int) -> tuple[str, str]:
@@ -308,7 +345,7 @@ def prompt_of(model, n_tokens: int) -> tuple[str, str]:
     return clean, corrupt
 
 
-def scaling(model, quick: bool):
+def scaling(model, quick: bool, peak: float):
     tok = model.tokenizer
     L = len(model.model.layers)
     lengths = []
@@ -321,13 +358,20 @@ def scaling(model, quick: bool):
         _, t_p, first, _ = run_pipatch(model, plan_patch, clean=clean, corrupt=corrupt, answer=" Paris",
                                        foil=" Rome", positions=positions)
         cells = L * len(positions)
-        _, t_f, _ = timed(floor, model, tok(corrupt, return_tensors="pt").input_ids, cells)
-        lengths.append({"tokens": T, "cells": cells, "pipatch_s": t_p, "floor_s": t_f, "first_row_s": first})
+        corrupt_ids = tok(corrupt, return_tensors="pt").input_ids
+        _, t_f, _ = timed(floor, model, corrupt_ids, cells)
+        d = first_difference(tok(clean, return_tensors="pt").input_ids, corrupt_ids)
+        needed = [(i, p) for i in range(L) for p in positions if p >= d]
+        lengths.append({"tokens": T, "cells": cells, "pipatch_s": t_p, "floor_s": t_f, "first_row_s": first,
+                        "limit": limit(model, peak, T, needed, 2, 2, t_p)})
         print(f"  scaling: {T} tokens done", flush=True)
     seeds = []
     for s in (1, 3) if quick else (1, 3, 10):
-        _, t_p, first, _ = run_pipatch(model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=s)
-        seeds.append({"seeds": s, "pipatch_s": t_p, "first_row_s": first})
+        result, t_p, first, _ = run_pipatch(model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris",
+                                            seeds=s)
+        seeds.append({"seeds": s, "pipatch_s": t_p, "first_row_s": first,
+                      "limit": trace_limit(model, peak, len(result.tokens), result.meta["subject_positions"], s,
+                                           t_p)})
     return {"prompt_length": lengths, "seeds": seeds}
 
 
@@ -375,7 +419,13 @@ def fmt_rows(title: str, block: dict) -> list[str]:
         t, m, diff = rows[name]
         out.append(f"  {name:<9} {t:8.2f} {t_mine / t:10.2f} {m / 2**30:8.2f}G {'' if diff is None else f'{diff:.1e}':>9}")
     out.append(f"  first finished row after the baselines: {block['first_row_s']:.2f} s")
+    out.append("  " + fmt_limit(block["limit"]))
     return out
+
+
+def fmt_limit(lim: dict) -> str:
+    return (f"FLOPs: full runs {lim['full_gflop']:.1f} GFLOP, limit {lim['limit_gflop']:.1f} GFLOP = "
+            f"{lim['limit_s']:.3f}s at peak; pipatch {lim['pipatch_x_limit']:.0f}× the limit")
 
 
 def main(argv=None) -> int:
@@ -387,14 +437,17 @@ def main(argv=None) -> int:
     model = pipatch.load_model(device="cpu")  # this machine's CPU, also where a GPU is present
     # Warm up (first-call allocations, nnsight's source parsing) so no method pays for it.
     pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", positions=[-1])
+    peak = matmul_peak()
+    print(f"float32 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} thread(s)", flush=True)
     report = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                          "python": platform.python_version(), "torch": torch.__version__},
-              "a": sweep_a(model, args.quick)}
+                          "python": platform.python_version(), "torch": torch.__version__,
+                          "matmul_gflops": peak / 1e9},
+              "a": sweep_a(model, args.quick, peak)}
     print("\n".join(fmt_rows("(a) resid activation patching, Eiffel/Colosseum, logit diff", report["a"])), flush=True)
-    report["b"] = sweep_b(model, args.quick)
+    report["b"] = sweep_b(model, args.quick, peak)
     print("\n".join(fmt_rows(f"(b) causal trace, 10 seeds at {report['b']['scale']:g}σ, P(answer)", report["b"])),
           flush=True)
-    report["scaling"] = scaling(model, args.quick)
+    report["scaling"] = scaling(model, args.quick, peak)
     report["head_memory"] = head_memory(model)
     report["trace_memory"] = trace_memory(model)
     lines = []
@@ -402,10 +455,12 @@ def main(argv=None) -> int:
     for row in report["scaling"]["prompt_length"]:
         lines.append(f"  {row['tokens']:4d} tokens  {row['cells']:5d} cells  pipatch {row['pipatch_s']:7.2f}s  "
                      f"floor {row['floor_s']:7.2f}s  ratio {row['pipatch_s'] / row['floor_s']:.2f}  "
-                     f"first row {row['first_row_s']:.2f}s")
+                     f"first row {row['first_row_s']:.2f}s  limit {row['limit']['limit_s']:.3f}s  "
+                     f"pipatch/limit {row['limit']['pipatch_x_limit']:.0f}×")
     lines.append("scaling with seeds (causal trace):")
     for row in report["scaling"]["seeds"]:
-        lines.append(f"  {row['seeds']:3d} seeds  pipatch {row['pipatch_s']:7.2f}s  first row {row['first_row_s']:.2f}s")
+        lines.append(f"  {row['seeds']:3d} seeds  pipatch {row['pipatch_s']:7.2f}s  first row {row['first_row_s']:.2f}s  "
+                     f"limit {row['limit']['limit_s']:.3f}s  pipatch/limit {row['limit']['pipatch_x_limit']:.0f}×")
     hm = report["head_memory"]
     lines.append(f"head sweep, {hm['tokens']} tokens: {hm['seconds']:.1f}s, peak RSS {hm['peak_rss'] / 2**30:.2f}G "
                  f"vs bound 2×(model {hm['model_bytes'] / 2**30:.2f}G + one batch {hm['one_batch_bytes'] / 2**30:.2f}G) "

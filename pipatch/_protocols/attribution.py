@@ -78,7 +78,7 @@ def plan_attribute(
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
     T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
-    batch = check_batch_size(batch_size, T)
+    batch = check_batch_size(batch_size, T, backend)
     scorer = pair.metric
 
     clean_run = backend.capture(pair.clean_ids, scorer, [where])

@@ -170,7 +170,7 @@ def plan_path_patch(
             "a receiver must read the residual stream after the sender wrote to it"
         )
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
-    batch = check_batch_size(batch_size, pair.clean_ids.shape[1])
+    batch = check_batch_size(batch_size, pair.clean_ids.shape[1], backend)
     scorer = pair.metric
 
     sites = [HEAD, ATTN, MLP]

@@ -117,7 +117,7 @@ def plan_trace(
     sites = [site_named(k, adapter) for k in kinds]
     input_ids, tokens, offsets = encode(backend, prompt)
     positions = subject_positions(subject, prompt, tokens, offsets)
-    batch = check_batch_size(batch_size, input_ids.shape[1])
+    batch = check_batch_size(batch_size, input_ids.shape[1], backend)
     scorer = Metric(metric, answer_ids(backend, answer, "answer"))
     check_run_length(backend, input_ids, scorer)
 
