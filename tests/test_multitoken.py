@@ -25,6 +25,7 @@ from pipatch._cells import Metric
 from pipatch._models import PipatchError, _get, adapter_for
 from pipatch._protocols.tracing import noise_draws
 from tests._reference import first, hooked, logits_of, record, site_module
+from tests.conftest import COLOSSEUM, EIFFEL
 
 LIBERTY = "The Statue of Liberty is in the city of"
 GOLDEN = "The Golden Gate Bridge is in the city of"
@@ -154,7 +155,7 @@ def test_patch_equals_the_reference(model, tokens, site, direction, positions):
     donor = record(model, site, donor_ids)
     T, a = base_ids.shape[1], adapter_for(model)
     cols = range(a.n_heads) if site == "head" else [p % T for p in positions]
-    for layer in range(a.n_layers):
+    for layer in range(0, a.n_layers, 3 if site == "head" else 1):  # heads: every third layer (4 a layer)
         for j, col in enumerate(cols):
             if site == "head":
                 where = (slice(None), slice(0, T), slice(col * a.head_dim, (col + 1) * a.head_dim))
@@ -168,11 +169,12 @@ def test_patch_equals_the_reference(model, tokens, site, direction, positions):
 
 
 def test_fast_and_plain_runs_agree_with_a_diverging_foil(model):
-    fast = pipatch.patch(model, **PAIR, site="resid")
-    plain = pipatch.patch(model, **PAIR, site="resid", fast=False)
+    fast = pipatch.patch(model, **PAIR, site="resid", positions=[4, -1])
+    plain = pipatch.patch(model, **PAIR, site="resid", positions=[4, -1], fast=False)
     assert torch.allclose(fast.raw["resid"], plain.raw["resid"], atol=ATOL)
-    # the last position's rows restore the clean answer, as for one-token facts
-    assert float(fast.grid[-1, -1]) == pytest.approx(1.0, abs=1e-3)
+    # The last position's late rows restore most of it, but not all: " York" is read one position
+    # later, from states that still attend to the corrupt prompt's other positions.
+    assert 0.9 < float(fast.grid[-1, -1]) < 0.99
 
 
 def test_trace_equals_the_reference(model, tokens):
@@ -190,7 +192,7 @@ def test_trace_equals_the_reference(model, tokens):
         return out
     assert meta["clean_prob"] == pytest.approx(0.578, abs=0.01)
     for layer in range(a.n_layers):
-        for pos in range(ids.shape[1]):
+        for pos in (1, positions[-1], ids.shape[1] - 1):  # before, at the end of and after the subject
             hooks = [(embed, "post", corrupt), writer(model, "resid", layer, (slice(None), pos), clean[layer])]
             want = reference_metric(model, ids, "logprob", tokens[NY], None, hooks)
             assert float(result.raw["resid"][0, layer, pos]) == pytest.approx(want, abs=ATOL), (layer, pos)
@@ -268,15 +270,19 @@ def test_a_dataset_of_multi_token_pairs_equals_each_pair(model):
     both = pipatch.patch(model, clean=[LIBERTY, GOLDEN], corrupt=[GOLDEN, LIBERTY], answer=[NY, SF], foil=[SF, NY],
                          positions=[-1])
     assert both.metric == "logprob_diff"
+    last = both.columns.index("last")  # a dataset averages over named positions
     for row, pair in enumerate((PAIR, swapped)):
         one = pipatch.patch(model, **pair, positions=[-1])
-        assert torch.allclose(both.raw["resid"][row], one.raw["resid"][0], atol=1e-5)
+        assert torch.allclose(both.raw["resid"][row, :, last], one.raw["resid"][0, :, 0], atol=1e-5)
     with pytest.raises(PipatchError, match="metric='logprob_diff'"):
-        pipatch.patch(model, clean=[LIBERTY, "The Eiffel Tower is in the city of"], corrupt=[GOLDEN, GOLDEN],
+        pipatch.patch(model, clean=[LIBERTY, EIFFEL], corrupt=[GOLDEN, COLOSSEUM],
                       answer=[NY, " Paris"], foil=[SF, " Rome"], positions=[-1])
-    mixed = pipatch.patch(model, clean=[LIBERTY, GOLDEN], corrupt=[GOLDEN, LIBERTY], answer=[NY, " Paris"],
+    mixed = pipatch.patch(model, clean=[LIBERTY, EIFFEL], corrupt=[GOLDEN, COLOSSEUM], answer=[NY, " Paris"],
                           foil=[SF, " Rome"], positions=[-1], metric="logprob_diff")
-    assert mixed.metric == "logprob_diff" and torch.isfinite(mixed.raw["resid"]).all()
+    assert mixed.metric == "logprob_diff"
+    # For one-token answers a log-prob difference is the logit difference (the softmax's normalizer cancels).
+    paris = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[-1])
+    assert torch.allclose(mixed.raw["resid"][1, :, last], paris.raw["resid"][0, :, 0], atol=ATOL)
 
 
 def test_a_click_shows_the_tokens_after_the_prompt(model):
@@ -303,7 +309,7 @@ def test_the_magic_and_the_command_line_take_multi_token_answers(model, tmp_path
     assert code == 0
     data = json.loads(path.read_text())
     assert data["metric"] == "logprob_diff" and data["meta"]["answer_tokens"] == [" New", " York"]
-    assert data["grid"] == pytest.approx(want.grid.tolist(), abs=1e-6)
+    assert torch.allclose(torch.tensor(data["grid"]), want.grid, atol=1e-6)
 
 
 def test_code_is_refused_in_one_line_for_multi_token_answers(model):
