@@ -19,15 +19,18 @@ goes through the backend object (:mod:`pipatch._backends`), which turns cells in
 A new way of running models is one new module there; nothing here changes.
 
 Stopping and failures: ``stop`` (an Event or a function) ends the run ``"stopped"``, Ctrl-C /
-a kernel interrupt ends it ``"interrupted"``, both with every finished row kept. A batch that
+a kernel interrupt ends it ``"interrupted"`` (both between batches), with every finished row kept. A batch that
 runs out of memory is halved and retried; any other failing batch raises :class:`EngineError`
 naming it, with the partial result attached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -293,14 +296,44 @@ def _stop_check(stop: Any) -> Callable[[], bool] | None:
     raise PipatchError("stop must be a threading.Event or a function returning True to stop")
 
 
+@contextlib.contextmanager
+def _interrupt_flag() -> Iterator[threading.Event]:
+    """Ctrl-C / Kernel ▸ Interrupt during a run, as a flag the engine reads between batches.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread happens to be, and inside a
+    trace that is nnsight's interleaving machinery, which can swallow it: the run then went on to
+    the end. While the engine runs on the main thread, SIGINT only sets this flag; the engine
+    ends the run ``"interrupted"`` at the next batch boundary, so the interrupt never lands inside
+    a trace. A second interrupt (a batch that does not end: a stuck server) raises at once, as
+    Python would. Off the main thread the flag is never set and interrupts behave as usual.
+    """
+    flag = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield flag  # (``None``: a handler not set from Python, which could not be put back)
+        return
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        if flag.is_set():
+            raise KeyboardInterrupt
+        flag.set()
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
     """Run every task of ``plan`` into ``plan.result`` and return it.
 
     ``on_row(result, view, row)`` is called after each finished row. ``stop`` (an Event or a
     function) is checked between batches: the run ends ``"stopped"``. Ctrl-C / a kernel
-    interrupt ends it ``"interrupted"``. Either way the finished rows are kept; a failing batch
-    raises :class:`EngineError` with the partial result attached. ``result.meta["engine"]``
-    counts ``cells``, ``noop_cells`` (filled without a forward), ``traces`` and ``max_invokes``.
+    interrupt ends it ``"interrupted"`` at the next batch boundary (:func:`_interrupt_flag`).
+    Either way the finished rows are kept; a failing batch raises :class:`EngineError` with the
+    partial result attached. ``result.meta["engine"]`` counts ``cells``, ``noop_cells`` (filled
+    without a forward), ``traces`` and ``max_invokes``.
     """
     should_stop = _stop_check(stop)
     result = plan.result
@@ -313,18 +346,26 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
     plan.begin()
     finished_rows = 0
     try:
-        for sweep, row in plan.tasks():
-            if not _run_row(plan, sweep, row, should_stop, stats):
-                result.status = "stopped"
-                result.message = f"stopped by request after {finished_rows} row(s)"
-                break
-            plan.row_done(sweep, row)
-            finished_rows += 1
-            result.meta["elapsed"] = time.perf_counter() - started
-            if on_row is not None:
-                on_row(plan.result, sweep.view, row)
-        else:
-            result.status = "done"
+        with _interrupt_flag() as interrupted:
+            def halt() -> bool:
+                return interrupted.is_set() or (should_stop is not None and should_stop())
+
+            for sweep, row in plan.tasks():
+                finished = _run_row(plan, sweep, row, halt, stats)
+                if finished:
+                    plan.row_done(sweep, row)
+                    finished_rows += 1
+                    result.meta["elapsed"] = time.perf_counter() - started
+                    if on_row is not None:
+                        on_row(plan.result, sweep.view, row)
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
+                if not finished:
+                    result.status = "stopped"
+                    result.message = f"stopped by request after {finished_rows} row(s)"
+                    break
+            else:
+                result.status = "done"
     except KeyboardInterrupt:
         result.status = "interrupted"
         result.message = f"interrupted after {finished_rows} row(s); finished rows are kept"

@@ -173,7 +173,7 @@ def test_trace_with_a_model_variable(ip, grids, tiny):
         ("trace", '--subject "Eiffel Tower" --answer " Paris"', "   \n", "prompt"),
         ("trace", '--subject "Eiffel Tower" --answer " Paris" --scale loud', EIFFEL, "--scale"),
         ("trace", '--subject "Eiffel Tower" --answer " Paris" --kind resid,ffn', EIFFEL, "ffn"),
-        ("trace", '--subject "Eiffel Tower" --answer " Paris and more"', EIFFEL, "single-token"),
+        ("trace", '--subject "Eiffel Tower" --answer ""', EIFFEL, "answer is empty"),
         ("trace", '--subject "Eiffel Tower --answer " Paris"', EIFFEL, "quot"),
         ("trace", '--subject "Eiffel Tower" --answer " Paris" -o 2bad', EIFFEL, "-o"),
         ("trace", '--subject "Eiffel Tower" --answer " Paris" --model not_a_model', EIFFEL, "not a loaded model"),
