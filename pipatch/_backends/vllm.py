@@ -131,8 +131,7 @@ class VLLMBackend(Described):
         resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
         values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
         values[RESID.name] = resid
-        pieces = torch.stack([torch.stack([r[2] for r in runs[i : i + n]]) for i in range(0, len(runs), n)])
-        return Capture(blocks=resid, sites=values, metric=metric.combine(pieces),
+        return Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r[2] for r in runs], n)),
                        embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads]))
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
@@ -160,8 +159,7 @@ class VLLMBackend(Described):
             return torch.zeros(0), reads
         if full_logits:
             return torch.cat([o[0] for o in outs]).float(), reads
-        pieces = torch.stack([torch.stack([o[0] for o in outs[i : i + n]]) for i in range(0, len(outs), n)])
-        return metric.combine(pieces), reads
+        return metric.combine(_by_run([o[0] for o in outs], n)), reads
 
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Logits from the unembedding's input (final-normed states), [batch, d] → [batch, vocab or
@@ -359,6 +357,12 @@ def _inputs(metric: Metric, input_ids: torch.Tensor) -> list[list[int]]:
     """The prompt's ids [1, T] → the token list of each request a run takes (the prompt and each
     answer continuation: :meth:`Metric.inputs`; no re-tokenization, no BOS added)."""
     return [[int(i) for i in row] for row in metric.inputs(input_ids).tolist()]
+
+
+def _by_run(pieces: list[torch.Tensor], n: int) -> torch.Tensor:
+    """Each request's metric pieces, ``n`` requests (a run's inputs) after another →
+    ``[runs, n, n_read, n_sequences]`` for :meth:`Metric.combine`."""
+    return torch.stack([torch.stack(pieces[i : i + n]) for i in range(0, len(pieces), n)])
 
 
 def _per_invoke(saved: Any, n: int) -> list:
