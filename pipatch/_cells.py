@@ -16,6 +16,7 @@ and have several batch rows (:attr:`Metric.n_inputs`), which a write covers alik
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,9 @@ class Capture:
     :attr:`~Metric.n_inputs`), at every position of the run's input. ``sites[name][l]`` is a
     site value at the prompt's positions, [n, T, width] (``"resid"`` always). ``metric`` and
     ``prob`` (of the answer) are [n]; ``embedded`` is the embedding output, [n, T, d].
+    ``keys`` (a backend that reuses prefixes) holds each layer's attention keys and values
+    at the prompt's positions, ``(k, v)`` each [n, kv_heads, T, head_dim]: what a patched run
+    that starts at a later position attends to for the positions before it.
     """
 
     blocks: list[Any]
@@ -185,18 +189,21 @@ class Capture:
     embedded: torch.Tensor
     prob: torch.Tensor
     inputs: int = 1
+    keys: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def block_for(self, layer: int, row: int) -> Any:
-        """Block ``layer``'s output for run ``row`` only (its ``inputs`` batch rows), in the
-        block's own structure."""
+    def block_for(self, layer: int, row: int, start: int = 0) -> Any:
+        """Block ``layer``'s output for run ``row`` only (its ``inputs`` batch rows), from
+        position ``start`` on, in the block's own structure."""
         value = self.blocks[layer]
         lo, hi = row * self.inputs, (row + 1) * self.inputs
         if isinstance(value, tuple):
-            return (value[0][lo:hi],) + tuple(
-                v[lo:hi] if isinstance(v, torch.Tensor) and v.shape[:1] == value[0].shape[:1] else v
+            hidden = value[0]
+            return (hidden[lo:hi, start:],) + tuple(
+                v[lo:hi, start:] if isinstance(v, torch.Tensor) and v.shape[:2] == hidden.shape[:2]
+                else v[lo:hi] if isinstance(v, torch.Tensor) and v.shape[:1] == hidden.shape[:1] else v
                 for v in value[1:]
             )
-        return value[lo:hi]
+        return value[lo:hi, start:]
 
     def site(self, name: str, layer: int, row: int) -> torch.Tensor | None:
         """Site ``name``'s value at ``layer`` for batch row ``row`` ([1, T, width]), if kept."""
@@ -236,6 +243,33 @@ class Op:
         """Forward order: ops run sorted by this."""
         return (self.layer, self.site.order, self.site.name)
 
+    @property
+    def first_position(self) -> int:
+        """The first prompt position the op touches: 0 when its index does not say (a mask,
+        a negative position) — nothing before it can change, so a run may start there."""
+        where = self.index[1] if len(self.index) > 1 else None
+        if isinstance(where, numbers.Integral):
+            return max(int(where), 0)
+        if isinstance(where, slice):
+            return max(where.start or 0, 0) if where.step in (None, 1) else 0
+        if isinstance(where, (list, tuple)) and where and all(isinstance(i, numbers.Integral) for i in where):
+            return max(min(int(i) for i in where), 0)
+        return 0
+
+    def index_from(self, start: int) -> tuple:
+        """``index`` for a run whose first position is prompt position ``start``
+        (``start`` ≤ :attr:`first_position`)."""
+        if not start:
+            return self.index
+        where = self.index[1]
+        if isinstance(where, slice):
+            where = slice(where.start - start, None if where.stop is None else where.stop - start)
+        elif isinstance(where, numbers.Integral):
+            where = int(where) - start
+        else:
+            where = [int(i) - start for i in where]
+        return (self.index[0], where, *self.index[2:])
+
 
 @dataclass
 class Cell:
@@ -257,3 +291,9 @@ class Cell:
 
     def sorted_ops(self) -> list[Op]:
         return sorted(self.ops, key=lambda op: op.key)
+
+    @property
+    def first_position(self) -> int:
+        """The first prompt position any op touches: the run's states before it are the base
+        run's (attention is causal), so a backend may start the run there (prefix reuse)."""
+        return min((op.first_position for op in self.ops), default=0)

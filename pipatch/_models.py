@@ -307,6 +307,13 @@ class Adapter:
         ``qkv_layout`` is ``None`` where pipatch does not know the layout.
     last_logits_only
         Whether the forward takes ``logits_to_keep`` (see :meth:`trace_kwargs`).
+    cache_kwarg
+        The forward's key/value-cache argument (``cache``; ``past_key_values`` in older
+        transformers), through which a run can start at a later position and attend to the
+        base run's keys and values for the positions before it (prefix reuse, see
+        :mod:`pipatch._backends.transformers`); ``None`` where the forward takes none, and the
+        backend then always runs from position 0. Every family here is a causal decoder, so
+        a position never depends on later ones.
     """
 
     family: str
@@ -327,6 +334,7 @@ class Adapter:
     qkv: tuple[str, ...] = ()
     qkv_layout: str | None = None
     last_logits_only: bool = False
+    cache_kwarg: str | None = None
 
     def trace_kwargs(self, n_read: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``model.trace()`` when only the last ``n_read`` positions'
@@ -472,6 +480,7 @@ def adapter_for(model) -> Adapter:
     if family == "falcon" and not getattr(config, "new_decoder_architecture", False) and getattr(config, "multi_query", False):
         n_kv = 1
     qkv, qkv_layout = _qkv_layout(_get(block0, attn), family, config)
+    parameters = inspect.signature(hf.forward).parameters
     adapter = Adapter(
         family=family,
         embed=found["embedding"][0],
@@ -490,7 +499,8 @@ def adapter_for(model) -> Adapter:
         sublayers_are_contributions=family not in _SUBLAYER_INCLUDES_RESIDUAL,
         qkv=qkv,
         qkv_layout=qkv_layout,
-        last_logits_only="logits_to_keep" in inspect.signature(hf.forward).parameters,
+        last_logits_only="logits_to_keep" in parameters,
+        cache_kwarg=next((name for name in ("cache", "past_key_values") if name in parameters), None),
     )
     try:
         hf._pipatch_adapter = adapter

@@ -17,6 +17,11 @@ class Described:
         return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
                 "dtype": str(self.dtype).replace("torch.", ""), "device": self.runs_on}
 
+    def prefix_reuse(self, base: Any) -> bool:
+        """Whether ``run`` starts a batch of cells of ``base`` at their first written position
+        (the engine then groups cells by it). No, unless a backend says so."""
+        return False
+
     def decode(self, ids: Sequence[int]) -> list[str]:
         """Each token id's text, alone."""
         return [self.tokenizer.decode([int(i)]) for i in ids]

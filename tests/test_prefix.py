@@ -1,0 +1,212 @@
+"""Prefix reuse: a patched run starts at its first written position, with the same numbers.
+
+Attention is causal, so a patch at position ``p`` changes nothing before ``p``; the
+transformers backend then runs only positions ``p …`` and attends to the base run's cached
+keys and values for the rest (:mod:`pipatch._backends.transformers`), and the engine groups a
+row's cells by that position (:func:`pipatch._engine.batches`). Proven here against the same
+backend with reuse switched off (``TransformersBackend(model, reuse_prefix=False)``), within
+1e-4, on every tiny family (sliding-window layers: Gemma 2/3 with a 4-token window on a
+20-token prompt; grouped-query attention; fused q/k/v: GPT-2, GPT-NeoX, Phi-3, Falcon;
+ALiBi: BLOOM; rotary variants) and on the embedded Gemma 3 270M, for every site and
+direction, causal tracing (noise, windows, several seeds), multi-token answers and path
+patching. Each comparison also checks that reuse really happened: the last block saw runs
+shorter than the prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._backends.transformers import TransformersBackend
+from pipatch._cells import Cell, Op
+from pipatch._engine import TRACE_COST, batches
+from pipatch._models import _get
+from pipatch._sites import SITES
+from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
+
+# 20 tokens or so: longer than the tiny Gemmas' 4-token sliding window, so the cached keys of
+# a sliding layer reach outside its window.
+CLEAN = "John went to the store and Mary gave a book to him . The Eiffel Tower is in the city of"
+CORRUPT = "John went to the store and Mary gave a book to him . The Big Ben is in the city of"
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def backends(family: str) -> tuple[TransformersBackend, TransformersBackend]:
+    model = tiny_model(family)
+    return TransformersBackend(model), TransformersBackend(model, reuse_prefix=False)
+
+
+@contextlib.contextmanager
+def run_lengths(backend):
+    """The sequence lengths the last block ran on, while the block is hooked."""
+    blocks = _get(backend._hf, backend.adapter.blocks)
+    seen: list[int] = []
+    handle = blocks[-1].register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        (args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def same(on, off, views, what):
+    for view in views:
+        a, b = on.raw[view], off.raw[view]
+        assert not torch.isnan(a).any(), (what, view)
+        assert torch.allclose(a, b, atol=ATOL, rtol=0), (what, view, float((a - b).abs().max()))
+
+
+def compare(family, fn, views, what, **kwargs):
+    """``fn`` with reuse on and off: equal grids, and the reusing run started later."""
+    on, off = backends(family)
+    n_tokens = len(on.tokenizer(CLEAN).input_ids)
+    with run_lengths(on) as seen:
+        got = fn(on, **kwargs)
+    want = fn(off, **kwargs)
+    same(got, want, views, what)
+    assert min(seen) < n_tokens, (what, "no run started after position 0", seen)
+    return got
+
+
+def _sites(family):
+    return ["resid"] if family in SUBLAYER_REFUSED else ["resid", "attn", "mlp", "head"]
+
+
+@pytest.mark.parametrize("family", FAMILIES + VARIANTS + SUBLAYER_REFUSED)
+def test_patching_every_site_and_direction_equals_reuse_off(family):
+    n_tokens = len(backends(family)[0].tokenizer(CLEAN).input_ids)
+    for site in _sites(family):
+        # A head grid patches its positions all at once: the last three, so it can start late.
+        where = {"positions": list(range(n_tokens - 3, n_tokens))} if site == "head" else {}
+        for direction in ("denoise", "noise"):
+            compare(family, pipatch.patch, [site], (site, direction), clean=CLEAN, corrupt=CORRUPT,
+                    answer=" Paris", foil=" Rome", site=site, direction=direction, **where)
+
+
+@pytest.mark.parametrize("family", FAMILIES + VARIANTS + SUBLAYER_REFUSED)
+def test_tracing_with_noise_windows_and_seeds_equals_reuse_off(family):
+    kinds = ["resid"] if family in SUBLAYER_REFUSED else ["resid", "mlp", "attn"]
+    compare(family, pipatch.trace, kinds, "trace", prompt=CLEAN, subject="Eiffel Tower", answer=" Paris",
+            seeds=3, scale=3.0, kind=kinds, window=2, metric="logprob")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2", "bloom", "falcon_new"])
+def test_multi_token_answers_equal_reuse_off(family):
+    """Two inputs per cell (the foil diverges before its last token): the cache holds one row
+    per input, both from the same base run."""
+    result = compare(family, pipatch.patch, ["resid"], "multi-token", clean=CLEAN, corrupt=CORRUPT,
+                     answer=" Paris France", foil=" Rome Italy")
+    assert result.metric == "logprob_diff"
+
+
+def test_path_patching_falls_back_to_position_0():
+    """Path patching freezes every prompt position: nothing to reuse, the same numbers."""
+    on, off = backends("llama")
+    kwargs = dict(clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", sender="mlp")
+    n_tokens = len(on.tokenizer(CLEAN).input_ids)
+    with run_lengths(on) as seen:
+        got = pipatch.path_patch(on, **kwargs)
+    same(got, pipatch.path_patch(off, **kwargs), got.raw, "path")
+    assert min(seen) == n_tokens
+
+
+def test_a_model_without_a_cache_argument_runs_from_position_0():
+    """The adapter finds no cache argument (a forward that takes none): the backend does not
+    reuse, by itself, and the grid is the same."""
+    model = tiny_model("qwen2")
+    plain = TransformersBackend(model)
+    plain.adapter = dataclasses.replace(plain.adapter, cache_kwarg=None)
+    n_tokens = len(plain.tokenizer(CLEAN).input_ids)
+    kwargs = dict(clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
+    with run_lengths(plain) as seen:
+        got = pipatch.patch(plain, **kwargs)
+    assert min(seen) == n_tokens
+    same(got, pipatch.patch(backends("qwen2")[0], **kwargs), ["resid"], "no cache")
+
+
+def test_embedded_model_sites_and_trace_equal_reuse_off(model):
+    """Gemma 3 270M (sliding-window and full layers, one key/value head, soft-capped
+    attention): a head grid at the last 4 positions, MLP noising, and a 2-seed trace."""
+    on, off = TransformersBackend(model), TransformersBackend(model, reuse_prefix=False)
+    pair = dict(clean="The Eiffel Tower is in the city of", corrupt="The Colosseum is in the city of",
+                answer=" Paris", foil=" Rome")
+    cases = [
+        (pipatch.patch, dict(pair, site="head", positions=[6, 7, 8]), "head"),
+        (pipatch.patch, dict(pair, site="mlp", direction="noise"), "mlp"),
+        (pipatch.trace, dict(prompt=pair["clean"], subject="Eiffel Tower", answer=" Paris", seeds=2, window=3), "resid"),
+    ]
+    n_tokens = len(on.tokenizer(pair["clean"]).input_ids)
+    for fn, kwargs, view in cases:
+        with run_lengths(on) as seen:
+            got = fn(on, **kwargs)
+        same(got, fn(off, **kwargs), [view], view)
+        assert min(seen) < n_tokens, (view, seen)
+
+
+# --------------------------------------------------------------------------------------------
+# The pieces: an op's first position, and how the engine groups cells
+# --------------------------------------------------------------------------------------------
+
+
+def op_at(where, *rest):
+    return Op(SITES["resid"], 0, (slice(None), where, *rest), None)
+
+
+def test_first_position_and_shifted_index():
+    assert op_at(5).first_position == 5 and op_at(5).index_from(3) == (slice(None), 2)
+    assert op_at([7, 4, 9]).first_position == 4 and op_at([7, 4, 9]).index_from(4) == (slice(None), [3, 0, 5])
+    head = op_at([6, 8], slice(64, 128))
+    assert head.index_from(6) == (slice(None), [0, 2], slice(64, 128))
+    assert op_at(slice(3, 9)).first_position == 3 and op_at(slice(3, 9)).index_from(2)[1] == slice(1, 7)
+    # What cannot be read as positions starts at 0: a full slice, a negative index, a mask.
+    assert op_at(slice(None)).first_position == 0
+    assert op_at(-1).first_position == 0
+    assert op_at(torch.tensor([True, False])).first_position == 0
+    assert Cell(0, 0, 0, start=0, ops=[op_at(6), op_at(3)]).first_position == 3
+    assert Cell(0, 0, 0, start=0).first_position == 0
+
+
+def cells_at(*positions, start=0):
+    return [Cell(0, i, 0, start=start, ops=[op_at(p)]) for i, p in enumerate(positions)]
+
+
+def test_batches_without_reuse_cut_each_start_into_batch_size_pieces():
+    cells = cells_at(9, 1, 5, 3, 7) + cells_at(2, 4, start=1)
+    got = batches(cells, 2, prefix_reuse=False)
+    assert [[c.col for c in b] for b in got] == [[0, 1], [2, 3], [4], [0, 1]]
+
+
+def test_batches_with_reuse_group_late_positions_and_keep_starts_apart():
+    # One cell per position 12..19: starting a batch one position earlier costs its rows one
+    # position each, far less than a trace, so they share one batch (run from 12).
+    got = batches(cells_at(*range(12, 20)), 256, prefix_reuse=True)
+    assert len(got) == 1 and min(c.first_position for c in got[0]) == 12
+    # 40 cells at 19 and 40 at 2: running the late ones from 2 would cost 40 × 17 positions.
+    late, early = cells_at(*[19] * 40), cells_at(*[2] * 40)
+    got = batches(early + late, 256, prefix_reuse=True)
+    assert [{c.first_position for c in b} for b in got] == [{19}, {2}]
+    # Just within the cost: TRACE_COST cells one position apart still share.
+    got = batches(cells_at(*[10] * TRACE_COST, *[9] * 3), 256, prefix_reuse=True)
+    assert len(got) == 1
+    got = batches(cells_at(*[10] * (TRACE_COST + 1), 9), 256, prefix_reuse=True)
+    assert len(got) == 2
+    # Never more than the batch size, and never two start layers in one batch.
+    got = batches(cells_at(*range(10)) + cells_at(*range(10), start=3), 4, prefix_reuse=True)
+    assert all(len(b) <= 4 and len({c.start for c in b}) == 1 for b in got)
+    assert sorted((c.start, c.col) for b in got for c in b) == sorted(
+        [(0, i) for i in range(10)] + [(3, i) for i in range(10)])
