@@ -255,36 +255,31 @@ TRACE_COST = 32
 
 
 def batches(cells: list[Cell], size: int, prefix_reuse: bool = False) -> list[list[Cell]]:
-    """One row's cells → the batches that run them (each one trace of at most ``size`` invokes).
+    """One row's cells → the batches that run them (each one trace of at most ``size`` cells).
 
     Cells of one batch share their ``start`` layer: the blocks below it are skipped for
-    every invoke. With ``prefix_reuse`` (a backend that starts a batch at its cells' smallest
+    every cell. With ``prefix_reuse`` (a backend that starts a batch at its cells' smallest
     first written position, :attr:`Cell.first_position`), cells are also grouped by that
     position: taken from the latest position down, a batch takes the next position's cells
     while starting earlier costs its rows fewer extra positions than one more trace
     (:data:`TRACE_COST`); otherwise the next position opens a new batch. Cells keep their
     order within a position.
     """
-    by_start: dict[int, list[Cell]] = {}
+    groups: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
-        by_start.setdefault(cell.start, []).append(cell)
+        groups.setdefault((cell.start, cell.first_position if prefix_reuse else 0), []).append(cell)
     out: list[list[Cell]] = []
-    for group in by_start.values():
-        if not prefix_reuse:
-            out += [group[i : i + size] for i in range(0, len(group), size)]
-            continue
-        by_position: dict[int, list[Cell]] = {}
-        for cell in group:
-            by_position.setdefault(cell.first_position, []).append(cell)
-        batch: list[Cell] = []
-        first = 0
-        for position in sorted(by_position, reverse=True):
-            more = by_position[position]
-            if batch and (len(batch) * (first - position) > TRACE_COST or len(batch) + len(more) > size):
-                out.append(batch)
-                batch = []
-            batch += more
-            first = position
+    batch: list[Cell] = []
+    first = 0
+    for start, position in sorted(groups, key=lambda key: (key[0], -key[1])):
+        more = groups[start, position]
+        if batch and (batch[0].start != start or len(batch) * (first - position) > TRACE_COST
+                      or len(batch) + len(more) > size):
+            out.append(batch)
+            batch = []
+        batch += more
+        first = position
+    if batch:
         out.append(batch)
     return [batch[i : i + size] for batch in out for i in range(0, len(batch), size)]
 

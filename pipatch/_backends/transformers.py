@@ -187,9 +187,8 @@ class TransformersBackend(Described):
         of each cell (its seed's run), as the model's cache."""
         from transformers import DynamicCache
 
-        rows = torch.tensor(seeds).repeat_interleave(inputs)
-        rows = rows.to(base.capture.keys[0][0].device)
-        return DynamicCache(ddp_cache_data=[(k.index_select(0, rows)[:, :, :start], v.index_select(0, rows)[:, :, :start])
+        rows = torch.tensor(seeds, device=base.capture.keys[0][0].device).repeat_interleave(inputs)
+        return DynamicCache(ddp_cache_data=[(k[:, :, :start].index_select(0, rows), v[:, :, :start].index_select(0, rows))
                                             for k, v in base.capture.keys])
 
     def prefix_reuse(self, base: Base) -> bool:
@@ -215,7 +214,7 @@ class TransformersBackend(Described):
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
         run_ids = metric.inputs(base.input_ids)
-        n, (L, m) = metric.n_inputs, (run_ids.shape[1], metric.n_read)
+        n, L, m = metric.n_inputs, run_ids.shape[1], metric.n_read
         last_only = fast and not full_logits
         # Prefix reuse: start every cell at the batch's first written position.
         start = min(cell.first_position for cell in cells) if last_only and self.prefix_reuse(base) else 0
