@@ -256,6 +256,20 @@ class Op:
             return max(min(int(i) for i in where), 0)
         return 0
 
+    @property
+    def last_position(self) -> int | None:
+        """The last prompt position the op touches, or ``None`` when its index does not say
+        (a mask, a negative position, a slice open at the end)."""
+        where = self.index[1] if len(self.index) > 1 else None
+        if isinstance(where, numbers.Integral):
+            return int(where) if where >= 0 else None
+        if isinstance(where, slice):
+            ok = where.step in (None, 1) and where.stop is not None and where.stop > max(where.start or 0, 0)
+            return int(where.stop) - 1 if ok else None
+        if isinstance(where, (list, tuple)) and where and all(isinstance(i, numbers.Integral) and i >= 0 for i in where):
+            return max(int(i) for i in where)
+        return None
+
     def index_from(self, start: int) -> tuple:
         """``index`` for a run whose first position is prompt position ``start``
         (``start`` ≤ :attr:`first_position`)."""

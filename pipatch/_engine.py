@@ -7,12 +7,14 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
 
 * asks each sweep for one row's cells at a time (a head sweep over a long prompt never
   holds every cell at once), in the order the plan gives (:meth:`Plan.tasks`);
-* fills a cell whose writes put back the base run's own values with the base metric, without
-  running the model (``fast`` only);
+* fills a cell whose writes put back the base run's own values, or that the metric cannot
+  see (:func:`_is_unread`), with the base metric, without running the model (``fast`` only);
 * groups the rest into batches of at most ``batch_size`` invokes that share their ``start``
   layer (and, where the backend reuses prefixes, about the same first written position:
-  :func:`batches`) and hands each batch to the backend (``backend.run``): one nnsight trace
-  (the transformers backend: one invoke holding every cell's rows; vLLM: one invoke per cell);
+  :func:`batches`), each one nnsight trace (the transformers backend: one invoke holding every
+  cell's rows; vLLM: one invoke per cell), and hands the backend a row's consecutive batches
+  of at most ``batch_size`` cells in all at once (``backend.run_many``: the transformers
+  backend then computes all their metrics in one product with the unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
   row so a front end can draw it live, and checks ``stop`` between batches.
 
@@ -146,6 +148,26 @@ def _is_noop(base: Base, cell: Cell) -> bool:
     return True
 
 
+def _is_unread(base: Base, cell: Cell) -> bool:
+    """True when the metric cannot see ``cell``'s writes, so its value is the base run's.
+
+    Each op writes the last block's output, or a site of the last block after its attention
+    (not q/k/v), at prompt positions before the last: past the last block, the final norm
+    and the unembedding work position by position, and the metric reads the last prompt
+    position on. (The top row of a sweep over positions: in a 10-seed causal trace, every
+    cell of layer 17 but the last position's.)
+    """
+    if not cell.ops or cell.then is not None:
+        return False
+    last_layer, last_position = len(base.capture.blocks) - 1, base.input_ids.shape[1] - 1
+    for op in cell.ops:
+        end = op.last_position
+        if (op.value is None or op.layer != last_layer or op.site.feeds_its_own_attention
+                or end is None or end >= last_position):
+            return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # Plans
 # --------------------------------------------------------------------------------------------
@@ -233,13 +255,25 @@ class Predictor:
 # --------------------------------------------------------------------------------------------
 
 
+def _two_stage(cells: list[Cell]) -> bool:
+    return any(cell.then is not None for cell in cells)
+
+
 def _run_batch(backend: Any, sweep: Sweep, cells: list[Cell], fast: bool, full_logits: bool = False) -> torch.Tensor:
     """One batch on the backend; a two-stage batch (cells with ``then``) runs twice."""
-    if any(cell.then is not None for cell in cells):
+    if _two_stage(cells):
         _, reads = backend.run(sweep.base, cells, sweep.metric, fast=fast)
         cells = [cell.then(values) for cell, values in zip(cells, reads)]
     values, _ = backend.run(sweep.base, cells, sweep.metric, fast=fast, full_logits=full_logits)
     return values
+
+
+def _run_batches(backend: Any, sweep: Sweep, group: list[list[Cell]], fast: bool) -> list[torch.Tensor]:
+    """Batches of one row → the metric per cell of each: one ``run_many`` call (each batch one
+    trace), or a two-stage batch alone (:func:`_run_batch`)."""
+    if len(group) == 1:
+        return [_run_batch(backend, sweep, group[0], fast)]
+    return backend.run_many(sweep.base, group, sweep.metric, fast=fast)
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -290,7 +324,7 @@ def _run_row(plan: Plan, sweep: Sweep, row: int, should_stop: Callable[[], bool]
     pending: list[Cell] = []
     for cell in sweep.cells(row):
         stats["cells"] += 1
-        if fast and sweep.prune and _is_noop(sweep.base, cell):
+        if fast and sweep.prune and (_is_unread(sweep.base, cell) or _is_noop(sweep.base, cell)):
             plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
             stats["noop_cells"] += 1
         else:
@@ -301,32 +335,39 @@ def _run_row(plan: Plan, sweep: Sweep, row: int, should_stop: Callable[[], bool]
     while queue:
         if should_stop is not None and should_stop():
             return False
-        batch = queue.popleft()
-        if len(batch) > size:
-            queue.appendleft(batch[size:])
-            batch = batch[:size]
+        # The next batches, up to ``size`` cells in all: one backend call (run_many), so a
+        # backend can finish them together (one product with the unembedding for all).
+        group = [queue.popleft()]
+        if len(group[0]) > size:
+            queue.appendleft(group[0][size:])
+            group[0] = group[0][:size]
+        total = len(group[0])
+        while queue and total + len(queue[0]) <= size and not _two_stage(queue[0]) and not _two_stage(group[0]):
+            total += len(queue[0])
+            group.append(queue.popleft())
         try:
-            values = _run_batch(plan.backend, sweep, batch, fast)
+            values = _run_batches(plan.backend, sweep, group, fast)
         except Exception as error:  # noqa: BLE001 - re-raised with the batch named
-            if _is_oom(error) and len(batch) > 1:
-                size = max(1, len(batch) // 2)  # and every later batch of the row
-                queue.appendleft(batch)
+            if _is_oom(error) and total > 1:
+                size = max(1, total // 2)  # and every later batch of the row
+                queue.extendleft(reversed(group))
                 continue
             raise EngineError(
-                f"{sweep.view}: batch {batch_no + 1} of layer {row} ({len(batch)} cells) failed: "
+                f"{sweep.view}: batch {batch_no + 1} of layer {row} ({total} cells) failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        stats["traces"] += 1
-        stats["max_invokes"] = max(stats["max_invokes"], len(batch))
-        for cell, value in zip(batch, values.tolist()):
-            if not math.isfinite(value):
-                # NaN/Inf from the model itself: store NaN, flag the row (once).
-                value = float("nan")
-                flagged = stats.setdefault("nonfinite_rows", [])
-                if [sweep.view, row] not in flagged:
-                    flagged.append([sweep.view, row])
-            plan.store(sweep, cell, value)
-        batch_no += 1
+        for batch, batch_values in zip(group, values):
+            stats["traces"] += 1
+            stats["max_invokes"] = max(stats["max_invokes"], len(batch))
+            for cell, value in zip(batch, batch_values.tolist()):
+                if not math.isfinite(value):
+                    # NaN/Inf from the model itself: store NaN, flag the row (once).
+                    value = float("nan")
+                    flagged = stats.setdefault("nonfinite_rows", [])
+                    if [sweep.view, row] not in flagged:
+                        flagged.append([sweep.view, row])
+                plan.store(sweep, cell, value)
+            batch_no += 1
     return True
 
 

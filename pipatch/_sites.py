@@ -65,6 +65,14 @@ class Site:
     axis: str = "token"
     sublayer: bool = True
 
+    @property
+    def feeds_its_own_attention(self) -> bool:
+        """Whether a write here reaches later positions within its own layer: a query, key or
+        value does (the layer's attention reads it); every other site comes after the
+        attention has mixed positions, so its write at position ``p`` stays at ``p`` until the
+        next layer."""
+        return self.where == "proj"
+
     def check(self, adapter: Adapter) -> Site:
         """Refuse, in one line, a site this family cannot patch; return the site."""
         if self.sublayer and not adapter.sublayers_are_contributions:

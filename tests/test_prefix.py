@@ -23,11 +23,12 @@ import pytest
 import torch
 
 import pipatch
+from pipatch._api import plan_trace
 from pipatch._backends.transformers import TransformersBackend
-from pipatch._cells import Cell, Op
-from pipatch._engine import TRACE_COST, batches
+from pipatch._cells import Base, Cell, Metric, Op
+from pipatch._engine import TRACE_COST, _is_unread, batches
 from pipatch._models import _get
-from pipatch._sites import SITES
+from pipatch._sites import SITES, projection
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
 
 # 20 tokens or so: longer than the tiny Gemmas' 4-token sliding window, so the cached keys of
@@ -159,6 +160,87 @@ def test_embedded_model_sites_and_trace_equal_reuse_off(model):
 
 
 # --------------------------------------------------------------------------------------------
+# Writes the metric cannot see: the last block at earlier positions
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2", "bloom", "qwen3"])
+def test_unread_last_layer_writes_are_filled_without_a_forward(family):
+    """The last block's writes before the last position never reach the metric: the engine
+    fills them with the base run's value and runs nothing; every cell run for real
+    (``fast=False``) gives the same grid."""
+    on, _ = backends(family)
+    kinds = ["resid"] if family in SUBLAYER_REFUSED else ["resid", "mlp", "attn"]
+    kwargs = dict(prompt=CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind=kinds,
+                  window=2, metric="logprob")
+    fast = pipatch.trace(on, **kwargs)
+    slow = pipatch.trace(on, **kwargs, fast=False)
+    same(fast, slow, kinds, "unread")
+    n_tokens, first = len(fast.tokens), min(fast.meta["subject_positions"])
+    unread = len(kinds) * 2 * (n_tokens - 1 - first)  # per kind and seed: the top row before the last position
+    assert fast.meta["engine"]["noop_cells"] >= unread, fast.meta["engine"]
+    assert slow.meta["engine"]["noop_cells"] == 0
+    top = fast.raw[kinds[0]][:, -1, first:-1]
+    assert torch.equal(top, fast.corrupt[:, None].expand_as(top).to(top.dtype))
+
+
+def test_a_key_written_at_the_last_layer_is_still_run():
+    """A key or value written at the last layer reaches later positions through that layer's
+    own attention: such a cell runs (and changes the metric), where the same write to the
+    block's output is filled from the base run (and running it changes nothing)."""
+    backend = backends("llama")[0]
+    adapter = backend.adapter
+    ids = backend.tokenizer(CLEAN, return_tensors="pt").input_ids
+    metric = Metric("logprob", backend.tokenizer(" Paris", add_special_tokens=False).input_ids[:1])
+    base = Base(ids, backend.capture(ids, metric))
+    last, T = adapter.n_layers - 1, ids.shape[1]
+    key = projection(adapter.qkv[1], 1)
+    generator = torch.Generator().manual_seed(0)
+    kv_width = adapter.n_kv_heads * adapter.head_dim
+    key_cell = Cell(last, 2, 0, start=last, ops=[Op(key, last, (slice(None), [2]),
+                                                    torch.randn(1, 1, kv_width, generator=generator) * 50)])
+    resid_cell = Cell(last, 2, 0, start=last, ops=[Op(SITES["resid"], last, (slice(None), [2]),
+                                                      torch.randn(1, 1, adapter.d_model, generator=generator) * 5)])
+    assert not _is_unread(base, key_cell) and _is_unread(base, resid_cell)
+    moved, _ = backend.run(base, [key_cell], metric, fast=False)
+    still, _ = backend.run(base, [resid_cell], metric, fast=False)
+    assert abs(float(moved[0]) - float(base.capture.metric[0])) > 1e-3, "the key write did not reach the metric"
+    assert abs(float(still[0]) - float(base.capture.metric[0])) < 1e-6
+    # At the last position the block's output is read: not filled.
+    read = dataclasses.replace(resid_cell, ops=[dataclasses.replace(resid_cell.ops[0], index=(slice(None), [T - 1]))])
+    assert not _is_unread(base, read)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2"])
+def test_a_rows_batches_finish_together_with_the_same_numbers(family):
+    """A row's batches (one trace each, by first written position) go to the backend as one
+    ``run_many`` call, which computes every cell's probability in one product with the
+    unembedding: the same numbers as each batch run alone."""
+    backend = backends(family)[0]
+    # Ten seeds: ten cells per position, too many to start every position's cells at one.
+    plan = plan_trace(backend, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0)
+    sweep = plan.sweeps[0]
+    groups = batches(list(sweep.cells(0)), 256, prefix_reuse=True)
+    assert len(groups) > 1 and sweep.metric.token_ids is None  # several traces; a full softmax
+    together = backend.run_many(sweep.base, groups, sweep.metric)
+    alone = [backend.run(sweep.base, cells, sweep.metric)[0] for cells in groups]
+    assert [len(v) for v in together] == [len(c) for c in groups]
+    assert torch.allclose(torch.cat(together), torch.cat(alone), atol=1e-6, rtol=0)
+    # ... and the engine hands a row's batches over in one call.
+    calls = []
+    runner = plan.backend
+    run_many = runner.run_many
+    runner.run_many = lambda base, group, metric, **kw: calls.append(len(group)) or run_many(base, group, metric, **kw)
+    try:
+        plan.run()
+    finally:
+        del runner.run_many
+    assert max(calls) > 1 and plan.result.status == "done"
+    slow = pipatch.trace(backend, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0, fast=False)
+    same(plan.result, slow, ["resid"], "grouped")
+
+
+# --------------------------------------------------------------------------------------------
 # The pieces: an op's first position, and how the engine groups cells
 # --------------------------------------------------------------------------------------------
 
@@ -179,6 +261,14 @@ def test_first_position_and_shifted_index():
     assert op_at(torch.tensor([True, False])).first_position == 0
     assert Cell(0, 0, 0, start=0, ops=[op_at(6), op_at(3)]).first_position == 3
     assert Cell(0, 0, 0, start=0).first_position == 0
+
+
+def test_last_position():
+    assert op_at(5).last_position == 5 and op_at([7, 4, 9]).last_position == 9
+    assert op_at(slice(3, 9)).last_position == 8 and op_at([6, 8], slice(64, 128)).last_position == 8
+    # What cannot be read as positions says so: an open slice, a negative index, a mask.
+    for where in (slice(3, None), slice(None), -1, [2, -1], torch.tensor([True, False])):
+        assert op_at(where).last_position is None, where
 
 
 def cells_at(*positions, start=0):

@@ -22,6 +22,12 @@ class Described:
         (the engine then groups cells by it). No, unless a backend says so."""
         return False
 
+    def run_many(self, base: Any, batches: Sequence[list[Any]], metric: Any, *, fast: bool = True) -> list[Any]:
+        """Several batches of cells, each run as ``run`` runs it (one trace each) → the metric
+        per cell of each batch. A backend may finish them together: the transformers backend
+        computes every batch's metric in one product with the unembedding."""
+        return [self.run(base, cells, metric, fast=fast)[0] for cells in batches]
+
     def decode(self, ids: Sequence[int]) -> list[str]:
         """Each token id's text, alone."""
         return [self.tokenizer.decode([int(i)]) for i in ids]

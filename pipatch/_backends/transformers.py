@@ -211,6 +211,28 @@ class TransformersBackend(Described):
         last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
         its recording ops read (in op order).
         """
+        out, reads = self._trace(base, cells, metric, fast=fast, full_logits=full_logits)
+        if full_logits:
+            return out.float(), reads
+        if fast:
+            return self.metric_from_hidden(metric, out), reads
+        return metric.score(out), reads
+
+    def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
+                 fast: bool = True) -> list[torch.Tensor]:
+        """Several batches, one trace each, as :meth:`run`; with ``fast``, the metric of every
+        batch's cells in one go from their read positions' states: one product with the
+        unembedding for all of them (70 positions run ~1.3× faster per position than 35 here)."""
+        if not fast:
+            return super().run_many(base, batches, metric, fast=fast)
+        hidden = [self._trace(base, cells, metric, fast=True)[0] for cells in batches]
+        return list(self.metric_from_hidden(metric, torch.cat(hidden)).split([len(h) for h in hidden]))
+
+    def _trace(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool,
+               full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """The trace of :meth:`run`: per cell, the unembedding's input at the read positions
+        ([cells, inputs, n_read, d]; ``fast``), or the last prompt position's logits
+        (``full_logits``), or the logits at the read positions; and the recorded values."""
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
         run_ids = metric.inputs(base.input_ids)
@@ -264,12 +286,10 @@ class TransformersBackend(Described):
                 else:
                     outs.append(model.output.logits[:, -m:])
         if full_logits:
-            return outs[0].float(), list(recorded)
-        stacked = outs[0].reshape(len(cells), n, *outs[0].shape[1:])  # [cells, inputs, n_read, d or vocab]
-        if last_only:
-            return self.metric_from_hidden(metric, stacked), list(recorded)
-        return metric.score(stacked), list(recorded)
+            return outs[0], list(recorded)
+        return outs[0].reshape(len(cells), n, *outs[0].shape[1:]), list(recorded)  # [cells, inputs, n_read, d or vocab]
 
+    @torch.no_grad()
     def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor, rows: int = 128) -> torch.Tensor:
         """The metric from the unembedding's input at the read positions,
         [batch, inputs, n_read, d] → [batch].
