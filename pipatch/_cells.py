@@ -247,28 +247,25 @@ class Op:
     def first_position(self) -> int:
         """The first prompt position the op touches: 0 when its index does not say (a mask,
         a negative position) — nothing before it can change, so a run may start there."""
-        where = self.index[1] if len(self.index) > 1 else None
-        if isinstance(where, numbers.Integral):
-            return max(int(where), 0)
-        if isinstance(where, slice):
-            return max(where.start or 0, 0) if where.step in (None, 1) else 0
-        if isinstance(where, (list, tuple)) and where and all(isinstance(i, numbers.Integral) for i in where):
-            return max(min(int(i) for i in where), 0)
-        return 0
+        return self._bounds()[0]
 
     @property
     def last_position(self) -> int | None:
         """The last prompt position the op touches, or ``None`` when its index does not say
         (a mask, a negative position, a slice open at the end)."""
+        return self._bounds()[1]
+
+    def _bounds(self) -> tuple[int, int | None]:
+        """(first, last) prompt positions of the index: (0, None) where it does not say."""
         where = self.index[1] if len(self.index) > 1 else None
         if isinstance(where, numbers.Integral):
-            return int(where) if where >= 0 else None
-        if isinstance(where, slice):
-            ok = where.step in (None, 1) and where.stop is not None and where.stop > max(where.start or 0, 0)
-            return int(where.stop) - 1 if ok else None
-        if isinstance(where, (list, tuple)) and where and all(isinstance(i, numbers.Integral) and i >= 0 for i in where):
-            return max(int(i) for i in where)
-        return None
+            return (int(where), int(where)) if where >= 0 else (0, None)
+        if isinstance(where, slice) and where.step in (None, 1):
+            first = max(where.start or 0, 0)
+            return first, (int(where.stop) - 1 if where.stop is not None and where.stop > first else None)
+        if isinstance(where, (list, tuple)) and where and all(isinstance(i, numbers.Integral) for i in where):
+            return (int(min(where)), int(max(where))) if min(where) >= 0 else (0, None)
+        return 0, None
 
     def index_from(self, start: int) -> tuple:
         """``index`` for a run whose first position is prompt position ``start``

@@ -341,8 +341,8 @@ def _run_row(plan: Plan, sweep: Sweep, row: int, should_stop: Callable[[], bool]
         if len(group[0]) > size:
             queue.appendleft(group[0][size:])
             group[0] = group[0][:size]
-        total = len(group[0])
-        while queue and total + len(queue[0]) <= size and not _two_stage(queue[0]) and not _two_stage(group[0]):
+        total, alone = len(group[0]), _two_stage(group[0])
+        while queue and not alone and total + len(queue[0]) <= size and not _two_stage(queue[0]):
             total += len(queue[0])
             group.append(queue.popleft())
         try:
