@@ -74,10 +74,10 @@ const STOPS: RGB[] = DIVERGING_STOPS.map((c) => [
 ]);
 
 /** Symmetric range: max |v| over finite values (1 if none). */
-export function symmetricMax(data: ArrayLike<number> | null, limit = data ? data.length : 0): number {
+export function symmetricMax(data: ArrayLike<number> | null): number {
   let m = 0;
   if (data) {
-    for (let i = 0; i < limit; i++) {
+    for (let i = 0; i < data.length; i++) {
       const v = data[i];
       if (Number.isFinite(v)) {
         const a = Math.abs(v);
@@ -90,20 +90,35 @@ export function symmetricMax(data: ArrayLike<number> | null, limit = data ? data
 
 /**
  * The colour scale's half-range for matrix `m` of `view` drawn in `mode`: max |v| over the
- * finished rows (`done`); for one side of a comparison over both sides, so switching a ↔ b
+ * finished rows (`span`, from `doneSpan`); for one side of a comparison over both sides, so switching a ↔ b
  * keeps the colours comparable. As `scale_max` in `pipatch/_views/render.py`.
  */
-export function scaleMax(state: GridState, view: string, mode: Mode, m: Matrix, done: number): number {
-  const n = done * m.cols;
+export function scaleMax(state: GridState, view: string, mode: Mode, m: Matrix, span: Span): number {
+  const [from, to] = [span[0] * m.cols, span[1] * m.cols];
   if ((mode === 'a' || mode === 'b') && isComparison(state)) {
     const sides = (['a', 'b'] as Mode[]).map((side) => selectMatrix(state, view, -1, side).data).filter((d): d is Float32Array => d !== null);
     if (sides.length) {
+      const n = to - from;
       const both = new Float32Array(n * sides.length);
-      sides.forEach((d, i) => both.set(d.subarray(0, n), i * n));
+      sides.forEach((d, i) => both.set(d.subarray(from, to), i * n));
       return symmetricMax(both);
     }
   }
-  return symmetricMax(m.data, n);
+  return symmetricMax(m.data ? m.data.subarray(from, to) : null);
+}
+
+/** Rows `[from, to)`: the finished rows of a view. */
+export type Span = [number, number];
+
+/**
+ * The finished (drawn) rows of `view`; the rest are pending. As `done_span` in
+ * `pipatch/_views/schema.py`: `rows_done[view]` rows from the top, or from the bottom when
+ * `row_order[view]` is -1; a view missing from `rows_done` is finished unless the grid is running.
+ */
+export function doneSpan(state: GridState, view: string, rows: number): Span {
+  const d = state.rows_done[view];
+  const done = d === undefined ? (state.status === 'running' ? 0 : rows) : Math.max(0, Math.min(rows, Math.floor(d)));
+  return state.row_order[view] === -1 ? [rows - done, rows] : [0, done];
 }
 
 /**
@@ -260,10 +275,10 @@ export function buildCsv(state: GridState, view: string, seed: number): string {
         ['raw', values('raw'), csvField],
         ['verified', ver, (v) => String(v ? 1 : 0)],
       ];
-  const done = Math.min(rows, state.rows_done[view] ?? rows);
+  const [from, to] = doneSpan(state, view, rows);
   const lines = [['view', 'seed', 'row', 'row_label', 'col', 'col_label', ...valueColumns.map(([name]) => name)].join(',')];
   const seedName = seed < 0 ? 'mean' : String(seed);
-  for (let r = 0; r < done; r++) {
+  for (let r = from; r < to; r++) {
     const rl = csvField(state.row_labels[r] ?? String(r));
     for (let c = 0; c < cols; c++) {
       const i = r * cols + c;

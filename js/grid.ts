@@ -7,6 +7,7 @@
  */
 
 import type { GridState, Mode, Selection, UiState } from './data';
+import type { Span } from './format';
 import { comparedValues, gridShape, isComparison, matrixFor, modeChoices, seedLabel, selectMatrix } from './data';
 import {
   NAN_RGB,
@@ -15,6 +16,7 @@ import {
   checksum32,
   computeLayout,
   divergingColor,
+  doneSpan,
   formatValue,
   safeFileName,
   scaleMax,
@@ -342,11 +344,13 @@ export class GridView {
     return selectMatrix(s, this.ui.view, this.ui.seed, this.ui.mode);
   }
 
-  private rowsDone(rows: number): number {
-    const s = this.state!;
-    const d = s.rows_done[this.ui.view];
-    if (d === undefined) return s.status === 'running' ? 0 : rows;
-    return Math.max(0, Math.min(rows, Math.floor(d)));
+  private doneSpan(rows: number): Span {
+    return doneSpan(this.state!, this.ui.view, rows);
+  }
+
+  private isDone(row: number, rows: number): boolean {
+    const [from, to] = this.doneSpan(rows);
+    return row >= from && row < to;
   }
 
   private renderGrid(s: GridState): void {
@@ -357,7 +361,7 @@ export class GridView {
     const maxChars = Math.min(14, s.col_labels.reduce((a, l) => Math.max(a, Math.min(l.length, 14)), 1));
     const layout = computeLayout(rows, cols, avail, { maxLabelChars: maxChars });
     this.layout = layout;
-    const done = this.rowsDone(rows);
+    const done = this.doneSpan(rows);
     this.vmax = scaleMax(s, this.ui.view, this.ui.mode, m, done);
 
     // Canvas backing store: device pixels when affordable.
@@ -379,7 +383,7 @@ export class GridView {
     this.rowLabels.style.width = `${ROW_LABEL_WIDTH}px`;
     this.root.setAttribute('data-rows', String(rows));
     this.root.setAttribute('data-cols', String(cols));
-    this.root.setAttribute('data-rows-done', String(done));
+    this.root.setAttribute('data-rows-done', String(done[1] - done[0]));
     this.root.setAttribute('data-checksum', checksum32(m.data));
 
     this.drawHeatmap(m.data, rows, cols, done, dpr);
@@ -388,7 +392,7 @@ export class GridView {
     this.drawOverlay();
   }
 
-  private drawHeatmap(data: Float32Array | null, rows: number, cols: number, done: number, dpr: number): void {
+  private drawHeatmap(data: Float32Array | null, rows: number, cols: number, done: Span, dpr: number): void {
     const ctx = ctx2d(this.canvas);
     const layout = this.layout!;
     if (!ctx) return;
@@ -405,8 +409,7 @@ export class GridView {
     const img = octx.createImageData(cols, rows);
     const px = img.data;
     const vmax = this.vmax;
-    const n = done * cols;
-    for (let i = 0; i < n; i++) {
+    for (let i = done[0] * cols; i < done[1] * cols; i++) {
       const v = data ? data[i] : NaN;
       const [r, g, b] = divergingColor(v, vmax);
       const o = i * 4;
@@ -419,19 +422,16 @@ export class GridView {
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(off, 0, 0, cols, rows, 0, 0, layout.width, layout.height);
-    if (done < rows) {
-      // Pending rows: diagonal hatching in theme colours, distinct from the grey used for NaN.
-      const y0 = done * layout.cellH;
-      const hgt = layout.height - y0;
+    // Pending rows, above or below the finished band: diagonal hatching in theme colours,
+    // distinct from the grey used for NaN.
+    for (const [r0, r1] of [[0, done[0]], [done[1], rows]]) {
+      if (r0 >= r1) continue;
+      const y0 = r0 * layout.cellH;
+      const hgt = (r1 - r0) * layout.cellH;
       ctx.fillStyle = cssVar(this.root, '--jp-layout-color2', '#eeeeee');
       ctx.fillRect(0, y0, layout.width, hgt);
       ctx.strokeStyle = cssVar(this.root, '--jp-border-color1', '#bdbdbd');
       ctx.lineWidth = 1;
-      ctx.beginPath();
-      for (let x = -hgt; x < layout.width; x += 8) {
-        ctx.moveTo(x, y0 + hgt);
-        ctx.lineTo(x + hgt, y0);
-      }
       ctx.save();
       ctx.beginPath();
       ctx.rect(0, y0, layout.width, hgt);
@@ -568,7 +568,7 @@ export class GridView {
     const i = row * cols + col;
     lines.push(`layer: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
     lines.push(`${s.col_axis === 'head' ? 'head' : 'token'} ${col}: ${tooltipLabel(s.col_labels[col] ?? String(col))}`);
-    if (row >= this.rowsDone(rows)) {
+    if (!this.isDone(row, rows)) {
       lines.push('pending (not computed yet)');
       return lines;
     }
@@ -601,7 +601,7 @@ export class GridView {
     const cell = this.eventCell(e);
     const s = this.state;
     if (!cell || !s) return;
-    if (cell.row >= this.rowsDone(this.matrix().rows)) return;
+    if (!this.isDone(cell.row, this.matrix().rows)) return;
     const sel: Selection = { view: this.ui.view, seed: this.ui.seed, row: cell.row, col: cell.col };
     this.ui = { ...this.ui, selected: sel };
     this.cb.onUiChange?.({ selected: sel });
@@ -669,12 +669,11 @@ export class GridView {
     ctx.fillText(shortLabel(`${this.ui.view} · ${this.ui.mode} · ${seedLabel(s, this.ui.seed)}`, 120), 8, 34);
     if (this.offscreen) {
       ctx.imageSmoothingEnabled = false;
-      const done = this.rowsDone(m.rows);
-      ctx.drawImage(this.offscreen, 0, 0, m.cols, Math.max(done, 0) || 1, left, top, gw, done * cellH || 0);
-      if (done < m.rows) {
-        ctx.fillStyle = '#eeeeee';
-        ctx.fillRect(left, top + done * cellH, gw, gh - done * cellH);
-      }
+      const [from, to] = this.doneSpan(m.rows);
+      if (to > from) ctx.drawImage(this.offscreen, 0, from, m.cols, to - from, left, top + from * cellH, gw, (to - from) * cellH);
+      ctx.fillStyle = '#eeeeee';
+      ctx.fillRect(left, top, gw, from * cellH);
+      ctx.fillRect(left, top + to * cellH, gw, gh - to * cellH);
     }
     ctx.fillStyle = '#000000';
     const rowStride = Math.max(1, Math.ceil(12 / cellH));

@@ -30,6 +30,7 @@ export const STATE_SCHEMA = {
   seed_labels: 'str[]',
   arrays: 'arrays',
   rows_done: '{str: int}',
+  row_order: '{str: int}',
   total_rows: 'int',
   status: 'str',
   message: 'str',

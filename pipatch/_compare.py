@@ -124,8 +124,8 @@ class Comparison(Result, file_kind="compare"):
         labels = [f"{name}: {_side_label(side, differing, a.metric != b.metric)}"
                   for name, side in zip(SIDES, (a, b))]
         models = [_model_text(side) for side in (a, b)]
+        finished = {view: _both_finished(a, b, view) for view in views}
         unfinished = [(name, side) for name, side in zip(SIDES, (a, b)) if side.status != "done"]
-        n_layers = len(a.layers)
         super().__init__(
             kind="compare", tokens=_merged(a.tokens, b.tokens), columns=_merged(a.columns, b.columns),
             layers=list(a.layers), metric=a.metric,
@@ -135,7 +135,8 @@ class Comparison(Result, file_kind="compare"):
             meta={"model": models[0] if models[0] == models[1] else f"{models[0]} vs {models[1]}",
                   "values": values, "sides": labels, "site": a.meta.get("site"), "col_axis": a.col_axis,
                   "a": a.meta, "b": b.meta},
-            rows_done={view: min(side.rows_done.get(view, n_layers) for side in (a, b)) for view in views},
+            rows_done={view: done for view, (done, _) in finished.items()},
+            row_order={view: order for view, (_, order) in finished.items()},
             status=unfinished[0][1].status if unfinished else "done",
             message="; ".join(f"{name} is {side.status}" + (f": {side.message}" if side.message else "")
                               for name, side in unfinished),
@@ -304,6 +305,16 @@ def _prompt_text(result: Result) -> str:
     if meta.get("clean_prompt"):
         return f"{meta['clean_prompt']!r} vs {meta.get('corrupt_prompt')!r}"
     return ""
+
+
+def _both_finished(a: Result, b: Result, view: str) -> tuple[int, int]:
+    """``(rows_done, row_order)`` of ``view`` for the comparison: the larger band of rows, from
+    the top or from the bottom, that both sides have finished."""
+    common = set(a.finished_rows(view)) & set(b.finished_rows(view))
+    n = len(a.layers)
+    top = next((i for i in range(n) if i not in common), n)
+    bottom = next((i for i in range(n) if n - 1 - i not in common), n)
+    return (bottom, -1) if bottom > top else (top, 1)
 
 
 def _side_label(result: Result, differing: Sequence[str], metrics_differ: bool) -> str:

@@ -243,12 +243,10 @@ def attach_result(widget: Any, result: Any, predictor: Predictor | None = None) 
 # --------------------------------------------------------------------------------------------
 
 
-def _progress(result: Any, total_rows: int) -> dict[str, Any]:
+def _progress(result: Any) -> dict[str, Any]:
     """rows_done / elapsed / eta (seconds; −1 when unknown) for a running result."""
-    done = sum(result.rows_done.values())
     elapsed = float(result.meta.get("elapsed", 0.0))
-    eta = elapsed / done * max(0, total_rows - done) if done else -1.0
-    return {"rows_done": dict(result.rows_done), "elapsed": elapsed, "eta": eta}
+    return {"rows_done": dict(result.rows_done), "elapsed": elapsed, "eta": result.time_left(elapsed)}
 
 
 def _in_ipython() -> bool:
@@ -285,9 +283,8 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
         widget shows the failure.
     """
     result = plan.result
-    total_rows = int(plan.total_rows)
     show = _in_ipython() if show is None else show
-    state = {**result.to_state(live=True), **_progress(result, total_rows), "status": "running",
+    state = {**result.to_state(live=True), **_progress(result), "status": "running",
              "stoppable": True, "detail": {}}
     owned = widget is None
     if owned:
@@ -304,7 +301,7 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
         handle = widget.display()
 
     def on_row(res: Any, view: str, layer: int) -> None:
-        widget.push({**res.to_state(live=True), **_progress(res, total_rows), "status": "running",
+        widget.push({**res.to_state(live=True), **_progress(res), "status": "running",
                      "stoppable": True})
         _DISPATCHER.answer_queued()
 
@@ -318,7 +315,7 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
     finally:
         _DISPATCHER.end_sweep()
         unsubscribe_stop()
-    final = {**result.to_state(), **_progress(result, total_rows), "eta": -1.0, "stoppable": False}
+    final = {**result.to_state(), **_progress(result), "eta": -1.0, "stoppable": False}
     if show:
         keep = widget.has_frontend()  # someone can click: the grid stays live above its copy
         widget.display_final(handle, final, keep=keep)

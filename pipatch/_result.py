@@ -26,7 +26,16 @@ import numpy as np
 import torch
 
 from ._models import PipatchError
-from ._views import MIME_TYPE, SCHEMA_VERSION, clean_text, conform_state, json_safe, mime_bundle, mime_document
+from ._views import (
+    MIME_TYPE,
+    SCHEMA_VERSION,
+    clean_text,
+    conform_state,
+    done_span,
+    json_safe,
+    mime_bundle,
+    mime_document,
+)
 
 __all__ = ["Result", "load_result", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE"]
 
@@ -60,8 +69,10 @@ class Result:
     clean, corrupt
         The clean run's metric (float) and the corrupt runs' metric (tensor[seeds]). A dataset
         result (many prompts) has one clean value per row too: tensor[prompts × seeds].
-    rows_done
-        ``{view: n}``: rows ``0 .. n-1`` of that view are finished.
+    rows_done, row_order
+        ``{view: n}``: ``n`` rows of that view are finished: rows ``0 .. n-1``, or the last ``n``
+        where ``row_order[view]`` is ``-1`` (the engine runs rows from the last layer down when
+        the higher rows cost less: :meth:`finished_rows`).
     status
         ``"done"``, ``"running"``, ``"stopped"``, ``"interrupted"`` or ``"failed"``.
     """
@@ -76,6 +87,7 @@ class Result:
     corrupt: torch.Tensor
     meta: dict[str, Any] = field(default_factory=dict)
     rows_done: dict[str, int] = field(default_factory=dict)
+    row_order: dict[str, int] = field(default_factory=dict)
     status: str = "done"
     message: str = ""
     warnings: list[str] = field(default_factory=list)
@@ -154,6 +166,27 @@ class Result:
     @property
     def n_seeds(self) -> int:
         return int(self.corrupt.numel())
+
+    def finished_rows(self, view: str | None = None) -> range:
+        """The finished rows (layers) of ``view``: all of them unless the result is partial."""
+        view, n = self._view(view), len(self.layers)
+        state = {"rows_done": self.rows_done, "row_order": self.row_order, "status": self.status}
+        return range(*done_span(state, view, n))
+
+    def time_left(self, elapsed: float) -> float:
+        """Seconds a running result still needs after ``elapsed`` seconds (−1: unknown yet).
+
+        ``elapsed`` scaled by the work left over the work done: a row counts 1, or, in a view
+        whose rows run from the last layer down (``row_order`` −1: each cell computes only the
+        layers from its own up), the layers it computes, so the cheap rows first do not promise
+        an early end.
+        """
+        n, spent, total = len(self.layers), 0, 0
+        for view in self.rows_done:
+            cost = [n - r if self.row_order.get(view) == -1 else 1 for r in range(n)]
+            spent += sum(cost[r] for r in self.finished_rows(view))
+            total += sum(cost)
+        return elapsed * (total - spent) / spent if spent else -1.0
 
     def top_cells(self, k: int = 5, view: str | None = None) -> list[tuple[int, int, float]]:
         """The ``k`` cells with the highest mean recovery as ``(layer, column, value)``."""
@@ -261,8 +294,8 @@ class Result:
             "schema": SCHEMA_VERSION, "kind": self.kind, "tokens": self.tokens, "columns": self.columns,
             "layers": self.layers, "metric": self.metric, "views": self.views,
             "clean": self.clean if isinstance(self.clean, float) else None,
-            "rows_done": self.rows_done, "status": self.status, "message": self.message,
-            "warnings": self.warnings, "meta": self.meta,
+            "rows_done": self.rows_done, "row_order": self.row_order, "status": self.status,
+            "message": self.message, "warnings": self.warnings, "meta": self.meta,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -277,7 +310,7 @@ class Result:
             "schema": SCHEMA_VERSION, "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
             "columns": self.columns, "layers": self.layers, "grid": _rows(self.grid), "metric": self.metric,
             "clean": self.clean if isinstance(self.clean, float) else self._clean_rows().tolist(),
-            "corrupt": self.corrupt.tolist(), "rows_done": self.rows_done,
+            "corrupt": self.corrupt.tolist(), "rows_done": self.rows_done, "row_order": self.row_order,
             "status": self.status, "message": self.message, "warnings": self.warnings, "meta": self.meta,
             "views": {v: {"mean": _rows(self.mean(v)), "std": _rows(self.std(v)), "raw": _rows(self.raw_mean(v)),
                           "raw_seeds": [_rows(seed) for seed in self.raw[v]]}
@@ -343,6 +376,7 @@ class Result:
             "metric": self.metric, "row_labels": list(self.layers), "col_labels": list(self.columns),
             "col_axis": self.col_axis, "views": self.views,
             "n_seeds": self.n_seeds, **self._seed_axis(), "arrays": self.arrays(live=live), "rows_done": dict(self.rows_done),
+            "row_order": dict(self.row_order),
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
@@ -442,7 +476,7 @@ def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torc
         return Result.FILE_KINDS[doc["kind"]].parts_from_json(doc)
     views = doc["views"]
     header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
-                                            "status", "message", "warnings", "meta")}
+                                            "row_order", "status", "message", "warnings", "meta")}
     header["views"] = list(views)
     tensors = {"corrupt": _tensor(doc["corrupt"])}
     for view, grids in views.items():
@@ -491,6 +525,7 @@ def result_from_parts(header: dict[str, Any], tensors: dict[str, torch.Tensor], 
         metric=header["metric"], raw=raw, corrupt=corrupt,
         clean=(float(header["clean"]) if header.get("clean") is not None
                else float(tensors["clean"].reshape(-1)[0]) if header.get("clean_scalar") else tensors["clean"]),
-        meta=header.get("meta") or {}, rows_done=header.get("rows_done") or {}, status=header.get("status") or "done",
+        meta=header.get("meta") or {}, rows_done=header.get("rows_done") or {},
+        row_order=header.get("row_order") or {}, status=header.get("status") or "done",
         message=header.get("message") or "", warnings=header.get("warnings") or [],
     )

@@ -132,6 +132,7 @@ class GridWidget(anywidget.AnyWidget):
     seed_labels = t.List(t.Unicode()).tag(sync=True)
     arrays = t.Dict().tag(sync=True)
     rows_done = t.Dict().tag(sync=True)
+    row_order = t.Dict().tag(sync=True)
     total_rows = t.Int(0).tag(sync=True)
     status = t.Unicode("running").tag(sync=True)
     message = t.Unicode("").tag(sync=True)

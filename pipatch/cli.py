@@ -126,7 +126,7 @@ class _Progress:
             return
         done = sum(result.rows_done.values())
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (self.total - done) if done else 0.0
+        eta = max(result.time_left(elapsed), 0.0)
         bar = "#" * int(30 * min(done, self.total) / self.total)
         sys.stderr.write(f"\r[{bar:<30}] {done}/{self.total} rows  {elapsed:5.1f}s  ~{eta:4.1f}s left ")
         sys.stderr.flush()

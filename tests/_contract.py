@@ -41,7 +41,8 @@ def example_result(flip: bool = False):
         kind="attribution", tokens=["The", " Eiffel\ud800", "\u202e", " of"], columns=["The", " Eiffel\ud800", "\u202e", " of"],
         layers=["0", "1", "2"], metric="logit_diff", raw={"resid": raw, "mlp": raw.flip(1)}, clean=1.0,
         corrupt=torch.tensor([0.0, 0.1]), meta={"model": "tiny <b>", "verified": {"resid": [[1, 0, 0, 0]] + [[0] * 4] * 2}},
-        rows_done={"resid": 3, "mlp": 2}, status="stopped", message="stopped \ud800", warnings=["w\u2028"],
+        rows_done={"resid": 3, "mlp": 2}, row_order={"mlp": -1}, status="stopped", message="stopped \ud800",
+        warnings=["w\u2028"],
     )
 
 

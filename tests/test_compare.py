@@ -130,6 +130,20 @@ def test_grids_that_do_not_line_up_are_refused_naming_the_axis(model, eiffel_pat
     assert pipatch.compare(p, other_metric).grid.shape == (18, 9)  # normalized: metrics may differ
 
 
+def test_a_comparison_of_partial_results_is_finished_where_both_sides_are(eiffel_patch, colosseum_patch):
+    def stopped(result, done, order):
+        return dataclasses.replace(result, rows_done={"resid": done}, row_order={"resid": order}, status="stopped")
+
+    up = stopped(colosseum_patch, 5, -1)  # layers 13..17 finished (rows run from the last layer)
+    c = pipatch.compare(eiffel_patch, up)
+    assert list(c.finished_rows()) == list(range(13, 18)) and c.status == "stopped"
+    assert list(pipatch.compare(stopped(eiffel_patch, 8, -1), up).finished_rows()) == list(range(13, 18))
+    assert list(pipatch.compare(stopped(eiffel_patch, 7, 1), eiffel_patch).finished_rows()) == list(range(7))
+    assert list(pipatch.compare(stopped(eiffel_patch, 7, 1), up).finished_rows()) == []  # no row finished on both
+    # Rows 13 and 14 are finished on both sides, but a grid's finished rows are a band from one end.
+    assert list(pipatch.compare(stopped(eiffel_patch, 15, 1), up).finished_rows()) == []
+
+
 def test_a_comparison_saves_and_loads_whole(tmp_path, prompts, eiffel_patch, colosseum_patch):
     for path in (prompts.save(tmp_path / "c.safetensors"), tmp_path / "c.json"):
         if path.suffix == ".json":

@@ -1,4 +1,5 @@
-"""The engine's row stream: rows in order, stop between batches, partial results kept."""
+"""The engine's row stream: rows in order (from the last layer down where that is cheapest), stop between
+batches, partial results kept."""
 
 from __future__ import annotations
 
@@ -11,33 +12,56 @@ import pipatch
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
-def test_rows_arrive_in_order_while_the_sweep_runs(model):
+def test_rows_arrive_from_the_last_layer_down_while_the_sweep_runs(model):
     seen = []
 
     def on_row(result, view, layer):
-        # The row just finished is filled, the next one not yet.
+        # The row just finished is filled, and reported after the rows above it.
         seen.append((view, layer, result.status))
         assert torch.isfinite(result.raw[view][:, layer]).all()
-        if layer + 1 < 18:
-            assert torch.isnan(result.raw[view][:, layer + 1]).any()
+        assert list(result.finished_rows(view)) == list(range(layer, 18))
 
     r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", on_row=on_row)
-    assert seen == [("resid", layer, "running") for layer in range(18)]
-    assert r.status == "done" and r.rows_done == {"resid": 18}
+    assert seen == [("resid", layer, "running") for layer in range(17, -1, -1)]
+    assert r.status == "done" and r.rows_done == {"resid": 18} and r.row_order == {"resid": -1}
+    # Every cell run (fast=False) costs the same whatever its layer: rows run from layer 0.
+    seen.clear()
+    r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[-1],
+                      on_row=lambda result, view, layer: seen.append(layer), fast=False)
+    assert seen == list(range(18)) and r.row_order == {"resid": 1}
+
+
+def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
+    """A patching grid's rows hold 7 cells each: after the first row (alone, to show soonest),
+    consecutive rows run in shared traces, each cell from the group's lowest layer."""
+    seen = []
+    fast = pipatch.patch(model, **PAIR, on_row=lambda r, view, layer: seen.append((layer, r.meta["engine"]["traces"])))
+    plain = pipatch.patch(model, **PAIR, fast=False)
+    assert torch.allclose(fast.raw["resid"], plain.raw["resid"], atol=1e-4, rtol=0)
+    assert [layer for layer, _ in seen] == list(range(17, -1, -1))
+    traces = [n for _, n in seen]
+    assert traces[0] == 1  # layer 17: only its last position needs a forward
+    assert len(set(traces)) <= 8 and fast.meta["engine"]["traces"] < 17, traces  # rows finished together
+    # Rows of many cells (10 seeds: 70 a row) run alone, but where one more block is little
+    # beside the blocks they run (rows 1 and 0 here).
+    seen.clear()
+    pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid",
+                  on_row=lambda r, view, layer: seen.append(r.meta["engine"]["traces"]))
+    assert len(set(seen[:16])) == 16 and len(set(seen)) < 18
 
 
 def test_stop_keeps_the_finished_rows(model):
     stop = threading.Event()
 
     def on_row(result, view, layer):
-        if layer == 2:
+        if layer == 15:
             stop.set()
 
     r = pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", on_row=on_row,
                       stop=stop, batch_size=4)
-    assert r.status == "stopped" and r.rows_done["resid"] == 3
-    assert torch.isfinite(r.raw["resid"][:, :3]).all()
-    assert torch.isnan(r.raw["resid"][:, 4:]).all()
+    assert r.status == "stopped" and r.rows_done["resid"] == 3 and list(r.finished_rows()) == [15, 16, 17]
+    assert torch.isfinite(r.raw["resid"][:, 15:]).all()
+    assert torch.isnan(r.raw["resid"][:, :14]).all()
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,16 +83,17 @@ def _streamed(plan):
     return plan.run(on_row=on_row), seen
 
 
-def test_a_dataset_streams_rows_top_to_bottom_across_prompts(model):
+def test_a_dataset_streams_rows_one_layer_at_a_time_across_prompts(model):
     from pipatch._api import plan_patch
 
     plan = plan_patch(model, clean=[EIFFEL, LOUVRE], corrupt=[COLOSSEUM, VATICAN], answer=" Paris", foil=" Rome",
                       positions=None)
     assert torch.isnan(plan.result.raw["resid"]).all() and plan.result.n_seeds == 2
     result, seen = _streamed(plan)
-    # Row r of both prompts runs before row r + 1 of either: the combined grid fills top to bottom.
-    assert [layer for _, layer, _ in seen] == [layer for layer in range(18) for _ in range(2)]
-    assert [done["resid"] for _, _, done in seen] == [done for layer in range(18) for done in (layer, layer + 1)]
+    # Row r of both prompts runs before row r − 1 of either: the combined grid fills from the last layer up.
+    assert [layer for _, layer, _ in seen] == [layer for layer in range(17, -1, -1) for _ in range(2)]
+    assert [done["resid"] for _, _, done in seen] == [done for n in range(18) for done in (n, n + 1)]
+    assert result.row_order == {"resid": -1}
     assert result.status == "done" and result.columns[-1] == "last"
     one = pipatch.patch(model, clean=LOUVRE, corrupt=VATICAN, answer=" Paris", foil=" Rome")
     assert torch.allclose(result.raw["resid"][1, :, -1], one.raw["resid"][0, :, -1], atol=1e-5)
@@ -80,13 +105,14 @@ def test_attribution_verification_and_path_sweeps_stream_rows(model):
     plan = plan_attribute(model, **PAIR, site="head", verify=4)
     assert plan.result.rows_done == {"head": 18}  # the estimate is complete before the run
     result, seen = _streamed(plan)
-    assert [layer for _, layer, _ in seen] == list(range(18))
+    assert [layer for _, layer, _ in seen] == list(range(17, -1, -1))
     marked = sum(map(sum, result.meta["verified"]["head"]))
     assert marked == 4 and result.meta["agreement"]["n"] == 4
 
     plan = plan_path_patch(model, **PAIR, sender="mlp")
     result, seen = _streamed(plan)
-    assert [done["mlp"] for _, _, done in seen] == list(range(1, 19)) and result.raw["mlp"].shape == (1, 18, 1)
+    assert [layer for _, layer, _ in seen] == list(range(17, -1, -1)) and result.raw["mlp"].shape == (1, 18, 1)
+    assert [done["mlp"] for _, _, done in seen] == list(range(1, 19))
 
 
 def test_a_click_reruns_the_cell_with_full_logits(model):

@@ -37,7 +37,7 @@ def test_interrupt_keeps_the_partial_grid_and_leaves_nothing_behind(model):
     delay = random.uniform(0.05, 0.6)
 
     def on_row(result, view, layer):
-        if layer == 2:  # then interrupt at a random moment of a later batch
+        if layer == 15:  # the third row (rows run from the last layer); then interrupt at a random moment of a later batch
             threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT)).start()
 
     try:
@@ -47,8 +47,8 @@ def test_interrupt_keeps_the_partial_grid_and_leaves_nothing_behind(model):
         pytest.fail("the interrupt escaped the engine")
     assert r.status == "interrupted" and "interrupted" in r.message
     done = r.rows_done["resid"]
-    assert 3 <= done < 18
-    assert torch.isfinite(r.raw["resid"][:, :done]).all()
+    assert 3 <= done < 18 and list(r.finished_rows()) == list(range(18 - done, 18))
+    assert torch.isfinite(r.raw["resid"][:, 18 - done :]).all()
     # No hook stays behind: the plain model and a clean nnsight run equal the baseline bit for bit.
     assert _hooks(hf) == hooks_before
     assert torch.equal(hf(ids).logits, baseline)
@@ -69,13 +69,15 @@ def test_a_failing_batch_is_named_and_finished_rows_are_kept(model):
 
     handle = block.register_forward_hook(fault)
     try:
-        with pytest.raises(EngineError, match=r"batch 1 of layer 2 .*injected fault") as info:
+        with pytest.raises(EngineError, match=r"batch 1 of layers 13–7 \(49 cells\).*injected fault") as info:
             pipatch.patch(model, **PAIR)
     finally:
         handle.remove()
     partial = info.value.partial
-    assert partial.status == "failed" and partial.rows_done["resid"] == 2
-    assert torch.isfinite(partial.raw["resid"][:, :2]).all()
+    # Rows run from the last layer down, rows 13 to 7 in shared traces: 17 to 14 are finished.
+    assert partial.status == "failed" and partial.rows_done["resid"] == 4
+    assert list(partial.finished_rows()) == [14, 15, 16, 17] and torch.isfinite(partial.raw["resid"][:, 14:]).all()
+    assert torch.isnan(partial.raw["resid"][:, 7:14, 2:]).all()
 
 
 def test_out_of_memory_halves_the_batch_and_changes_no_number(model):
@@ -107,11 +109,13 @@ def test_nan_from_the_model_flags_the_row(model):
         r = pipatch.patch(model, **PAIR)
     finally:
         handle.remove()
-    # Rows up to 10 read block 9's (poisoned) output; rows above start from cached states.
-    assert torch.isnan(r.raw["resid"][0, :11, 2:]).all()
-    assert torch.isfinite(r.raw["resid"][0, 11:]).all()
-    flagged = r.meta["engine"]["nonfinite_rows"]
-    assert ["resid", 0] in flagged and ["resid", 12] not in flagged
+    # Rows up to 9 read block 9's (poisoned) output, and so do the rows that share their traces
+    # (run from the lowest layer among them); the last rows start from cached states.
+    raw = r.raw["resid"][0]
+    poisoned = {row for row in range(18) if torch.isnan(raw[row, 2:]).all()}
+    assert set(range(10)) <= poisoned and {16, 17}.isdisjoint(poisoned)
+    assert all(torch.isfinite(raw[row]).all() for row in set(range(18)) - poisoned)
+    assert {row for _, row in r.meta["engine"]["nonfinite_rows"]} == poisoned
     assert any("NaN/Inf" in w for w in r.warnings)
 
 

@@ -48,11 +48,13 @@ def test_stop_event_ends_the_run_stopped_with_the_partial_grid(model):
     done = result.rows_done["resid"]
     assert 1 <= done < len(result.layers)
     raw = result.raw["resid"]
-    # Finished rows are complete; rows after the stop were never run (the engine may fill
-    # the no-op cells of the row it stopped in, which need no forward pass).
-    assert torch.isfinite(raw[:, :done]).all()
-    assert torch.isnan(raw[:, done + 1 :]).all()
-    assert torch.isnan(raw[:, done]).any()
+    # Finished rows (from the last layer down) are complete; rows after the stop were never run
+    # (the engine may fill the cells of the row it stopped in that need no forward pass).
+    first = len(result.layers) - done
+    assert list(result.finished_rows()) == list(range(first, len(result.layers)))
+    assert torch.isfinite(raw[:, first:]).all()
+    assert torch.isnan(raw[:, : first - 1]).all()
+    assert torch.isnan(raw[:, first - 1]).any()
     # The widget streamed running rows with a Stop button, and ends equal to the result.
     assert ("running", True) in statuses
     assert widget.status == "stopped" and not widget.stoppable
@@ -60,12 +62,16 @@ def test_stop_event_ends_the_run_stopped_with_the_partial_grid(model):
     assert widget.eta == -1.0 and widget.elapsed > 0
 
 
+#: The clicked cell: the last position at layer 17, the first row a fast sweep finishes.
+CLICK = {"view": "resid", "seed": -1, "row": 17, "col": 1}
+
+
 @pytest.fixture(scope="module")
 def live_patch(model):
-    """A patch swept live, with a click (from another thread) on row 0 once row 0 is done."""
+    """A patch swept live, with a click (from another thread) on layer 17 once that row is done."""
     plan = plan_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[2, -1])
     widget = PatchGrid()
-    selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
+    selection = dict(CLICK)
     answered = []
 
     def on_rows(change):
@@ -116,9 +122,9 @@ def test_selection_during_run_is_answered_between_rows_with_a_real_top5(model, l
     assert len(top) == 5
     probs = [t["prob"] for t in top]
     assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
-    assert detail["value"] == pytest.approx(float(result.grid[0, 0]), abs=1e-6)
-    assert detail["raw"] == pytest.approx(float(result.raw["resid"][0, 0, 0]), abs=1e-5)
-    token, prob = _independent_top1(model, layer=0, position=2)
+    assert detail["value"] == pytest.approx(float(result.grid[17, 1]), abs=1e-6)
+    assert detail["raw"] == pytest.approx(float(result.raw["resid"][0, 17, 1]), abs=1e-5)
+    token, prob = _independent_top1(model, layer=17, position=-1)
     assert top[0]["token"] == token
     assert top[0]["prob"] == pytest.approx(prob, abs=1e-4)
 
@@ -128,14 +134,14 @@ def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model
     grid = PatchGrid(result)
     assert grid.status == "done" and not grid.stoppable
     assert grid.rows_done == result.rows_done
-    selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
+    selection = dict(CLICK)
     _in_thread(lambda: setattr(grid, "selected", selection))  # answered at once, in that thread
     assert grid.detail["top"] == live_patch["widget"].detail["top"]
     # A result without its model and plan (loaded from a file) says why there is no top-5.
     other = PatchGrid(result.__class__(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)}))
     other.selected = selection
     assert other.detail["top"] == [] and "top-5 needs the model" in other.detail["error"]
-    assert other.detail["value"] == pytest.approx(float(result.grid[0, 0]), abs=1e-6)
+    assert other.detail["value"] == pytest.approx(float(result.grid[17, 1]), abs=1e-6)
     other.close()
     grid.close()
 
@@ -150,7 +156,7 @@ def test_a_click_while_a_cell_runs_waits_for_the_cell_to_end(model, live_patch):
     shell = get_ipython()
     grid = PatchGrid(live_patch["result"])  # hooks the shell's cell events
     assert _DISPATCHER.hooked
-    selection = {"view": "resid", "seed": -1, "row": 0, "col": 0}
+    selection = dict(CLICK)
     shell.events.trigger("pre_run_cell", None)
     try:
         _in_thread(lambda: setattr(grid, "selected", selection))

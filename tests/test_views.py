@@ -272,6 +272,37 @@ def test_pending_rows_are_hatched_and_a_running_grid_without_rows_is_all_pending
     assert text_grid(running).splitlines()[2].count("·") == 5
 
 
+def test_rows_that_run_from_the_last_layer_up_are_a_finished_band_at_the_bottom(tmp_path):
+    # A partial result whose rows ran from layer 3 down: rows 2 and 3 are finished, 0 and 1 pending.
+    r = _hot_cold(rows_done={"resid": 2}, row_order={"resid": -1}, status="stopped")
+    assert list(r.finished_rows()) == [2, 3]
+    state = r.to_state()
+    fig = figure(state, dpi=80)
+    fig.canvas.draw()
+    drawn = _cell_pixels(fig, np.asarray(fig.canvas.buffer_rgba()), 4, 5)
+    assert tuple(drawn[3, 4]) == diverging_rgb(-1.0, 1.0) and tuple(drawn[2, 0]) == diverging_rgb(0.0, 1.0)
+    assert all(tuple(drawn[r_, c]) != diverging_rgb(0.0, 1.0) for r_ in (0, 1) for c in range(5))  # hatched
+    assert tuple(drawn[0, 1]) != diverging_rgb(1.0, 1.0)  # the +1 at row 0 is not drawn: pending
+    lines = text_grid(state).splitlines()
+    assert lines[2].count("·") == 5 and lines[3].count("·") == 5 and "·" not in lines[4] + lines[5]
+    assert "layer   0" not in text_grid(state)  # the top cells are finished cells only
+    # Saved (safetensors, JSON) and read back, the order holds.
+    from pipatch._result import load_result
+
+    (tmp_path / "r.json").write_text(json.dumps(r.to_json()))
+    for again in (load_result(r.save(tmp_path / "r.safetensors")), load_result(tmp_path / "r.json")):
+        assert again.row_order == {"resid": -1} and list(again.finished_rows()) == [2, 3]
+
+
+def test_the_time_left_counts_the_layers_a_row_computes_when_rows_run_from_the_last_layer():
+    # 4 layers, one row finished in 2 s. From the last layer down, row r computes 4 − r layers:
+    # done 1 (row 3) of 4 + 3 + 2 + 1 = 10, so 9 more units of 2 s each; from layer 0, 3 more rows.
+    assert _hot_cold(rows_done={"resid": 1}, row_order={"resid": -1}, status="running").time_left(2.0) == 18.0
+    assert _hot_cold(rows_done={"resid": 1}, status="running").time_left(2.0) == 6.0
+    assert _hot_cold(rows_done={"resid": 0}, status="running").time_left(2.0) == -1.0
+    assert _hot_cold().time_left(2.0) == 0.0
+
+
 def test_the_bundle_draws_the_view_seed_and_mode_shown():
     r = _hot_cold()
     r.raw["mlp"] = -r.raw["resid"]

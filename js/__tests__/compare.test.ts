@@ -39,7 +39,7 @@ describe('comparison colour scale', () => {
   it('is diverging: 0 is the neutral centre, ±max|a − b| the two ends', () => {
     const s = comparison();
     const m = selectMatrix(s, 'resid', -1, 'diff');
-    const vmax = scaleMax(s, 'resid', 'diff', m, 2);
+    const vmax = scaleMax(s, 'resid', 'diff', m, [0, 2]);
     expect(vmax).toBeCloseTo(0.4, 6); // max |a − b| = |0.2 − 0.6| = |0.9 − 0.5|
     expect(divergingColor(0, vmax)).toEqual(WHITE);
     expect(divergingColor(-vmax, vmax)).toEqual(DARKEST_BLUE);
@@ -54,14 +54,14 @@ describe('comparison colour scale', () => {
       expect(Math.abs(dist(up) - dist(down)) / dist(up)).toBeLessThan(0.35);
     }
     // Only finished rows set the scale.
-    expect(scaleMax(s, 'resid', 'diff', m, 1)).toBeCloseTo(0.4, 6);
-    expect(scaleMax(comparison(0), 'resid', 'diff', m, 0)).toBe(1);
+    expect(scaleMax(s, 'resid', 'diff', m, [0, 1])).toBeCloseTo(0.4, 6);
+    expect(scaleMax(comparison(0), 'resid', 'diff', m, [0, 0])).toBe(1);
   });
 
   it('draws a and b on one scale (max over both sides), so switching them keeps colours comparable', () => {
     const s = comparison();
     for (const side of ['a', 'b'] as const) {
-      expect(scaleMax(s, 'resid', side, selectMatrix(s, 'resid', -1, side), 2)).toBeCloseTo(0.9, 6);
+      expect(scaleMax(s, 'resid', side, selectMatrix(s, 'resid', -1, side), [0, 2])).toBeCloseTo(0.9, 6);
     }
   });
 });

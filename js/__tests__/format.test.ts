@@ -6,9 +6,11 @@ import {
   computeLayout,
   csvField,
   divergingColor,
+  doneSpan,
   escapeLabel,
   formatValue,
   safeFileName,
+  scaleMax,
   shortLabel,
   statusText,
   symmetricMax,
@@ -82,8 +84,29 @@ describe('colour scale', () => {
   it('uses max |v| over finite values', () => {
     expect(symmetricMax(new Float32Array([0.2, -0.7, NaN, 0.1]))).toBeCloseTo(0.7);
     expect(symmetricMax(new Float32Array([NaN]))).toBe(1);
-    expect(symmetricMax(new Float32Array([0.2, -0.7, 3]), 2)).toBeCloseTo(0.7);
+    expect(symmetricMax(new Float32Array([0.2, -0.7, 3]).subarray(0, 2))).toBeCloseTo(0.7);
     expect(symmetricMax(null)).toBe(1);
+  });
+});
+
+describe('finished rows', () => {
+  const grid = (extra: object) =>
+    normalizeState({ views: ['resid'], row_labels: ['0', '1', '2'], col_labels: ['a', 'b'], status: 'running',
+      arrays: { 'resid/mean': f32spec([5, -1, 0.5, 0.2, -0.3, 0.1], [3, 2]) }, ...extra });
+
+  it('are a band from the top, or from the bottom when the rows run from the last layer up', () => {
+    expect(doneSpan(grid({ rows_done: { resid: 1 } }), 'resid', 3)).toEqual([0, 1]);
+    expect(doneSpan(grid({ rows_done: { resid: 1 }, row_order: { resid: -1 } }), 'resid', 3)).toEqual([2, 3]);
+    expect(doneSpan(grid({ rows_done: { resid: 9 }, row_order: { resid: -1 } }), 'resid', 3)).toEqual([0, 3]);
+    expect(doneSpan(grid({ row_order: { resid: -1 } }), 'resid', 3)).toEqual([3, 3]); // running, nothing yet
+    expect(doneSpan(grid({ status: 'done' }), 'resid', 3)).toEqual([0, 3]);
+  });
+
+  it('alone set the colour scale', () => {
+    const up = grid({ rows_done: { resid: 2 }, row_order: { resid: -1 } });
+    const m = { rows: 3, cols: 2, data: new Float32Array([5, -1, 0.5, 0.2, -0.3, 0.1]) };
+    expect(scaleMax(up, 'resid', 'recovery', m, doneSpan(up, 'resid', 3))).toBeCloseTo(0.5);
+    expect(scaleMax(up, 'resid', 'recovery', m, [0, 1])).toBeCloseTo(5);
   });
 });
 
@@ -163,5 +186,10 @@ describe('CSV', () => {
     expect(csv[6]).toContain('NaN');
     const seed1 = buildCsv(s, 'resid', 1).trim().split('\n');
     expect(seed1[1]).toBe('resid,1,0,0,0,The,2,,4,');
+    // Rows that run from the last layer up: the finished rows are the last two.
+    const up = buildCsv({ ...s, row_order: { resid: -1 } }, 'resid', -1).trim().split('\n');
+    expect(up.length).toBe(1 + 2 * 3);
+    expect(up[1]).toBe('resid,mean,1,1,0,The,4,0.10000000149011612,6,');
+    expect(up[6].startsWith('resid,mean,2,2,2,",",0,')).toBe(true);
   });
 });

@@ -67,6 +67,17 @@ describe('GridView (DOM)', () => {
     expect(g.cellInfo(2, 0).join('\n')).toContain('pending');
     expect(el.querySelector('.pipatch-grid')!.getAttribute('data-rows-done')).toBe('2');
   });
+  it('draws rows that run from the last layer up as a finished band at the bottom', () => {
+    const el = document.createElement('div');
+    const g = new GridView(el, {});
+    const s = sample();
+    s.row_order = { resid: -1 };
+    g.update(s, { view: 'resid', seed: -1, mode: 'recovery' });
+    expect(g.cellInfo(0, 1).join('\n')).toContain('pending');
+    expect(g.cellInfo(1, 1).join('\n')).toContain('recovery: 0.000 ± 0.050');
+    expect(g.cellInfo(2, 0).join('\n')).not.toContain('pending');
+    expect(el.querySelector('.pipatch-grid')!.getAttribute('data-rows-done')).toBe('2');
+  });
   it('names the seed axis as the state does, and shows no spread for one seed', () => {
     const el = document.createElement('div');
     const g = new GridView(el, {});

@@ -159,6 +159,7 @@ describe('state schema', () => {
     expect(state.col_labels).toEqual(['The', ' Eiffel\uFFFD', '\u202E', ' of']);
     expect(state.message).toBe('stopped \uFFFD');
     expect(state.rows_done).toEqual({ resid: 3, mlp: 2 });
+    expect(state.row_order).toEqual({ mlp: -1 });
     expect(Number.isNaN(state.arrays['resid/mean'].data[0])).toBe(true);
   });
 

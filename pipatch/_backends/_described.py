@@ -12,6 +12,10 @@ class Described:
     """Mixin for a backend with ``name``, ``adapter``, ``kind``, ``dtype``, ``tokenizer`` and
     ``runs_on`` (where the forward passes run: ``"cpu"``, ``"cuda:0"``, ...)."""
 
+    #: Whether ``run(..., fast=True)`` starts each cell at its ``start`` layer from the base
+    #: run's states, so a sweep's higher rows cost less (the engine then runs them first).
+    starts_at_layer = False
+
     def meta(self) -> dict[str, Any]:
         """What a result records about the model."""
         return {"model": self.name, "family": self.adapter.family, "backend": self.kind,

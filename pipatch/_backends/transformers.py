@@ -48,6 +48,7 @@ class TransformersBackend(Described):
     """Runs cells on an nnsight model of a transformers checkpoint, in this process."""
 
     kind = "transformers"
+    starts_at_layer = True
 
     def __init__(self, model: Any, *, reuse_prefix: bool = True):
         """``reuse_prefix=False`` switches prefix reuse off (every run starts at position 0):

@@ -108,8 +108,8 @@ def _position_axis(plan: Plan) -> bool:
 class DatasetPlan(Plan):
     """Many prompts' plans run as one: row by row across prompts, into one combined result.
 
-    Row ``r`` of every prompt runs before row ``r + 1`` of any, so the combined grid fills in
-    top to bottom like a single prompt's. Each (prompt, seed) is one row of the result's seed
+    Row ``r`` of every prompt runs before the next row (:meth:`Plan.rows`) of any, so the
+    combined grid fills in one row at a time like a single prompt's. Each (prompt, seed) is one row of the result's seed
     axis, normalized against its own baselines.
     """
 
@@ -168,7 +168,7 @@ class DatasetPlan(Plan):
 
     def tasks(self) -> Iterator[tuple[Sweep, int]]:
         for index in range(len(self.plans[0].sweeps)):
-            for row in range(self.plans[0].sweeps[index].n_rows):
+            for row in self.rows(self.plans[0].sweeps[index]):
                 for plan in self.plans:
                     yield plan.sweeps[index], row
 
@@ -188,7 +188,7 @@ class DatasetPlan(Plan):
         self.result.raw[sweep.view][lo:hi, row] = _grouped(plan.result.raw[sweep.view][:, row : row + 1],
                                                            self._group_columns[i])[:, 0]
         if i == len(self.plans) - 1 and sweep.tracks_rows:
-            self.result.rows_done[sweep.view] = row + 1
+            self.result.rows_done[sweep.view] += 1
 
     def finish(self) -> None:
         for plan in self.plans:

@@ -28,6 +28,7 @@ from .schema import (
     STATE_SCHEMA,
     conform_state,
     decode_array,
+    done_span,
     encode_array,
     select_matrix,
 )
@@ -36,7 +37,7 @@ from .text import summary, text_grid
 
 __all__ = [
     "ARRAY_DTYPE", "ARRAY_SCHEMA", "DIVERGING_STOPS", "MIME_TYPE", "NAN_RGB", "SCHEMA_VERSION", "STATE_KEYS",
-    "STATE_SCHEMA", "clean_text", "conform_state", "decode_array", "diverging_rgb", "encode_array", "escape_label",
+    "STATE_SCHEMA", "clean_text", "conform_state", "decode_array", "diverging_rgb", "done_span", "encode_array", "escape_label",
     "figure", "json_safe", "mime_bundle", "mime_document", "png", "select_matrix", "summary", "symmetric_max",
     "text_grid",
 ]  # fmt: skip

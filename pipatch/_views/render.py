@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .colors import PENDING_RGB, colormap, symmetric_max
-from .schema import rows_done, select_matrix
+from .schema import done_span, select_matrix
 from .strings import escape_label
 from .text import values_label
 
@@ -58,14 +58,15 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
     if grid.size == 0:
         grid = np.full((1, 1), np.nan)
     n_rows, n_cols = grid.shape
-    done = rows_done(state, view, n_rows)
-    vmax = scale_max(state, view, mode, grid, done)
-    grid[done:] = np.nan
+    lo, hi = done_span(state, view, n_rows)
+    vmax = scale_max(state, view, mode, grid, (lo, hi))
+    grid[:lo], grid[hi:] = np.nan, np.nan
     image = ax.imshow(np.ma.masked_invalid(grid), cmap=colormap(), norm=Normalize(-vmax, vmax),
                       aspect="auto", interpolation="nearest", origin="upper")
-    if done < n_rows:
-        ax.axhspan(done - 0.5, n_rows - 0.5, facecolor=np.array(PENDING_RGB) / 255, edgecolor="#bdbdbd",
-                   hatch="//", linewidth=0)
+    for start, end in ((0, lo), (hi, n_rows)):  # pending rows: above or below the finished band
+        if start < end:
+            ax.axhspan(start - 0.5, end - 0.5, facecolor=np.array(PENDING_RGB) / 255, edgecolor="#bdbdbd",
+                       hatch="//", linewidth=0)
     col_step = max(1, math.ceil(n_cols / 80))
     row_step = max(1, math.ceil(n_rows / 48))
     ax.set_xticks(range(0, n_cols, col_step))
@@ -86,14 +87,15 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
     return image
 
 
-def scale_max(state: Mapping[str, Any], view: str, mode: str, grid: np.ndarray, done: int) -> float:
-    """The colour scale's half-range: max |v| over the finished rows drawn; for one side of a
-    comparison, over both sides, so switching a ↔ b keeps the colours comparable. As
-    ``scaleMax`` in ``js/format.ts``."""
+def scale_max(state: Mapping[str, Any], view: str, mode: str, grid: np.ndarray, span: tuple[int, int]) -> float:
+    """The colour scale's half-range: max |v| over the finished rows drawn (``range(*span)``:
+    :func:`~pipatch._views.schema.done_span`); for one side of a comparison over both sides, so
+    switching a ↔ b keeps the colours comparable. As ``scaleMax`` in ``js/format.ts``."""
+    done = slice(*span)
     if mode in ("a", "b") and state.get("sides"):
         sides = [select_matrix(state, view, -1, side) for side in ("a", "b")]
-        return symmetric_max(np.concatenate([np.ravel(m[:done]) for m in sides if m is not None] or [grid[:done].ravel()]))
-    return symmetric_max(grid[:done])
+        return symmetric_max(np.concatenate([np.ravel(m[done]) for m in sides if m is not None] or [grid[done].ravel()]))
+    return symmetric_max(grid[done])
 
 
 def _layout(fig) -> None:

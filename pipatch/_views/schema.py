@@ -14,7 +14,9 @@ and the named objects ``detail``, ``top[]``, ``selection``, ``ui``.
 
 Arrays are named ``<view>/<what>``; ``ARRAY_SCHEMA`` gives each ``what`` its shape in terms
 of ``rows`` (``len(row_labels)``), ``cols`` (``len(col_labels)``) and ``seeds``
-(``n_seeds``). Row 0 is layer 0 and is drawn at the top in every view.
+(``n_seeds``). Row 0 is layer 0 and is drawn at the top in every view. Rows finish in the order
+``row_order`` gives per view (``-1``: the last row first, else row 0 first), so the finished rows
+are one band at the top or the bottom (:func:`done_span`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .strings import clean_text, json_safe
 __all__ = [
     "ARRAY_DTYPE", "ARRAY_SCHEMA", "DETAIL_SCHEMA", "DOCUMENT_SCHEMA", "MIME_TYPE", "SCHEMA_VERSION",
     "SELECTION_SCHEMA", "STATE_KEYS", "STATE_SCHEMA", "TOP_SCHEMA", "UI_SCHEMA", "conform_state",
-    "decode_array", "encode_array", "rows_done", "select_matrix",
+    "decode_array", "done_span", "encode_array", "select_matrix",
 ]  # fmt: skip
 
 #: The grid document's MIME type (saved notebooks; the JupyterLab extension renders it).
@@ -55,6 +57,7 @@ STATE_SCHEMA: dict[str, str] = {
     "seed_labels": "str[]",  # a name per entry of the seed axis ([]: "seed i")
     "arrays": "arrays",
     "rows_done": "{str: int}",
+    "row_order": "{str: int}",  # per view, -1 when its rows run from the last one up (missing: from row 0)
     "total_rows": "int",
     "status": "str",
     "message": "str",
@@ -210,10 +213,13 @@ def select_matrix(state: Mapping[str, Any], view: str, seed: int = -1, mode: str
     return grid if grid.ndim == 2 else grid.reshape(len(state.get("row_labels") or []) or 1, -1)
 
 
-def rows_done(state: Mapping[str, Any], view: str, n_rows: int) -> int:
-    """How many rows of ``view`` are finished (drawn); the rest are pending. As ``rowsDone`` in
-    ``js/grid.ts``: a view missing from ``rows_done`` is finished unless the grid is running."""
+def done_span(state: Mapping[str, Any], view: str, n_rows: int) -> tuple[int, int]:
+    """The finished (drawn) rows of ``view``, ``range(*span)``; the rest are pending. As
+    ``doneSpan`` in ``js/format.ts``: ``rows_done[view]`` rows from the top, or from the bottom
+    when ``row_order[view]`` is -1; a view missing from ``rows_done`` is finished unless the grid
+    is running."""
     done = (state.get("rows_done") or {}).get(view)
     if done is None:
-        return 0 if state.get("status") == "running" else n_rows
-    return max(0, min(n_rows, int(done)))
+        done = 0 if state.get("status") == "running" else n_rows
+    done = max(0, min(n_rows, int(done)))
+    return (n_rows - done, n_rows) if (state.get("row_order") or {}).get(view) == -1 else (0, done)

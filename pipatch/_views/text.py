@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .colors import symmetric_max
-from .schema import rows_done, select_matrix
+from .schema import done_span, select_matrix
 from .strings import clean_text, escape_label
 
 __all__ = ["shade", "signed_shade", "summary", "text_grid", "top_cells", "values_label"]
@@ -32,10 +32,10 @@ def shade(value: float | None) -> str:
     return _SHADES[int(min(max(value, 0.0), 0.999) * len(_SHADES))]
 
 
-def top_cells(grid: np.ndarray, k: int, done: int | None = None, *, by_size: bool = False) -> list[tuple[int, int, float]]:
+def top_cells(grid: np.ndarray, k: int, *, by_size: bool = False) -> list[tuple[int, int, float]]:
     """The ``k`` finite cells with the highest value (``by_size``: the highest ``|value|``) as
     ``(row, col, value)``, highest first (ties: the first in row-major order)."""
-    grid = np.asarray(grid, dtype=np.float64)[: grid.shape[0] if done is None else done]
+    grid = np.asarray(grid, dtype=np.float64)
     flat = grid.ravel()
     key = np.abs(flat) if by_size else flat
     order = [int(i) for i in np.argsort(-np.where(np.isfinite(flat), key, -np.inf), kind="stable")[:k]]
@@ -77,14 +77,16 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     grid = select_matrix(state, view)
     if grid is None:
         grid = np.full((len(rows), len(cols)), np.nan, dtype=np.float32)
-    done = rows_done(state, view, grid.shape[0])
+    lo, hi = done_span(state, view, grid.shape[0])
+    grid = np.array(grid, dtype=np.float64)
+    grid[:lo], grid[hi:] = np.nan, np.nan  # pending rows
     # One escape (⟨U+000A⟩) must fit in a column.
     escaped = max((len(escape_label(c)) for c in cols if escape_label(c) != c), default=0)
     width = max(width, min(escaped + 1, 10))
     base = state.get("baselines") or {}
     numbers = ", ".join(f"{escape_label(k, 20)} {'nan' if v is None else format(v, '.4g')}" for k, v in base.items())
     compared = bool(state.get("sides"))
-    vmax = symmetric_max(grid[:done])
+    vmax = symmetric_max(grid)
 
     def cell(value: float) -> str:
         return signed_shade(value, vmax) if compared else shade(value)
@@ -94,7 +96,7 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     lines.append(" " * 5 + "".join(_label(c, width) for c in cols))
     for r in range(grid.shape[0]):
         label = rows[r] if r < len(rows) else str(r)
-        if r < done:
+        if lo <= r < hi:
             cells = "".join(cell(float(v)).rjust(width) for v in grid[r].tolist())
         else:
             cells = "".join("·".rjust(width) for _ in range(grid.shape[1]))
@@ -102,7 +104,7 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     what = {"head": "head", "token": "token"}.get(str(state.get("col_axis")), "column")
     word = "a − b" if compared else "recovery"
     # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
-    for row, col, value in top_cells(grid, top, done, by_size=compared):
+    for row, col, value in top_cells(grid, top, by_size=compared):
         lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  {word} {value:.3f}")
     for warning in state.get("warnings") or []:
         lines.append(f"warning: {escape_label(warning)}")

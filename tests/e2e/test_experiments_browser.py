@@ -124,7 +124,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     path_live = grid_cell(page, PATH).locator(".pipatch-grid[data-status='running']").first
     assert path_live.get_attribute("data-rows") == "18" and path_live.get_attribute("data-cols") == "4"
     shot(page, "experiments-path-running")
-    path_tokens = _click_top5(page, path_live, 0, 1)
+    path_tokens = _click_top5(page, path_live, 17, 1)  # layer 17: rows run from the last layer down
     path_clicked_running = path_live.get_attribute("data-status") == "running"
     shot(page, "experiments-path-top5")
     path_done = live_grid(grid_cell(page, PATH), "done")
@@ -135,7 +135,7 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     wait_rows_streaming(page, DATASET, timeout=300_000)
     ds_live = grid_cell(page, DATASET).locator(".pipatch-grid[data-status='running']").first
     shot(page, "experiments-dataset-running")
-    ds_tokens = _click_top5(page, ds_live, 0, int(ds_live.get_attribute("data-cols")) - 1)
+    ds_tokens = _click_top5(page, ds_live, 17, int(ds_live.get_attribute("data-cols")) - 1)
     assert ds_live.get_attribute("data-status") == "running"
     shot(page, "experiments-dataset-top5")
     ds_done = live_grid(grid_cell(page, DATASET), "done")

@@ -10,6 +10,7 @@ from .conftest import (
     cell_point,
     code_cell,
     grid_cell,
+    hover_text,
     live_grid,
     open_notebook,
     run_all,
@@ -65,6 +66,47 @@ def test_widget_grid_hover_and_text_only_labels(page, lab_server):
     grid.locator("select.pipatch-view").select_option("mlp")
     page.wait_for_timeout(300)
     assert page.dialogs == []
+    assert page.console_errors == []
+
+
+def _cell_pixel(grid, row: int, col: int) -> list[int]:
+    """The heatmap canvas's colour at the centre of cell ``(row, col)``."""
+    return grid.locator("canvas.pipatch-heatmap").evaluate(
+        """(c, [row, col]) => {
+            const g = c.closest('.pipatch-grid');
+            const rows = +g.getAttribute('data-rows'), cols = +g.getAttribute('data-cols');
+            const x = Math.floor((col + 0.5) * c.width / cols), y = Math.floor((row + 0.5) * c.height / rows);
+            return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3));
+        }""",
+        [row, col],
+    )
+
+
+def test_rows_that_run_from_the_last_layer_up_fill_the_grid_from_the_bottom(page, lab_server):
+    """A running state whose rows run from the last layer (``row_order`` -1): the two finished
+    rows are the bottom two, drawn as in a finished grid of the same values; the rows above are
+    pending (hatched, not drawn as the NaN the finished grid holds there)."""
+    name = lab_server.write_notebook("order.ipynb", [
+        code_cell(FAKE_STATE_SRC),
+        code_cell("PatchGrid.from_state({**fake_state(status='running', done=2), 'row_order': {'resid': -1}})"),
+        # The same values, finished, with rows 0-3 NaN: the same colour scale as the running grid's.
+        code_cell("s = fake_state()\nfor a in s['arrays'].values():\n    a[..., :4, :] = np.nan\nPatchGrid.from_state(s)"),
+    ])
+    open_notebook(page, lab_server, name)
+    run_all(page)
+    running = grid_cell(page, 1).locator(".pipatch-grid[data-status='running']").first
+    done = grid_cell(page, 2).locator(".pipatch-grid[data-status='done']").first
+    running.wait_for()
+    done.wait_for()
+    assert running.get_attribute("data-rows-done") == "2"
+    for row in (4, 5):
+        assert "recovery:" in hover_text(page, running, row, 2)
+        assert _cell_pixel(running, row, 2) == _cell_pixel(done, row, 2)
+    for row in (0, 3):
+        assert "pending" in hover_text(page, running, row, 2)
+        assert _cell_pixel(running, row, 2) != _cell_pixel(done, row, 2)
+    assert "2 / 12 rows" in running.locator(".pipatch-status").text_content()
+    shot(page, "widget-rows-from-the-last-layer")
     assert page.console_errors == []
 
 

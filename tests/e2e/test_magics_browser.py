@@ -64,7 +64,7 @@ def test_trace_magic_live_grid_stop_and_saved_notebook(page, lab_server, tmp_pat
     wait_rows_streaming(page, 1, timeout=180_000)
     live = grid_cell(page, 1).locator(".pipatch-grid[data-status='running']").first
     shot(page, "magic-trace-running")
-    x, y = cell_point(live, 0, 3)
+    x, y = cell_point(live, 17, 3)  # the last layer's row: rows run from the last layer down
     page.mouse.move(x, y)
     tip = live.locator(".pipatch-tooltip")
     tip.wait_for(state="visible")

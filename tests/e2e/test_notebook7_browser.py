@@ -63,7 +63,7 @@ def test_notebook7_live_grid_clicks_stop_and_saved_copy(page, notebook_server):
     wait_rows_streaming(page, 1, timeout=300_000)
     running = live_grid(grid_cell(page, 1), "running")
     shot(page, "nb7-trace-running")
-    page.mouse.click(*cell_point(running, 0, 3))
+    page.mouse.click(*cell_point(running, 17, 3))  # the last layer's row: the first to finish
     running.locator("table.pipatch-top .pipatch-top-token").first.wait_for(timeout=120_000)
     assert len(_top5(running)) == 5
     assert running.get_attribute("data-status") == "running"  # answered mid-run (comm subshell)
