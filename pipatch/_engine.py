@@ -304,9 +304,10 @@ def _is_oom(error: BaseException) -> bool:
 TRACE_COST = 32
 # What one more trace costs when a row could join the traces of the rows above it instead
 # (:func:`_joins`), counted in positions through one more block per block the trace runs.
-# Measured on Gemma 3 270M on this CPU, the resid patching grid of the benchmark (7 cells a
-# row): rows alone 3.7 s; joined at 4: 2.9 s, 8: 2.45 s, 12-24: 2.3 s, 32: 2.6 s (rows
-# that join run their blocks with more rows at once, nearer the matmul peak).
+# Measured on Gemma 3 270M on this CPU, the benchmark's resid patching grid (7 cells a row),
+# its rows' time after the baselines: each row alone 3.7 s; joined at 4: 2.9 s, 8: 2.45 s,
+# 12 to 24: 2.3 s, 32: 2.6 s. Rows that share traces run each block's matrix products on
+# more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
 JOIN_COST = 16
 
 
@@ -404,13 +405,15 @@ def _runs(plan: Plan, stats: dict) -> Iterator[tuple[Sweep, list[int], list[Cell
 
 def _run_cells(plan: Plan, sweep: Sweep, rows: list[int], pending: list[Cell], filled: list[Cell],
                should_stop: Callable[[], bool] | None, stats: dict) -> bool:
-    """Fill ``rows`` of ``sweep``: ``filled`` with the base metric, ``pending`` run from the
-    lowest ``start`` among them; False when stopped before they finished."""
+    """Fill ``rows`` of ``sweep``: ``filled`` with the base metric, ``pending`` run (the cells
+    of several rows from the lowest ``start`` among them, :func:`_joins`); False when stopped
+    before they finished."""
     fast = plan.fast
     for cell in filled:
         plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
-    start = min((cell.start for cell in pending), default=0)
-    pending = [cell if cell.start == start else dataclasses.replace(cell, start=start) for cell in pending]
+    if len(rows) > 1:
+        start = min(cell.start for cell in pending)
+        pending = [dataclasses.replace(cell, start=start) for cell in pending]
     reuse = fast and hasattr(plan.backend, "prefix_reuse") and plan.backend.prefix_reuse(sweep.base)
     queue = collections.deque(batches(pending, plan.batch_size, reuse))
     size, batch_no = plan.batch_size, 0
