@@ -3,16 +3,21 @@
 One notebook, run top to bottom on the embedded model (it loads once):
 
 1. ``%load_ext pipatch``
-2. ``%%attribute --site head --verify 5``: the estimate grid shows at once, the status stays
+2. ``%%path_patch`` sweeping every sender head (18 layers × 4 heads): rows stream in, a click
+   during the run gets the patched run's top-5 from the kernel;
+3. ``%%attribute --site head --verify 5``: the estimate grid shows at once, the status stays
    ``running`` while the verification patches run row by row, then ``done`` with the five
    verified cells marked ("verified by a real patch" in their tooltip);
-3. ``%%path_patch`` sweeping every sender head (18 layers × 4 heads): rows stream in, a click
-   during the run gets the patched run's top-5 from the kernel;
 4. ``%%patch`` on two clean/corrupt pairs (a dataset, columns are named positions): rows
    stream in, a click during the run gets a top-5;
 5. ``PatchGrid(attr)``: a click on the finished attribution gets the real patched run's top-5,
    and its verified cells are marked there too;
 6. a print of every bound result: kind, status, shape, verified cells.
+
+The path cell runs first: a grid stays live (clickable) after its run once the kernel has
+heard from a view of any grid, and the click during the path run proves it has, so the
+attribution's own grid, which the test clicks after its run, stays live however fast that
+run ends.
 
 A MutationObserver installed before the run records every status / rows-done change of every
 grid, so a state that lasts only a moment (attribution's verification) is still seen.
@@ -42,16 +47,16 @@ PAIR2 = "clean: The Louvre is in the city of\ncorrupt: The Vatican is in the cit
 OPTS = '--answer " Paris" --foil " Rome"'
 CELLS = [
     "%load_ext pipatch",
-    f"%%attribute {OPTS} --site head --verify 5 -o attr\n{PAIR}",
     f"%%path_patch {OPTS} -o paths\n{PAIR}",
+    f"%%attribute {OPTS} --site head --verify 5 -o attr\n{PAIR}",
     f"%%patch {OPTS} -o ds\n{PAIR}\n{PAIR2}",
     "from pipatch import PatchGrid\nPatchGrid(attr)",
-    "for r in (attr, paths, ds):\n"
+    "for r in (paths, attr, ds):\n"
     "    print('BOUND', r.kind, r.status, *r.raw[r.views[0]].shape)\n"
     "print('VERIFIED', *[f\"{v['layer']},{v['col']}\" for v in attr.meta['verified_values']])\n"
     "print('COLUMNS', *[c.replace(' ', '_') for c in ds.columns])",
 ]
-ATTR, PATH, DATASET, AGAIN, PRINT = 1, 2, 3, 4, 5
+PATH, ATTR, DATASET, AGAIN, PRINT = 1, 2, 3, 4, 5
 
 # Every change of a grid's data-status / data-rows-done, per notebook cell, in order.
 OBSERVE = """() => {
@@ -107,18 +112,6 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     page.evaluate(OBSERVE)
     run_all(page)
 
-    # -- attribution: grid at once, running through the verification, then done ------------
-    attr_done = live_grid(grid_cell(page, ATTR), "done")
-    attr_done.wait_for(timeout=300_000)
-    shot(page, "experiments-attribute-done")
-    seen = _history(page, ATTR)
-    live = [h for h in seen if h["live"] and h["status"] == "running"]
-    assert live, f"the attribution's live grid was never seen running: {seen}"
-    assert all(h["rows"] == 18 for h in live)  # the whole grid (layers × heads) from the start
-    assert attr_done.get_attribute("data-rows") == attr_done.get_attribute("data-rows-done") == "18"
-    assert attr_done.get_attribute("data-cols") == "4"
-    assert attr_done.locator(".pipatch-status").text_content().startswith("done")
-
     # -- path patching over every sender head: rows stream in, click → top-5 mid-run --------
     wait_rows_streaming(page, PATH, timeout=300_000)
     path_live = grid_cell(page, PATH).locator(".pipatch-grid[data-status='running']").first
@@ -130,6 +123,18 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     path_done = live_grid(grid_cell(page, PATH), "done")
     path_done.wait_for(timeout=300_000)
     assert path_done.get_attribute("data-rows-done") == path_done.get_attribute("data-rows") == "18"
+
+    # -- attribution: grid at once, running through the verification, then done ------------
+    attr_done = live_grid(grid_cell(page, ATTR), "done")
+    attr_done.wait_for(timeout=300_000)
+    shot(page, "experiments-attribute-done")
+    seen = _history(page, ATTR)
+    live = [h for h in seen if h["live"] and h["status"] == "running"]
+    assert live, f"the attribution's live grid was never seen running: {seen}"
+    assert all(h["rows"] == 18 for h in live)  # the whole grid (layers × heads) from the start
+    assert attr_done.get_attribute("data-rows") == attr_done.get_attribute("data-rows-done") == "18"
+    assert attr_done.get_attribute("data-cols") == "4"
+    assert attr_done.locator(".pipatch-status").text_content().startswith("done")
 
     # -- a dataset of two pairs: rows stream in, click → top-5 mid-run ----------------------
     wait_rows_streaming(page, DATASET, timeout=300_000)
@@ -161,8 +166,8 @@ def test_attribute_path_patch_and_dataset_stream_and_answer_clicks(page, lab_ser
     lines = printed.first.text_content().splitlines()
     bound = [line.split() for line in lines if line.startswith("BOUND")]
     assert bound == [
-        ["BOUND", "attribution", "done", "1", "18", "4"],
         ["BOUND", "path", "done", "1", "18", "4"],
+        ["BOUND", "attribution", "done", "1", "18", "4"],
         ["BOUND", "patch", "done", "2", "18", ds_done.get_attribute("data-cols")],
     ], lines
     verified = [
