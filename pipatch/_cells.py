@@ -132,18 +132,38 @@ class Metric:
         """Vocabulary rows the metric reads, or ``None`` for all of them (a softmax needs all)."""
         return [self.answer[0], self.foil[0]] if self.name == "logit_diff" and self.single else None
 
+    @property
+    def read_ids(self) -> list[int]:
+        """Every vocabulary row whose logit the metric reads (each sequence's tokens), sorted:
+        with the log-sum-exp of all the logits, all a softmax metric needs (:meth:`pieces`)."""
+        return sorted({token for s in self.sequences for token in s})
+
+    def _table(self) -> list[list[int]]:
+        """Per read position ``j``, each sequence's token there (0 past its end, never read)."""
+        return [[s[j] if j < len(s) else 0 for s in self.sequences] for j in range(self.n_read)]
+
     # -- reading it -------------------------------------------------------------------------
-    def pieces(self, logits: torch.Tensor, index: int = 0, subset: bool = False) -> torch.Tensor:
+    def pieces(self, logits: torch.Tensor, index: int = 0, subset: bool = False,
+               lse: torch.Tensor | None = None) -> torch.Tensor:
         """Input ``index``'s logits ``[..., n_read, vocab]`` → what :meth:`combine` needs of them,
         ``[..., n_read, n_sequences]``: per read position, each sequence's token log-probability
         (raw logits for a one-token ``logit_diff``; with ``subset`` the logits are already just
-        :attr:`token_ids`' columns)."""
+        :attr:`token_ids`' columns).
+
+        With ``lse`` (``[..., n_read]``, the log-sum-exp of every logit at each position), the
+        logits are just :attr:`read_ids`' columns: a token's log-probability is its logit minus
+        ``lse``, so a backend need not hold the whole vocabulary's logits at once.
+        """
         logits = logits.float()
         if subset:
             return logits
-        table = torch.tensor([[s[j] if j < len(s) else 0 for s in self.sequences] for j in range(self.n_read)],
-                             device=logits.device)
-        table = table.expand(*logits.shape[:-1], table.shape[-1])
+        table = self._table()
+        if lse is not None:
+            local = {token: i for i, token in enumerate(self.read_ids)}
+            table = [[local.get(token, 0) for token in row] for row in table]
+        table = torch.tensor(table, device=logits.device).expand(*logits.shape[:-1], len(self.sequences))
+        if lse is not None:
+            return logits.gather(-1, table) - lse.float()[..., None]
         if self.token_ids is not None:
             return logits.gather(-1, table)
         return torch.log_softmax(logits, dim=-1).gather(-1, table)
@@ -204,6 +224,16 @@ class Capture:
                 for v in value[1:]
             )
         return value[lo:hi, start:]
+
+    def run(self, row: int) -> Capture:
+        """Run ``row`` of this capture as a capture of its own (views, no copies)."""
+        return Capture(
+            blocks=[self.block_for(layer, row) for layer in range(len(self.blocks))],
+            sites={name: [value[row : row + 1] for value in values] for name, values in self.sites.items()},
+            metric=self.metric[row : row + 1], embedded=self.embedded[row : row + 1], prob=self.prob[row : row + 1],
+            inputs=self.inputs,
+            keys=None if self.keys is None else [(k[row : row + 1], v[row : row + 1]) for k, v in self.keys],
+        )
 
     def site(self, name: str, layer: int, row: int) -> torch.Tensor | None:
         """Site ``name``'s value at ``layer`` for batch row ``row`` ([1, T, width]), if kept."""

@@ -8,10 +8,14 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
 * asks each sweep for one row's cells at a time (a head sweep over a long prompt never
   holds every cell at once), in the order the plan gives (:meth:`Plan.tasks`: from the last
   layer down where higher rows cost less, :attr:`Plan.row_order`);
-* fills a cell whose writes put back the base run's own values, or that the metric cannot
-  see (:func:`_is_unread`), with the base metric, without running the model (``fast`` only);
+* fills a cell whose writes put back the base run's own values (or write only where the run
+  they come from agrees with the base run: :attr:`Sweep.agrees_before`), or that the metric
+  cannot see (:func:`_is_unread`), with the base metric, without running the model (``fast``
+  only);
 * lets consecutive rows of few cells share their traces, each cell then starting at the
-  lowest layer among them (:func:`_joins`; the first row always runs alone, to show soonest);
+  lowest layer among them (:func:`_joins`), and rows whose metric reads the whole
+  unembedding finish together, one pass over it for all (:func:`_shares`); the first row
+  always runs alone, to show soonest;
 * groups the rest into batches of at most ``batch_size`` invokes that share their ``start``
   layer (and, where the backend reuses prefixes, about the same first written position:
   :func:`batches`), each one nnsight trace (the transformers backend: one invoke holding every
@@ -74,6 +78,12 @@ class Sweep:
     Subclasses define :meth:`cell`. ``prune=False`` runs every cell even where its writes put
     back the base run's own values (causal tracing's control, whose point is to run them).
     ``only`` restricts the sweep to a set of ``(row, col)`` cells (attribution's verification).
+    ``agrees_before`` is the number of leading positions where the run the writes come from
+    had the base run's inputs (causal tracing: the positions before the first noised one;
+    patching: before the first token where the prompts differ). The model being causal, its
+    states there are the base run's too — equal in exact arithmetic, though not to the last
+    bit when the two runs were batched differently (a clean run alone, ten noised runs
+    together) — so a cell that writes only there is a no-op (:func:`_is_noop`).
     A sweep holds its baselines and donors but never the result, so keeping it alive to answer
     clicks does not keep the result alive.
     """
@@ -85,6 +95,7 @@ class Sweep:
     n_cols: int
     prune: bool = True
     only: set[tuple[int, int]] | None = None
+    agrees_before: int = 0
 
     @property
     def n_seeds(self) -> int:
@@ -137,13 +148,20 @@ class SiteSweep(Sweep):
             index = (slice(None), self.columns[col])
             layers = range(row, min(row + self.window, self.adapter.n_layers))
         ops = [Op(self.site, layer, index, self.donor[layer][donor_seed : donor_seed + 1][index]) for layer in layers]
-        return Cell(row, col, seed, start=row, ops=ops)
+        # A block output's write leaves that block's own computation the base run's: the run
+        # starts above it. A site inside the block (a sublayer, a head) starts at the block.
+        return Cell(row, col, seed, start=row + 1 if self.site.where == "block" else row, ops=ops)
 
 
-def _is_noop(base: Base, cell: Cell) -> bool:
-    """True when every op of ``cell`` writes back the value the base run already has there."""
+def _is_noop(base: Base, cell: Cell, agrees_before: int = 0) -> bool:
+    """True when every op of ``cell`` writes back the value the base run already has there:
+    every op writes before position ``agrees_before`` (:attr:`Sweep.agrees_before`), or its
+    value equals the base run's."""
     if not cell.ops:
         return False
+    if all(op.value is not None and op.last_position is not None and op.last_position < agrees_before
+           for op in cell.ops):
+        return True
     for op in cell.ops:
         current = base.capture.site(op.site.name, op.layer, cell.seed) if op.value is not None else None
         if current is None or not torch.allclose(current[op.index], op.value, rtol=1e-6, atol=1e-7):
@@ -309,6 +327,13 @@ TRACE_COST = 32
 # 12 to 24: 2.3 s, 32: 2.6 s. Rows that share traces run each block's matrix products on
 # more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
 JOIN_COST = 16
+# How many read positions consecutive rows may pool for one pass over the unembedding
+# (:func:`_shares`). A probability reads all of it (Gemma: 262k rows); measured on this CPU,
+# a pass costs per position 3.2 ms for 70 positions, 2.1 for 210, 1.8 for 420, 2.0 for 630.
+SHARE_POSITIONS = 448
+# ... and at most this many rows: the grid still fills a few rows at a time (a 2-seed trace's
+# rows hold 14 read positions), and a Stop, checked between backend calls, answers soon.
+SHARE_ROWS = 4
 
 
 def batches(cells: list[Cell], size: int, prefix_reuse: bool = False) -> list[list[Cell]]:
@@ -349,7 +374,8 @@ def _pending(plan: Plan, sweep: Sweep, row: int, stats: dict) -> tuple[list[Cell
     filled: list[Cell] = []
     for cell in sweep.cells(row):
         stats["cells"] += 1
-        skip = plan.fast and sweep.prune and (_is_unread(sweep.base, cell) or _is_noop(sweep.base, cell))
+        skip = plan.fast and sweep.prune and (_is_unread(sweep.base, cell)
+                                                or _is_noop(sweep.base, cell, sweep.agrees_before))
         (filled if skip else pending).append(cell)
     stats["noop_cells"] += len(filled)
     return pending, filled
@@ -381,61 +407,104 @@ def _joins(plan: Plan, sweep: Sweep, group: list[Cell], cells: list[Cell]) -> bo
     return more - extra(group)[1] <= JOIN_COST * (len(sweep.base.capture.blocks) - start)
 
 
-def _runs(plan: Plan, stats: dict) -> Iterator[tuple[Sweep, list[int], list[Cell], list[Cell]]]:
-    """The plan's tasks as runs: ``(sweep, rows, pending, filled)``, one row or (rows from
-    the last layer down, :func:`_joins`) several consecutive rows of one sweep, with their
-    cells (:func:`_pending`). The first run is one row, so the first finished row shows soonest."""
-    held: tuple[Sweep, list[int], list[Cell], list[Cell]] | None = None
+@dataclass
+class _Run:
+    """Consecutive rows of one sweep that run together, and finish together.
+
+    ``parts`` are the rows' pending cells: the cells of one part share their traces, each
+    started at the part's lowest ``start`` (:func:`_joins`); the parts' batches go to the
+    backend together, up to ``batch_size`` cells a call, so it can compute their metrics in
+    one pass over the unembedding (:func:`_shares`). ``filled`` are the cells that need no
+    forward (:func:`_pending`).
+    """
+
+    sweep: Sweep
+    rows: list[int]
+    parts: list[list[Cell]]
+    filled: list[Cell]
+
+    @property
+    def n_pending(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def add(self, row: int, pending: list[Cell], filled: list[Cell], *, join: bool) -> None:
+        """Take the next row: its cells join the last part's traces (``join``) or form a part."""
+        self.rows.append(row)
+        self.filled.extend(filled)
+        if not join:
+            self.parts.append(pending)
+            return
+        part = self.parts[-1] + pending
+        start = min((cell.start for cell in part), default=0)
+        self.parts[-1] = [cell if cell.start == start else dataclasses.replace(cell, start=start) for cell in part]
+
+
+def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
+    """Whether the next row's ``cells`` finish in ``run`` in traces of their own: where the
+    backend computes a batch of cells' metrics together for less than apart (a probability
+    reads the whole unembedding, 262k rows for Gemma: one pass for 210 positions costs about
+    what it costs for 70 here), up to :data:`SHARE_POSITIONS` read positions and
+    :data:`SHARE_ROWS` rows. The rows then show together, a few at a time."""
+    shares = getattr(plan.backend, "shares_unembedding", None)
+    metric = run.sweep.metric
+    return (plan.fast and shares is not None and shares(metric) and bool(cells) and len(run.rows) < SHARE_ROWS
+            and (run.n_pending + len(cells)) * metric.n_inputs * metric.n_read <= SHARE_POSITIONS
+            and not _two_stage(cells) and not any(_two_stage(part) for part in run.parts))
+
+
+def _runs(plan: Plan, stats: dict) -> Iterator[_Run]:
+    """The plan's tasks as runs (:class:`_Run`): one row, or several consecutive rows of one
+    sweep that share traces (rows from the last layer down, :func:`_joins`) or the metric's
+    unembedding (:func:`_shares`). The first run is one row, so the first finished row shows
+    soonest."""
+    held: _Run | None = None
     runs = 0
     for sweep, row in plan.tasks():
         pending, filled = _pending(plan, sweep, row, stats)
-        if (held is not None and runs and held[0] is sweep and plan.row_order == -1
-                and _joins(plan, sweep, held[2], pending)):
-            held[1].append(row)
-            held[2].extend(pending)
-            held[3].extend(filled)
-            continue
+        if held is not None and runs and held.sweep is sweep:
+            if plan.row_order == -1 and _joins(plan, sweep, held.parts[-1], pending):
+                held.add(row, pending, filled, join=True)
+                continue
+            if _shares(plan, held, pending):
+                held.add(row, pending, filled, join=False)
+                continue
         if held is not None:
             yield held
             runs += 1
-        held = (sweep, [row], pending, filled)
+        held = _Run(sweep, [row], [pending], filled)
     if held is not None:
         yield held
 
 
-def _run_cells(plan: Plan, sweep: Sweep, rows: list[int], pending: list[Cell], filled: list[Cell],
-               should_stop: Callable[[], bool] | None, stats: dict) -> bool:
-    """Fill ``rows`` of ``sweep``: ``filled`` with the base metric, ``pending`` run (the cells
-    of several rows from the lowest ``start`` among them, :func:`_joins`); False when stopped
-    before they finished."""
-    fast = plan.fast
-    for cell in filled:
-        plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
-    if len(rows) > 1:
-        start = min(cell.start for cell in pending)
-        pending = [dataclasses.replace(cell, start=start) for cell in pending]
+def _run_cells(plan: Plan, run: _Run, should_stop: Callable[[], bool] | None, stats: dict) -> bool:
+    """Fill ``run``'s rows: its ``filled`` cells with the base metric, its pending cells run
+    (each part's batches, :func:`batches`); False when stopped before they finished."""
+    fast, sweep, rows = plan.fast, run.sweep, run.rows
     reuse = fast and hasattr(plan.backend, "prefix_reuse") and plan.backend.prefix_reuse(sweep.base)
-    queue = collections.deque(batches(pending, plan.batch_size, reuse))
+    queue = collections.deque(batch for part in run.parts for batch in batches(part, plan.batch_size, reuse))
+    # Batches of at most ``size`` cells (one trace each), handed to the backend ``together``
+    # cells at a time: all of a run's (:func:`_shares`), else up to ``size``.
     size, batch_no = plan.batch_size, 0
+    together = max(size, run.n_pending)
     where = f"layer {rows[0]}" if len(rows) == 1 else f"layers {rows[0]}–{rows[-1]}"
     while queue:
         if should_stop is not None and should_stop():
             return False
-        # The next batches, up to ``size`` cells in all: one backend call (run_many), so a
+        # The next batches, up to ``together`` cells in all: one backend call (run_many), so a
         # backend can finish them together (one product with the unembedding for all).
         group = [queue.popleft()]
         if len(group[0]) > size:
             queue.appendleft(group[0][size:])
             group[0] = group[0][:size]
         total, alone = len(group[0]), _two_stage(group[0])
-        while queue and not alone and total + len(queue[0]) <= size and not _two_stage(queue[0]):
+        while queue and not alone and total + len(queue[0]) <= together and not _two_stage(queue[0]):
             total += len(queue[0])
             group.append(queue.popleft())
         try:
             values = _run_batches(plan.backend, sweep, group, fast)
         except Exception as error:  # noqa: BLE001 - re-raised with the batch named
             if _is_oom(error) and total > 1:
-                size = max(1, total // 2)  # and every later batch of the row
+                size = together = max(1, min(total, size) // 2)  # and every later batch of the run
                 queue.extendleft(reversed(group))
                 continue
             raise EngineError(
@@ -454,6 +523,8 @@ def _run_cells(plan: Plan, sweep: Sweep, rows: list[int], pending: list[Cell], f
                         flagged.append([sweep.view, cell.row])
                 plan.store(sweep, cell, value)
             batch_no += 1
+    for cell in run.filled:  # last, so a stopped or failed run leaves its rows unfilled
+        plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
     return True
 
 
@@ -521,14 +592,14 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
             def halt() -> bool:
                 return interrupted.is_set() or (should_stop is not None and should_stop())
 
-            for sweep, rows, pending, filled in _runs(plan, stats):
-                finished = _run_cells(plan, sweep, rows, pending, filled, halt, stats)
-                for row in rows if finished else ():
-                    plan.row_done(sweep, row)
+            for run in _runs(plan, stats):
+                finished = _run_cells(plan, run, halt, stats)
+                for row in run.rows if finished else ():
+                    plan.row_done(run.sweep, row)
                     finished_rows += 1
                     result.meta["elapsed"] = time.perf_counter() - started
                     if on_row is not None:
-                        on_row(plan.result, sweep.view, row)
+                        on_row(plan.result, run.sweep.view, row)
                 if interrupted.is_set():
                     raise KeyboardInterrupt
                 if not finished:

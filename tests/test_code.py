@@ -104,6 +104,16 @@ def max_difference(got: list, want: torch.Tensor) -> float:
     return worst
 
 
+def tolerance(result: pipatch.Result) -> float:
+    """How far the script's recovery grid may be from pipatch's: 1e-4, plus what a 1e-6 change
+    of the metric itself moves a recovery by (1e-6 / |clean − corrupt|). The script runs each
+    cell alone, pipatch in batches, so their float32 rounding differs; a probability of 0.002
+    ("Paris is in" → " France", noised at 3σ) then differs by a few 1e-7 after 18 layers, which
+    a seed whose clean and corrupt probabilities are 6e-4 apart turns into 7e-4 of recovery."""
+    spread = float((result.clean - result.corrupt.float()).abs().min())
+    return 1e-4 + 1e-6 / spread
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_script_recomputes_the_grid(name, results, tmp_path):
     result = results(name)
@@ -113,9 +123,10 @@ def test_the_script_recomputes_the_grid(name, results, tmp_path):
     data, seconds = run_script(code, tmp_path)
     assert set(data["grids"]) == set(result.views)
     worst = max(max_difference(data["grids"][view], result.mean(view)) for view in result.views)
-    assert max_difference(data["grid"], result.grid) <= 1e-4
-    print(f"{name}: max |Δ| {worst:.2e}, script {seconds:.0f}s")
-    assert worst <= 1e-4
+    tol = tolerance(result)
+    assert max_difference(data["grid"], result.grid) <= tol
+    print(f"{name}: max |Δ| {worst:.2e} (tolerance {tol:.1e}), script {seconds:.0f}s")
+    assert worst <= tol
 
 
 def test_a_result_read_back_from_its_file_gives_the_same_script(results, tmp_path):

@@ -3,12 +3,14 @@ batches, partial results kept."""
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
 import torch
 
 import pipatch
+from pipatch._engine import SHARE_POSITIONS, SHARE_ROWS
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -42,13 +44,23 @@ def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     traces = [n for _, n in seen]
     assert traces[0] == 1  # layer 17: only its last position needs a forward
     assert len(set(traces)) <= 8 and fast.meta["engine"]["traces"] < 17, traces  # rows finished together
-    # Rows of many cells (10 seeds × 9 positions: 90 a row) run alone: even rows 1 and 0, one
-    # block apart, would recompute 450 positions through a block, more than one more trace
-    # costs (JOIN_COST × 18 blocks = 288).
+    # Rows of many cells (10 seeds × 7 positions from the subject on: 70 a row) keep their own
+    # traces: even rows 1 and 0, one block apart, would recompute 280 positions through a
+    # block, more than one more trace costs (JOIN_COST × 17 blocks = 272). Their probability
+    # reads the whole unembedding, so after the first row (alone) consecutive rows finish
+    # together, up to SHARE_ROWS rows (and SHARE_POSITIONS read positions): one pass for all.
     seen.clear()
-    pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid",
-                  on_row=lambda r, view, layer: seen.append(r.meta["engine"]["traces"]))
-    assert len(set(seen)) == 18, seen
+    r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid",
+                      on_row=lambda r, view, layer: seen.append(r.meta["engine"]["traces"]))
+    assert seen[0] < seen[1] and seen.count(seen[0]) == 1, seen
+    together = collections.Counter(seen[1:]).values()
+    assert max(together) == min(SHARE_ROWS, SHARE_POSITIONS // 70) and len(seen) == 18, seen
+    assert r.meta["engine"]["traces"] >= 1 + 2 * 17, r.meta["engine"]  # no row shares another's traces
+    # Filled without a forward, per seed: the top row's positions 2-7 (unread) and positions 0-1
+    # of every row, before the subject. There the clean and noised runs' states differ by
+    # rounding only (one run alone, ten batched): restoring them changes nothing.
+    assert r.meta["engine"]["noop_cells"] == 10 * (6 + 2 * 18), r.meta["engine"]
+    assert torch.equal(r.raw["resid"][:, :, :2], r.corrupt[:, None, None].expand(10, 18, 2).to(r.raw["resid"].dtype))
 
 
 def test_stop_keeps_the_finished_rows(model):

@@ -174,6 +174,34 @@ def test_logits_from_unembedding_input(family):
         assert logits.abs().max() < a.softcap
 
 
+@pytest.mark.parametrize("family", ALL + SUBLAYER_REFUSED)
+def test_a_probability_from_the_unembedding_in_slices_equals_the_softmax(family):
+    """A probability metric never holds the whole vocabulary's logits: the log-sum-exp is taken
+    over slices of the unembedding's rows (333 of the 1,000 here, the last slice shorter) and
+    combined; soft-capping included. Against float64 over the model's own logits."""
+    from pipatch._cells import Metric
+
+    model = model_for(family)
+    a = adapter_for(model)
+    with torch.no_grad(), model.trace(CLEAN):
+        hidden = a.unembedding(model).input.save()
+        logits = model.output.logits.save()
+    backend = backend_for(model)
+    T = hidden.shape[1]
+    want = torch.logsumexp(logits.double(), -1)
+    got = backend.logsumexp(hidden, budget=333 * T)
+    assert got.shape == want.shape and torch.allclose(got.double(), want, atol=ATOL, rtol=0)
+    paris, rome = (model.tokenizer(w, add_special_tokens=False).input_ids[0] for w in (" Paris", " Rome"))
+    # Two read positions of one input: a two-token answer's log-probability, teacher-forced.
+    for metric in (Metric("prob", (paris,)), Metric("logprob", (paris, rome))):
+        rows = hidden[:, -metric.n_read:][:, None]  # [1, inputs, n_read, d]
+        logprobs = torch.log_softmax(logits[0, -metric.n_read:].double(), -1)
+        reference = sum(logprobs[j, token] for j, token in enumerate(metric.answer))
+        reference = reference.exp() if metric.name == "prob" else reference
+        got = backend.metric_from_hidden(metric, rows)
+        assert got.shape == (1,) and abs(float(got[0]) - float(reference)) < ATOL, (metric, got, reference)
+
+
 def test_bloom_refuses_sublayer_sites():
     model = model_for("bloom")
     a = adapter_for(model)

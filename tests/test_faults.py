@@ -64,20 +64,23 @@ def test_a_failing_batch_is_named_and_finished_rows_are_kept(model):
     def fault(module, args, output):
         if output.shape[0] > 1:
             calls["n"] += 1
-            if calls["n"] == 3:
+            if calls["n"] == 4:
                 raise RuntimeError("injected fault")
 
     handle = block.register_forward_hook(fault)
     try:
-        with pytest.raises(EngineError, match=r"batch 1 of layers 13–7 \(49 cells\).*injected fault") as info:
+        with pytest.raises(EngineError, match=r"batch 1 of layers 9–0 \(70 cells\).*injected fault") as info:
             pipatch.patch(model, **PAIR)
     finally:
         handle.remove()
     partial = info.value.partial
-    # Rows run from the last layer down, rows 13 to 7 in shared traces: 17 to 14 are finished.
-    assert partial.status == "failed" and partial.rows_done["resid"] == 4
-    assert list(partial.finished_rows()) == [14, 15, 16, 17] and torch.isfinite(partial.raw["resid"][:, 14:]).all()
-    assert torch.isnan(partial.raw["resid"][:, 7:14, 2:]).all()
+    # Block 5's batches: the clean and corrupt baselines (one trace), then rows from the last
+    # layer down, in shared traces: 17 (one cell, not counted), 16-15 and 14-10 (block 5
+    # skipped with cached values, its hook still called), then 9-0 from block 1, whose first
+    # trace fails. Rows 17 to 10 are finished.
+    assert partial.status == "failed" and partial.rows_done["resid"] == 8
+    assert list(partial.finished_rows()) == list(range(10, 18)) and torch.isfinite(partial.raw["resid"][:, 10:]).all()
+    assert torch.isnan(partial.raw["resid"][:, :10, 2:]).all()
 
 
 def test_out_of_memory_halves_the_batch_and_changes_no_number(model):
@@ -101,7 +104,7 @@ def test_nan_from_the_model_flags_the_row(model):
     block = model._module.model.layers[9]
 
     def poison(module, args, output):
-        if output.shape[0] > 1:
+        if output.shape[0] > 2:  # not the baselines' trace (clean and corrupt)
             return torch.full_like(output, float("nan"))
 
     handle = block.register_forward_hook(poison)

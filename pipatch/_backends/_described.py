@@ -26,6 +26,16 @@ class Described:
         (the engine then groups cells by it). No, unless a backend says so."""
         return False
 
+    def captures(self, prompts: Sequence[Any], metric: Any, sites: Sequence[Any] = ()) -> list[Any]:
+        """Each prompt's :meth:`capture` ([1, T] ids each, one length). A backend may run them
+        together: the transformers backend runs them in one trace."""
+        return [self.capture(ids, metric, sites) for ids in prompts]
+
+    def shares_unembedding(self, metric: Any) -> bool:
+        """Whether the metric of many cells costs less computed in one ``run_many`` call than
+        in several (the engine then lets rows finish together). No, unless a backend says so."""
+        return False
+
     def run_many(self, base: Any, batches: Sequence[list[Any]], metric: Any, *, fast: bool = True) -> list[Any]:
         """Several batches of cells, each run as ``run`` runs it (one trace each) → the metric
         per cell of each batch. A backend may finish them together: the transformers backend

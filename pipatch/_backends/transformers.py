@@ -132,10 +132,22 @@ class TransformersBackend(Described):
         embedding output at ``noise_positions`` (causal tracing's corrupted runs); ``None``
         is one clean run. ``sites`` lists the site values to keep besides the block outputs.
         """
-        model, adapter = self.model, self.adapter
         n = 1 if noise is None else noise.shape[0]
-        T, m = input_ids.shape[1], metric.n_read
-        run_ids = metric.inputs(input_ids)
+        return self._capture([input_ids] * n, metric, sites, noise=noise, noise_positions=noise_positions)
+
+    def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Site] = ()) -> list[Capture]:
+        """Several prompts' runs ([1, T] each, one length), each kept as :meth:`capture` keeps one,
+        in one trace: the model's weights are read once for all of them (a run of a few tokens
+        costs mostly that read on a CPU: two 9-token runs of Gemma 3 270M 0.11 s, one 0.09 s)."""
+        both = self._capture(list(prompts), metric, sites)
+        return [both.run(i) for i in range(len(prompts))]
+
+    def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
+                 noise: torch.Tensor | None = None, noise_positions: list[int] | None = None) -> Capture:
+        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) plus, given ``noise``, draw ``i``."""
+        model, adapter = self.model, self.adapter
+        n = len(prompts)
+        T, m = prompts[0].shape[1], metric.n_read
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         layers = range(adapter.n_layers)
         cache = self._new_cache()
@@ -143,7 +155,7 @@ class TransformersBackend(Described):
         with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
             runs = list().save()
             for i in range(n):
-                with tracer.invoke(run_ids):
+                with tracer.invoke(metric.inputs(prompts[i])):
                     embedded = adapter.embedding(model).output
                     if noise is not None:
                         embedded[:, noise_positions] += noise[i].to(embedded.dtype)
@@ -219,6 +231,12 @@ class TransformersBackend(Described):
             return self.metric_from_hidden(metric, out), reads
         return metric.score(out), reads
 
+    def shares_unembedding(self, metric: Metric) -> bool:
+        """A probability reads every row of the unembedding (:meth:`logsumexp`), a pass that
+        costs about as much for 210 positions as for 70 on this CPU; a logit difference reads
+        two rows."""
+        return metric.token_ids is None
+
     def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
                  fast: bool = True) -> list[torch.Tensor]:
         """Several batches, one trace each, as :meth:`run`; with ``fast``, the metric of every
@@ -291,20 +309,31 @@ class TransformersBackend(Described):
         return outs[0].reshape(len(cells), n, *outs[0].shape[1:]), list(recorded)  # [cells, inputs, n_read, d or vocab]
 
     @torch.no_grad()
-    def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor, rows: int = 128) -> torch.Tensor:
+    def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
         """The metric from the unembedding's input at the read positions,
         [batch, inputs, n_read, d] → [batch].
 
-        Computed ``rows`` positions at a time: a probability needs the whole vocabulary's logits
-        (Gemma: 262k per position), and one matrix product of 128 positions runs about twice as
-        fast per position as one of 32 on this CPU, for 128 MB of logits at a time.
+        A logit difference reads two rows of the unembedding. A probability needs every
+        logit's share of the softmax, but not the logits themselves: the read tokens' logits
+        and the log-sum-exp of all of them (:meth:`logsumexp`) — one pass over the
+        unembedding, never the whole vocabulary's logits in memory at once.
         """
-        per = max(1, rows // max(1, hidden.shape[1] * hidden.shape[2]))
-        out = []
-        for start in range(0, hidden.shape[0], per):
-            part = self.logits(hidden[start : start + per], metric.token_ids)
-            out.append(metric.score(part, subset=metric.token_ids is not None))
-        return torch.cat(out) if out else torch.zeros(0)
+        if metric.token_ids is not None:
+            return metric.score(self.logits(hidden, metric.token_ids), subset=True)
+        lse = self.logsumexp(hidden)
+        picked = self.logits(hidden, metric.read_ids)
+        return metric.combine(metric.pieces(picked, lse=lse))
+
+    def _unembedding(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        module = _get(self._hf, self.adapter.unembed)
+        return module.weight, getattr(module, "bias", None)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 logits, soft-capped where the model caps them (Gemma 2)."""
+        logits = logits.float()
+        if self.adapter.softcap:
+            logits = torch.tanh(logits / self.adapter.softcap) * self.adapter.softcap
+        return logits
 
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Logits from the input of the unembedding (final-normed states, [..., d] → [..., vocab]).
@@ -312,8 +341,7 @@ class TransformersBackend(Described):
         ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
         all a logit difference needs and avoids multiplying by a 262k-row matrix.
         """
-        module = _get(self._hf, self.adapter.unembed)
-        weight, bias = module.weight, getattr(module, "bias", None)
+        weight, bias = self._unembedding()
         if token_ids is not None:
             index = torch.as_tensor(token_ids, device=weight.device)
             weight = weight.index_select(0, index)
@@ -324,10 +352,28 @@ class TransformersBackend(Described):
         out = torch.mm(weight, flat.T).T
         if bias is not None:
             out = out + bias
-        out = out.reshape(*hidden.shape[:-1], weight.shape[0]).float()
-        if self.adapter.softcap:
-            out = torch.tanh(out / self.adapter.softcap) * self.adapter.softcap
-        return out
+        return self._capped(out.reshape(*hidden.shape[:-1], weight.shape[0]))
+
+    def logsumexp(self, hidden: torch.Tensor, budget: int = 1 << 20) -> torch.Tensor:
+        """The log-sum-exp of every logit at each position, [..., d] → [...] (float32).
+
+        The unembedding is read in slices of vocabulary rows, each slice's logits
+        (``rows × positions``, about ``budget`` values: 4 MB) reduced at once and the slices
+        combined with ``logaddexp``: the logits stay in the cache instead of 262k × positions
+        of them going through memory twice (the product, then the softmax). Measured on this
+        CPU for 70 positions: 0.23 s against 0.38 s for the full logits then ``log_softmax``.
+        """
+        weight, bias = self._unembedding()
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+        rows = max(1, budget // max(1, flat.shape[0]))
+        total = None
+        for top in range(0, weight.shape[0], rows):
+            part = torch.mm(weight[top : top + rows], flat.T)  # [rows, positions]
+            if bias is not None:
+                part = part + bias[top : top + rows, None]
+            part = torch.logsumexp(self._capped(part), dim=0)
+            total = part if total is None else torch.logaddexp(total, part)
+        return total.reshape(hidden.shape[:-1])
 
     def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
         """One forward with gradient tracking and one backward on ``input_ids``.

@@ -127,8 +127,18 @@ def plan_patch(
     batch = check_batch_size(batch_size, T, backend)
     scorer = pair.metric
 
-    clean_run = backend.capture(pair.clean_ids, scorer, [where])
-    corrupt_run = backend.capture(pair.corrupt_ids, scorer, [where])
+    # Every baseline in one trace (the weights read once): clean, corrupt, and the mean prompts.
+    means = []
+    if direction == "mean":
+        for text in list(mean_prompts) if mean_prompts else [clean, corrupt]:
+            ids, _, _ = encode(backend, text, "mean prompt")
+            if ids.shape[1] != T:
+                raise PipatchError(
+                    f"mean prompt {text!r} is {ids.shape[1]} tokens, the clean prompt {T}: "
+                    "mean ablation needs prompts of the same token length"
+                )
+            means.append(ids)
+    clean_run, corrupt_run, *mean_runs = backend.captures([pair.clean_ids, pair.corrupt_ids, *means], scorer, [where])
     if direction == "denoise":
         base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run.sites[where.name]
     elif direction == "noise":
@@ -137,17 +147,7 @@ def plan_patch(
         base, base_ids = clean_run, pair.clean_ids
         donor = [torch.zeros_like(t) for t in clean_run.sites[where.name]]
     else:
-        prompts = list(mean_prompts) if mean_prompts else [clean, corrupt]
-        runs = []
-        for text in prompts:
-            ids, _, _ = encode(backend, text, "mean prompt")
-            if ids.shape[1] != T:
-                raise PipatchError(
-                    f"mean prompt {text!r} is {ids.shape[1]} tokens, the clean prompt {T}: "
-                    "mean ablation needs prompts of the same token length"
-                )
-            runs.append(backend.capture(ids, scorer, [where]))
-        donor = [torch.stack([r.sites[where.name][layer][0] for r in runs]).mean(0, keepdim=True)
+        donor = [torch.stack([r.sites[where.name][layer][0] for r in mean_runs]).mean(0, keepdim=True)
                  for layer in range(adapter.n_layers)]
         base, base_ids = clean_run, pair.clean_ids
 
@@ -162,6 +162,10 @@ def plan_patch(
         raw=raw, clean=clean_value, corrupt=torch.tensor([corrupt_value]), meta=meta,
         warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
     )
+    # Before the first token where the prompts differ, the clean and corrupt runs agree.
+    differ = (pair.clean_ids[0] != pair.corrupt_ids[0]).nonzero()
+    agrees = (int(differ[0]) if len(differ) else T) if direction in ("denoise", "noise") else 0
     sweep = SiteSweep(view=where.name, base=Base(base_ids, base), metric=scorer, n_rows=adapter.n_layers,
-                      n_cols=len(columns), site=where, adapter=adapter, donor=donor, columns=cols, positions=cols)
+                      n_cols=len(columns), site=where, adapter=adapter, donor=donor, columns=cols, positions=cols,
+                      agrees_before=agrees)
     return Plan(backend, result, [sweep], batch, fast)

@@ -174,8 +174,7 @@ def plan_path_patch(
     scorer = pair.metric
 
     sites = [HEAD, ATTN, MLP]
-    clean_run = backend.capture(pair.clean_ids, scorer, sites)
-    corrupt_run = backend.capture(pair.corrupt_ids, scorer, sites)
+    clean_run, corrupt_run = backend.captures([pair.clean_ids, pair.corrupt_ids], scorer, sites)
     if direction == "denoise":
         base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run
     else:

@@ -180,6 +180,7 @@ def plan_trace(
     base = Base(input_ids, corrupt, noise=noise, noise_positions=positions)
     sweeps = [
         SiteSweep(view=s.name, base=base, metric=scorer, n_rows=n_layers, n_cols=len(tokens), prune=not control,
+                  agrees_before=min(positions),
                   site=s, adapter=adapter, donor=donor[s.name], columns=list(range(len(tokens))),
                   window=window if s.sublayer else 1)
         for s in sites
