@@ -412,10 +412,10 @@ class _Run:
     """Consecutive rows of one sweep that run together, and finish together.
 
     ``parts`` are the rows' pending cells: the cells of one part share their traces, each
-    started at the part's lowest ``start`` (:func:`_joins`); the parts' batches go to the
-    backend together, up to ``batch_size`` cells a call, so it can compute their metrics in
-    one pass over the unembedding (:func:`_shares`). ``filled`` are the cells that need no
-    forward (:func:`_pending`).
+    started at the part's lowest ``start`` (:func:`_joins`); all the parts' batches go to the
+    backend in one call, so it can compute their metrics in one pass over the unembedding
+    (:func:`_shares`). ``filled`` are the cells that need no forward (:func:`_pending`),
+    stored when the run finishes.
     """
 
     sweep: Sweep
@@ -445,9 +445,8 @@ def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
     reads the whole unembedding, 262k rows for Gemma: one pass for 210 positions costs about
     what it costs for 70 here), up to :data:`SHARE_POSITIONS` read positions and
     :data:`SHARE_ROWS` rows. The rows then show together, a few at a time."""
-    shares = getattr(plan.backend, "shares_unembedding", None)
     metric = run.sweep.metric
-    return (plan.fast and shares is not None and shares(metric) and bool(cells) and len(run.rows) < SHARE_ROWS
+    return (plan.fast and plan.backend.shares_unembedding(metric) and bool(cells) and len(run.rows) < SHARE_ROWS
             and (run.n_pending + len(cells)) * metric.n_inputs * metric.n_read <= SHARE_POSITIONS
             and not _two_stage(cells) and not any(_two_stage(part) for part in run.parts))
 
