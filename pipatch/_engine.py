@@ -336,7 +336,8 @@ SHARE_POSITIONS = 448
 SHARE_ROWS = 4
 
 
-def batches(cells: list[Cell], size: int, prefix_reuse: bool = False) -> list[list[Cell]]:
+def batches(cells: list[Cell], size: int, prefix_reuse: bool = False, pack: int = 0,
+            n_positions: int = 0) -> list[list[Cell]]:
     """One row's cells → the batches that run them (each one trace of at most ``size`` cells).
 
     Cells of one batch share their ``start`` layer: the blocks below it are skipped for
@@ -345,8 +346,22 @@ def batches(cells: list[Cell], size: int, prefix_reuse: bool = False) -> list[li
     position: taken from the latest position down, a batch takes the next position's cells
     while starting earlier costs its rows fewer extra positions than one more trace
     (:data:`TRACE_COST`); otherwise the next position opens a new batch. Cells keep their
-    order within a position.
+    order within a position. With ``pack`` (a backend that packs each cell from its own first
+    position and its own ``start``, up to ``pack`` positions a trace, of a run of
+    ``n_positions``), nothing is computed twice: the cells, from the highest ``start`` down,
+    are cut into the fewest traces of at most ``size`` cells and about ``pack`` positions, of
+    about equal length.
     """
+    if pack and cells:
+        lengths = [max(1, n_positions - cell.first_position) for cell in cells]
+        n = max(math.ceil(len(cells) / size), math.ceil(sum(lengths) / pack))
+        share = sum(lengths) / n
+        cut: list[list[Cell]] = [[] for _ in range(n)]
+        before = 0
+        for cell, length in sorted(zip(cells, lengths), key=lambda pair: -pair[0].start):
+            cut[min(n - 1, int((before + length / 2) / share))].append(cell)
+            before += length
+        return [batch[i : i + size] for batch in cut if batch for i in range(0, len(batch), size)]
     groups: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
         groups.setdefault((cell.start, cell.first_position if prefix_reuse else 0), []).append(cell)
@@ -381,18 +396,23 @@ def _pending(plan: Plan, sweep: Sweep, row: int, stats: dict) -> tuple[list[Cell
     return pending, filled
 
 
-def _joins(plan: Plan, sweep: Sweep, group: list[Cell], cells: list[Cell]) -> bool:
-    """Whether the next row's ``cells`` run in the traces of ``group`` (the pending cells of
-    the rows before it), on a backend that starts each cell at its layer.
+def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell]) -> bool:
+    """Whether the next row's ``cells`` run in the traces of ``run``'s last part (the pending
+    cells of the rows before it), on a backend that starts each cell at its layer.
 
-    All of them then start at the lowest ``start`` among them, recomputing the base run's
-    blocks between it and their own: worth it while that extra work, counted in positions
-    through one block, is at most what one more trace costs (:data:`JOIN_COST` positions
-    per block the trace runs). So rows of a few cells (a patching grid) share their traces,
-    and rows of many cells (a 10-seed causal trace) run alone.
+    Where the backend packs (:func:`batches`), each cell keeps its own ``start`` and
+    sharing costs nothing: rows join while the run holds at most ``batch_size`` cells.
+    Otherwise all of them start at the lowest ``start`` among them, recomputing the base
+    run's blocks between it and their own: worth it while that extra work, counted in
+    positions through one block, is at most what one more trace costs (:data:`JOIN_COST`
+    positions per block the trace runs). So rows of a few cells (a patching grid) share
+    their traces, and rows of many cells (a 10-seed causal trace) run alone.
     """
+    group = run.parts[-1]
     if not group or not cells or _two_stage(group) or _two_stage(cells):
         return False
+    if plan.backend.pack_tokens(sweep.base, sweep.metric):
+        return run.n_pending + len(cells) <= plan.batch_size  # each cell keeps its own start
     if len(group) + len(cells) > plan.batch_size:
         return False
     n_positions = sweep.base.input_ids.shape[1]
@@ -427,16 +447,20 @@ class _Run:
     def n_pending(self) -> int:
         return sum(len(part) for part in self.parts)
 
-    def add(self, row: int, pending: list[Cell], filled: list[Cell], *, join: bool) -> None:
-        """Take the next row: its cells join the last part's traces (``join``) or form a part."""
+    def add(self, row: int, pending: list[Cell], filled: list[Cell], *, join: bool, lower: bool = True) -> None:
+        """Take the next row: its cells join the last part's traces (``join``; every cell then
+        starts at the part's lowest ``start``, unless the backend packs: not ``lower``) or
+        form a part."""
         self.rows.append(row)
         self.filled.extend(filled)
         if not join:
             self.parts.append(pending)
             return
         part = self.parts[-1] + pending
-        start = min((cell.start for cell in part), default=0)
-        self.parts[-1] = [cell if cell.start == start else dataclasses.replace(cell, start=start) for cell in part]
+        if lower:
+            start = min((cell.start for cell in part), default=0)
+            part = [cell if cell.start == start else dataclasses.replace(cell, start=start) for cell in part]
+        self.parts[-1] = part
 
 
 def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
@@ -461,8 +485,9 @@ def _runs(plan: Plan, stats: dict) -> Iterator[_Run]:
     for sweep, row in plan.tasks():
         pending, filled = _pending(plan, sweep, row, stats)
         if held is not None and runs and held.sweep is sweep:
-            if plan.row_order == -1 and _joins(plan, sweep, held.parts[-1], pending):
-                held.add(row, pending, filled, join=True)
+            if plan.row_order == -1 and _joins(plan, sweep, held, pending):
+                held.add(row, pending, filled, join=True,
+                         lower=not plan.backend.pack_tokens(sweep.base, sweep.metric))
                 continue
             if _shares(plan, held, pending):
                 held.add(row, pending, filled, join=False)
@@ -479,8 +504,11 @@ def _run_cells(plan: Plan, run: _Run, should_stop: Callable[[], bool] | None, st
     """Fill ``run``'s rows: its ``filled`` cells with the base metric, its pending cells run
     (each part's batches, :func:`batches`); False when stopped before they finished."""
     fast, sweep, rows = plan.fast, run.sweep, run.rows
-    reuse = fast and hasattr(plan.backend, "prefix_reuse") and plan.backend.prefix_reuse(sweep.base)
-    queue = collections.deque(batch for part in run.parts for batch in batches(part, plan.batch_size, reuse))
+    reuse = fast and plan.backend.prefix_reuse(sweep.base)
+    pack = plan.backend.pack_tokens(sweep.base, sweep.metric) if reuse else 0
+    n_positions = sweep.base.input_ids.shape[1]
+    queue = collections.deque(batch for part in run.parts
+                              for batch in batches(part, plan.batch_size, reuse, pack, n_positions))
     # Batches of at most ``size`` cells (one trace each), handed to the backend ``together``
     # cells at a time: all of a run's (:func:`_shares`), else up to ``size``.
     size, batch_no = plan.batch_size, 0

@@ -35,7 +35,8 @@ def test_rows_arrive_from_the_last_layer_down_while_the_sweep_runs(model):
 
 def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     """A patching grid's rows hold 7 cells each: after the first row (alone, to show soonest),
-    consecutive rows run in shared traces, each cell from the group's lowest layer."""
+    consecutive rows run in shared traces (packed: each cell from its own layer and position,
+    tests/test_prefix.py)."""
     seen = []
     fast = pipatch.patch(model, **PAIR, on_row=lambda r, view, layer: seen.append((layer, r.meta["engine"]["traces"])))
     plain = pipatch.patch(model, **PAIR, fast=False)
@@ -44,18 +45,17 @@ def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     traces = [n for _, n in seen]
     assert traces[0] == 1  # layer 17: only its last position needs a forward
     assert len(set(traces)) <= 8 and fast.meta["engine"]["traces"] < 17, traces  # rows finished together
-    # Rows of many cells (10 seeds × 7 positions from the subject on: 70 a row) keep their own
-    # traces: even rows 1 and 0, one block apart, would recompute 280 positions through a
-    # block, more than one more trace costs (JOIN_COST × 17 blocks = 272). Their probability
-    # reads the whole unembedding, so after the first row (alone) consecutive rows finish
-    # together, up to SHARE_ROWS rows (and SHARE_POSITIONS read positions): one pass for all.
+    # Rows of many cells (10 seeds × 7 positions from the subject on: 70 a row) share traces
+    # too, packed, while the run holds at most batch_size (256) cells: three rows. Their
+    # probability reads the whole unembedding, so one more row finishes with them, in traces
+    # of its own, up to SHARE_ROWS rows (and SHARE_POSITIONS read positions): one pass for all.
     seen.clear()
     r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid",
                       on_row=lambda r, view, layer: seen.append(r.meta["engine"]["traces"]))
     assert seen[0] < seen[1] and seen.count(seen[0]) == 1, seen
     together = collections.Counter(seen[1:]).values()
     assert max(together) == min(SHARE_ROWS, SHARE_POSITIONS // 70) and len(seen) == 18, seen
-    assert r.meta["engine"]["traces"] >= 1 + 2 * 17, r.meta["engine"]  # no row shares another's traces
+    assert r.meta["engine"]["batch_size"] == 256 and r.meta["engine"]["traces"] < 18, r.meta["engine"]
     # Filled without a forward, per seed: the top row's positions 2-7 (unread) and positions 0-1
     # of every row, before the subject. There the clean and noised runs' states differ by
     # rounding only (one run alone, ten batched): restoring them changes nothing.

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import pipatch
+from pipatch._api import plan_patch
 from pipatch._engine import EngineError
 from tests.conftest import COLOSSEUM, EIFFEL
 
@@ -62,25 +63,25 @@ def test_a_failing_batch_is_named_and_finished_rows_are_kept(model):
     calls = {"n": 0}
 
     def fault(module, args, output):
-        if output.shape[0] > 1:
+        if output.shape[1] > 20:
             calls["n"] += 1
-            if calls["n"] == 4:
+            if calls["n"] == 3:
                 raise RuntimeError("injected fault")
 
     handle = block.register_forward_hook(fault)
     try:
-        with pytest.raises(EngineError, match=r"batch 1 of layers 9–0 \(70 cells\).*injected fault") as info:
-            pipatch.patch(model, **PAIR)
+        with pytest.raises(EngineError, match=r"batch 1 of layers 8–5 \(28 cells\).*injected fault") as info:
+            pipatch.patch(model, **PAIR, batch_size=28)
     finally:
         handle.remove()
     partial = info.value.partial
-    # Block 5's batches: the clean and corrupt baselines (one trace), then rows from the last
-    # layer down, in shared traces: 17 (one cell, not counted), 16-15 and 14-10 (block 5
-    # skipped with cached values, its hook still called), then 9-0 from block 1, whose first
-    # trace fails. Rows 17 to 10 are finished.
-    assert partial.status == "failed" and partial.rows_done["resid"] == 8
-    assert list(partial.finished_rows()) == list(range(10, 18)) and torch.isfinite(partial.raw["resid"][:, 10:]).all()
-    assert torch.isnan(partial.raw["resid"][:, :10, 2:]).all()
+    # Block 5's runs longer than 20 positions: not the baselines (9), nor row 17 (its last
+    # position only), but the rows from 16 down, four rows of 7 cells sharing one packed trace
+    # (batch_size 28): 16-13 and 12-9 (block 5 skipped with cached values, its hook still
+    # called), then 8-5, whose trace fails. Rows 17 to 9 are finished.
+    assert partial.status == "failed" and partial.rows_done["resid"] == 9
+    assert list(partial.finished_rows()) == list(range(9, 18)) and torch.isfinite(partial.raw["resid"][:, 9:]).all()
+    assert torch.isnan(partial.raw["resid"][:, :9, 2:]).all()
 
 
 def test_out_of_memory_halves_the_batch_and_changes_no_number(model):
@@ -88,7 +89,7 @@ def test_out_of_memory_halves_the_batch_and_changes_no_number(model):
     block = model._module.model.layers[-1]
 
     def small_memory(module, args, output):
-        if output.shape[0] > 4:
+        if output.shape[:2].numel() > 48:  # more positions in all than 48
             raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 1 GiB")
 
     handle = block.register_forward_hook(small_memory)
@@ -96,28 +97,31 @@ def test_out_of_memory_halves_the_batch_and_changes_no_number(model):
         r = pipatch.patch(model, **PAIR, batch_size=16)
     finally:
         handle.remove()
-    assert r.status == "done" and r.meta["engine"]["max_invokes"] <= 4
+    assert r.status == "done" and r.meta["engine"]["max_invokes"] <= 8
     assert torch.allclose(r.raw["resid"], reference.raw["resid"], atol=1e-5)
 
 
 def test_nan_from_the_model_flags_the_row(model):
-    block = model._module.model.layers[9]
+    block = model._module.model.layers[9].mlp  # inside the block: what the block computes
 
     def poison(module, args, output):
-        if output.shape[0] > 2:  # not the baselines' trace (clean and corrupt)
-            return torch.full_like(output, float("nan"))
+        return torch.full_like(output, float("nan"))
 
+    plan = plan_patch(model, **PAIR)  # the baselines unpoisoned; every patched run poisoned
     handle = block.register_forward_hook(poison)
     try:
-        r = pipatch.patch(model, **PAIR)
+        r = plan.run()
     finally:
         handle.remove()
-    # Rows up to 9 read block 9's (poisoned) output, and so do the rows that share their traces
-    # (run from the lowest layer among them); the last rows start from cached states.
+    # Rows up to 8 run block 9 (each cell from the layer above its row) and read its poisoned
+    # output; the rows above take the base run's cached output of block 9 instead. Packed
+    # traces hold rows of both kinds, and a NaN reaches every cell of its trace through
+    # attention: those cells are rerun unpacked, so only the rows that ran block 9 are NaN.
     raw = r.raw["resid"][0]
     poisoned = {row for row in range(18) if torch.isnan(raw[row, 2:]).all()}
-    assert set(range(10)) <= poisoned and {16, 17}.isdisjoint(poisoned)
+    assert poisoned == set(range(9))
     assert all(torch.isfinite(raw[row]).all() for row in set(range(18)) - poisoned)
+    assert torch.allclose(raw[9:], pipatch.patch(model, **PAIR).raw["resid"][0, 9:], atol=1e-5)
     assert {row for _, row in r.meta["engine"]["nonfinite_rows"]} == poisoned
     assert any("NaN/Inf" in w for w in r.warnings)
 

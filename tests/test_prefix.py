@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._api import plan_trace
+from pipatch._api import plan_patch, plan_trace
 from pipatch._backends.transformers import TransformersBackend
 from pipatch._cells import Base, Cell, Metric, Op
 from pipatch._engine import TRACE_COST, _is_unread, batches
@@ -36,6 +36,8 @@ from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
 CLEAN = "John went to the store and Mary gave a book to him . The Eiffel Tower is in the city of"
 CORRUPT = "John went to the store and Mary gave a book to him . The Big Ben is in the city of"
 ATOL = 1e-4
+# Families whose batches are not packed: BLOOM's ALiBi biases come from a 2-D mask.
+NOT_PACKED = ["bloom"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,17 +54,33 @@ def backends(family: str) -> tuple[TransformersBackend, TransformersBackend]:
     return TransformersBackend(model), TransformersBackend(model, reuse_prefix=False)
 
 
+@functools.cache
+def unpacked(family: str) -> TransformersBackend:
+    """Prefix reuse without packing: a batch's cells start at the first position among them."""
+    return TransformersBackend(backends(family)[0].model, pack=False)
+
+
 @contextlib.contextmanager
-def run_lengths(backend):
-    """The sequence lengths the last block ran on, while the block is hooked."""
+def run_lengths(backend, every_block=False):
+    """(batch rows, length) of each run of the last block's MLP (or of every block's), while
+    hooked: what the block really computed, after nnsight's skips and narrowed inputs."""
     blocks = _get(backend._hf, backend.adapter.blocks)
-    seen: list[int] = []
-    handle = blocks[-1].register_forward_pre_hook(lambda module, args, kwargs: seen.append(
-        (args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True)
+    seen: list[tuple[int, int]] = []
+    handles = [_get(block, backend.adapter.mlp).register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        tuple((args[0] if args else next(iter(kwargs.values()))).shape[:2])), with_kwargs=True)
+        for block in (blocks if every_block else blocks[-1:])]
     try:
         yield seen
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+
+
+def computed(backend, fn, **kwargs):
+    """``fn(backend, **kwargs)`` and the positions its runs' blocks computed in all."""
+    with run_lengths(backend, every_block=True) as seen:
+        got = fn(backend, **kwargs)
+    return got, sum(rows * length for rows, length in seen)
 
 
 def same(on, off, views, what):
@@ -72,15 +90,21 @@ def same(on, off, views, what):
         assert torch.allclose(a, b, atol=ATOL, rtol=0), (what, view, float((a - b).abs().max()))
 
 
-def compare(family, fn, views, what, **kwargs):
-    """``fn`` with reuse on and off: equal grids, and the reusing run started later."""
+def compare(family, fn, views, what, packs=True, **kwargs):
+    """``fn`` with reuse on (packed where the family packs, and not packed) and off: equal
+    grids; reuse computed fewer positions than no reuse, and packing, where its cells start
+    at different positions (``packs``), fewer than not packing."""
     on, off = backends(family)
-    n_tokens = len(on.tokenizer(CLEAN).input_ids)
-    with run_lengths(on) as seen:
-        got = fn(on, **kwargs)
-    want = fn(off, **kwargs)
+    packs = packs and family not in NOT_PACKED
+    got, n_packed = computed(on, fn, **kwargs)
+    grouped, n_grouped = computed(unpacked(family), fn, **kwargs)
+    want, n_all = computed(off, fn, **kwargs)
     same(got, want, views, what)
-    assert min(seen) < n_tokens, (what, "no run started after position 0", seen)
+    same(grouped, want, views, (what, "unpacked"))
+    assert n_grouped < n_all, (what, "no run started after position 0")
+    assert n_packed <= n_grouped, (what, n_packed, n_grouped)
+    if packs:
+        assert n_packed < n_grouped, (what, "packing computed no fewer positions", n_packed, n_grouped)
     return got
 
 
@@ -95,7 +119,7 @@ def test_patching_every_site_and_direction_equals_reuse_off(family):
         # A head grid patches its positions all at once: the last three, so it can start late.
         where = {"positions": list(range(n_tokens - 3, n_tokens))} if site == "head" else {}
         for direction in ("denoise", "noise"):
-            compare(family, pipatch.patch, [site], (site, direction), clean=CLEAN, corrupt=CORRUPT,
+            compare(family, pipatch.patch, [site], (site, direction), packs=site != "head", clean=CLEAN, corrupt=CORRUPT,
                     answer=" Paris", foil=" Rome", site=site, direction=direction, **where)
 
 
@@ -110,9 +134,60 @@ def test_tracing_with_noise_windows_and_seeds_equals_reuse_off(family):
 def test_multi_token_answers_equal_reuse_off(family):
     """Two inputs per cell (the foil diverges before its last token): the cache holds one row
     per input, both from the same base run."""
-    result = compare(family, pipatch.patch, ["resid"], "multi-token", clean=CLEAN, corrupt=CORRUPT,
+    result = compare(family, pipatch.patch, ["resid"], "multi-token", packs=False, clean=CLEAN, corrupt=CORRUPT,
                      answer=" Paris France", foil=" Rome Italy")
     assert result.metric == "logprob_diff"
+
+
+def exact_cost(backend, plan):
+    """Run ``plan``: the positions its blocks computed, and what its cells need — each cell
+    its own positions (from its first written one) through the blocks from its ``start`` up —
+    and the traces that held cells of different ``start``."""
+    n_layers, needed, mixed = backend.adapter.n_layers, [], []
+    packed = backend._trace_packed
+
+    def counting(base, cells, metric):
+        L = metric.inputs(base.input_ids).shape[1]
+        needed.append(sum((L - min(c.first_position, L - metric.n_read)) * (n_layers - c.start) for c in cells))
+        mixed.append(len({c.start for c in cells}) > 1)
+        return packed(base, cells, metric)
+
+    backend._trace_packed = counting
+    try:
+        with run_lengths(backend, every_block=True) as seen:
+            result = plan.run()
+    finally:
+        del backend._trace_packed
+    return result, sum(rows * length for rows, length in seen), sum(needed), any(mixed)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2", "falcon", "embedded"])
+def test_a_packed_cell_computes_only_its_own_layers_and_positions(family, request):
+    """Packed, rows of different layers share traces and each cell still runs only the blocks
+    from its ``start`` up, at its positions from its first written one: the blocks compute
+    exactly the sum of that over the cells — no more — with the same grid as no reuse."""
+    if family == "embedded":
+        model = request.getfixturevalue("model")
+        backend, off = TransformersBackend(model), TransformersBackend(model, reuse_prefix=False)
+        kwargs = dict(clean="The Eiffel Tower is in the city of", corrupt="The Colosseum is in the city of")
+    else:
+        (backend, off), kwargs = backends(family), dict(clean=CLEAN, corrupt=CORRUPT)
+    for site in ("resid", "mlp"):
+        plan = plan_patch(backend, answer=" Paris", foil=" Rome", site=site, **kwargs)
+        result, ran, needed, mixed = exact_cost(backend, plan)
+        assert ran == needed and mixed, (site, ran, needed, mixed)
+        same(result, pipatch.patch(off, answer=" Paris", foil=" Rome", site=site, **kwargs), [site], site)
+    plan = plan_trace(backend, kwargs["clean"], subject="Eiffel Tower", answer=" Paris", seeds=3, scale=3.0)
+    result, ran, needed, mixed = exact_cost(backend, plan)
+    assert ran == needed and mixed, ("trace", ran, needed, mixed)
+    same(result, pipatch.trace(off, kwargs["clean"], subject="Eiffel Tower", answer=" Paris", seeds=3, scale=3.0),
+         ["resid"], "trace")
+
+
+def test_every_family_but_alibi_packs():
+    """Packing needs ``position_ids`` and a 4-D mask the attention takes: every tiny family
+    but BLOOM (checked above to compute fewer positions packed than not)."""
+    assert [f for f in FAMILIES + VARIANTS + SUBLAYER_REFUSED if backends(f)[0]._masks is None] == NOT_PACKED
 
 
 def test_path_patching_falls_back_to_position_0():
@@ -123,7 +198,7 @@ def test_path_patching_falls_back_to_position_0():
     with run_lengths(on) as seen:
         got = pipatch.path_patch(on, **kwargs)
     same(got, pipatch.path_patch(off, **kwargs), got.raw, "path")
-    assert min(seen) == n_tokens
+    assert all(length % n_tokens == 0 for _, length in seen), seen  # whole runs (packed or not)
 
 
 def test_a_model_without_a_cache_argument_runs_from_position_0():
@@ -136,7 +211,7 @@ def test_a_model_without_a_cache_argument_runs_from_position_0():
     kwargs = dict(clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
     with run_lengths(plain) as seen:
         got = pipatch.patch(plain, **kwargs)
-    assert min(seen) == n_tokens
+    assert min(length for _, length in seen) == n_tokens
     same(got, pipatch.patch(backends("qwen2")[0], **kwargs), ["resid"], "no cache")
 
 
@@ -151,12 +226,13 @@ def test_embedded_model_sites_and_trace_equal_reuse_off(model):
         (pipatch.patch, dict(pair, site="mlp", direction="noise"), "mlp"),
         (pipatch.trace, dict(prompt=pair["clean"], subject="Eiffel Tower", answer=" Paris", seeds=2, window=3), "resid"),
     ]
-    n_tokens = len(on.tokenizer(pair["clean"]).input_ids)
+    grouped = TransformersBackend(model, pack=False)
     for fn, kwargs, view in cases:
-        with run_lengths(on) as seen:
-            got = fn(on, **kwargs)
-        same(got, fn(off, **kwargs), [view], view)
-        assert min(seen) < n_tokens, (view, seen)
+        got, n_packed = computed(on, fn, **kwargs)
+        want, n_all = computed(off, fn, **kwargs)
+        same(got, want, [view], view)
+        same(computed(grouped, fn, **kwargs)[0], want, [view], view)
+        assert n_packed < n_all, (view, n_packed, n_all)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,12 @@ class Described:
         (the engine then groups cells by it). No, unless a backend says so."""
         return False
 
+    def pack_tokens(self, base: Any, metric: Any) -> int:
+        """How many positions one trace holds where ``run`` packs each cell of ``base`` from its
+        own first written position (the engine then cuts a row's cells into traces of about
+        that many), or 0: it does not. Not, unless a backend says so."""
+        return 0
+
     def captures(self, prompts: Sequence[Any], metric: Any, sites: Sequence[Any] = ()) -> list[Any]:
         """Each prompt's :meth:`capture` ([1, T] ids each, one length). A backend may run them
         together: the transformers backend runs them in one trace."""
