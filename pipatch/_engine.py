@@ -12,16 +12,20 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
   they come from agrees with the base run: :attr:`Sweep.agrees_before`), or that the metric
   cannot see (:func:`_is_unread`), with the base metric, without running the model (``fast``
   only);
-* lets consecutive rows of few cells share their traces, each cell then starting at the
-  lowest layer among them (:func:`_joins`), and rows whose metric reads the whole
-  unembedding finish together, one pass over it for all (:func:`_shares`); the first row
-  always runs alone, to show soonest;
-* groups the rest into batches of at most ``batch_size`` invokes that share their ``start``
-  layer (and, where the backend reuses prefixes, about the same first written position:
-  :func:`batches`), each one nnsight trace (the transformers backend: one invoke holding every
-  cell's rows; vLLM: one invoke per cell), and hands the backend a row's consecutive batches
-  of at most ``batch_size`` cells in all at once (``backend.run_many``: the transformers
-  backend then computes all their metrics in one product with the unembedding);
+* lets consecutive rows share their traces (:func:`_joins`): where the backend packs cells
+  (each from its own layer and position: the transformers backend) while the rows hold at
+  most ``batch_size`` cells, else for rows of few cells, each cell then starting at the
+  lowest layer among them; and rows whose metric reads the whole unembedding finish
+  together, one pass over it for all (:func:`_shares`); the first row always runs alone, to
+  show soonest;
+* cuts the rest into batches of at most ``batch_size`` invokes (:func:`batches`): packed,
+  traces of about the backend's ``pack_tokens`` positions; otherwise batches that share
+  their ``start`` layer (and, where the backend reuses prefixes, about the same first
+  written position). Each batch is one nnsight trace (the transformers backend: one invoke
+  holding every cell's rows; vLLM: one invoke per cell), and the backend gets a row's
+  consecutive batches of at most ``batch_size`` cells in all at once (``backend.run_many``:
+  the transformers backend then computes all their metrics in one product with the
+  unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
   row so a front end can draw it live, and checks ``stop`` between batches.
 
@@ -432,7 +436,8 @@ class _Run:
     """Consecutive rows of one sweep that run together, and finish together.
 
     ``parts`` are the rows' pending cells: the cells of one part share their traces, each
-    started at the part's lowest ``start`` (:func:`_joins`); all the parts' batches go to the
+    started at the part's lowest ``start`` unless the backend packs (:func:`_joins`); all the
+    parts' batches go to the
     backend in one call, so it can compute their metrics in one pass over the unembedding
     (:func:`_shares`). ``filled`` are the cells that need no forward (:func:`_pending`),
     stored when the run finishes.

@@ -24,7 +24,7 @@ import torch
 
 import pipatch
 from pipatch._api import plan_patch, plan_trace
-from pipatch._backends.transformers import TransformersBackend
+from pipatch._backends.transformers import ROW_TOKENS, TransformersBackend, _layout
 from pipatch._cells import Base, Cell, Metric, Op
 from pipatch._engine import TRACE_COST, _is_unread, batches
 from pipatch._models import _get
@@ -140,15 +140,21 @@ def test_multi_token_answers_equal_reuse_off(family):
 
 
 def exact_cost(backend, plan):
-    """Run ``plan``: the positions its blocks computed, and what its cells need — each cell
-    its own positions (from its first written one) through the blocks from its ``start`` up —
-    and the traces that held cells of different ``start``."""
+    """Run ``plan``: the positions its blocks computed; what its cells need — each cell its
+    own positions (from its first written one) through the blocks from its ``start`` up —
+    plus the padding of their rows (:func:`_layout`: a row is padded to the widest, and runs
+    the blocks from its cells' ``start`` up); and whether a trace held cells of different
+    ``start``."""
     n_layers, needed, mixed = backend.adapter.n_layers, [], []
     packed = backend._trace_packed
 
     def counting(base, cells, metric):
         L = metric.inputs(base.input_ids).shape[1]
-        needed.append(sum((L - min(c.first_position, L - metric.n_read)) * (n_layers - c.start) for c in cells))
+        lengths = [L - min(c.first_position, L - metric.n_read) for c in cells]
+        rows = _layout([c.start for c in cells], lengths)
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        pad = sum((width - sum(lengths[i] for i in row)) * (n_layers - cells[row[0]].start) for row in rows)
+        needed.append(sum(n * (n_layers - c.start) for n, c in zip(lengths, cells)) + pad)
         mixed.append(len({c.start for c in cells}) > 1)
         return packed(base, cells, metric)
 
@@ -165,7 +171,8 @@ def exact_cost(backend, plan):
 def test_a_packed_cell_computes_only_its_own_layers_and_positions(family, request):
     """Packed, rows of different layers share traces and each cell still runs only the blocks
     from its ``start`` up, at its positions from its first written one: the blocks compute
-    exactly the sum of that over the cells — no more — with the same grid as no reuse."""
+    the sum of that over the cells and their rows' padding (none on the embedded model's
+    grids: test_the_layout_of_a_grid_pads_little), no more, with the same grid as no reuse."""
     if family == "embedded":
         model = request.getfixturevalue("model")
         backend, off = TransformersBackend(model), TransformersBackend(model, reuse_prefix=False)
@@ -182,6 +189,32 @@ def test_a_packed_cell_computes_only_its_own_layers_and_positions(family, reques
     assert ran == needed and mixed, ("trace", ran, needed, mixed)
     same(result, pipatch.trace(off, kwargs["clean"], subject="Eiffel Tower", answer=" Paris", seeds=3, scale=3.0),
          ["resid"], "trace")
+
+
+def padding(starts, lengths):
+    """The rows :func:`_layout` makes, and the share of their slots that is padding."""
+    rows = _layout(starts, lengths)
+    assert sorted(i for row in rows for i in row) == list(range(len(starts)))
+    assert all(len({starts[i] for i in row}) == 1 for row in rows)  # one start a row
+    assert [starts[row[0]] for row in rows] == sorted((starts[row[0]] for row in rows), reverse=True)
+    fills = [sum(lengths[i] for i in row) for row in rows]
+    return rows, 1 - sum(fills) / (max(fills) * len(rows))
+
+
+def test_the_layout_of_a_grid_pads_little():
+    """Rows of about ROW_TOKENS positions, one start each, of about equal length: the grids of
+    the benchmark pad nothing, a sweep over every position of a 128-token prompt under 1 %."""
+    # A 10-seed trace's rows from the subject on (positions 2-8 of 9), three layers a trace.
+    cells = [(layer, 9 - p) for layer in (16, 15, 14) for _ in range(10) for p in range(2, 9)]
+    rows, pad = padding(*zip(*cells))
+    assert pad == 0 and all(sum(9 - p for p in range(2, 9)) * 10 // 5 <= ROW_TOKENS for _ in rows)
+    # The resid patching grid: 17 rows of 7 cells (positions 2-8).
+    assert padding(*zip(*[(layer, 9 - p) for layer in range(1, 18) for p in range(2, 9)]))[1] == 0
+    # Every position of a 128-token prompt: cells of 128 down to 1 position.
+    rows, pad = padding([5] * 128, [128 - p for p in range(128)])
+    assert pad < 0.01 and len(rows) == 65
+    # A cell longer than ROW_TOKENS gets a row of its own.
+    assert padding([3, 3], [ROW_TOKENS + 10, 2])[0] == [[0], [1]]
 
 
 def test_every_family_but_alibi_packs():
@@ -302,8 +335,9 @@ def test_a_rows_batches_finish_together_with_the_same_numbers(family):
     ``run_many`` call, which computes every cell's probability in one product with the
     unembedding: the same numbers as each batch run alone."""
     backend = backends(family)[0]
-    # Ten seeds: ten cells per position, too many to start every position's cells at one.
-    plan = plan_trace(backend, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0)
+    # Ten seeds: ten cells per position, too many to start every position's cells at one;
+    # packed, traces of at most 32 cells: a row's 90 in several.
+    plan = plan_trace(backend, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0, batch_size=32)
     sweep = plan.sweeps[0]
     groups = batches(list(sweep.cells(0)), 256, prefix_reuse=True)
     assert len(groups) > 1 and sweep.metric.token_ids is None  # several traces; a full softmax

@@ -23,11 +23,12 @@ Four exact shortcuts, used when the engine asks for ``fast=True`` (tests compare
   batch (and so its ``p``: the smallest of theirs) is the engine's choice
   (:func:`pipatch._engine.batches`).
 * **Pack each cell from its own position.** Where the model takes ``position_ids`` and a
-  4-D attention mask (every family here but ALiBi's BLOOM), a batch's cells are laid one
-  after another in one sequence, each from its own first written position, and a mask keeps
-  each to what its own run would see (:class:`_Packed`): no cell recomputes positions before
-  its own because another cell of its batch writes earlier. A 10-seed causal trace then
-  computes a third fewer positions.
+  4-D attention mask (every family here but ALiBi's BLOOM), a batch's cells are laid side by
+  side in rows of about :data:`ROW_TOKENS` positions, each from its own first written
+  position, one ``start`` layer a row, and a mask keeps each to what its own run would see
+  (:class:`_Packed`): no cell recomputes positions before its own, or blocks below its own,
+  because another cell of its batch writes earlier or lower. A 10-seed causal trace then
+  computes a third fewer positions, and rows of several grid rows share one trace.
 * **Unembed one position.** The metric needs the last position only (the last few for a
   multi-token answer), and a logit difference needs two rows of the unembedding, not 262k: the
   invoke reads the unembedding's *input* at those positions and skips the unembedding; :meth:`TransformersBackend.logits` computes
@@ -51,12 +52,12 @@ from ._described import Described
 
 __all__ = ["TransformersBackend"]
 
-# Positions per packed trace (:class:`_Packed`). Packed cells attend through one mask over
-# every cell's positions and cached keys, so attention grows with the square of the pack
-# while the rest of a block grows with it: 256 positions of Gemma 3 270M cost about 10 %
-# more attention than 256 separate positions would, and run the block's matrix products
-# near this CPU's peak.
-PACK_TOKENS = 512
+# Positions per packed trace (:class:`_Packed`), all its rows together: enough to run each
+# block's matrix products near this CPU's peak.
+PACK_TOKENS = 1024
+# Positions per row of a packed trace (:func:`_layout`): a row's attention runs over all its
+# positions, so a row of 64 costs Gemma 3 270M about 3 % of its block.
+ROW_TOKENS = 64
 
 
 class TransformersBackend(Described):
@@ -161,44 +162,47 @@ class TransformersBackend(Described):
 
     def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
                  noise: torch.Tensor | None = None, noise_positions: list[int] | None = None) -> Capture:
-        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) plus, given ``noise``, draw ``i``."""
+        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) plus, given ``noise``, draw ``i``; all
+        of them one batch of one invoke. The metric is read as a patched run's is
+        (:meth:`metric_from_hidden`: the unembedding's rows the metric needs, never the whole
+        vocabulary's logits), so a cell that changes nothing gives the base metric exactly."""
         model, adapter = self.model, self.adapter
-        n = len(prompts)
+        n, k = len(prompts), metric.n_inputs
         T, m = prompts[0].shape[1], metric.n_read
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         layers = range(adapter.n_layers)
+        unembed = adapter.unembedding(model)
         cache = self._new_cache()
         kwargs = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
-        with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
-            runs = list().save()
-            for i in range(n):
-                with tracer.invoke(metric.inputs(prompts[i])):
-                    embedded = adapter.embedding(model).output
-                    if noise is not None:
-                        embedded[:, noise_positions] += noise[i].to(embedded.dtype)
-                    embedded_copy = embedded[:1, :T].clone()
-                    blocks = []
-                    values = {s.name: [] for s in keep}
-                    for layer in layers:
-                        for s in keep:
-                            values[s.name].append(s.value(adapter, model, layer)[:1, :T].clone())
-                        out = adapter.block(model, layer).output
-                        blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
-                                      if isinstance(out, tuple) else out.clone())
-                    logits = model.output.logits[:, -m:].float()
-                    runs.append((blocks, values, logits, embedded_copy))
-        blocks = [_cat([r[0][layer] for r in runs]) for layer in layers]
-        values = {s.name: [torch.cat([r[1][s.name][layer] for r in runs]) for layer in layers] for s in keep}
-        values[RESID.name] = [first(b)[:: metric.n_inputs, :T] for b in blocks]
-        logits = torch.stack([r[2] for r in runs])  # [n, inputs, n_read, vocab]
+        with torch.no_grad(), model.trace(**kwargs) as tracer:
+            saved = list().save()
+            with tracer.invoke(torch.cat([metric.inputs(prompt) for prompt in prompts])):
+                embedded = adapter.embedding(model).output
+                if noise is not None:
+                    embedded[:, noise_positions] += noise.repeat_interleave(k, dim=0).to(embedded.dtype)
+                embedded_copy = embedded[::k, :T].clone()
+                blocks = []
+                values = {s.name: [] for s in keep}
+                for layer in layers:
+                    for s in keep:
+                        values[s.name].append(s.value(adapter, model, layer)[::k, :T].clone())
+                    out = adapter.block(model, layer).output
+                    blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+                                  if isinstance(out, tuple) else out.clone())
+                final = unembed.input
+                hidden = final[:, -m:].clone()
+                unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
+                saved.append((blocks, values, hidden, embedded_copy))
+        blocks, values, hidden, embedded = saved[0]
+        values[RESID.name] = [first(b)[::k, :T] for b in blocks]
         keys = None
         if cache is not None and len(cache.layers) == adapter.n_layers:
             # One row per run (the inputs share the prompt), prompt positions only.
-            keys = [(layer.keys[:: metric.n_inputs, :, :T], layer.values[:: metric.n_inputs, :, :T])
-                    for layer in cache.layers]
-        return Capture(blocks=blocks, sites=values, metric=metric.score(logits),
-                       embedded=torch.cat([r[3] for r in runs]), prob=metric.answer_prob(logits),
-                       inputs=metric.n_inputs, keys=keys)
+            keys = [(layer.keys[::k, :, :T], layer.values[::k, :, :T]) for layer in cache.layers]
+        value = self.metric_from_hidden(metric, hidden.reshape(n, k, m, -1))
+        # P(answer), which causal tracing judges its noise by: its metric, or the metric's exp.
+        prob = {"prob": value, "logprob": value.exp()}.get(metric.name)
+        return Capture(blocks=blocks, sites=values, metric=value, embedded=embedded, prob=prob, inputs=k, keys=keys)
 
     def _new_cache(self) -> Any:
         """An empty key/value cache for a base run, or ``None`` where the model takes none.
@@ -364,9 +368,9 @@ class TransformersBackend(Described):
                            reads: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """A packed trace's result, with the cells whose states came out NaN/Inf rerun unpacked.
 
-        Packed cells share one attention: a masked-out key still enters the product, with
-        weight 0, and 0 × NaN is NaN, so a NaN in one cell's states reaches every cell beside
-        it. Rerun unpacked, in batches of one ``start`` each (no cell then computes blocks below
+        Packed cells of a row share one attention: a masked-out key still enters the product,
+        with weight 0, and 0 × NaN is NaN, so a NaN in one cell's states reaches every cell of
+        its row. Rerun unpacked, in batches of one ``start`` each (no cell then computes blocks below
         its own), a cell's NaN is its own, as in a run of its own; the others come out finite.
         """
         bad = [i for i in range(len(cells)) if not torch.isfinite(out[i]).all()]
@@ -381,18 +385,17 @@ class TransformersBackend(Described):
         return out, reads
 
     def _trace_packed(self, base: Base, cells: list[Cell], metric: Metric) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """:meth:`_trace` (``fast``, one input per cell) with the cells packed into one sequence,
-        each from its own first written position and its own ``start`` layer (:class:`_Packed`)."""
+        """:meth:`_trace` (``fast``, one input per cell) with the cells packed into rows, each
+        from its own first written position and its own ``start`` layer (:class:`_Packed`)."""
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
         windows, eager = self._masks
         pack = _Packed(cells, base, metric, windows, self.dtype if eager else None)
-        below = min(cell.start for cell in cells)
-        ops = sorted(((op, i) for i, cell in enumerate(cells) for op in cell.sorted_ops()), key=lambda pair: pair[0].key)
-        by_layer: dict[int, list[tuple[Any, int]]] = {}
-        for op, i in ops:
-            by_layer.setdefault(op.layer, []).append((op, i))
-        # The mask and positions go to the forward as they are (a trace's keyword arguments;
+        ops: dict[int, list[tuple[Any, int]]] = {}
+        for op, i in sorted(((op, i) for i, cell in enumerate(cells) for op in cell.sorted_ops()),
+                            key=lambda pair: pair[0].key):
+            ops.setdefault(op.layer, []).append((op, i))
+        # The masks and positions go to the forward as they are (a trace's keyword arguments;
         # an invoke's would be batched by nnsight, which takes no dict of masks).
         kwargs = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
         if pack.n_cached:
@@ -401,39 +404,40 @@ class TransformersBackend(Described):
             outs = list().save()
             recorded = list().save()
             with tracer.invoke(input_ids=pack.input_ids):
-                if base.noise is not None and below == 0 and pack.noise_at:
+                if base.noise is not None and pack.active[0] < pack.n_rows and pack.noise is not None:
                     embedded = adapter.embedding(model).output
-                    embedded[:, pack.noise_at] += pack.noise.to(embedded.dtype)
+                    embedded[pack.noise_at] += pack.noise.to(embedded.dtype)
                 reads: list[list[Any]] = [[] for _ in cells]
                 for layer in range(adapter.n_layers):
                     block = adapter.block(model, layer)
-                    # The block runs the cells that start at or below it: the sequence's last
-                    # ``n_positions - active`` positions; the rest take the base run's output.
-                    active = pack.active_from(layer)
-                    if active == pack.n_positions:
-                        block.skip(pack.base_states(layer, active, whole=True))
-                    elif active:
+                    # The block runs the rows whose cells start at or below it: rows ``active``
+                    # on; the rows before take the base runs' output of the block.
+                    active = pack.active[layer]
+                    partly = 0 < active < pack.n_rows
+                    if active == pack.n_rows:
+                        block.skip(pack.base_output(layer))
+                    elif partly:
                         args, kw = block.inputs
                         block.inputs = pack.narrowed(args, active), pack.narrowed(kw, active)
                     values: dict[str, Any] = {}
-                    for op, i in by_layer.get(layer, ()):
-                        inside = op.site.where != "block"  # a site the block computes: narrowed
+                    for op, i in ops.get(layer, ()):
+                        inside = op.site.where != "block"  # a site the block computes: its rows only
                         if op.site.name not in values:
-                            values[op.site.name] = (pack.widen(block, layer, active)
-                                                    if not inside and 0 < active < pack.n_positions else op.site.value(adapter, model, layer))
-                        span = pack.spans[i]
-                        shift = active if inside else 0
-                        rows = values[op.site.name][:, span.start - shift : span.stop - shift]
+                            values[op.site.name] = (pack.widen(block, layer) if partly and not inside
+                                                    else op.site.value(adapter, model, layer))
+                        row, span = pack.spans[i]
+                        row -= active if inside else 0
+                        where = values[op.site.name][row : row + 1, span]
                         if op.value is None:
-                            reads[i].append(rows[op.index_from(pack.starts[i])].clone())
+                            reads[i].append(where[op.index_from(pack.starts[i])].clone())
                         else:
-                            rows[op.index_from(pack.starts[i])] = op.value
-                    if 0 < active < pack.n_positions and RESID.name not in values:
-                        pack.widen(block, layer, active)
+                            where[op.index_from(pack.starts[i])] = op.value
+                    if partly and RESID.name not in values:
+                        pack.widen(block, layer)
                 recorded.extend(reads)
                 final = unembed.input
-                outs.append(final[0, pack.read_at])
-                unembed.skip(torch.zeros(1, pack.n_positions, 1, dtype=final.dtype, device=final.device))
+                outs.append(final[pack.read_at])
+                unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
         return outs[0].reshape(len(cells), 1, metric.n_read, -1), list(recorded)
 
     @torch.no_grad()
@@ -536,127 +540,181 @@ class TransformersBackend(Described):
         return list(values), list(reversed(list(grads))), float(value)
 
 
-def _cat(parts: list[Any], dim: int = 0) -> Any:
-    """Block outputs (a tensor, or a tuple whose first item is the hidden states) joined along
-    ``dim``: batch rows (0) or positions (1). A tuple's items that are not per position
-    (``dim`` 1) are the first part's."""
+def _cat(parts: list[Any]) -> Any:
     if isinstance(parts[0], tuple):
-        hidden = parts[0][0]
         return tuple(
-            torch.cat([p[i] for p in parts], dim) if isinstance(item, torch.Tensor)
-            and (dim == 0 or item.shape[:2] == hidden.shape[:2]) else item
-            for i, item in enumerate(parts[0])
+            torch.cat([p[i] for p in parts]) if isinstance(parts[0][i], torch.Tensor) else parts[0][i]
+            for i in range(len(parts[0]))
         )
-    return torch.cat(parts, dim)
+    return torch.cat(parts)
 
 
 class _Packed:
-    """Cells packed into one sequence, each from its own first written position and its own
+    """Cells packed into rows, each cell from its own first written position and its own
     ``start`` layer.
 
-    A batch of cells normally runs as rows of one width from one layer: every cell from the
+    Unpacked, a batch of cells runs as rows of one width from one layer: every cell from the
     batch's first written position and lowest ``start``, so a cell that writes later or
-    higher recomputes the base run's states below and before its own. Packed, cell ``i`` is
-    positions ``starts[i] … L − 1`` of its run, laid one after another in a single batch row
-    (``spans[i]``) with their own ``position_ids``, cells of higher ``start`` first. Block
-    ``k`` runs only the cells whose ``start`` is at most ``k``: the sequence from
-    :meth:`active_from` on (its inputs :meth:`narrowed`); the positions before take the base
-    run's output of that block (:meth:`widen`). The cached keys and values hold each seed's
-    base run before the latest start among its cells, and the attention mask lets a position
+    higher recomputes base-run states below and before its own. Packed, cell ``i`` is
+    positions ``starts[i] … L − 1`` of its run, laid beside other cells in one row
+    (``spans[i]``: its row and columns) with their own ``position_ids``. A row holds cells of
+    one ``start`` (:func:`_layout`), rows of higher ``start`` first, so block ``k`` runs the
+    rows from ``active[k]`` on (its inputs :meth:`narrowed` to them) and the rows before take
+    the base runs' output of the block (:meth:`widen`). Each row's cached keys and values are
+    its cells' seeds' base runs before their starts, and the attention mask lets a position
     see its own seed's cached positions before its cell's start and its own cell's positions
-    up to itself, within the layer's sliding window where it has one — what the cell's run
-    alone would see. A cell then costs exactly the layers above its patch at the positions
-    from its patch on.
+    up to itself, within the layer's sliding window where it has one: what the cell's run
+    alone would see. A cell then costs the layers above its patch at the positions from its
+    patch on, and its attention the keys its own run has; a row's padding (at most a few
+    per cent for the rows of a grid) is the only extra work.
     """
 
     def __init__(self, cells: list[Cell], base: Base, metric: Metric, windows: dict[str, int | None],
                  additive: torch.dtype | None):
         run_ids = metric.inputs(base.input_ids)[0]
-        L, m = run_ids.shape[0], metric.n_read
-        device = run_ids.device
-        self.base, self.cells = base, cells
+        L, m, device = run_ids.shape[0], metric.n_read, run_ids.device
+        self.base = base
         self.starts = [min(cell.first_position, L - m) for cell in cells]
-        # Cells of higher ``start`` first: the cells a block runs are always the sequence's end.
-        self.order = sorted(range(len(cells)), key=lambda i: -cells[i].start)
-        self.spans: list[slice] = [slice(0)] * len(cells)
-        at = 0
-        for i in self.order:
-            self.spans[i] = slice(at, at + L - self.starts[i])
-            at = self.spans[i].stop
-        self.n_positions = at
-        self.input_ids = torch.cat([run_ids[self.starts[i]:] for i in self.order])[None]
-        positions = torch.cat([torch.arange(self.starts[i], L) for i in self.order])
-        self.position_ids = positions[None].to(device)
-        self.read_at = [self.spans[i].stop - m + j for i in range(len(cells)) for j in range(m)]
-        # Each seed's cached positions: up to the latest start among its cells.
-        seeds = [cell.seed for cell in cells]
-        self.cached = {seed: max(b for s, b in zip(seeds, self.starts) if s == seed) for seed in dict.fromkeys(seeds)}
-        self.n_cached = sum(self.cached.values())
-        cached_seed = torch.cat([torch.full((n,), seed) for seed, n in self.cached.items()])
-        cached_position = torch.cat([torch.arange(n) for n in self.cached.values()])
-        cell_of = torch.cat([torch.full((self.spans[i].stop - self.spans[i].start,), i) for i in self.order])
-        seed_of, start_of = torch.tensor(seeds)[cell_of], torch.tensor(self.starts)[cell_of]
-        sees_cached = (cached_seed[None] == seed_of[:, None]) & (cached_position[None] < start_of[:, None])
-        sees_own = (cell_of[None] == cell_of[:, None]) & (positions[None] <= positions[:, None])
-        sees = torch.cat([sees_cached, sees_own], 1)
-        key_position = torch.cat([cached_position, positions])
+        rows = _layout([cell.start for cell in cells], [L - b for b in self.starts])
+        self.n_rows, width = len(rows), max(sum(L - self.starts[i] for i in row) for row in rows)
+        # What each slot of the [rows, width] layout holds: its cell (-1: padding, which sees
+        # only padding), seed and run position.
+        cell_at = torch.full((self.n_rows, width), -1)
+        seed_at = torch.zeros(self.n_rows, width, dtype=torch.long)
+        pos_at = torch.zeros(self.n_rows, width, dtype=torch.long)
+        start_at = torch.zeros(self.n_rows, width, dtype=torch.long)
+        self.spans: list[tuple[int, slice]] = [(0, slice(0))] * len(cells)
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                span = slice(at, at + L - self.starts[i])
+                self.spans[i] = (r, span)
+                cell_at[r, span], seed_at[r, span], start_at[r, span] = i, cells[i].seed, self.starts[i]
+                pos_at[r, span] = torch.arange(self.starts[i], L)
+                at = span.stop
+        # Rows of higher ``start`` first: block ``k`` runs rows ``active[k]`` on.
+        row_start = [cells[row[0]].start for row in rows]
+        n_layers = len(base.capture.blocks)
+        self.active = [next((r for r, s in enumerate(row_start) if s <= layer), self.n_rows) for layer in range(n_layers)]
+        self.seed_at, self.pos_at = seed_at.to(device), pos_at.to(device)
+        self.input_ids = run_ids[self.pos_at]
+        self.position_ids = self.pos_at
+        reads = [(self.spans[i][0], self.spans[i][1].stop - m + j) for i in range(len(cells)) for j in range(m)]
+        self.read_at = tuple(torch.tensor(index, device=device) for index in zip(*reads))
+        # Each row's cached positions: per seed among its cells, up to the latest start of them.
+        cached = [{} for _ in rows]
+        for r, row in enumerate(rows):
+            for i in row:
+                seed = cells[i].seed
+                cached[r][seed] = max(cached[r].get(seed, 0), self.starts[i])
+        self.n_cached = max(sum(row.values()) for row in cached)
+        K = self.n_cached
+        cache_seed = torch.zeros(self.n_rows, K, dtype=torch.long)
+        cache_pos = torch.zeros(self.n_rows, K, dtype=torch.long)
+        cache_used = torch.zeros(self.n_rows, K, dtype=torch.bool)
+        for r, row in enumerate(cached):
+            at = 0
+            for seed, n in row.items():
+                cache_seed[r, at : at + n], cache_pos[r, at : at + n] = seed, torch.arange(n)
+                cache_used[r, at : at + n] = True
+                at += n
+        self.cache_seed, self.cache_pos = cache_seed.to(device), cache_pos.to(device)
+        # [rows, width, K + width]: a slot sees a cached position of its own seed before its
+        # cell's start, and its own cell's positions up to its own.
+        sees_cached = (cache_used[:, None] & (cache_seed[:, None] == seed_at[:, :, None])
+                       & (cache_pos[:, None] < start_at[:, :, None]) & (cell_at[:, :, None] >= 0))
+        sees_own = (cell_at[:, :, None] == cell_at[:, None]) & (pos_at[:, None] <= pos_at[:, :, None])
+        sees = torch.cat([sees_cached, sees_own], -1)
+        key_pos = torch.cat([cache_pos, pos_at], -1)
         masks = {}
         for kind, window in windows.items():
-            allowed = sees if window is None else sees & (positions[:, None] - key_position[None] < window)
-            allowed = allowed[None, None].to(device)
+            allowed = sees if window is None else sees & (pos_at[:, :, None] - key_pos[:, None] < window)
+            allowed = allowed[:, None].to(device)
             # SDPA takes the mask as booleans; eager attention adds it to the scores.
             masks[kind] = allowed if additive is None else torch.zeros(
                 allowed.shape, dtype=additive, device=device).masked_fill(~allowed, torch.finfo(additive).min)
         self.mask = masks[""] if "" in masks else masks
-        # Noise of causal tracing's corrupted runs, at the noised positions of each cell's span.
-        self.noise_at, rows = [], []
-        for i, (cell, begin) in enumerate(zip(cells, self.starts)):
+        # Causal tracing's noise, at the noised positions of each cell's span.
+        at, rows_noise = [], []
+        for i, cell in enumerate(cells):
+            r, span = self.spans[i]
             for j, q in enumerate(base.noise_positions or []):
-                if q >= begin:
-                    self.noise_at.append(self.spans[i].start + q - begin)
-                    rows.append(base.noise[cell.seed, j])
-        self.noise = torch.stack(rows)[None] if rows else None
+                if q >= self.starts[i]:
+                    at.append((r, span.start + q - self.starts[i]))
+                    rows_noise.append(base.noise[cell.seed, j])
+        self.noise = torch.stack(rows_noise) if rows_noise else None
+        self.noise_at = tuple(torch.tensor(index, device=device) for index in zip(*at)) if at else None
 
     def cache(self) -> Any:
-        """The cached keys and values: each seed's base run before :attr:`cached` positions."""
+        """The cached keys and values, per layer for the rows its block runs: each row's
+        seeds' base runs before their cells' starts (zeros, masked, to the longest row's)."""
         from transformers import DynamicCache
 
-        return DynamicCache(ddp_cache_data=[
-            (torch.cat([k[seed : seed + 1, :, :n] for seed, n in self.cached.items()], 2),
-             torch.cat([v[seed : seed + 1, :, :n] for seed, n in self.cached.items()], 2))
-            for k, v in self.base.capture.keys])
+        layers = []
+        for layer, (k, v) in enumerate(self.base.capture.keys):
+            rows = slice(self.active[layer], None)
+            seeds, positions = self.cache_seed[rows], self.cache_pos[rows]
+            # [rows, K, kv_heads, head_dim] → [rows, kv_heads, K, head_dim]
+            layers.append((k[seeds, :, positions].transpose(1, 2), v[seeds, :, positions].transpose(1, 2)))
+        return DynamicCache(ddp_cache_data=layers)
 
-    def active_from(self, layer: int) -> int:
-        """Where the cells block ``layer`` runs (``start`` ≤ ``layer``) begin in the sequence
-        (:attr:`n_positions`: none)."""
-        return min((self.spans[i].start for i, cell in enumerate(self.cells) if cell.start <= layer),
-                   default=self.n_positions)
+    def base_states(self, layer: int, upto: int | None = None) -> torch.Tensor:
+        """The base runs' hidden states out of block ``layer`` in the layout's first ``upto``
+        rows (all of them by default): [rows, width, d]."""
+        hidden = first(self.base.capture.blocks[layer])
+        return hidden[self.seed_at[:upto], self.pos_at[:upto]]
 
-    def base_states(self, layer: int, upto: int, *, whole: bool = False) -> Any:
-        """The base runs' output of block ``layer`` at the sequence's first ``upto`` positions
-        (the hidden states; ``whole``: in the block's own output structure)."""
-        parts = [self.base.capture.block_for(layer, self.cells[i].seed, self.starts[i])
-                 for i in self.order if self.spans[i].start < upto]
-        return _cat(parts, dim=1) if whole else torch.cat([first(part) for part in parts], 1)
+    def base_output(self, layer: int) -> Any:
+        """:meth:`base_states` of every row in block ``layer``'s own output structure (what
+        the block is skipped with)."""
+        return _with_hidden(self.base.capture.blocks[layer], self.base_states(layer))
 
     def narrowed(self, value: Any, active: int) -> Any:
-        """A block's inputs (args or kwargs, nested) for the sequence from ``active`` on: every
-        per-position tensor cut, and the attention mask's rows and its own-position columns."""
+        """A block's inputs (args or kwargs, nested) for rows ``active`` on: every tensor with
+        a row per layout row cut (the hidden states, position embeddings and masks)."""
         if isinstance(value, dict):
             return {key: self.narrowed(item, active) for key, item in value.items()}
         if isinstance(value, (tuple, list)):
             return type(value)(self.narrowed(item, active) for item in value)
-        if not isinstance(value, torch.Tensor) or value.dim() < 2:
-            return value
-        n, k = self.n_positions, self.n_cached
-        if value.dim() == 4 and value.shape[-2:] == (n, k + n):
-            return torch.cat([value[..., active:, :k], value[..., active:, k + active:]], -1)
-        return value[:, active:] if value.shape[1] == n else value
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == self.n_rows:
+            return value[active:]
+        return value
 
-    def widen(self, block: Any, layer: int, active: int) -> Any:
-        """Block ``layer``'s output (inside the trace) for the whole sequence: the base runs'
-        before ``active``, the block's own after; returns the hidden states, writable."""
+    def widen(self, block: Any, layer: int) -> torch.Tensor:
+        """Block ``layer``'s output (inside the trace) for every row: the base runs' before
+        the rows it ran, its own after; returns the hidden states, writable."""
         out = block.output
-        hidden = torch.cat([self.base_states(layer, active), first(out)], 1)
-        block.output = (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+        hidden = torch.cat([self.base_states(layer, self.active[layer]), first(out)], 0)
+        block.output = _with_hidden(out, hidden)
         return hidden
+
+
+def _layout(starts: list[int], lengths: list[int], width: int = 0) -> list[list[int]]:
+    """Cells (their ``start`` layers and lengths in positions) → the rows of a packed trace:
+    lists of cell indices, rows of higher ``start`` first, each row one ``start``.
+
+    A row is about ``width`` positions (:data:`ROW_TOKENS`; the longest cell's length where
+    that is more): wide enough to run each block's matrix products as one, narrow enough that
+    the attention, which a row computes over all its positions before the mask, stays a few
+    per cent of a block. Each ``start``'s cells go to ``ceil(total / width)`` rows, longest
+    first, each to the row with the fewest positions so far: rows of about equal length, so
+    padding the layout to its longest row adds little.
+    """
+    width = max(width or ROW_TOKENS, max(lengths))
+    rows: list[list[int]] = []
+    for start in sorted(set(starts), reverse=True):
+        group = sorted((i for i, s in enumerate(starts) if s == start), key=lambda i: -lengths[i])
+        n = -(-sum(lengths[i] for i in group) // width)
+        fill, members = [0] * n, [[] for _ in range(n)]
+        for i in group:
+            least = min(range(n), key=fill.__getitem__)
+            members[least].append(i)
+            fill[least] += lengths[i]
+        rows.extend(members)
+    return rows
+
+
+def _with_hidden(template: Any, hidden: torch.Tensor) -> Any:
+    """``hidden`` in the structure of a block's output ``template``: itself, or the tuple with
+    its hidden states replaced (the other items, attention weights, are read by nothing)."""
+    return (hidden, *template[1:]) if isinstance(template, tuple) else hidden
