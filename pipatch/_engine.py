@@ -212,6 +212,8 @@ class Plan:
         self.sweeps = sweeps
         self.batch_size = batch_size
         self.fast = fast
+        #: How long a run of rows sharing traces may take, about (:data:`RUN_SECONDS`).
+        self.run_seconds = RUN_SECONDS
 
     @property
     def row_order(self) -> int:
@@ -331,6 +333,11 @@ TRACE_COST = 32
 # 12 to 24: 2.3 s, 32: 2.6 s. Rows that share traces run each block's matrix products on
 # more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
 JOIN_COST = 16
+# How long a run of rows that share their traces may take, about (:func:`_joins`, estimated
+# by :class:`_Pace` from the runs before it): a run's rows show when it ends, and a click is
+# answered between runs, so the grid of a slow model still fills a row or two at a time and
+# answers within about a second; a small model's grid still runs in few traces.
+RUN_SECONDS = 1.0
 # How many read positions consecutive rows may pool for one pass over the unembedding
 # (:func:`_shares`). A probability reads all of it (Gemma: 262k rows); measured on this CPU,
 # a pass costs per position 3.2 ms for 70 positions, 2.1 for 210, 1.8 for 420, 2.0 for 630.
@@ -400,20 +407,25 @@ def _pending(plan: Plan, sweep: Sweep, row: int, stats: dict) -> tuple[list[Cell
     return pending, filled
 
 
-def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell]) -> bool:
+def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell], pace: _Pace) -> bool:
     """Whether the next row's ``cells`` run in the traces of ``run``'s last part (the pending
     cells of the rows before it), on a backend that starts each cell at its layer.
 
-    Where the backend packs (:func:`batches`), each cell keeps its own ``start`` and
-    sharing costs nothing: rows join while the run holds at most ``batch_size`` cells.
-    Otherwise all of them start at the lowest ``start`` among them, recomputing the base
-    run's blocks between it and their own: worth it while that extra work, counted in
-    positions through one block, is at most what one more trace costs (:data:`JOIN_COST`
-    positions per block the trace runs). So rows of a few cells (a patching grid) share
-    their traces, and rows of many cells (a 10-seed causal trace) run alone.
+    Never where the run would then take longer than ``plan.run_seconds``, by the pace of the
+    runs before it (:class:`_Pace`). Where the backend packs (:func:`batches`), each cell
+    keeps its own ``start`` and sharing costs nothing: rows join while the run holds at most
+    ``batch_size`` cells. Otherwise all of them start at the lowest ``start`` among them,
+    recomputing the base run's blocks between it and their own: worth it while that extra
+    work, counted in positions through one block, is at most what one more trace costs
+    (:data:`JOIN_COST` positions per block the trace runs). So rows of a few cells (a
+    patching grid) share their traces, and rows of many cells (a 10-seed causal trace) run
+    alone.
     """
     group = run.parts[-1]
     if not group or not cells or _two_stage(group) or _two_stage(cells):
+        return False
+    estimate = pace.seconds(run.work + _work(sweep, cells))
+    if estimate is None or estimate > plan.run_seconds:
         return False
     if plan.backend.pack_tokens(sweep.base, sweep.metric):
         return run.n_pending + len(cells) <= plan.batch_size  # each cell keeps its own start
@@ -452,6 +464,11 @@ class _Run:
     def n_pending(self) -> int:
         return sum(len(part) for part in self.parts)
 
+    @property
+    def work(self) -> int:
+        """The run's work, as :class:`_Pace` counts it."""
+        return sum(_work(self.sweep, part) for part in self.parts)
+
     def add(self, row: int, pending: list[Cell], filled: list[Cell], *, join: bool, lower: bool = True) -> None:
         """Take the next row: its cells join the last part's traces (``join``; every cell then
         starts at the part's lowest ``start``, unless the backend packs: not ``lower``) or
@@ -468,6 +485,31 @@ class _Run:
         self.parts[-1] = part
 
 
+def _work(sweep: Sweep, cells: list[Cell]) -> int:
+    """What running ``cells`` costs, about, in positions through one block: each cell's
+    positions from its first written one through the blocks from its ``start`` up, plus one
+    for what every run pays after the blocks (the final norm, the metric)."""
+    n_positions, n_layers = sweep.base.input_ids.shape[1], len(sweep.base.capture.blocks)
+    return sum((n_positions - min(cell.first_position, n_positions - 1)) * (n_layers - cell.start + 1) for cell in cells)
+
+
+class _Pace:
+    """How fast the runs so far went: seconds per unit of :func:`_work`, all runs together
+    (so the first run, mostly fixed costs, soon stops counting for much)."""
+
+    def __init__(self) -> None:
+        self.elapsed = 0.0
+        self.done = 0
+
+    def record(self, work: int, seconds: float) -> None:
+        self.elapsed += seconds
+        self.done += work
+
+    def seconds(self, work: int) -> float | None:
+        """The time ``work`` would take at this pace, or ``None`` before any work was timed."""
+        return work * self.elapsed / self.done if self.done else None
+
+
 def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
     """Whether the next row's ``cells`` finish in ``run`` in traces of their own: where the
     backend computes a batch of cells' metrics together for less than apart (a probability
@@ -480,17 +522,17 @@ def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
             and not _two_stage(cells) and not any(_two_stage(part) for part in run.parts))
 
 
-def _runs(plan: Plan, stats: dict) -> Iterator[_Run]:
+def _runs(plan: Plan, stats: dict, pace: _Pace) -> Iterator[_Run]:
     """The plan's tasks as runs (:class:`_Run`): one row, or several consecutive rows of one
     sweep that share traces (rows from the last layer down, :func:`_joins`) or the metric's
     unembedding (:func:`_shares`). The first run is one row, so the first finished row shows
-    soonest."""
+    soonest. Runs are made as they are asked for, so ``pace`` has timed every run before."""
     held: _Run | None = None
     runs = 0
     for sweep, row in plan.tasks():
         pending, filled = _pending(plan, sweep, row, stats)
         if held is not None and runs and held.sweep is sweep:
-            if plan.row_order == -1 and _joins(plan, sweep, held, pending):
+            if plan.row_order == -1 and _joins(plan, sweep, held, pending, pace):
                 held.add(row, pending, filled, join=True,
                          lower=not plan.backend.pack_tokens(sweep.base, sweep.metric))
                 continue
@@ -624,8 +666,11 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
             def halt() -> bool:
                 return interrupted.is_set() or (should_stop is not None and should_stop())
 
-            for run in _runs(plan, stats):
+            pace = _Pace()
+            for run in _runs(plan, stats, pace):
+                began = time.perf_counter()
                 finished = _run_cells(plan, run, halt, stats)
+                pace.record(run.work, time.perf_counter() - began)
                 for row in run.rows if finished else ():
                     plan.row_done(run.sweep, row)
                     finished_rows += 1

@@ -4,13 +4,15 @@ batches, partial results kept."""
 from __future__ import annotations
 
 import collections
+import math
 import threading
 
 import pytest
 import torch
 
 import pipatch
-from pipatch._engine import SHARE_POSITIONS, SHARE_ROWS
+from pipatch._api import plan_patch, plan_trace
+from pipatch._engine import RUN_SECONDS, SHARE_POSITIONS, SHARE_ROWS, _Pace
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -33,25 +35,31 @@ def test_rows_arrive_from_the_last_layer_down_while_the_sweep_runs(model):
     assert seen == list(range(18)) and r.row_order == {"resid": 1}
 
 
+def run_rows(plan, seconds=math.inf):
+    """Run ``plan`` with runs of rows allowed ``seconds`` each (:data:`RUN_SECONDS` by
+    default; here unbounded unless given); the trace count after each row, in row order."""
+    seen = []
+    plan.run_seconds = seconds
+    result = plan.run(on_row=lambda r, view, layer: seen.append((layer, r.meta["engine"]["traces"])))
+    return result, seen
+
+
 def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     """A patching grid's rows hold 7 cells each: after the first row (alone, to show soonest),
     consecutive rows run in shared traces (packed: each cell from its own layer and position,
     tests/test_prefix.py)."""
-    seen = []
-    fast = pipatch.patch(model, **PAIR, on_row=lambda r, view, layer: seen.append((layer, r.meta["engine"]["traces"])))
+    fast, seen = run_rows(plan_patch(model, **PAIR))
     plain = pipatch.patch(model, **PAIR, fast=False)
     assert torch.allclose(fast.raw["resid"], plain.raw["resid"], atol=1e-4, rtol=0)
     assert [layer for layer, _ in seen] == list(range(17, -1, -1))
     traces = [n for _, n in seen]
-    assert traces[0] == 1  # layer 17: only its last position needs a forward
-    assert len(set(traces)) <= 8 and fast.meta["engine"]["traces"] < 17, traces  # rows finished together
+    assert traces == [1] + [2] * 17, traces  # layer 17 (its last position only), then one trace for all
     # Rows of many cells (10 seeds × 7 positions from the subject on: 70 a row) share traces
     # too, packed, while the run holds at most batch_size (256) cells: three rows. Their
     # probability reads the whole unembedding, so one more row finishes with them, in traces
     # of its own, up to SHARE_ROWS rows (and SHARE_POSITIONS read positions): one pass for all.
-    seen.clear()
-    r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid",
-                      on_row=lambda r, view, layer: seen.append(r.meta["engine"]["traces"]))
+    r, seen = run_rows(plan_trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid"))
+    seen = [n for _, n in seen]
     assert seen[0] < seen[1] and seen.count(seen[0]) == 1, seen
     together = collections.Counter(seen[1:]).values()
     assert max(together) == min(SHARE_ROWS, SHARE_POSITIONS // 70) and len(seen) == 18, seen
@@ -61,6 +69,22 @@ def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     # rounding only (one run alone, ten batched): restoring them changes nothing.
     assert r.meta["engine"]["noop_cells"] == 10 * (6 + 2 * 18), r.meta["engine"]
     assert torch.equal(r.raw["resid"][:, :, :2], r.corrupt[:, None, None].expand(10, 18, 2).to(r.raw["resid"].dtype))
+
+
+def test_a_run_of_rows_ends_within_its_time(model):
+    """Rows join a run only while the runs' pace says it ends within ``plan.run_seconds``:
+    with no time, every row runs alone (the grid shows each row, and a click is answered,
+    as soon as it is done), with the same numbers; the default is RUN_SECONDS."""
+    joined, _ = run_rows(plan_patch(model, **PAIR))
+    alone, seen = run_rows(plan_patch(model, **PAIR), seconds=0)
+    assert [n for _, n in seen] == list(range(1, 19)), seen  # one trace a row
+    assert torch.allclose(alone.raw["resid"], joined.raw["resid"], atol=1e-4, rtol=0, equal_nan=True)
+    assert plan_patch(model, **PAIR).run_seconds == RUN_SECONDS
+    pace = _Pace()
+    assert pace.seconds(100) is None  # nothing timed yet: no row joins the second run
+    pace.record(10, 0.5)
+    pace.record(30, 0.5)
+    assert pace.seconds(100) == pytest.approx(2.5)
 
 
 def test_stop_keeps_the_finished_rows(model):

@@ -3,8 +3,8 @@
 One notebook, run top to bottom on the embedded model (it loads once):
 
 1. ``%load_ext pipatch``
-2. ``%%path_patch`` sweeping every sender head (18 layers × 4 heads): rows stream in, a click
-   during the run gets the patched run's top-5 from the kernel;
+2. ``%%path_patch`` sweeping every sender head (18 layers × 4 heads), a row per trace: rows
+   stream in, a click during the run gets the patched run's top-5 from the kernel;
 3. ``%%attribute --site head --verify 5``: the estimate grid shows at once, the status stays
    ``running`` while the verification patches run row by row, then ``done`` with the five
    verified cells marked ("verified by a real patch" in their tooltip);
@@ -47,7 +47,9 @@ PAIR2 = "clean: The Louvre is in the city of\ncorrupt: The Vatican is in the cit
 OPTS = '--answer " Paris" --foil " Rome"'
 CELLS = [
     "%load_ext pipatch",
-    f"%%path_patch {OPTS} -o paths\n{PAIR}",
+    # Traces of at most 4 cells (one row of 4 heads): 18 runs, so a click lands mid-run
+    # however fast the sweep (the whole grid takes about 0.7 s in larger traces).
+    f"%%path_patch {OPTS} --batch-size 4 -o paths\n{PAIR}",
     f"%%attribute {OPTS} --site head --verify 5 -o attr\n{PAIR}",
     f"%%patch {OPTS} -o ds\n{PAIR}\n{PAIR2}",
     "from pipatch import PatchGrid\nPatchGrid(attr)",
