@@ -212,8 +212,8 @@ class Plan:
         self.sweeps = sweeps
         self.batch_size = batch_size
         self.fast = fast
-        #: How long a run of rows sharing traces may take, about (:data:`RUN_SECONDS`).
-        self.run_seconds = RUN_SECONDS
+        #: How many FLOPs a run of rows sharing traces may hold, about (:data:`RUN_FLOPS`).
+        self.run_flops = RUN_FLOPS["cuda" if str(backend.runs_on).startswith("cuda") else "cpu"]
 
     @property
     def row_order(self) -> int:
@@ -333,11 +333,12 @@ TRACE_COST = 32
 # 12 to 24: 2.3 s, 32: 2.6 s. Rows that share traces run each block's matrix products on
 # more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
 JOIN_COST = 16
-# How long a run of rows that share their traces may take, about (:func:`_joins`, estimated
-# by :class:`_Pace` from the runs before it): a run's rows show when it ends, and a click is
-# answered between runs, so the grid of a slow model still fills a row or two at a time and
-# answers within about a second; a small model's grid still runs in few traces.
-RUN_SECONDS = 1.0
+# How much arithmetic a run of rows that share their traces may hold (:func:`_joins`), by the
+# device the model runs on: a run's rows show when it ends, and a click is answered between
+# runs, so a slow model's grid still fills a row or two at a time. About a second's work (this
+# CPU runs a block's matrix products at 100-200 GFLOP/s), counted rather than timed, so the same
+# sweep always runs in the same traces and gives the same numbers to the last bit.
+RUN_FLOPS = {"cpu": 1e11, "cuda": 1e13}
 # How many read positions consecutive rows may pool for one pass over the unembedding
 # (:func:`_shares`). A probability reads all of it (Gemma: 262k rows); measured on this CPU,
 # a pass costs per position 3.2 ms for 70 positions, 2.1 for 210, 1.8 for 420, 2.0 for 630.
@@ -407,12 +408,12 @@ def _pending(plan: Plan, sweep: Sweep, row: int, stats: dict) -> tuple[list[Cell
     return pending, filled
 
 
-def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell], pace: _Pace) -> bool:
+def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell]) -> bool:
     """Whether the next row's ``cells`` run in the traces of ``run``'s last part (the pending
     cells of the rows before it), on a backend that starts each cell at its layer.
 
-    Never where the run would then take longer than ``plan.run_seconds``, by the pace of the
-    runs before it (:class:`_Pace`). Where the backend packs (:func:`batches`), each cell
+    Never where the run would then hold more than ``plan.run_flops`` (its :func:`_work` times
+    the backend's ``position_flops``). Where the backend packs (:func:`batches`), each cell
     keeps its own ``start`` and sharing costs nothing: rows join while the run holds at most
     ``batch_size`` cells. Otherwise all of them start at the lowest ``start`` among them,
     recomputing the base run's blocks between it and their own: worth it while that extra
@@ -424,8 +425,7 @@ def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell], pace: _Pace) 
     group = run.parts[-1]
     if not group or not cells or _two_stage(group) or _two_stage(cells):
         return False
-    estimate = pace.seconds(run.work + _work(sweep, cells))
-    if estimate is None or estimate > plan.run_seconds:
+    if (run.work + _work(sweep, cells)) * plan.backend.position_flops > plan.run_flops:
         return False
     if plan.backend.pack_tokens(sweep.base, sweep.metric):
         return run.n_pending + len(cells) <= plan.batch_size  # each cell keeps its own start
@@ -466,7 +466,7 @@ class _Run:
 
     @property
     def work(self) -> int:
-        """The run's work, as :class:`_Pace` counts it."""
+        """The run's work (:func:`_work`)."""
         return sum(_work(self.sweep, part) for part in self.parts)
 
     def add(self, row: int, pending: list[Cell], filled: list[Cell], *, join: bool, lower: bool = True) -> None:
@@ -487,27 +487,10 @@ class _Run:
 
 def _work(sweep: Sweep, cells: list[Cell]) -> int:
     """What running ``cells`` costs, about, in positions through one block: each cell's
-    positions from its first written one through the blocks from its ``start`` up, plus one
-    for what every run pays after the blocks (the final norm, the metric)."""
+    positions from its first written one through the blocks from its ``start`` up (and one
+    more, for the final norm and the metric)."""
     n_positions, n_layers = sweep.base.input_ids.shape[1], len(sweep.base.capture.blocks)
     return sum((n_positions - min(cell.first_position, n_positions - 1)) * (n_layers - cell.start + 1) for cell in cells)
-
-
-class _Pace:
-    """How fast the runs so far went: seconds per unit of :func:`_work`, all runs together
-    (so the first run, mostly fixed costs, soon stops counting for much)."""
-
-    def __init__(self) -> None:
-        self.elapsed = 0.0
-        self.done = 0
-
-    def record(self, work: int, seconds: float) -> None:
-        self.elapsed += seconds
-        self.done += work
-
-    def seconds(self, work: int) -> float | None:
-        """The time ``work`` would take at this pace, or ``None`` before any work was timed."""
-        return work * self.elapsed / self.done if self.done else None
 
 
 def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
@@ -522,17 +505,17 @@ def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
             and not _two_stage(cells) and not any(_two_stage(part) for part in run.parts))
 
 
-def _runs(plan: Plan, stats: dict, pace: _Pace) -> Iterator[_Run]:
+def _runs(plan: Plan, stats: dict) -> Iterator[_Run]:
     """The plan's tasks as runs (:class:`_Run`): one row, or several consecutive rows of one
     sweep that share traces (rows from the last layer down, :func:`_joins`) or the metric's
     unembedding (:func:`_shares`). The first run is one row, so the first finished row shows
-    soonest. Runs are made as they are asked for, so ``pace`` has timed every run before."""
+    soonest."""
     held: _Run | None = None
     runs = 0
     for sweep, row in plan.tasks():
         pending, filled = _pending(plan, sweep, row, stats)
         if held is not None and runs and held.sweep is sweep:
-            if plan.row_order == -1 and _joins(plan, sweep, held, pending, pace):
+            if plan.row_order == -1 and _joins(plan, sweep, held, pending):
                 held.add(row, pending, filled, join=True,
                          lower=not plan.backend.pack_tokens(sweep.base, sweep.metric))
                 continue
@@ -666,11 +649,8 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
             def halt() -> bool:
                 return interrupted.is_set() or (should_stop is not None and should_stop())
 
-            pace = _Pace()
-            for run in _runs(plan, stats, pace):
-                began = time.perf_counter()
+            for run in _runs(plan, stats):
                 finished = _run_cells(plan, run, halt, stats)
-                pace.record(run.work, time.perf_counter() - began)
                 for row in run.rows if finished else ():
                     plan.row_done(run.sweep, row)
                     finished_rows += 1

@@ -12,7 +12,7 @@ import torch
 
 import pipatch
 from pipatch._api import plan_patch, plan_trace
-from pipatch._engine import RUN_SECONDS, SHARE_POSITIONS, SHARE_ROWS, _Pace
+from pipatch._engine import RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -35,11 +35,11 @@ def test_rows_arrive_from_the_last_layer_down_while_the_sweep_runs(model):
     assert seen == list(range(18)) and r.row_order == {"resid": 1}
 
 
-def run_rows(plan, seconds=math.inf):
-    """Run ``plan`` with runs of rows allowed ``seconds`` each (:data:`RUN_SECONDS` by
-    default; here unbounded unless given); the trace count after each row, in row order."""
+def run_rows(plan, flops=math.inf):
+    """Run ``plan`` with runs of rows allowed ``flops`` each (:data:`RUN_FLOPS` by default;
+    here unbounded unless given); the trace count after each row, in row order."""
     seen = []
-    plan.run_seconds = seconds
+    plan.run_flops = flops
     result = plan.run(on_row=lambda r, view, layer: seen.append((layer, r.meta["engine"]["traces"])))
     return result, seen
 
@@ -71,20 +71,22 @@ def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     assert torch.equal(r.raw["resid"][:, :, :2], r.corrupt[:, None, None].expand(10, 18, 2).to(r.raw["resid"].dtype))
 
 
-def test_a_run_of_rows_ends_within_its_time(model):
-    """Rows join a run only while the runs' pace says it ends within ``plan.run_seconds``:
-    with no time, every row runs alone (the grid shows each row, and a click is answered,
-    as soon as it is done), with the same numbers; the default is RUN_SECONDS."""
+def test_a_run_of_rows_holds_at_most_run_flops(model):
+    """Rows join a run only while its work (positions through blocks, times the backend's
+    FLOPs per position and block) stays within ``plan.run_flops``: with none, every row runs
+    alone (the grid shows each row, and a click is answered, as soon as it is done), with the
+    same numbers. Counted, not timed: the same sweep runs the same traces every time."""
     joined, _ = run_rows(plan_patch(model, **PAIR))
-    alone, seen = run_rows(plan_patch(model, **PAIR), seconds=0)
+    alone, seen = run_rows(plan_patch(model, **PAIR), flops=0)
     assert [n for _, n in seen] == list(range(1, 19)), seen  # one trace a row
     assert torch.allclose(alone.raw["resid"], joined.raw["resid"], atol=1e-4, rtol=0, equal_nan=True)
-    assert plan_patch(model, **PAIR).run_seconds == RUN_SECONDS
-    pace = _Pace()
-    assert pace.seconds(100) is None  # nothing timed yet: no row joins the second run
-    pace.record(10, 0.5)
-    pace.record(30, 0.5)
-    assert pace.seconds(100) == pytest.approx(2.5)
+    # Gemma 3 270M: 5.57M weights a block (q, k, v, o, gate, up, down, norms), 2 FLOPs each.
+    plan = plan_patch(model, **PAIR)
+    assert plan.run_flops == RUN_FLOPS["cpu"] and plan.backend.position_flops == pytest.approx(11.1e6, rel=0.01)
+    # The default on this CPU holds the grid's 17 rows below the last in one run (47.6 GFLOP),
+    # and the same grid twice gives the same numbers to the last bit.
+    again, seen = run_rows(plan, flops=RUN_FLOPS["cpu"])
+    assert [n for _, n in seen] == [1] + [2] * 17 and torch.equal(again.raw["resid"], joined.raw["resid"]), seen
 
 
 def test_stop_keeps_the_finished_rows(model):

@@ -15,6 +15,9 @@ class Described:
     #: Whether ``run(..., fast=True)`` starts each cell at its ``start`` layer from the base
     #: run's states, so a sweep's higher rows cost less (the engine then runs them first).
     starts_at_layer = False
+    #: The FLOPs of one position through one block, about (the engine bounds how much work
+    #: rows that share their traces may hold by it); 0 where the backend does not say.
+    position_flops = 0
 
     def meta(self) -> dict[str, Any]:
         """What a result records about the model."""

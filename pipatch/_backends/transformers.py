@@ -163,18 +163,15 @@ class TransformersBackend(Described):
     def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
                  noise: torch.Tensor | None = None, noise_positions: list[int] | None = None) -> Capture:
         """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) plus, given ``noise``, draw ``i``; all
-        of them one batch of one invoke. The metric is read as a patched run's is
-        (:meth:`metric_from_hidden`: the unembedding's rows the metric needs, never the whole
-        vocabulary's logits), so a cell that changes nothing gives the base metric exactly."""
+        of them one batch of one invoke (one intervention per layer, however many runs)."""
         model, adapter = self.model, self.adapter
         n, k = len(prompts), metric.n_inputs
         T, m = prompts[0].shape[1], metric.n_read
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         layers = range(adapter.n_layers)
-        unembed = adapter.unembedding(model)
         cache = self._new_cache()
         kwargs = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
-        with torch.no_grad(), model.trace(**kwargs) as tracer:
+        with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
             saved = list().save()
             with tracer.invoke(torch.cat([metric.inputs(prompt) for prompt in prompts])):
                 embedded = adapter.embedding(model).output
@@ -189,20 +186,17 @@ class TransformersBackend(Described):
                     out = adapter.block(model, layer).output
                     blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
                                   if isinstance(out, tuple) else out.clone())
-                final = unembed.input
-                hidden = final[:, -m:].clone()
-                unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
-                saved.append((blocks, values, hidden, embedded_copy))
-        blocks, values, hidden, embedded = saved[0]
+                logits = model.output.logits[:, -m:].float()
+                saved.append((blocks, values, logits, embedded_copy))
+        blocks, values, logits, embedded = saved[0]
         values[RESID.name] = [first(b)[::k, :T] for b in blocks]
         keys = None
         if cache is not None and len(cache.layers) == adapter.n_layers:
             # One row per run (the inputs share the prompt), prompt positions only.
             keys = [(layer.keys[::k, :, :T], layer.values[::k, :, :T]) for layer in cache.layers]
-        value = self.metric_from_hidden(metric, hidden.reshape(n, k, m, -1))
-        # P(answer), which causal tracing judges its noise by: its metric, or the metric's exp.
-        prob = {"prob": value, "logprob": value.exp()}.get(metric.name)
-        return Capture(blocks=blocks, sites=values, metric=value, embedded=embedded, prob=prob, inputs=k, keys=keys)
+        logits = logits.reshape(n, k, m, -1)  # [runs, inputs, n_read, vocab]
+        return Capture(blocks=blocks, sites=values, metric=metric.score(logits), embedded=embedded,
+                       prob=metric.answer_prob(logits), inputs=k, keys=keys)
 
     def _new_cache(self) -> Any:
         """An empty key/value cache for a base run, or ``None`` where the model takes none.
@@ -228,6 +222,11 @@ class TransformersBackend(Described):
     def prefix_reuse(self, base: Base) -> bool:
         """Whether :meth:`run` can start cells of ``base`` at their first written position."""
         return self.reuse_prefix and base.capture.keys is not None
+
+    @functools.cached_property
+    def position_flops(self) -> int:
+        """Two FLOPs per weight of a block (a multiply and an add) for each position it runs."""
+        return 2 * sum(p.numel() for p in _get(self._hf, self.adapter.blocks)[0].parameters())
 
     def pack_tokens(self, base: Base, metric: Metric) -> int:
         """How many positions a packed trace holds (:class:`_Packed`: each cell from its own
@@ -404,7 +403,7 @@ class TransformersBackend(Described):
             outs = list().save()
             recorded = list().save()
             with tracer.invoke(input_ids=pack.input_ids):
-                if base.noise is not None and pack.active[0] < pack.n_rows and pack.noise is not None:
+                if pack.noise is not None and pack.active[0] < pack.n_rows:  # rows from block 0 on
                     embedded = adapter.embedding(model).output
                     embedded[pack.noise_at] += pack.noise.to(embedded.dtype)
                 reads: list[list[Any]] = [[] for _ in cells]
