@@ -197,7 +197,8 @@ class Capture:
     backend must hand it back to skip the block: ``inputs`` rows per run (the metric's
     :attr:`~Metric.n_inputs`), at every position of the run's input. ``sites[name][l]`` is a
     site value at the prompt's positions, [n, T, width] (``"resid"`` always). ``metric`` and
-    ``prob`` (of the answer) are [n]; ``embedded`` is the embedding output, [n, T, d].
+    ``prob`` (of the answer; ``None`` where a backend did not read the softmax: a logit
+    difference's run) are [n]; ``embedded`` is the embedding output, [n, T, d].
     ``keys`` (a backend that reuses prefixes) holds each layer's attention keys and values
     at the prompt's positions, ``(k, v)`` each [n, kv_heads, T, head_dim]: what a patched run
     that starts at a later position attends to for the positions before it.
@@ -207,7 +208,7 @@ class Capture:
     sites: dict[str, list[torch.Tensor]]
     metric: torch.Tensor
     embedded: torch.Tensor
-    prob: torch.Tensor
+    prob: torch.Tensor | None
     inputs: int = 1
     keys: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -230,7 +231,7 @@ class Capture:
         return Capture(
             blocks=[self.block_for(layer, row) for layer in range(len(self.blocks))],
             sites={name: [value[row : row + 1] for value in values] for name, values in self.sites.items()},
-            metric=self.metric[row : row + 1], embedded=self.embedded[row : row + 1], prob=self.prob[row : row + 1],
+            metric=self.metric[row : row + 1], embedded=self.embedded[row : row + 1], prob=None if self.prob is None else self.prob[row : row + 1],
             inputs=self.inputs,
             keys=None if self.keys is None else [(k[row : row + 1], v[row : row + 1]) for k, v in self.keys],
         )

@@ -163,12 +163,19 @@ class TransformersBackend(Described):
     def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
                  noise: torch.Tensor | None = None, noise_positions: list[int] | None = None) -> Capture:
         """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) plus, given ``noise``, draw ``i``; all
-        of them one batch of one invoke (one intervention per layer, however many runs)."""
+        of them one batch of one invoke (one intervention per layer, however many runs).
+
+        A metric that reads a softmax (and causal tracing's P(answer)) is read off the model's
+        own logits; a logit difference, off the two rows of the unembedding it needs
+        (:meth:`metric_from_hidden`, as a patched run's is): the 262k-row unembedding is then
+        not read at all, and the run has no ``prob``."""
         model, adapter = self.model, self.adapter
         n, k = len(prompts), metric.n_inputs
         T, m = prompts[0].shape[1], metric.n_read
         keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
         layers = range(adapter.n_layers)
+        softmax = metric.token_ids is None
+        unembed = adapter.unembedding(model)
         cache = self._new_cache()
         kwargs = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
         with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
@@ -186,17 +193,25 @@ class TransformersBackend(Described):
                     out = adapter.block(model, layer).output
                     blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
                                   if isinstance(out, tuple) else out.clone())
-                logits = model.output.logits[:, -m:].float()
-                saved.append((blocks, values, logits, embedded_copy))
-        blocks, values, logits, embedded = saved[0]
+                if softmax:
+                    read = model.output.logits[:, -m:].float()
+                else:
+                    final = unembed.input
+                    read = final[:, -m:].clone()
+                    unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
+                saved.append((blocks, values, read, embedded_copy))
+        blocks, values, read, embedded = saved[0]
         values[RESID.name] = [first(b)[::k, :T] for b in blocks]
         keys = None
         if cache is not None and len(cache.layers) == adapter.n_layers:
             # One row per run (the inputs share the prompt), prompt positions only.
             keys = [(layer.keys[::k, :, :T], layer.values[::k, :, :T]) for layer in cache.layers]
-        logits = logits.reshape(n, k, m, -1)  # [runs, inputs, n_read, vocab]
-        return Capture(blocks=blocks, sites=values, metric=metric.score(logits), embedded=embedded,
-                       prob=metric.answer_prob(logits), inputs=k, keys=keys)
+        read = read.reshape(n, k, m, -1)  # [runs, inputs, n_read, vocab] (softmax) or [..., d]
+        if softmax:
+            return Capture(blocks=blocks, sites=values, metric=metric.score(read), embedded=embedded,
+                           prob=metric.answer_prob(read), inputs=k, keys=keys)
+        return Capture(blocks=blocks, sites=values, metric=self.metric_from_hidden(metric, read), embedded=embedded,
+                       prob=None, inputs=k, keys=keys)
 
     def _new_cache(self) -> Any:
         """An empty key/value cache for a base run, or ``None`` where the model takes none.
