@@ -16,6 +16,9 @@ Methods:
 4. ``pipatch``.
 
 Methods 1, 2 and 4 must give the same grid within 1e-4 (checked before printing any time).
+pipatch and the floor of (a) and (b) are timed :data:`REPEAT` times in turn, the best of each
+counting (this machine's speed drifts; the least disturbed run says what a method costs); the
+others once.
 Also reported: pipatch's time to its first finished row after the baselines, peak resident
 memory per method, a ``head`` sweep on a 128-token prompt against the memory target, and
 scaling tables (prompt length 8/32/128; seeds 1/3/10). Each sweep also reports its FLOP
@@ -82,6 +85,12 @@ class Peak:
         self._thread.join()
         self.peak = max(self.peak, rss())
         return False
+
+
+# pipatch and the floor of the two headline sweeps run this many times, and the best time
+# counts: this machine's speed drifts by a third within minutes (other machines share its
+# cores), and the least disturbed run is the one that says what the method costs.
+REPEAT = 3
 
 
 def timed(fn, *args, **kwargs):
@@ -254,6 +263,20 @@ def vocab_of(model) -> int:
     return model._module.config.get_text_config().vocab_size
 
 
+def pipatch_and_floor(run, floor_of):
+    """pipatch (``run()``: :func:`run_pipatch`'s four values) and its floor (``floor_of(result)``:
+    the floor as a function of no arguments), :data:`REPEAT` times in turn, so both meet the
+    machine in the same moods: pipatch's result, best total, best first row and highest peak,
+    then the floor's best seconds and highest peak."""
+    best = floor_best = None
+    for _ in range(REPEAT):
+        got = run()
+        best = got if best is None else (got[0], min(best[1], got[1]), min(best[2], got[2]), max(best[3], got[3]))
+        _, t, m = timed(floor_of(got[0]))
+        floor_best = (t, m) if floor_best is None else (min(floor_best[0], t), max(floor_best[1], m))
+    return best, floor_best
+
+
 def run_pipatch(model, plan_fn, *args, **kwargs):
     """Plan (baselines included) and run; returns result, total seconds, first-row latency, peak."""
     marks = {}
@@ -275,8 +298,9 @@ def sweep_a(model, quick: bool, peak: float):
     corrupt_ids = tok(CORRUPT, return_tensors="pt").input_ids
     answer, foil = tok(" Paris", add_special_tokens=False).input_ids[0], tok(" Rome", add_special_tokens=False).input_ids[0]
     L, T = len(model.model.layers), clean_ids.shape[1]
-    result, t_pipatch, first_row, m_pipatch = run_pipatch(
-        model, plan_patch, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
+    (result, t_pipatch, first_row, m_pipatch), floor_tm = pipatch_and_floor(
+        lambda: run_pipatch(model, plan_patch, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome"),
+        lambda result: lambda: floor(model, corrupt_ids, L * T))
     mine = result.raw["resid"][0]
     rows = {}
     grid, t, m = timed(patch_nnsight, model, clean_ids, corrupt_ids, answer, foil)
@@ -284,8 +308,7 @@ def sweep_a(model, quick: bool, peak: float):
     if not quick:
         grid, t, m = timed(patch_hooks, model, clean_ids, corrupt_ids, answer, foil)
         rows["hooks"] = (t, m, check_same("sweep (a)", mine, grid, "the hook loop"))
-    _, t, m = timed(floor, model, corrupt_ids, L * T)
-    rows["floor"] = (t, m, None)
+    rows["floor"] = (*floor_tm, None)
     rows["pipatch"] = (t_pipatch, m_pipatch, 0.0)
     # Positions before the first differing token hold the same state in both runs: no-ops.
     cells = [(i, p) for i in range(L) for p in range(first_difference(clean_ids, corrupt_ids), T)]
@@ -297,12 +320,19 @@ def sweep_b(model, quick: bool, peak: float, seeds: int = 10):
     tok = model.tokenizer
     ids = tok(CLEAN, return_tensors="pt").input_ids
     answer = tok(" Paris", add_special_tokens=False).input_ids[0]
-    result, t_pipatch, first_row, m_pipatch = run_pipatch(
-        model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=seeds)
+    L, T = len(model.model.layers), ids.shape[1]
+
+    def noise_of(result):
+        meta = result.meta
+        return noise_draws(seeds, len(meta["subject_positions"]), model._module.config.hidden_size, meta["scale"],
+                           meta["sigma"])
+
+    (result, t_pipatch, first_row, m_pipatch), floor_tm = pipatch_and_floor(
+        lambda: run_pipatch(model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=seeds),
+        lambda result: lambda: floor_noised(model, ids, noise_of(result), result.meta["subject_positions"], L * T))
     meta = result.meta
     positions = meta["subject_positions"]
-    noise = noise_draws(seeds, len(positions), model._module.config.hidden_size, meta["scale"], meta["sigma"])
-    L, T = len(model.model.layers), ids.shape[1]
+    noise = noise_of(result)
     mine = result.raw["resid"]
     rows = {}
     raw, t, m = timed(trace_nnsight, model, ids, noise, positions, answer)
@@ -310,8 +340,7 @@ def sweep_b(model, quick: bool, peak: float, seeds: int = 10):
     if not quick:
         raw, t, m = timed(trace_hooks, model, ids, noise, positions, answer)
         rows["hooks"] = (t, m, check_same("sweep (b)", mine, raw, "the hook loop"))
-    _, t, m = timed(floor_noised, model, ids, noise, positions, L * T)
-    rows["floor"] = (t, m, None)
+    rows["floor"] = (*floor_tm, None)
     rows["pipatch"] = (t_pipatch, m_pipatch, 0.0)
     return {"cells": seeds * L * T, "scale": meta["scale"], "methods": rows, "first_row_s": first_row,
             "limit": trace_limit(model, peak, T, positions, seeds, t_pipatch)}
