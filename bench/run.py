@@ -454,7 +454,7 @@ def fmt_rows(title: str, block: dict) -> list[str]:
 
 def fmt_limit(lim: dict) -> str:
     return (f"FLOPs: full runs {lim['full_gflop']:.1f} GFLOP, limit {lim['limit_gflop']:.1f} GFLOP = "
-            f"{lim['limit_s']:.3f}s at peak; pipatch {lim['pipatch_x_limit']:.0f}× the limit")
+            f"{lim['limit_s']:.3f}s at peak; pipatch {lim['pipatch_x_limit']:.2f}× the limit")
 
 
 def main(argv=None) -> int:
@@ -485,11 +485,11 @@ def main(argv=None) -> int:
         lines.append(f"  {row['tokens']:4d} tokens  {row['cells']:5d} cells  pipatch {row['pipatch_s']:7.2f}s  "
                      f"floor {row['floor_s']:7.2f}s  ratio {row['pipatch_s'] / row['floor_s']:.2f}  "
                      f"first row {row['first_row_s']:.2f}s  limit {row['limit']['limit_s']:.3f}s  "
-                     f"pipatch/limit {row['limit']['pipatch_x_limit']:.0f}×")
+                     f"pipatch/limit {row['limit']['pipatch_x_limit']:.2f}×")
     lines.append("scaling with seeds (causal trace):")
     for row in report["scaling"]["seeds"]:
         lines.append(f"  {row['seeds']:3d} seeds  pipatch {row['pipatch_s']:7.2f}s  first row {row['first_row_s']:.2f}s  "
-                     f"limit {row['limit']['limit_s']:.3f}s  pipatch/limit {row['limit']['pipatch_x_limit']:.0f}×")
+                     f"limit {row['limit']['limit_s']:.3f}s  pipatch/limit {row['limit']['pipatch_x_limit']:.2f}×")
     hm = report["head_memory"]
     lines.append(f"head sweep, {hm['tokens']} tokens: {hm['seconds']:.1f}s, peak RSS {hm['peak_rss'] / 2**30:.2f}G "
                  f"vs bound 2×(model {hm['model_bytes'] / 2**30:.2f}G + one batch {hm['one_batch_bytes'] / 2**30:.2f}G) "

@@ -449,10 +449,9 @@ class _Run:
 
     ``parts`` are the rows' pending cells: the cells of one part share their traces, each
     started at the part's lowest ``start`` unless the backend packs (:func:`_joins`); all the
-    parts' batches go to the
-    backend in one call, so it can compute their metrics in one pass over the unembedding
-    (:func:`_shares`). ``filled`` are the cells that need no forward (:func:`_pending`),
-    stored when the run finishes.
+    parts' batches go to the backend in one call, so it can compute their metrics in one pass
+    over the unembedding (:func:`_shares`). ``filled`` are the cells that need no forward
+    (:func:`_pending`), stored when the run finishes.
     """
 
     sweep: Sweep
