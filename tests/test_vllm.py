@@ -78,12 +78,18 @@ def test_logits_from_final_states_equal_transformers(vllm_model, model):
 
 
 def test_capture_equals_transformers(vllm_model, model):
-    """The baseline run: every block's residual stream, the sites, the embeddings, the metric."""
+    """The baseline run: every block's residual stream, the sites, the embeddings, the metric
+    (a logit difference; the answer's probability where the metric reads the softmax: the
+    transformers backend reads a logit difference off two rows of the unembedding, no softmax)."""
     plan_v = plan_patch(vllm_model, **PAIR, site="head", positions=[-1])
     plan_t = plan_patch(model, **PAIR, site="head", positions=[-1])
     got, want = plan_v.sweeps[0].base.capture, plan_t.sweeps[0].base.capture
     assert_close(got.metric, want.metric)
-    assert_close(got.prob, want.prob, 1e-5)
+    assert want.prob is None
+    prob_v = plan_patch(vllm_model, **PAIR, site="resid", positions=[-1], metric="prob").sweeps[0].base.capture
+    prob_t = plan_patch(model, **PAIR, site="resid", positions=[-1], metric="prob").sweeps[0].base.capture
+    assert_close(prob_v.metric, prob_t.metric, 1e-5)
+    assert_close(prob_v.prob, prob_t.prob, 1e-5)
     assert_close(got.embedded, want.embedded, 1e-5)
     for name in ("resid", "head"):
         for layer in range(18):
