@@ -32,6 +32,7 @@ Run: ``make bench`` (or ``.venv/bin/python bench/run.py [--quick]``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -268,13 +269,13 @@ def pipatch_and_floor(run, floor_of):
     the floor as a function of no arguments), :data:`REPEAT` times in turn, so both meet the
     machine in the same moods: pipatch's result, best total, best first row and highest peak,
     then the floor's best seconds and highest peak."""
-    best = floor_best = None
+    mine, floors = [], []
     for _ in range(REPEAT):
-        got = run()
-        best = got if best is None else (got[0], min(best[1], got[1]), min(best[2], got[2]), max(best[3], got[3]))
-        _, t, m = timed(floor_of(got[0]))
-        floor_best = (t, m) if floor_best is None else (min(floor_best[0], t), max(floor_best[1], m))
-    return best, floor_best
+        mine.append(run())
+        floors.append(timed(floor_of(mine[-1][0]))[1:])
+    _, seconds, first_row, peak = zip(*mine)
+    floor_seconds, floor_peak = zip(*floors)
+    return (mine[-1][0], min(seconds), min(first_row), max(peak)), (min(floor_seconds), max(floor_peak))
 
 
 def run_pipatch(model, plan_fn, *args, **kwargs):
@@ -300,7 +301,7 @@ def sweep_a(model, quick: bool, peak: float):
     L, T = len(model.model.layers), clean_ids.shape[1]
     (result, t_pipatch, first_row, m_pipatch), floor_tm = pipatch_and_floor(
         lambda: run_pipatch(model, plan_patch, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome"),
-        lambda result: lambda: floor(model, corrupt_ids, L * T))
+        lambda result: functools.partial(floor, model, corrupt_ids, L * T))
     mine = result.raw["resid"][0]
     rows = {}
     grid, t, m = timed(patch_nnsight, model, clean_ids, corrupt_ids, answer, foil)
@@ -329,7 +330,8 @@ def sweep_b(model, quick: bool, peak: float, seeds: int = 10):
 
     (result, t_pipatch, first_row, m_pipatch), floor_tm = pipatch_and_floor(
         lambda: run_pipatch(model, plan_trace, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=seeds),
-        lambda result: lambda: floor_noised(model, ids, noise_of(result), result.meta["subject_positions"], L * T))
+        lambda result: functools.partial(floor_noised, model, ids, noise_of(result), result.meta["subject_positions"],
+                                         L * T))
     meta = result.meta
     positions = meta["subject_positions"]
     noise = noise_of(result)

@@ -196,9 +196,7 @@ class TransformersBackend(Described):
                 if softmax:
                     read = model.output.logits[:, -m:].float()
                 else:
-                    final = unembed.input
-                    read = final[:, -m:].clone()
-                    unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
+                    read = _unembedding_input(unembed, (slice(None), slice(-m, None)))
                 saved.append((blocks, values, read, embedded_copy))
         blocks, values, read, embedded = saved[0]
         values[RESID.name] = [first(b)[::k, :T] for b in blocks]
@@ -208,10 +206,10 @@ class TransformersBackend(Described):
             keys = [(layer.keys[::k, :, :T], layer.values[::k, :, :T]) for layer in cache.layers]
         read = read.reshape(n, k, m, -1)  # [runs, inputs, n_read, vocab] (softmax) or [..., d]
         if softmax:
-            return Capture(blocks=blocks, sites=values, metric=metric.score(read), embedded=embedded,
-                           prob=metric.answer_prob(read), inputs=k, keys=keys)
-        return Capture(blocks=blocks, sites=values, metric=self.metric_from_hidden(metric, read), embedded=embedded,
-                       prob=None, inputs=k, keys=keys)
+            score, prob = metric.score(read), metric.answer_prob(read)
+        else:
+            score, prob = self.metric_from_hidden(metric, read), None
+        return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k, keys=keys)
 
     def _new_cache(self) -> Any:
         """An empty key/value cache for a base run, or ``None`` where the model takes none.
@@ -365,11 +363,7 @@ class TransformersBackend(Described):
                         rows[op.index_from(start)] = op.value
                 recorded.extend(reads)
                 if last_only:
-                    final = unembed.input
-                    outs.append(final[:, -m:])
-                    # The logits are computed from ``final`` outside the trace, for the read
-                    # positions and the metric's rows only; the module returns a placeholder.
-                    unembed.skip(torch.zeros(final.shape[0], L - start, 1, dtype=final.dtype, device=final.device))
+                    outs.append(_unembedding_input(unembed, (slice(None), slice(-m, None))))
                 elif full_logits:
                     outs.append(model.output.logits[::n, -m])  # the next token after the prompt
                 else:
@@ -449,9 +443,7 @@ class TransformersBackend(Described):
                     if partly and RESID.name not in values:
                         pack.widen(block, layer)
                 recorded.extend(reads)
-                final = unembed.input
-                outs.append(final[pack.read_at])
-                unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
+                outs.append(_unembedding_input(unembed, pack.read_at))
         return outs[0].reshape(len(cells), 1, metric.n_read, -1), list(recorded)
 
     @torch.no_grad()
@@ -552,6 +544,18 @@ class TransformersBackend(Described):
                     for act in reversed(acts):
                         grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
         return list(values), list(reversed(list(grads))), float(value)
+
+
+def _unembedding_input(unembed: Any, at: Any) -> Any:
+    """Inside an invoke: the unembedding's input (the final-normed states, [batch, positions,
+    d]) at ``at``, with the module itself skipped (its output a placeholder of one value per
+    position, never read). The metric is then computed from these states outside the trace,
+    for the read positions and the metric's rows of the unembedding only
+    (:meth:`TransformersBackend.metric_from_hidden`)."""
+    final = unembed.input
+    read = final[at]
+    unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
+    return read
 
 
 def _cat(parts: list[Any]) -> Any:
