@@ -18,15 +18,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import pipatch
 from pipatch._api import plan_patch, plan_trace
-from pipatch._backends.transformers import ROW_TOKENS, TransformersBackend, _layout
+from pipatch._backends.transformers import NO_BOUND, PACK_TOKENS, ROW_TOKENS, TransformersBackend, _layout
 from pipatch._cells import Base, Cell, Metric, Op
-from pipatch._engine import TRACE_COST, _is_unread, batches
+from pipatch._engine import TRACE_COST, _is_unread, auto_batch_size, batches
 from pipatch._models import _get
 from pipatch._sites import SITES, projection
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
@@ -444,3 +445,34 @@ def test_batches_with_reuse_group_late_positions_and_keep_starts_apart():
     assert all(len(b) <= 4 and len({c.start for c in b}) == 1 for b in got)
     assert sorted((c.start, c.col) for b in got for c in b) == sorted(
         [(0, i) for i in range(10)] + [(3, i) for i in range(10)])
+
+
+def test_a_packed_trace_holds_pack_tokens_on_the_cpu_and_the_memory_sized_batch_on_a_gpu():
+    """On the CPU a packed trace holds about PACK_TOKENS["cpu"] positions; on a GPU the
+    backend sets no bound of its own (NO_BOUND), so the batch size, sized from the device's
+    free memory (auto_batch_size), is what bounds a packed trace: here 8 GB of a GPU for the
+    embedded model's sizes at 128 tokens holds far more than 1,024 positions."""
+    backend = backends("llama")[0]
+    sweep = plan_patch(backend, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome").sweeps[0]
+    base, metric = sweep.base, sweep.metric
+    assert backend.pack_tokens(base, metric) == PACK_TOKENS["cpu"] == 1024
+    on_gpu = type("OnGpu", (TransformersBackend,), {"device": torch.device("cuda")})(backend.model)
+    assert on_gpu.pack_tokens(base, metric) == NO_BOUND
+
+    T, GB = 128, 10**9
+    gemma = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32, tokenizer=[None] * 262144,
+                            adapter=SimpleNamespace(d_model=640, n_layers=18, n_heads=4))
+    size = auto_batch_size(T, backend=gemma, free_bytes=8 * GB)
+    assert size * T > 4 * PACK_TOKENS["cpu"]  # the GPU's batch: many times the CPU's pack
+    cells = cells_at(*[T - 64] * (3 * size))  # 3 batches' worth of 64-position cells
+    on_cpu = batches(cells, size, prefix_reuse=True, pack=PACK_TOKENS["cpu"], n_positions=T)
+    gpu = batches(cells, size, prefix_reuse=True, pack=NO_BOUND, n_positions=T)
+    assert [len(b) for b in gpu] == [size] * 3  # cut by the batch size alone
+    assert len(on_cpu) == -(-3 * size * 64 // PACK_TOKENS["cpu"])  # the CPU's: 1,024 positions each
+    assert all(len(b) * 64 <= PACK_TOKENS["cpu"] for b in on_cpu)
+    assert sorted(id(c) for b in gpu for c in b) == sorted(id(c) for c in cells)
+    # Cells of every length: never more than the batch size, far more than the CPU's pack.
+    mixed = batches(cells_at(*[i % T for i in range(3 * size)]), size, prefix_reuse=True, pack=NO_BOUND,
+                    n_positions=T)
+    assert all(len(b) <= size for b in mixed) and sum(map(len, mixed)) == 3 * size
+    assert max(sum(T - c.first_position for c in b) for b in mixed) > 4 * PACK_TOKENS["cpu"]

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,9 +53,14 @@ from ._described import Described
 
 __all__ = ["TransformersBackend"]
 
-# Positions per packed trace (:class:`_Packed`), all its rows together: enough to run each
-# block's matrix products near this CPU's peak.
-PACK_TOKENS = 1024
+# Positions per packed trace (:class:`_Packed`), all its rows together, by the device type the
+# model runs on. On the CPU, enough to run each block's matrix products near its peak, and
+# more only adds to the working set. A device not listed (a GPU) sets no bound of its own
+# (:data:`NO_BOUND`): a packed trace then holds what any batch holds, the engine's batch size
+# in cells, which on a GPU is sized from its free memory (``pipatch._engine.auto_batch_size``),
+# and at most a prompt's positions each.
+PACK_TOKENS = {"cpu": 1024}
+NO_BOUND = sys.maxsize
 # Positions per row of a packed trace (:func:`_layout`): a row's attention runs over all its
 # positions, so a row of 64 costs Gemma 3 270M about 3 % of its block.
 ROW_TOKENS = 64
@@ -244,10 +250,12 @@ class TransformersBackend(Described):
     def pack_tokens(self, base: Base, metric: Metric) -> int:
         """How many positions a packed trace holds (:class:`_Packed`: each cell from its own
         first written position), or 0 where this model's batches are not packed (then a
-        batch's cells start at the smallest first position among them)."""
+        batch's cells start at the smallest first position among them). By the device
+        (:data:`PACK_TOKENS`): 1,024 on the CPU; on a GPU, :data:`NO_BOUND`, the batch size
+        alone bounds a packed trace."""
         if not (self.pack and self.prefix_reuse(base) and metric.n_inputs == 1 and self._masks is not None):
             return 0
-        return PACK_TOKENS
+        return PACK_TOKENS.get(self.device.type, NO_BOUND)
 
     @functools.cached_property
     def _masks(self) -> tuple[dict[str, int | None], bool] | None:
