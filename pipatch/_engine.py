@@ -361,16 +361,22 @@ def batches(cells: list[Cell], size: int, prefix_reuse: bool = False, pack: int 
     order within a position. With ``pack`` (a backend that packs each cell from its own first
     position and its own ``start``, up to ``pack`` positions a trace, of a run of
     ``n_positions``), nothing is computed twice: the cells, from the highest ``start`` down,
-    are cut into the fewest traces of at most ``size`` cells and about ``pack`` positions, of
-    about equal length.
+    are cut into the fewest traces of at most ``size`` cells and about ``pack`` positions:
+    where the positions bind, traces of about equal length; where the cell count binds (on
+    a GPU, whose packed traces have no position bound of their own, always), traces of
+    equal counts.
     """
     if pack and cells:
         lengths = [max(1, n_positions - cell.first_position) for cell in cells]
-        n = max(math.ceil(len(cells) / size), math.ceil(sum(lengths) / pack))
+        order = sorted(zip(cells, lengths), key=lambda pair: -pair[0].start)
+        by_count, n = math.ceil(len(cells) / size), math.ceil(sum(lengths) / pack)
+        if by_count > n:
+            return [[cell for cell, _ in order[i * len(order) // by_count : (i + 1) * len(order) // by_count]]
+                    for i in range(by_count)]
         share = sum(lengths) / n
         cut: list[list[Cell]] = [[] for _ in range(n)]
         before = 0
-        for cell, length in sorted(zip(cells, lengths), key=lambda pair: -pair[0].start):
+        for cell, length in order:
             cut[min(n - 1, int((before + length / 2) / share))].append(cell)
             before += length
         return [batch[i : i + size] for batch in cut if batch for i in range(0, len(batch), size)]
