@@ -296,8 +296,15 @@ export function isComparison(state: GridState): boolean {
   return state.sides.length === 2;
 }
 
-/** The modes the grid offers, with their names: a − b / a / b for a comparison. */
+/** Whether one result's cells hold the metric itself (the logit lens), not normalized recovery. */
+export function holdsMetric(state: GridState): boolean {
+  return !isComparison(state) && state.values === 'metric';
+}
+
+/** The modes the grid offers, with their names: a − b / a / b for a comparison; the metric
+ * alone for a result that holds it. */
 export function modeChoices(state: GridState): [Mode, string][] {
+  if (holdsMetric(state)) return [['recovery', state.metric || 'metric']];
   if (!isComparison(state)) return [['recovery', 'normalized recovery'], ['raw', 'raw metric']];
   return [['diff', 'a − b'], ['a', 'a'], ['b', 'b']];
 }

@@ -8,7 +8,7 @@
 
 import type { GridState, Mode, Selection, UiState } from './data';
 import type { Span } from './format';
-import { comparedValues, gridShape, isComparison, matrixFor, modeChoices, seedLabel, selectMatrix } from './data';
+import { comparedValues, gridShape, holdsMetric, isComparison, matrixFor, modeChoices, seedLabel, selectMatrix } from './data';
 import {
   NAN_RGB,
   buildCsv,
@@ -503,6 +503,7 @@ export class GridView {
   private valuesName(): string {
     const s = this.state;
     if (s && isComparison(s)) return `${this.ui.mode === 'a' || this.ui.mode === 'b' ? this.ui.mode : 'a − b'}: ${comparedValues(s)}`;
+    if (s && holdsMetric(s)) return s.metric || 'metric';
     return this.ui.mode === 'raw' ? `raw ${s?.metric || 'metric'}` : 'normalized recovery';
   }
 
@@ -581,12 +582,14 @@ export class GridView {
     const rec = selectMatrix(s, this.ui.view, this.ui.seed, 'recovery').data;
     const raw = selectMatrix(s, this.ui.view, this.ui.seed, 'raw').data;
     const std = this.ui.seed < 0 && s.n_seeds > 1 ? matrixFor(s, `${this.ui.view}/std`, rows, cols) : null;
-    if (rec) {
+    if (holdsMetric(s)) {
+      if (rec) lines.push(`${s.metric || 'metric'}: ${formatValue(rec[i])}`);
+    } else if (rec) {
       let t = `recovery: ${formatValue(rec[i])}`;
       if (std && Number.isFinite(std[i])) t += ` ± ${formatValue(std[i])}`;
       lines.push(t);
     }
-    if (raw) lines.push(`raw ${s.metric || 'metric'}: ${formatValue(raw[i])}`);
+    if (raw && !holdsMetric(s)) lines.push(`raw ${s.metric || 'metric'}: ${formatValue(raw[i])}`);
     const ver = matrixFor(s, `${this.ui.view}/verified`, rows, cols);
     if (ver && ver[i]) lines.push('verified by a real patch');
     if (this.ui.seed >= 0 || s.n_seeds > 1) lines.push(tooltipLabel(seedLabel(s, this.ui.seed)));

@@ -44,6 +44,7 @@ export const STATE_SCHEMA = {
   code: 'str',
   sides: 'str[]',
   compared: 'str',
+  values: 'str',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */

@@ -8,12 +8,16 @@
 >>> pipatch.compare(r, other).grid           # a − b, cell by cell, of two results
 
 In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...`` (also
-``%%patch``, ``%%attribute``, ``%%path_patch``, and ``%%compare a b``); in a shell: ``pipatch
-trace | patch | attribute | path-patch | compare``; live without magics:
+``%%patch``, ``%%attribute``, ``%%path_patch``, ``%%lens``, and ``%%compare a b``); in a shell:
+``pipatch trace | patch | attribute | path-patch | lens | compare``; live without magics:
 ``pipatch.PatchGrid.run(model, "patch", ...)``.
+
+The experiment functions (``trace``, ``patch``, ``attribute``, ``path_patch``, ``lens``, and any
+an installed package registers) are derived from their declarations
+(:mod:`pipatch._declare`): one per registered experiment of :mod:`pipatch._registry`.
 """
 
-from ._api import attribute, patch, path_patch, trace
+from . import _api
 from ._compare import compare
 from ._load import load_model
 from ._models import PipatchError
@@ -21,15 +25,17 @@ from ._result import Result, load_result
 
 __version__ = "0.1.0"
 
+globals().update(_api.functions())
+
 __all__ = [
-    "load_model", "trace", "patch", "attribute", "path_patch", "compare", "Result", "load_result", "PipatchError",
+    "load_model", *_api.functions(), "compare", "Result", "load_result", "PipatchError",
     "PatchGrid", "load_ipython_extension", "__version__",
 ]  # fmt: skip
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext pipatch``: register the cell magics ``%%trace``, ``%%patch``, ``%%attribute`` and
-    ``%%path_patch`` (one per experiment of :mod:`pipatch._registry`), and ``%%compare``."""
+    """``%load_ext pipatch``: register one cell magic per experiment of :mod:`pipatch._registry`
+    (``%%trace``, ``%%patch``, ``%%attribute``, ``%%path_patch``, ``%%lens``, ...) and ``%%compare``."""
     from ._magics import load_ipython_extension as register
 
     register(ipython)
@@ -41,6 +47,8 @@ def __getattr__(name: str):
         from ._live import PatchGrid
 
         return PatchGrid
+    if name in _api.functions():  # an experiment registered after import
+        return _api.function(name)
     raise AttributeError(f"module 'pipatch' has no attribute {name!r}")
 
 

@@ -1,35 +1,41 @@
-"""The four experiments as Python functions, and the planners behind them.
+"""The experiments as Python functions, derived from their declarations.
 
-Each public function is ``plan_<name>(model, ...).run(on_row=..., stop=...)``: the planner
-checks the inputs (one :class:`PipatchError` line each), runs the baselines and returns a
-:class:`~pipatch._engine.Plan`; running it fills the :class:`~pipatch.Result`. The magics, the
-CLI and ``PatchGrid.run`` call the same planners through :mod:`pipatch._registry`.
+For every registered experiment (:mod:`pipatch._registry`) this module offers
+
+* ``pipatch.<name>(model, ..., on_row=None, stop=None) -> Result``: the public function, with
+  the declaration's signature and docstring (so ``help(pipatch.trace)`` and Jupyter's
+  Shift-Tab show every parameter and its default);
+* ``plan_<name>(model, ...) -> Plan``: the same without running it (the baselines are run,
+  the sweep is not). ``plan.run(on_row=..., stop=...)`` fills the result.
+
+Both go through :func:`plan`: it finds the backend for ``model``, fills in the declaration's
+defaults (a missing or unknown argument is one :class:`PipatchError` line), and hands the
+protocol's planner one example, or, for lists of prompts (or of clean/corrupt pairs), every
+example to :func:`pipatch._protocols.dataset.plan_dataset`, which averages them over named
+positions.
 
 ``model`` is what a researcher naturally has at hand: a model from :func:`pipatch.load_model`,
 an nnsight model built by hand, or anything ``load_model`` takes (``None`` for the embedded
-default, a hub id, a local folder), loaded once per process. A list of prompts (or of
-clean/corrupt pairs) makes a dataset (:mod:`pipatch._protocols.dataset`).
+default, a hub id, a local folder), loaded once per process.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ._backends import backend_for
+from ._declare import Experiment
 from ._engine import Plan
 from ._load import shared_model
 from ._models import PipatchError
-from ._protocols.attribution import plan_attribute as _plan_attribute
-from ._protocols.dataset import per_prompt, plan_dataset
-from ._protocols.patching import plan_patch as _plan_patch
-from ._protocols.paths import plan_path_patch as _plan_path_patch
-from ._protocols.tracing import plan_trace as _plan_trace
+from ._protocols.dataset import plan_dataset
+from ._registry import EXPERIMENTS, experiment
 from ._result import Result
 
-__all__ = ["trace", "patch", "attribute", "path_patch", "plan_trace", "plan_patch", "plan_attribute",
-           "plan_path_patch", "backend_of"]
+__all__ = ["plan", "function", "functions", "backend_of", "OnRow"]
 
 OnRow = Callable[[Result, str, int], None]
 
@@ -47,297 +53,79 @@ def backend_of(model: Any) -> Any:
     return backend_for(model)
 
 
-def _is_list(value: Any) -> bool:
-    return isinstance(value, (list, tuple))
-
-
-def _pairs(clean: Any, corrupt: Any) -> int | None:
-    """How many clean/corrupt pairs (``None``: one pair, not a list)."""
-    if not _is_list(clean) and not _is_list(corrupt):
-        return None
-    if not (_is_list(clean) and _is_list(corrupt) and len(clean) == len(corrupt)):
-        raise PipatchError("for many prompts pass clean and corrupt as lists of the same length (pairs in order)")
-    return len(clean)
-
-
-def _pair_items(n: int, clean, corrupt, answer, foil, options: dict) -> list[dict]:
-    answers, foils = per_prompt(answer, n, "answer"), per_prompt(foil, n, "foil")
-    return [{"clean": c, "corrupt": x, "answer": a, "foil": f, **options}
-            for c, x, a, f in zip(clean, corrupt, answers, foils)]
-
-
-# --------------------------------------------------------------------------------------------
-# Planners
-# --------------------------------------------------------------------------------------------
-
-
-def plan_trace(model: Any, prompt: str | Sequence[str], *, subject: Any, answer: Any, **options: Any) -> Plan:
-    """The :class:`Plan` of :func:`trace` (same parameters, without ``on_row`` / ``stop``)."""
+def plan(declaration: Experiment | str, model: Any, /, *args: Any, **kwargs: Any) -> Plan:
+    """The :class:`Plan` of experiment ``declaration`` (or its name) on ``model``: its
+    function's arguments, without ``on_row`` / ``stop``. A positional argument after the model
+    is the first prompt field (``trace(model, prompt, ...)``)."""
+    entry = experiment(declaration) if isinstance(declaration, str) else declaration
+    if args:
+        fields = entry.prompts.fields
+        if len(args) > 1 or len(fields) > 1:
+            raise PipatchError(f"{entry.name}() takes the model and then keyword arguments only: "
+                               f"{', '.join(f + '=' for f in fields)}...")
+        if fields[0] in kwargs:
+            raise PipatchError(f"{entry.name}() got {fields[0]} twice: pass it once")
+        kwargs[fields[0]] = args[0]
+    keywords = entry.bind(kwargs)
     backend = backend_of(model)
-    if not _is_list(prompt):
-        return _plan_trace(backend, prompt, subject=subject, answer=answer, **options)
-    subjects, answers = per_prompt(subject, len(prompt), "subject"), per_prompt(answer, len(prompt), "answer")
-    return plan_dataset(backend, _plan_trace, [{"prompt": p, "subject": s, "answer": a, **options}
-                                               for p, s, a in zip(prompt, subjects, answers)])
+    examples = entry.examples(keywords)
+    if examples is None:
+        return entry.planner(backend, **keywords)
+    return plan_dataset(backend, entry.planner, examples)
 
 
-def plan_patch(model: Any, *, clean: Any, corrupt: Any, answer: Any, foil: Any = None, **options: Any) -> Plan:
-    """The :class:`Plan` of :func:`patch` (same parameters, without ``on_row`` / ``stop``)."""
-    backend = backend_of(model)
-    n = _pairs(clean, corrupt)
-    if n is None:
-        return _plan_patch(backend, clean=clean, corrupt=corrupt, answer=answer, foil=foil, **options)
-    return plan_dataset(backend, _plan_patch, _pair_items(n, clean, corrupt, answer, foil, options))
+def function(name: str) -> Callable[..., Result]:
+    """The public function of experiment ``name``: plan it, run it, return the Result."""
+    return _function(EXPERIMENTS[name])
 
 
-def plan_attribute(model: Any, *, clean: Any, corrupt: Any, answer: Any, foil: Any = None, **options: Any) -> Plan:
-    """The :class:`Plan` of :func:`attribute` (same parameters, without ``on_row`` / ``stop``)."""
-    backend = backend_of(model)
-    n = _pairs(clean, corrupt)
-    if n is None:
-        return _plan_attribute(backend, clean=clean, corrupt=corrupt, answer=answer, foil=foil, **options)
-    if options.get("verify"):
-        raise PipatchError("verify checks cells of one clean/corrupt pair: pass one pair, or verify=0 for a list")
-    return plan_dataset(backend, _plan_attribute, _pair_items(n, clean, corrupt, answer, foil, options))
+def planner(name: str) -> Callable[..., Plan]:
+    """``plan_<name>``: the :class:`Plan` of :func:`function` ``(name)``, not yet run."""
+    return _planner(EXPERIMENTS[name])
 
 
-def plan_path_patch(model: Any, *, clean: Any, corrupt: Any, answer: Any, foil: Any = None, **options: Any) -> Plan:
-    """The :class:`Plan` of :func:`path_patch` (same parameters, without ``on_row`` / ``stop``)."""
-    backend = backend_of(model)
-    n = _pairs(clean, corrupt)
-    if n is None:
-        return _plan_path_patch(backend, clean=clean, corrupt=corrupt, answer=answer, foil=foil, **options)
-    return plan_dataset(backend, _plan_path_patch, _pair_items(n, clean, corrupt, answer, foil, options))
+@functools.cache  # per declaration (compared by identity): a replaced one gets a new function
+def _function(entry: Experiment) -> Callable[..., Result]:
+    def run_experiment(*args: Any, on_row: OnRow | None = None, stop: Any = None, **kwargs: Any) -> Result:
+        return plan(entry, *_with_model(entry, args, kwargs), **kwargs).run(on_row=on_row, stop=stop)
+
+    run_experiment.__name__ = run_experiment.__qualname__ = entry.name
+    run_experiment.__module__ = "pipatch"
+    run_experiment.__doc__ = entry.docstring()
+    run_experiment.__signature__ = entry.signature()  # type: ignore[attr-defined]
+    return run_experiment
 
 
-# --------------------------------------------------------------------------------------------
-# The public functions
-# --------------------------------------------------------------------------------------------
+@functools.cache
+def _planner(entry: Experiment) -> Callable[..., Plan]:
+    def plan_experiment(*args: Any, **kwargs: Any) -> Plan:
+        return plan(entry, *_with_model(entry, args, kwargs), **kwargs)
+
+    plan_experiment.__name__ = plan_experiment.__qualname__ = f"plan_{entry.name}"
+    plan_experiment.__doc__ = f"The :class:`Plan` of :func:`pipatch.{entry.name}` (same parameters, without on_row / stop)."
+    return plan_experiment
 
 
-def trace(
-    model: Any,
-    prompt: str | Sequence[str],
-    *,
-    subject: str | Sequence[int] | Sequence[Any],
-    answer: str | Sequence[str],
-    seeds: int = 10,
-    scale: float | str = "auto",
-    kind: str | Sequence[str] = "resid",
-    window: int = 10,
-    metric: str = "prob",
-    control: bool = False,
-    batch_size: int | None = None,
-    fast: bool = True,
-    on_row: OnRow | None = None,
-    stop: Any = None,
-) -> Result:
-    """Causal tracing of ``answer`` on ``prompt`` with the ``subject`` noised (ROME).
-
-    Parameters
-    ----------
-    model
-        A loaded model (:func:`pipatch.load_model`, or an nnsight model), or anything
-        ``load_model`` takes: ``None`` (the embedded default), a hub id, a local folder.
-    prompt
-        The text whose next token should be ``answer``; or a list of prompts, averaged over
-        named positions (see :mod:`pipatch._protocols.dataset`), with ``subject`` and
-        ``answer`` given once or once per prompt.
-    subject
-        The subject's text as it appears in ``prompt`` (every token overlapping it is noised,
-        BPE pieces included) or a list of token indices.
-    answer
-        The text that follows the prompt: one token (``" Paris"``) or several (``" New York"``,
-        read teacher-forced: P of the whole sequence, the sum of its tokens' log-probabilities).
-    seeds
-        Number of noise draws; recovery is averaged over them.
-    scale
-        Noise scale in units of σ, or ``"auto"`` (see :mod:`pipatch._protocols.tracing`).
-    kind
-        ``"resid"``, ``"mlp"``, ``"attn"`` or several (``"resid,mlp,attn"``): one grid each.
-    window
-        Layers restored together for ``mlp`` / ``attn``.
-    metric
-        ``"prob"`` (ROME) or ``"logprob"``.
-    control
-        Restore from the corrupt run's own states (must give recovery 0 everywhere).
-    batch_size
-        Invokes per trace (default: sized to about 4,096 token positions per batch).
-    fast
-        Use the engine's exact shortcuts (skip cells that cannot change anything, reuse the
-        base run below the patch, unembed one position). ``False`` runs every cell in full.
-    on_row
-        Called as ``on_row(result, view, layer)`` after each finished row.
-    stop
-        A ``threading.Event`` or function; when set the sweep stops after the current batch.
-
-    Returns
-    -------
-    Result
-        ``result.grid`` is tensor[layers, tokens] of mean normalized recovery.
-    """
-    return plan_trace(model, prompt, subject=subject, answer=answer, seeds=seeds, scale=scale, kind=kind,
-                      window=window, metric=metric, control=control, batch_size=batch_size,
-                      fast=fast).run(on_row=on_row, stop=stop)
+def _with_model(entry: Experiment, args: tuple, kwargs: dict) -> tuple:
+    """The positional arguments with the model first, whether it came by position or as
+    ``model=`` (taken out of ``kwargs``)."""
+    if "model" in kwargs:
+        return (kwargs.pop("model"), *args)
+    if not args:
+        raise PipatchError(f"{entry.name}() needs a model: pipatch.{entry.name}(model, ...), where model is "
+                           "pipatch.load_model(...), a hub id, a folder, or None for the embedded default")
+    return args
 
 
-def patch(
-    model: Any,
-    *,
-    clean: str | Sequence[str],
-    corrupt: str | Sequence[str],
-    answer: str | Sequence[str],
-    foil: str | Sequence[str] | None = None,
-    site: str = "resid",
-    metric: str = "logit_diff",
-    direction: str = "denoise",
-    positions: Sequence[int] | None = None,
-    mean_prompts: Sequence[str] | None = None,
-    batch_size: int | None = None,
-    fast: bool = True,
-    on_row: OnRow | None = None,
-    stop: Any = None,
-) -> Result:
-    """Activation patching of ``site`` at every layer × position (or × head).
-
-    Parameters
-    ----------
-    model
-        As for :func:`trace`.
-    clean, corrupt
-        Prompts of equal token length; or two lists of such prompts (pairs, in order),
-        averaged over named positions, with ``answer`` / ``foil`` given once or once per pair.
-    answer, foil
-        One token each (``" Paris"``, ``" Rome"``) or several (``" New York"``, read
-        teacher-forced; ``logit_diff`` then becomes the sequences' log-probability difference,
-        ``"logprob_diff"``). ``foil`` is required for ``logit_diff`` and ``logprob_diff``.
-    site
-        ``"resid"``, ``"attn"``, ``"mlp"`` or ``"head"``.
-    metric
-        ``"logit_diff"``, ``"prob"``, ``"logprob"`` or ``"logprob_diff"`` (log P(answer) − log
-        P(foil), for a dataset mixing one-token and multi-token answers).
-    direction
-        ``"denoise"``, ``"noise"``, ``"zero"`` or ``"mean"`` (see
-        :mod:`pipatch._protocols.patching`).
-    positions
-        Positions to sweep (negative indices allowed); default all. For ``site="head"`` the
-        positions at which each head is patched.
-    mean_prompts
-        For ``direction="mean"``: prompts of the same token length whose activations are
-        averaged (default: the clean and corrupt prompts).
-    batch_size, fast, on_row, stop
-        As for :func:`trace`.
-
-    Returns
-    -------
-    Result
-        ``result.grid``: tensor[layers, positions] (or [layers, heads]) of normalized recovery.
-    """
-    return plan_patch(model, clean=clean, corrupt=corrupt, answer=answer, foil=foil, site=site, metric=metric,
-                      direction=direction, positions=positions, mean_prompts=mean_prompts,
-                      batch_size=batch_size, fast=fast).run(on_row=on_row, stop=stop)
+def functions() -> dict[str, Callable[..., Result]]:
+    """Every registered experiment's public function, by name."""
+    return {name: function(name) for name in EXPERIMENTS}
 
 
-def attribute(
-    model: Any,
-    *,
-    clean: str | Sequence[str],
-    corrupt: str | Sequence[str],
-    answer: str | Sequence[str],
-    foil: str | Sequence[str] | None = None,
-    site: str = "resid",
-    metric: str = "logit_diff",
-    verify: int = 0,
-    positions: Sequence[int] | None = None,
-    batch_size: int | None = None,
-    on_row: OnRow | None = None,
-    stop: Any = None,
-) -> Result:
-    """Estimate every cell of a denoising patching grid from two forwards and one backward.
-
-    See :mod:`pipatch._protocols.attribution` for the method and its limits.
-
-    Parameters
-    ----------
-    model, clean, corrupt, answer, foil, metric, batch_size, on_row, stop
-        As for :func:`patch` (lists of pairs make a dataset; ``verify`` needs one pair).
-    site
-        ``"resid"``, ``"attn"``, ``"mlp"`` or ``"head"``; the gradient is taken at this site.
-    verify
-        Run real patches for the ``verify`` cells with the largest ``|estimated change|`` and
-        keep both numbers. ``0``: estimate only.
-    positions
-        The positions (columns) to estimate, default all; ``site="head"``: the positions
-        summed over for each head.
-
-    Returns
-    -------
-    Result
-        ``kind="attribution"``; ``raw[site]`` is tensor[1, layers, columns] of
-        ``corrupt metric + estimated change`` and ``result.grid`` its normalized recovery,
-        comparable cell by cell with ``pipatch.patch(..., site=site).grid``. With
-        ``verify=k``: ``meta["verified"][site]`` (a [layers, columns] 0/1 mask),
-        ``meta["verified_values"]`` (``{"layer", "col", "estimate", "actual"}`` in raw metric
-        units, largest estimated effect first) and ``meta["agreement"]`` (``spearman``,
-        ``max_abs_error``, ``max_abs_error_recovery``, ``n``).
-
-    Examples
-    --------
-    >>> r = pipatch.attribute(model, clean="The Eiffel Tower is in the city of",
-    ...                       corrupt="The Colosseum is in the city of",
-    ...                       answer=" Paris", foil=" Rome", site="head", verify=5)
-    >>> r.meta["agreement"]
-    """
-    return plan_attribute(model, clean=clean, corrupt=corrupt, answer=answer, foil=foil, site=site, metric=metric,
-                          verify=verify, positions=positions, batch_size=batch_size).run(on_row=on_row, stop=stop)
-
-
-def path_patch(
-    model: Any,
-    *,
-    clean: str | Sequence[str],
-    corrupt: str | Sequence[str],
-    answer: str | Sequence[str],
-    foil: str | Sequence[str] | None = None,
-    sender: Any = None,
-    receivers: str | Sequence[Sequence] = "logits",
-    metric: str = "logit_diff",
-    direction: str = "denoise",
-    batch_size: int | None = None,
-    fast: bool = True,
-    on_row: OnRow | None = None,
-    stop: Any = None,
-) -> Result:
-    """Path patching: each sender's effect through ``receivers`` only, everything else frozen.
-
-    See :mod:`pipatch._protocols.paths` for the three runs and what they isolate.
-
-    Parameters
-    ----------
-    model, clean, corrupt, answer, foil, metric, batch_size, fast, on_row, stop
-        As for :func:`patch`.
-    sender
-        ``None`` / ``"head"``: sweep every head (grid layers × heads); ``"mlp"``: every MLP
-        (layers × 1); ``("head", layer, h)`` or ``("mlp", layer)``: one cell.
-    receivers
-        ``"logits"`` (the direct path) or a list of ``("head", layer, h, "q" | "k" | "v")``:
-        that head's columns of the query, key or value projection (separate or fused; the
-        adapter knows each layout). Senders must sit below the first receiver's layer.
-    direction
-        ``"denoise"`` (base corrupt, donor clean) or ``"noise"`` (base clean, donor corrupt).
-
-    Returns
-    -------
-    Result
-        ``kind="path"``; ``raw[view]`` ([1, senders' layers, heads]) holds the path-patched
-        metric and ``result.grid`` its normalized recovery.
-
-    Examples
-    --------
-    >>> pipatch.path_patch(model, clean="The Eiffel Tower is in the city of",
-    ...                    corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome",
-    ...                    sender=("head", 12, 2)).grid
-    """
-    return plan_path_patch(model, clean=clean, corrupt=corrupt, answer=answer, foil=foil, sender=sender,
-                           receivers=receivers, metric=metric, direction=direction, batch_size=batch_size,
-                           fast=fast).run(on_row=on_row, stop=stop)
+def __getattr__(name: str) -> Any:
+    # ``_api.trace``, ``_api.plan_trace``: derived on first use, for every registered experiment.
+    if name in EXPERIMENTS:
+        return function(name)
+    if name.startswith("plan_") and name[5:] in EXPERIMENTS:
+        return planner(name[5:])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

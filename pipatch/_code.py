@@ -33,6 +33,7 @@ import re
 from string import Template
 from typing import Any
 
+from ._declare import EXPERIMENTS, declared
 from ._models import Adapter, PipatchError
 from ._sites import SITES
 
@@ -451,66 +452,83 @@ def _call(callee: str, inputs: dict[str, Any], notes: dict[str, str], indent: st
     return f"{callee}(\n{body}{indent})"
 
 
-def _trace_inputs(meta: dict) -> dict[str, Any]:
+def trace_inputs(meta: dict) -> dict[str, Any]:
+    """One causal trace's inputs to the script's ``causal_trace`` function."""
     return {"prompt": meta["prompt"], "subject": list(meta["subject_positions"]), "answer": int(meta["answer_id"]),
             "scale": float(meta["scale"])}
 
 
-def _pair_inputs(meta: dict, kind: str) -> dict[str, Any]:
+def pair_inputs(meta: dict, *, positions: bool = True, means: bool = False) -> dict[str, Any]:
+    """One clean/corrupt pair's inputs to the script's function: the prompts, the answer's and
+    foil's ids, and (``positions``) the swept positions, (``means``) a mean ablation's prompts."""
     inputs = {"clean_prompt": meta["clean_prompt"], "corrupt_prompt": meta["corrupt_prompt"],
               "answer": int(meta["answer_id"]), "foil": None if meta.get("foil_id") is None else int(meta["foil_id"])}
-    if kind != "path":
+    if positions:
         inputs["positions"] = list(meta["positions"])
-    if kind == "patch" and meta.get("direction") == "mean":
+    if means and meta.get("direction") == "mean":
         inputs["mean_prompts"] = list(meta.get("mean_prompts") or [meta["clean_prompt"], meta["corrupt_prompt"]])
     return inputs
 
 
-def _experiment(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
-    """(function name, its code, the site names it reads, a one-line summary) for the result's kind."""
-    meta, kind = result.meta, result.kind
-    if kind == "trace":
-        kinds = sorted(meta.get("kinds") or result.views, key=("attn", "mlp", "resid").index)
-        code = _TRACE.substitute(kinds=repr(kinds), window=int(meta.get("window", 10)), seeds=int(meta["seeds"]),
-                                 control=bool(meta.get("control")), embed=_path(adapter.embed, "embedding"))
-        summary = (f"noise the subject's embeddings ({int(meta['seeds'])} seeded draws), restore one clean state per\n"
-                   "(layer, position), average normalized recovery over the seeds.")
-        return "causal_trace", code, kinds, summary
-    site = meta.get("site", "resid")
-    if kind in ("patch", "attribution") and site not in SITES:
+def trace_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+    """Causal tracing's part of the script: (function name, its code, the sites it reads, a summary)."""
+    meta = result.meta
+    kinds = sorted(meta.get("kinds") or result.views, key=("attn", "mlp", "resid").index)
+    code = _TRACE.substitute(kinds=repr(kinds), window=int(meta["window"]), seeds=int(meta["seeds"]),
+                             control=bool(meta.get("control")), embed=_path(adapter.embed, "embedding"))
+    summary = (f"noise the subject's embeddings ({int(meta['seeds'])} seeded draws), restore one clean state per\n"
+               "(layer, position), average normalized recovery over the seeds.")
+    return "causal_trace", code, kinds, summary
+
+
+def _pair_site(result: Any) -> tuple[str, bool, str, str]:
+    """A pair experiment's site, whether its columns are heads, and the script's column words."""
+    site = result.meta.get("site", "resid")
+    if site not in SITES:
         raise PipatchError(f"code(): unknown site {site!r}")
-    heads = meta.get("col_axis") == "head"
+    heads = result.col_axis == "head"
     n_columns = "N_HEADS" if heads else "len(positions)"
     columns_doc = "head (each patched at `positions`)" if heads else "position in `positions`"
-    if kind == "patch":
-        direction = meta.get("direction", "denoise")
-        if direction not in _DONORS:
-            raise PipatchError(f"code(): unknown patching direction {direction!r}")
-        code = _PATCH.substitute(site=repr(site), direction=repr(direction), columns_doc=columns_doc,
-                                 mean_arg=", mean_prompts" if direction == "mean" else "",
-                                 baselines=_BASELINES, donor=_DONORS[direction], n_columns=n_columns,
-                                 cells=_HEAD_CELLS if heads else _POSITION_CELLS)
-        summary = (f"clean and corrupt runs, then one {direction} patch of the {site} site per cell, normalized\n"
-                   "recovery (patched − corrupt) / (clean − corrupt).")
-        return "activation_patch", code, [site], summary
-    if kind == "attribution":
-        estimate = ("        raw[0, layer] = corrupt + product.reshape(len(positions), N_HEADS, HEAD_DIM).sum(dim=(0, 2))"
-                    if heads else "        raw[0, layer] = corrupt + product.sum(-1)")
-        code = _ATTRIBUTE.substitute(site=repr(site), baselines=_BASELINES, n_columns=n_columns,
-                                     embed=_path(adapter.embed, "embedding"), estimate=estimate)
-        summary = ("attribution patching, gradient × (clean − corrupt) activation at every cell from two\n"
-                   "forwards and one backward, as normalized recovery.")
-        return "attribution", code, [site], summary
-    if kind == "path":
-        code = _PATH.substitute(direction=repr(meta.get("direction", "denoise")),
-                                sender_layers=repr([int(x) for x in result.layers]),
-                                sender_heads=repr(_sender_heads(result)), receivers=_receivers(meta, adapter),
-                                view=repr(result.views[0]))
-        summary = ("path patching, one run per sender with every later attention and MLP output frozen\n"
-                   "(and one more writing only the receivers' inputs), as normalized recovery.")
-        return "path_patch", code, ["head", "attn", "mlp", *adapter.qkv], summary
-    raise PipatchError(f"code() cannot write a script for a {kind!r} result: it covers trace, patch, attribution "
-                       "and path results")
+    return site, heads, n_columns, columns_doc
+
+
+def patch_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+    """Activation patching's part of the script (see :func:`trace_code`)."""
+    site, heads, n_columns, columns_doc = _pair_site(result)
+    direction = result.meta.get("direction", "denoise")
+    if direction not in _DONORS:
+        raise PipatchError(f"code(): unknown patching direction {direction!r}")
+    code = _PATCH.substitute(site=repr(site), direction=repr(direction), columns_doc=columns_doc,
+                             mean_arg=", mean_prompts" if direction == "mean" else "",
+                             baselines=_BASELINES, donor=_DONORS[direction], n_columns=n_columns,
+                             cells=_HEAD_CELLS if heads else _POSITION_CELLS)
+    summary = (f"clean and corrupt runs, then one {direction} patch of the {site} site per cell, normalized\n"
+               "recovery (patched − corrupt) / (clean − corrupt).")
+    return "activation_patch", code, [site], summary
+
+
+def attribution_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+    """Attribution patching's part of the script (see :func:`trace_code`)."""
+    site, heads, n_columns, _ = _pair_site(result)
+    estimate = ("        raw[0, layer] = corrupt + product.reshape(len(positions), N_HEADS, HEAD_DIM).sum(dim=(0, 2))"
+                if heads else "        raw[0, layer] = corrupt + product.sum(-1)")
+    code = _ATTRIBUTE.substitute(site=repr(site), baselines=_BASELINES, n_columns=n_columns,
+                                 embed=_path(adapter.embed, "embedding"), estimate=estimate)
+    summary = ("attribution patching, gradient × (clean − corrupt) activation at every cell from two\n"
+               "forwards and one backward, as normalized recovery.")
+    return "attribution", code, [site], summary
+
+
+def path_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+    """Path patching's part of the script (see :func:`trace_code`)."""
+    meta = result.meta
+    code = _PATH.substitute(direction=repr(meta.get("direction", "denoise")),
+                            sender_layers=repr([int(x) for x in result.layers]),
+                            sender_heads=repr(_sender_heads(result)), receivers=_receivers(meta, adapter),
+                            view=repr(result.views[0]))
+    summary = ("path patching, one run per sender with every later attention and MLP output frozen\n"
+               "(and one more writing only the receivers' inputs), as normalized recovery.")
+    return "path_patch", code, ["head", "attn", "mlp", *adapter.qkv], summary
 
 
 def _device_line(device: str) -> str:
@@ -540,11 +558,11 @@ def _receivers(meta: dict, adapter: Adapter) -> str:
                  for layer, modules in sorted(by_layer.items())})
 
 
-def _inputs_of(kind: str, meta: dict) -> tuple[dict[str, Any], dict[str, str]]:
-    """One prompt's inputs to the script's experiment function, and the text behind its token ids."""
-    inputs = _trace_inputs(meta) if kind == "trace" else _pair_inputs(meta, kind)
+def _inputs_of(declaration: Any, meta: dict) -> tuple[dict[str, Any], dict[str, str]]:
+    """One example's inputs to the script's experiment function, and the text behind its token ids."""
+    inputs = declaration.code_inputs(meta)
     notes = {"answer": meta.get("answer"), "foil": meta.get("foil")}
-    if kind == "trace" and isinstance(meta.get("subject"), str):
+    if "subject" in inputs and isinstance(meta.get("subject"), str):
         notes["subject"] = meta["subject"]
     return inputs, {key: str(text) for key, text in notes.items() if text is not None}
 
@@ -575,8 +593,12 @@ def _script(result: Any) -> str:
                 raise PipatchError(f"code() writes scripts for one-token answers; this result's {role} "
                                    f"{entry.get(role)!r} is {len(ids)} tokens (read teacher-forced): use result.grid, "
                                    "or rerun with a one-token answer for the script")
+    declaration = declared(result.kind)
+    if declaration is None or declaration.code is None or declaration.code_inputs is None:
+        known = ", ".join(sorted(e.kind for e in EXPERIMENTS.values() if e.code is not None))
+        raise PipatchError(f"code() cannot write a script for a {result.kind!r} result: it covers {known} results")
     adapter = _adapter(meta)
-    function, experiment, sites, summary = _experiment(result, adapter)
+    function, experiment, sites, summary = declaration.code(result, adapter)
     if result.metric not in _METRIC_BODY:
         raise PipatchError(f"code(): unknown metric {result.metric!r}")
     device = str(meta.get("device", "cpu"))
@@ -597,14 +619,14 @@ def _script(result: Any) -> str:
         entries = []
         for item in meta.get("items") or []:
             groups = item.get("group_columns")
-            entries.append(f"    ({_call('dict', *_inputs_of(result.kind, item), '    ')}, {groups!r}),")
+            entries.append(f"    ({_call('dict', *_inputs_of(declaration, item), '    ')}, {groups!r}),")
         if not entries:
             raise PipatchError("code() needs each prompt's inputs (meta['items']), which this dataset result does not "
                                "record (saved by an older pipatch): rerun the experiment")
         run = _DATASET.substitute(entries="\n".join(entries), function=function,
                                   groups=repr(list(result.columns)) if result.col_axis == "token" else "none")
     else:
-        run = _SINGLE.substitute(call=_call(function, *_inputs_of(result.kind, meta)))
+        run = _SINGLE.substitute(call=_call(function, *_inputs_of(declaration, meta)))
     return header + experiment + run + _FOOTER.substitute(view=repr(result.views[0]))
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._declare import declared
 from ._models import PipatchError
 from ._result import Result, _rows, load_result, parts_from_json, result_from_parts
 from ._views import SCHEMA_VERSION, conform_state, json_safe
@@ -62,8 +63,14 @@ SIDES = ("a", "b")
 
 #: Settings named in a side's label when the two sides differ in them.
 _SETTINGS = ("backend", "device", "subject", "answer", "foil", "seeds", "scale", "window", "direction", "positions")
-_KIND_NAMES = {"trace": "causal trace", "patch": "activation patching", "attribution": "attribution patching",
-               "path": "path patching", "compare": "comparison"}
+
+
+def _noun(kind: str) -> str:
+    """What a result of ``kind`` is called in a title: its experiment's noun."""
+    if kind == "compare":
+        return "comparison"
+    declaration = declared(kind)
+    return declaration.noun if declaration is not None and declaration.noun else kind
 
 
 def compare(a: Result | str | os.PathLike, b: Result | str | os.PathLike, *, values: str = "recovery",
@@ -159,7 +166,7 @@ class Comparison(Result, file_kind="compare"):
 
     @property
     def title(self) -> str:
-        kinds = [_KIND_NAMES.get(side.kind, side.kind) for side in (self.a, self.b)]
+        kinds = [_noun(side.kind) for side in (self.a, self.b)]
         return f"Comparison a − b of {self._what()} · {kinds[0] if kinds[0] == kinds[1] else ' vs '.join(kinds)}"
 
     def _what(self) -> str:

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 from collections import deque
 from typing import Any
 
+from ._api import plan
 from ._engine import EngineError, Predictor
-from ._registry import experiment
+from ._registry import EXPERIMENTS
 from ._widget import GridWidget
 
 __all__ = ["TOP_K", "PatchGrid", "answer_selection", "attach_result", "run_live"]
@@ -367,16 +369,19 @@ class PatchGrid(GridWidget):
             attach_result(self, state)
 
     @classmethod
-    def run(cls, model: Any = None, kind: str = "trace", **kwargs: Any) -> Any:
+    def run(cls, model: Any = None, experiment: str = "trace", **kwargs: Any) -> Any:
         """Plan and run an experiment with a live grid, without magics; returns the ``Result``.
 
-        ``kind`` is an experiment of :mod:`pipatch._registry` (``"trace"``, ``"patch"``,
-        ``"attribute"``, ``"path_patch"``) and ``kwargs`` are its Python function's arguments,
-        e.g. ``PatchGrid.run(model, "patch", clean=..., corrupt=..., answer=" Paris")``.
+        ``experiment`` is an experiment of :mod:`pipatch._registry` (``"trace"``, ``"patch"``,
+        ``"attribute"``, ``"path_patch"``, ``"lens"``, ...) and ``kwargs`` are its Python
+        function's arguments, e.g. ``PatchGrid.run(model, "patch", clean=..., corrupt=...,
+        answer=" Paris")``. (``kind="patch"``, this argument's old name, still works.)
         ``model`` is a loaded model or anything :func:`pipatch.load_model` takes. The grid is
         displayed at once, fills in row by row, has a Stop button and answers clicks, and
         stays clickable after the run; its saved copy (shown once the kernel is gone) is added
         below it. Show ``PatchGrid(result)`` for a clickable grid later.
         """
-        plan = experiment(kind).plan(model, **kwargs)
-        return run_live(plan)
+        if isinstance(kwargs.get("kind"), str) and kwargs["kind"] in EXPERIMENTS:
+            warnings.warn("PatchGrid.run(kind=...) is deprecated: use experiment=", DeprecationWarning, stacklevel=2)
+            experiment = kwargs.pop("kind")
+        return run_live(plan(experiment, model, **kwargs))

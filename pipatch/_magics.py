@@ -65,6 +65,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
+from ._api import plan as plan_experiment
 from ._backends import backend_for
 from ._compare import VALUES, compare
 from ._engine import EngineError
@@ -183,7 +184,7 @@ def _run(shell: Any, entry: Experiment, name: str, args: argparse.Namespace, key
     try:
         model = _model(shell, args.model, args.backend, args.serve, args.api_key)
         try:
-            plan = entry.plan(model, **keywords)
+            plan = plan_experiment(entry, model, **keywords)
         except PipatchError as error:
             raise UsageError(f"%%{entry.name}: {error}") from None
         except KeyboardInterrupt:

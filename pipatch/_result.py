@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ._declare import declared
 from ._models import PipatchError
 from ._views import (
     MIME_TYPE,
@@ -116,14 +117,23 @@ class Result:
         return view
 
     def recovery(self, view: str | None = None) -> torch.Tensor:
-        """Normalized recovery per seed, tensor[seeds, layers, columns]."""
+        """Normalized recovery per seed, tensor[seeds, layers, columns]; for a result that is
+        not normalized (:attr:`normalized`: the logit lens), the metric itself."""
         raw = self.raw[self._view(view)]
+        if not self.normalized:
+            return raw.clone()
         clean = self._clean_rows()
         corrupt = self.corrupt.float()
         out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
         bad = torch.tensor([recovery_undefined(float(a), float(c)) for a, c in zip(clean, corrupt)])
         out[bad] = float("nan")
         return out
+
+    @property
+    def normalized(self) -> bool:
+        """Whether the grid is normalized recovery (``False``: the grid is the metric itself, as
+        for the logit lens, which has no clean and corrupt runs: ``meta["normalize"]``)."""
+        return self.meta.get("normalize", True) is not False
 
     def _clean_rows(self) -> torch.Tensor:
         clean = torch.as_tensor(self.clean, dtype=torch.float32).reshape(-1)
@@ -208,19 +218,12 @@ class Result:
 
     @property
     def title(self) -> str:
-        meta = self.meta
-        if self.kind == "trace":
-            return f"Causal trace · {meta.get('model', '?')} · subject {meta.get('subject', '')!r} → {meta.get('answer', '')!r}"
-        if self.kind == "path":
-            receivers = meta.get("receivers", "logits")
-            to = receivers if isinstance(receivers, str) else ", ".join(".".join(map(str, r[1:])) for r in receivers)
-            return (f"Path patching ({meta.get('direction', 'denoise')}, {meta.get('site', 'head')} → {to}) · "
-                    f"{meta.get('model', '?')} · {meta.get('answer', '')!r}"
-                    + (f" vs {meta.get('foil')!r}" if meta.get("foil") else ""))
-        name = "Attribution patching (estimate)" if self.kind == "attribution" else "Activation patching"
-        return (f"{name} ({meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}) · "
-                f"{meta.get('model', '?')} · {meta.get('answer', '')!r}"
-                + (f" vs {meta.get('foil')!r}" if meta.get("foil") else ""))
+        """One line naming the experiment, the model and the question, from the experiment's
+        declaration (:mod:`pipatch._declare`) and this result's metadata."""
+        declaration = declared(self.kind)
+        if declaration is None:
+            return f"{self.kind} · {self.meta.get('model', '?')}"
+        return declaration.title(self.meta)
 
     def __repr__(self) -> str:
         shape = "×".join(str(n) for n in self.raw[self.views[0]].shape[1:])
@@ -380,10 +383,12 @@ class Result:
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
-            "baselines": {"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))},
+            "baselines": ({"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))}
+                          if self.normalized else {"output": self.clean_value}),
             "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
             "code": self._code_or_empty(),
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
+            "values": "" if self.normalized else "metric",
         })
 
     def _seed_axis(self) -> dict[str, Any]:

@@ -146,6 +146,7 @@ class GridWidget(anywidget.AnyWidget):
     code = t.Unicode("").tag(sync=True)
     sides = t.List(t.Unicode()).tag(sync=True)
     compared = t.Unicode("").tag(sync=True)
+    values = t.Unicode("").tag(sync=True)
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)

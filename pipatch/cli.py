@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ._api import plan as plan_experiment
 from ._compare import VALUES, compare
 from ._engine import EngineError
 from ._models import BACKENDS, PipatchError
@@ -172,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          serve=args.serve, api_key=api_key)
-    plan = entry.plan(model, **keywords)
+    plan = plan_experiment(entry, model, **keywords)
     result = plan.run(on_row=_Progress(plan.total_rows, not args.quiet))
     _show(result, args)
     return 0 if result.status == "done" else 130

@@ -47,6 +47,12 @@ EMBEDDED: dict[str, dict] = {
         "body": PAIR,
         "argv": ["path-patch", *PAIR_ARGV, "--sender", "12.2"],
     },
+    "lens": {
+        "kwargs": {"prompt": EIFFEL, "answer": " Paris"},
+        "line": '--answer " Paris"',
+        "body": EIFFEL,
+        "argv": ["lens", EIFFEL, "--answer", " Paris"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -55,6 +61,7 @@ TINY: dict[str, dict] = {
     "patch": {**TINY_PAIR, "site": "mlp"},
     "attribute": {**TINY_PAIR, "site": "head"},
     "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
+    "lens": {"prompt": EIFFEL, "answer": " Paris", "metric": "logprob"},
 }
 
 

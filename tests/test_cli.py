@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from pipatch import _api, _registry, cli
+from pipatch import _api, _declare, _registry, cli
 from pipatch._models import PipatchError
+from pipatch._protocols import paths, tracing
 from pipatch._registry import EXPERIMENTS
 from tests._experiments import EMBEDDED, assert_json_matches, python_result
 from tests.conftest import COLOSSEUM, EIFFEL
@@ -22,17 +23,18 @@ from tests.conftest import COLOSSEUM, EIFFEL
 
 
 def test_the_registry_lists_every_experiment_once_in_order():
-    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch"]
-    assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch"]
+    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens"]
+    assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens"]
     assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
     for entry in EXPERIMENTS.values():
-        flags = [o.flag for o in entry.options]
+        flags = [o.flag for o in entry.options] + [f for o in entry.options for f in o.alias_flags]
         assert len(flags) == len(set(flags)), entry.name
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_the_options_are_the_python_functions_parameters(name):
-    """Same options as the function (bar what only Python can pass), with the same defaults."""
+    """The function's signature is its declaration's: every flag is a keyword with the same
+    default, and only what a shell cannot pass is Python's alone."""
     entry = EXPERIMENTS[name]
     parameters = inspect.signature(getattr(_api, name)).parameters
     python_only = {"model", "fast", "on_row", "stop", *entry.prompts.fields}
@@ -41,23 +43,27 @@ def test_the_options_are_the_python_functions_parameters(name):
         default = parameters[option.keyword].default
         if option.required:
             assert default is inspect.Parameter.empty, option.flag
-        elif default is not None:  # None is documented in words ("all", "auto", ...)
+        else:
             assert option.default == default, option.flag
+    # help() shows every parameter, with its help line.
+    doc = getattr(_api, name).__doc__
+    for param in entry.params:
+        assert f"\n{param.keyword}\n    {param.help}" in doc, param.keyword
 
 
 @pytest.mark.parametrize(
     ("parse", "text", "value"),
     [
-        (_registry.sender, "12.2", ("head", 12, 2)),
-        (_registry.sender, "mlp12", ("mlp", 12)),
-        (_registry.sender, "all", None),
-        (_registry.sender, "MLP", "mlp"),
-        (_registry.receivers, "logits", "logits"),
-        (_registry.receivers, "13.4.q, 14.1.K", [("head", 13, 4, "q"), ("head", 14, 1, "k")]),
-        (_registry.positions, "2,-1", [2, -1]),
-        (_registry.scale, "auto", "auto"),
-        (_registry.scale, "2.5", 2.5),
-        (_registry.count, "0", 0),
+        (paths.parse_sender, "12.2", ("head", 12, 2)),
+        (paths.parse_sender, "mlp12", ("mlp", 12)),
+        (paths.parse_sender, "all", None),
+        (paths.parse_sender, "MLP", "mlp"),
+        (paths.parse_receivers, "logits", "logits"),
+        (paths.parse_receivers, "13.4.q, 14.1.K", [("head", 13, 4, "q"), ("head", 14, 1, "k")]),
+        (_declare.positions, "2,-1", [2, -1]),
+        (tracing.parse_scale, "auto", "auto"),
+        (tracing.parse_scale, "2.5", 2.5),
+        (_declare.count, "0", 0),
     ],
 )
 def test_option_parsers(parse, text, value):
@@ -67,16 +73,16 @@ def test_option_parsers(parse, text, value):
 @pytest.mark.parametrize(
     ("parse", "text", "match"),
     [
-        (_registry.sender, "12", "LAYER.HEAD"),
-        (_registry.sender, "head 3", "not a sender"),
-        (_registry.receivers, "13.4", "LAYER.HEAD.q|k|v"),
-        (_registry.receivers, "13.4.q,,", "not a receiver"),
-        (_registry.positions, "2,x", "integers"),
-        (_registry.positions, ",", "no positions"),
-        (_registry.scale, "nan", "positive"),
-        (_registry.scale, "loud", "neither"),
-        (_registry.positive_int, "0", "at least 1"),
-        (_registry.count, "-2", "0 or more"),
+        (paths.parse_sender, "12", "LAYER.HEAD"),
+        (paths.parse_sender, "head 3", "not a sender"),
+        (paths.parse_receivers, "13.4", "LAYER.HEAD.q|k|v"),
+        (paths.parse_receivers, "13.4.q,,", "not a receiver"),
+        (_declare.positions, "2,x", "integers"),
+        (_declare.positions, ",", "no positions"),
+        (tracing.parse_scale, "nan", "positive"),
+        (tracing.parse_scale, "loud", "neither"),
+        (_declare.positive_int, "0", "at least 1"),
+        (_declare.count, "-2", "0 or more"),
     ],
 )
 def test_malformed_option_values_are_one_line(parse, text, match):
@@ -86,20 +92,20 @@ def test_malformed_option_values_are_one_line(parse, text, match):
 
 
 def test_prompt_forms_read_cell_bodies():
-    assert _registry.PROMPT.from_body(f"\n  {EIFFEL}  \n") == {"prompt": EIFFEL}
-    assert _registry.PROMPT.from_body(f"prompt: {EIFFEL}\n\nprompt: {COLOSSEUM}") == {"prompt": [EIFFEL, COLOSSEUM]}
-    assert _registry.PROMPT.from_body(f"prompt: {EIFFEL}") == {"prompt": EIFFEL}
-    two = _registry.PAIR.from_body("clean: a\ncorrupt: b\n# note\nCLEAN: c\ncorrupt: d")
+    assert _declare.PROMPT.from_body(f"\n  {EIFFEL}  \n") == {"prompt": EIFFEL}
+    assert _declare.PROMPT.from_body(f"prompt: {EIFFEL}\n\nprompt: {COLOSSEUM}") == {"prompt": [EIFFEL, COLOSSEUM]}
+    assert _declare.PROMPT.from_body(f"prompt: {EIFFEL}") == {"prompt": EIFFEL}
+    two = _declare.PAIR.from_body("clean: a\ncorrupt: b\n# note\nCLEAN: c\ncorrupt: d")
     assert two == {"clean": ["a", "c"], "corrupt": ["b", "d"]}
     with pytest.raises(PipatchError, match="2 clean, 1 corrupt"):
-        _registry.PAIR.from_body("clean: a\ncorrupt: b\nclean: c")
+        _declare.PAIR.from_body("clean: a\ncorrupt: b\nclean: c")
     with pytest.raises(PipatchError, match="line 2"):
-        _registry.PAIR.from_body("clean: a\nnoise: b")
+        _declare.PAIR.from_body("clean: a\nnoise: b")
 
 
 def test_unknown_experiment_kind_lists_the_names():
     assert _registry.experiment("path-patch") is EXPERIMENTS["path_patch"]
-    with pytest.raises(PipatchError, match="unknown experiment kind 'ablate': use trace, patch, attribute, path_patch"):
+    with pytest.raises(PipatchError, match="unknown experiment kind 'ablate': use trace, patch, attribute, path_patch, lens"):
         _registry.experiment("ablate")
 
 
@@ -191,7 +197,7 @@ PAIR = ["--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil
         (["trace", "", "--subject", "x", "--answer", " Paris"], "empty"),
         (["trace", EIFFEL, "--subject", "Big Ben", "--answer", " Paris"], "not in the prompt"),
         (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", ""], "answer is empty"),
-        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--kind", "ffn"], "unknown kind"),
+        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--kind", "ffn"], "unknown site"),
         (["patch", "--clean", EIFFEL, "--corrupt", "Rome is", "--answer", " Paris", "--foil", " Rome"], "same length"),
         (["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--site", "neuron"], "unknown site"),
         (["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--metric", "kl"], "unknown metric"),

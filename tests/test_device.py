@@ -226,7 +226,7 @@ def test_windows_ablations_datasets_and_clicks_follow_the_device(folder, family)
     """The remaining modes, on the device with the fast engine, against the CPU copy run
     the straightforward way (``fast=False``: every block recomputed, full logits)."""
     model, ref = on_device(folder, family), reference_model(family)
-    tracing = dict(subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind=["mlp", "attn"], window=2,
+    tracing = dict(subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, sites=["mlp", "attn"], window=2,
                    metric="logprob")
     got, want = pipatch.trace(model, CLEAN, **tracing), pipatch.trace(ref, CLEAN, fast=False, **tracing)
     for kind in ("mlp", "attn"):

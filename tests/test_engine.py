@@ -58,7 +58,7 @@ def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     # too, packed, while the run holds at most batch_size (256) cells: three rows. Their
     # probability reads the whole unembedding, so one more row finishes with them, in traces
     # of its own, up to SHARE_ROWS rows (and SHARE_POSITIONS read positions): one pass for all.
-    r, seen = run_rows(plan_trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, kind="resid"))
+    r, seen = run_rows(plan_trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, sites="resid"))
     seen = [n for _, n in seen]
     assert seen[0] < seen[1] and seen.count(seen[0]) == 1, seen
     together = collections.Counter(seen[1:]).values()

@@ -501,7 +501,7 @@ def test_trace_fast_equals_straightforward_and_control_is_zero(family):
     kinds = ["resid"] if family in SUBLAYER_REFUSED else ["resid", "mlp", "attn"]
     run = functools.partial(
         _api("trace"), model, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0,
-        kind=kinds, window=2, metric="logprob",  # P(answer) of a random model is ~1e-3: too flat
+        sites=kinds, window=2, metric="logprob",  # P(answer) of a random model is ~1e-3: too flat
     )
     fast, slow = run(fast=True), run(fast=False)
     for kind in kinds:

@@ -43,7 +43,7 @@ def test_interrupt_keeps_the_partial_grid_and_leaves_nothing_behind(model):
 
     try:
         r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0,
-                          kind="resid,mlp", batch_size=8, on_row=on_row)
+                          sites="resid,mlp", batch_size=8, on_row=on_row)
     except KeyboardInterrupt:  # pragma: no cover - would mean the engine let it through
         pytest.fail("the interrupt escaped the engine")
     assert r.status == "interrupted" and "interrupted" in r.message

@@ -128,7 +128,7 @@ def test_patching_every_site_and_direction_equals_reuse_off(family):
 def test_tracing_with_noise_windows_and_seeds_equals_reuse_off(family):
     kinds = ["resid"] if family in SUBLAYER_REFUSED else ["resid", "mlp", "attn"]
     compare(family, pipatch.trace, kinds, "trace", prompt=CLEAN, subject="Eiffel Tower", answer=" Paris",
-            seeds=3, scale=3.0, kind=kinds, window=2, metric="logprob")
+            seeds=3, scale=3.0, sites=kinds, window=2, metric="logprob")
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt2", "bloom", "falcon_new"])
@@ -282,7 +282,7 @@ def test_unread_or_unchanging_writes_are_filled_without_a_forward(family):
     (``fast=False``) gives the same grid."""
     on, _ = backends(family)
     kinds = ["resid"] if family in SUBLAYER_REFUSED else ["resid", "mlp", "attn"]
-    kwargs = dict(prompt=CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind=kinds,
+    kwargs = dict(prompt=CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, sites=kinds,
                   window=2, metric="logprob")
     fast = pipatch.trace(on, **kwargs)
     slow = pipatch.trace(on, **kwargs, fast=False)

@@ -67,7 +67,7 @@ def test_result_keeps_per_seed_grids_and_their_spread(eiffel_trace):
 def test_subject_span_comes_from_offsets(eiffel_trace, model):
     assert eiffel_trace.meta["subject_positions"] == [2, 3]
     r = pipatch.trace(model, "The Colosseum is in the city of", subject="Colosseum", answer=" Rome",
-                      seeds=1, scale=3.0, kind="resid")
+                      seeds=1, scale=3.0, sites="resid")
     # BPE pieces " Col" + "osseum" are both part of the subject.
     assert r.meta["subject_positions"] == [2, 3]
 
@@ -114,13 +114,13 @@ def test_control_restoring_the_corrupt_runs_own_states_changes_nothing(model):
 
 def test_explicit_scale_is_honoured_and_a_weak_seed_is_flagged(model):
     r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=3, scale=0.5,
-                      kind="resid")
+                      sites="resid")
     assert r.meta["scale"] == 0.5 and len(r.meta["scales"]) == 1
     assert any("did not corrupt" in w for w in r.warnings)
 
 
 def test_windowed_sublayer_traces_separate_the_two_sites(model):
-    r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=3, kind="mlp,attn")
+    r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=3, sites="mlp,attn")
     assert r.views == ["mlp", "attn"]
     mlp, attn = r.mean("mlp"), r.mean("attn")
     assert mlp.shape == attn.shape == (18, 9)
@@ -130,7 +130,7 @@ def test_windowed_sublayer_traces_separate_the_two_sites(model):
 
 
 def test_fast_path_equals_the_straightforward_one(model):
-    kw = dict(subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind="resid,mlp")
+    kw = dict(subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, sites="resid,mlp")
     fast = pipatch.trace(model, EIFFEL, **kw)
     slow = pipatch.trace(model, EIFFEL, fast=False, **kw)
     for view in fast.views:
@@ -147,7 +147,7 @@ def test_fast_path_equals_the_straightforward_one(model):
         (dict(subject="Eiffel Tower", answer=""), "answer is empty"),
         (dict(subject="Eiffel Tower", answer=" Paris", seeds=0), "seeds"),
         (dict(subject="Eiffel Tower", answer=" Paris", scale=-1.0), "positive"),
-        (dict(subject="Eiffel Tower", answer=" Paris", kind="mlpp"), "unknown kind"),
+        (dict(subject="Eiffel Tower", answer=" Paris", kind="mlpp"), "unknown site"),
     ],
 )
 def test_bad_input_is_one_clear_line(model, kwargs, match):

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from .._cells import Metric
+from .._declare import Param, positive_int
+from .._declare import positions as parse_positions
 from .._models import PipatchError
 from .._result import recovery_undefined
 
@@ -178,3 +180,34 @@ def undefined_recovery_warning(metric: str, clean: float, corrupt: float) -> lis
         return []
     return [f"clean and corrupt give (almost) the same {metric} ({clean:.4g} vs {corrupt:.4g}): "
             "normalized recovery is undefined (NaN); raw values are kept — pick prompts that change the answer"]
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters several experiments declare alike (:mod:`pipatch._declare`)
+# --------------------------------------------------------------------------------------------
+
+#: How cells are batched, and whether the engine takes its exact shortcuts: every experiment's last two.
+BATCH_SIZE = Param("batch_size", None, "invokes per nnsight trace (default: about 4,096 token positions per batch)",
+                   "int | None", parse=positive_int, shown="auto")
+FAST = Param("fast", True, "use the engine's exact shortcuts (skip cells that cannot change anything, reuse the "
+             "base run below the patch, unembed one position); False runs every cell in full", "bool",
+             python_only=True)
+
+#: ``answer``, ``foil`` and ``metric``, as every clean/corrupt experiment takes them.
+PAIR_PARAMS = (
+    Param("answer", help="the clean prompt's answer: one token (' Paris') or several (' New York', read "
+          "teacher-forced)", annotation="str | Sequence[str]", per_prompt=True),
+    Param("foil", None, "the corrupt prompt's answer, e.g. ' Rome' (needed by logit_diff)",
+          "str | Sequence[str] | None", per_prompt=True),
+)
+METRIC = Param("metric", "logit_diff", "logit_diff (answer − foil; with a multi-token answer or foil the "
+               "sequences' log-probability difference), prob, logprob or logprob_diff", "str")
+SITE = Param("site", "resid", "resid, attn, mlp or head (the grid is then layers × heads)", "str")
+POSITIONS = Param("positions", None, "token positions to sweep, e.g. 2,-1 (for site head: where heads are patched)",
+                  "Sequence[int] | None", parse=parse_positions, shown="all")
+
+
+def pair_title(name: str, meta: dict, how: str) -> str:
+    """``Activation patching (denoise, head) · model · ' Paris' vs ' Rome'``: a pair experiment's title."""
+    foil = f" vs {meta.get('foil')!r}" if meta.get("foil") else ""
+    return f"{name} ({how}) · {meta.get('model', '?')} · {meta.get('answer', '')!r}{foil}"

@@ -36,20 +36,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from .. import _code
 from .._cells import Base, Cell
+from .._declare import PAIR, Experiment, Param, count
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
-from ._inputs import layer_labels, model_meta, sweep_positions, undefined_recovery_warning
+from ._inputs import (
+    BATCH_SIZE,
+    METRIC,
+    PAIR_PARAMS,
+    POSITIONS,
+    SITE,
+    layer_labels,
+    model_meta,
+    pair_title,
+    sweep_positions,
+    undefined_recovery_warning,
+)
 from .patching import pair_inputs
 
-__all__ = ["plan_attribute", "spearman"]
+__all__ = ["plan_attribute", "spearman", "DECLARATION"]
 
 
 def plan_attribute(
@@ -58,12 +71,12 @@ def plan_attribute(
     clean: str,
     corrupt: str,
     answer: str,
-    foil: str | None = None,
-    site: str = "resid",
-    metric: str = "logit_diff",
-    verify: int = 0,
-    positions: Sequence[int] | None = None,
-    batch_size: int | None = None,
+    foil: str | None,
+    site: str,
+    metric: str,
+    verify: int,
+    positions: Sequence[int] | None,
+    batch_size: int | None,
 ) -> Plan:
     """Estimate every cell from two forwards and one backward; plan the verification patches.
 
@@ -185,3 +198,56 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denom = math.sqrt(float((ra * ra).sum()) * float((rb * rb).sum()))
     return float((ra * rb).sum()) / denom if denom else float("nan")
+
+
+# --------------------------------------------------------------------------------------------
+# The declaration
+# --------------------------------------------------------------------------------------------
+
+
+def _title(meta: dict) -> str:
+    how = f"{meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}"
+    return pair_title("Attribution patching (estimate)", meta, how)
+
+
+DECLARATION = Experiment(
+    name="attribute", kind="attribution", noun="attribution patching",
+    summary="Attribution patching: a first-order estimate of every patch from 2 forwards and 1 backward.",
+    planner=plan_attribute, prompts=PAIR, title=_title,
+    params=(
+        *PAIR_PARAMS,
+        replace(SITE, help="resid, attn, mlp or head; the gradient is taken at this site"),
+        METRIC,
+        Param("verify", 0, "check the N cells with the largest |estimated change| with real patches and keep both "
+              "numbers (0: estimate only)", "int", parse=count,
+              single="verify checks cells of one clean/corrupt pair: pass one pair, or verify=0 for a list"),
+        replace(POSITIONS, help="the positions (columns) to estimate (for site head: the positions summed over "
+                "for each head)"),
+        BATCH_SIZE,
+    ),
+    example='%%attribute --answer " Paris" --foil " Rome" --site head --verify 5 -o attr\n'
+            "clean: The Eiffel Tower is in the city of\n"
+            "corrupt: The Colosseum is in the city of",
+    doc="""
+    See :mod:`pipatch._protocols.attribution` for the method and its limits.
+
+    Returns
+    -------
+    Result
+        ``kind="attribution"``; ``raw[site]`` is tensor[1, layers, columns] of
+        ``corrupt metric + estimated change`` and ``result.grid`` its normalized recovery,
+        comparable cell by cell with ``pipatch.patch(..., site=site).grid``. With
+        ``verify=k``: ``meta["verified"][site]`` (a [layers, columns] 0/1 mask),
+        ``meta["verified_values"]`` (``{"layer", "col", "estimate", "actual"}`` in raw metric
+        units, largest estimated effect first) and ``meta["agreement"]`` (``spearman``,
+        ``max_abs_error``, ``max_abs_error_recovery``, ``n``).
+
+    Examples
+    --------
+    >>> r = pipatch.attribute(model, clean="The Eiffel Tower is in the city of",
+    ...                       corrupt="The Colosseum is in the city of",
+    ...                       answer=" Paris", foil=" Rome", site="head", verify=5)
+    >>> r.meta["agreement"]
+    """,
+    code=_code.attribution_code, code_inputs=_code.pair_inputs,
+)

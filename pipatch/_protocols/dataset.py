@@ -84,6 +84,9 @@ def _span(result: Result) -> tuple[list[int], str]:
     """The positions a prompt's named groups are built around, and what to call them."""
     if "subject_positions" in result.meta:
         return result.meta["subject_positions"], "subject"
+    if "clean_tokens" not in result.meta:
+        raise PipatchError(f"a list of prompts is averaged over named positions around the subject: pass subject= "
+                           f"(once, or once per prompt) to {result.kind}")
     clean, corrupt = result.meta["clean_tokens"], result.meta["corrupt_tokens"]
     changed = [i for i, (a, b) in enumerate(zip(clean, corrupt)) if a != b]
     return changed or [len(clean) - 1], "changed"

@@ -31,12 +31,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _code
 from .._cells import METRICS, Base, Metric
+from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import (
+    BATCH_SIZE,
+    FAST,
+    METRIC,
+    PAIR_PARAMS,
+    POSITIONS,
+    SITE,
     answer_ids,
     answer_meta,
     check_choice,
@@ -44,11 +52,12 @@ from ._inputs import (
     encode,
     layer_labels,
     model_meta,
+    pair_title,
     sweep_positions,
     undefined_recovery_warning,
 )
 
-__all__ = ["plan_patch", "pair_inputs", "PairInputs", "DIRECTIONS"]
+__all__ = ["plan_patch", "pair_inputs", "PairInputs", "DIRECTIONS", "DECLARATION"]
 
 DIRECTIONS = ("denoise", "noise", "zero", "mean")
 
@@ -105,18 +114,19 @@ def plan_patch(
     clean: str,
     corrupt: str,
     answer: str,
-    foil: str | None = None,
-    site: str = "resid",
-    metric: str = "logit_diff",
-    direction: str = "denoise",
-    positions: Sequence[int] | None = None,
-    mean_prompts: Sequence[str] | None = None,
-    batch_size: int | None = None,
-    fast: bool = True,
+    foil: str | None,
+    site: str,
+    metric: str,
+    direction: str,
+    positions: Sequence[int] | None,
+    mean_prompts: Sequence[str] | None,
+    batch_size: int | None,
+    fast: bool,
 ) -> Plan:
     """Check the inputs and run the baselines; return the :class:`Plan` of the sweep.
 
-    ``backend`` runs the model; the other parameters are :func:`pipatch.patch`'s.
+    ``backend`` runs the model; the other parameters are :func:`pipatch.patch`'s (their
+    defaults are :data:`DECLARATION`'s).
     """
     adapter = backend.adapter
     where = site_named(site, adapter)
@@ -169,3 +179,39 @@ def plan_patch(
                       n_cols=len(columns), site=where, adapter=adapter, donor=donor, columns=cols, positions=cols,
                       agrees_before=agrees)
     return Plan(backend, result, [sweep], batch, fast)
+
+
+# --------------------------------------------------------------------------------------------
+# The declaration
+# --------------------------------------------------------------------------------------------
+
+
+def _title(meta: dict) -> str:
+    return pair_title("Activation patching", meta, f"{meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}")
+
+
+DECLARATION = Experiment(
+    name="patch", kind="patch", noun="activation patching",
+    summary="Activation patching: paste one run's activations into another's, site by site.",
+    planner=plan_patch, prompts=PAIR, title=_title,
+    params=(
+        *PAIR_PARAMS, SITE, METRIC,
+        Param("direction", "denoise", "denoise (clean into corrupt), noise (corrupt into clean), zero or mean "
+              "ablation", "str"),
+        POSITIONS,
+        Param("mean_prompts", None, "for direction mean: prompts of the same token length to average over",
+              "Sequence[str] | None", many=True, shown="the clean and corrupt prompts", flag_name="--mean-prompt"),
+        BATCH_SIZE, FAST,
+    ),
+    example='%%patch --answer " Paris" --foil " Rome" --site head -o heads\n'
+            "clean: The Eiffel Tower is in the city of\n"
+            "corrupt: The Colosseum is in the city of",
+    doc="""
+    Returns
+    -------
+    Result
+        ``result.grid``: tensor[layers, positions] (or [layers, heads]) of normalized recovery
+        ``(patched − corrupt) / (clean − corrupt)``; raw values in ``result.raw``.
+    """,
+    code=_code.patch_code, code_inputs=lambda meta: _code.pair_inputs(meta, means=True),
+)

@@ -62,18 +62,30 @@ recovery on the same scale as :func:`pipatch.patch` (0 the corrupt run, 1 the cl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import _code
 from .._cells import Base, Capture, Cell, Op
+from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, Sweep, check_batch_size
 from .._models import Adapter, PipatchError
 from .._result import Result
 from .._sites import ATTN, HEAD, MLP, Site, projection
-from ._inputs import check_choice, model_meta, undefined_recovery_warning
+from ._inputs import (
+    BATCH_SIZE,
+    FAST,
+    METRIC,
+    PAIR_PARAMS,
+    check_choice,
+    model_meta,
+    pair_title,
+    undefined_recovery_warning,
+)
 from .patching import pair_inputs
 
 __all__ = ["plan_path_patch", "DIRECTIONS"]
@@ -145,17 +157,18 @@ def plan_path_patch(
     clean: str,
     corrupt: str,
     answer: str,
-    foil: str | None = None,
-    sender: Any = None,
-    receivers: str | Sequence[Sequence] = "logits",
-    metric: str = "logit_diff",
-    direction: str = "denoise",
-    batch_size: int | None = None,
-    fast: bool = True,
+    foil: str | None,
+    sender: Any,
+    receivers: str | Sequence[Sequence],
+    metric: str,
+    direction: str,
+    batch_size: int | None,
+    fast: bool,
 ) -> Plan:
     """Check the inputs and run the clean and corrupt baselines; return the sender sweep's Plan.
 
-    ``backend`` runs the model; the other parameters are :func:`pipatch.path_patch`'s.
+    ``backend`` runs the model; the other parameters are :func:`pipatch.path_patch`'s (their
+    defaults are :data:`DECLARATION`'s).
     """
     check_choice(direction, DIRECTIONS, "direction")
     adapter = backend.adapter
@@ -251,3 +264,87 @@ def _parse_receivers(receivers: Any, adapter: Adapter) -> list[tuple]:
     if not out:
         raise PipatchError("receivers is empty: pass 'logits' or at least one ('head', layer, head, 'q'|'k'|'v')")
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The declaration
+# --------------------------------------------------------------------------------------------
+
+_HEAD_TEXT = re.compile(r"^(\d+)\.(\d+)$")
+_MLP_TEXT = re.compile(r"^mlp\.?(\d+)$", re.IGNORECASE)
+_RECEIVER_TEXT = re.compile(r"^(\d+)\.(\d+)\.([qkv])$", re.IGNORECASE)
+
+
+def parse_sender(value: str) -> tuple | str | None:
+    """``12.2`` (head 2 of layer 12), ``mlp12`` (layer 12's MLP), ``all`` (sweep every head) or ``mlp``
+    (sweep every MLP)."""
+    value = value.strip()
+    if value.lower() == "all":
+        return None
+    if value.lower() == "mlp":
+        return "mlp"
+    if match := _HEAD_TEXT.match(value):
+        return ("head", int(match[1]), int(match[2]))
+    if match := _MLP_TEXT.match(value):
+        return ("mlp", int(match[1]))
+    raise PipatchError(f"{value!r} is not a sender: use LAYER.HEAD (e.g. 12.2), mlpLAYER (e.g. mlp12), all or mlp")
+
+
+def parse_receivers(value: str) -> str | list[tuple]:
+    """``logits``, or comma-separated ``LAYER.HEAD.q|k|v``: ``13.4.q,14.1.k``."""
+    value = value.strip()
+    if value.lower() == "logits":
+        return "logits"
+    out = []
+    for part in (p.strip() for p in value.split(",")):
+        match = _RECEIVER_TEXT.match(part)
+        if not match:
+            raise PipatchError(f"{part!r} is not a receiver: use logits or LAYER.HEAD.q|k|v such as 13.4.q,14.1.k")
+        out.append(("head", int(match[1]), int(match[2]), match[3].lower()))
+    return out
+
+
+def _title(meta: dict) -> str:
+    receivers = meta.get("receivers", "logits")
+    to = receivers if isinstance(receivers, str) else ", ".join(".".join(map(str, r[1:])) for r in receivers)
+    return pair_title("Path patching", meta, f"{meta.get('direction', 'denoise')}, {meta.get('site', 'head')} → {to}")
+
+
+DECLARATION = Experiment(
+    name="path_patch", kind="path", noun="path patching",
+    summary="Path patching: a sender's effect through the receivers only, everything else frozen.",
+    planner=plan_path_patch, prompts=PAIR, title=_title,
+    params=(
+        *PAIR_PARAMS,
+        Param("sender", None, "None / 'head': sweep every head (grid layers × heads); 'mlp': every MLP (layers × 1); "
+              "('head', layer, h) or ('mlp', layer): one cell. As a flag: LAYER.HEAD (12.2), mlpLAYER (mlp12), all "
+              "or mlp", "Any", parse=parse_sender, shown="all"),
+        Param("receivers", "logits", "'logits' (the direct path) or a list of ('head', layer, h, 'q' | 'k' | 'v'): "
+              "that head's columns of the query, key or value projection; senders sit below the first receiver. "
+              "As a flag: logits or LAYER.HEAD.q|k|v, comma-separated (13.4.q,14.1.k)", "str | Sequence[Sequence]",
+              parse=parse_receivers),
+        METRIC,
+        Param("direction", "denoise", "denoise (base corrupt, donor clean) or noise (base clean, donor corrupt)",
+              "str"),
+        BATCH_SIZE, FAST,
+    ),
+    example='%%path_patch --answer " Paris" --foil " Rome" --sender 12.2 -o path\n'
+            "clean: The Eiffel Tower is in the city of\n"
+            "corrupt: The Colosseum is in the city of",
+    doc="""
+    See :mod:`pipatch._protocols.paths` for the three runs and what they isolate.
+
+    Returns
+    -------
+    Result
+        ``kind="path"``; ``raw[view]`` ([1, senders' layers, heads]) holds the path-patched
+        metric and ``result.grid`` its normalized recovery.
+
+    Examples
+    --------
+    >>> pipatch.path_patch(model, clean="The Eiffel Tower is in the city of",
+    ...                    corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome",
+    ...                    sender=("head", 12, 2)).grid
+    """,
+    code=_code.path_code, code_inputs=lambda meta: _code.pair_inputs(meta, positions=False),
+)

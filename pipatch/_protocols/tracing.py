@@ -11,8 +11,8 @@ The protocol is three kinds of run on one prompt:
    Each seed's draw is made once, outside every trace, so all restorations of a seed see the
    identical corruption.
 3. **Restore.** For every (layer, position) and every seed, rerun the corrupt input but paste
-   the clean state back at that one place, and read P(answer). ``kind="resid"`` restores one
-   residual state; ``kind="mlp"`` / ``"attn"`` restore that sublayer's clean output over a
+   the clean state back at that one place, and read P(answer). ``sites="resid"`` restores one
+   residual state; ``sites="mlp"`` / ``"attn"`` restore that sublayer's clean output over a
    window of ``window`` layers starting at the row's layer (ROME's severed traces), which
    separates the early MLP site at the subject from the late attention site at the last token.
 
@@ -42,12 +42,16 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import _code
 from .._cells import Base, Metric
+from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import (
+    BATCH_SIZE,
+    FAST,
     answer_ids,
     answer_meta,
     check_choice,
@@ -59,7 +63,7 @@ from ._inputs import (
     subject_positions,
 )
 
-__all__ = ["plan_trace", "noise_draws", "KINDS", "AUTO_SCALES"]
+__all__ = ["plan_trace", "noise_draws", "KINDS", "AUTO_SCALES", "DECLARATION"]
 
 AUTO_SCALES = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)
 COLLAPSE_FRACTION = 0.1
@@ -75,13 +79,13 @@ def noise_draws(seeds: int, n_positions: int, d_model: int, scale: float, sigma:
     return torch.stack(draws)
 
 
-def parse_kinds(kind: str | Sequence[str]) -> list[str]:
-    """``"resid,mlp"`` or ``["resid", "mlp"]`` → checked, de-duplicated list of kinds."""
-    kinds = [k.strip() for k in kind.split(",")] if isinstance(kind, str) else list(kind)
+def parse_kinds(sites: str | Sequence[str]) -> list[str]:
+    """``"resid,mlp"`` or ``["resid", "mlp"]`` → checked, de-duplicated list of the sites traced."""
+    kinds = [k.strip() for k in sites.split(",")] if isinstance(sites, str) else list(sites)
     if not kinds:
-        raise PipatchError("kind is empty: use resid, mlp, attn or a comma-separated list of them")
+        raise PipatchError("sites is empty: use resid, mlp, attn or a comma-separated list of them")
     for k in kinds:
-        check_choice(k, KINDS, "kind")
+        check_choice(k, KINDS, "site")
     return list(dict.fromkeys(kinds))
 
 
@@ -91,21 +95,21 @@ def plan_trace(
     *,
     subject: str | Sequence[int],
     answer: str,
-    seeds: int = 10,
-    scale: float | str = "auto",
-    kind: str | Sequence[str] = "resid",
-    window: int = 10,
-    metric: str = "prob",
-    control: bool = False,
-    batch_size: int | None = None,
-    fast: bool = True,
+    seeds: int,
+    scale: float | str,
+    sites: str | Sequence[str],
+    window: int,
+    metric: str,
+    control: bool,
+    batch_size: int | None,
+    fast: bool,
 ) -> Plan:
     """Check the inputs and run the baselines; return the :class:`Plan` of the sweep.
 
     ``backend`` runs the model (:mod:`pipatch._backends`); the other parameters are
-    :func:`pipatch.trace`'s.
+    :func:`pipatch.trace`'s (their defaults are :data:`DECLARATION`'s).
     """
-    kinds = parse_kinds(kind)
+    kinds = parse_kinds(sites)
     check_choice(metric, ("prob", "logprob"), "metric for tracing")
     check_int(seeds, "seeds")
     check_int(window, "window")
@@ -186,3 +190,57 @@ def plan_trace(
         for s in sites
     ]
     return Plan(backend, result, sweeps, batch, fast)
+
+
+# --------------------------------------------------------------------------------------------
+# The declaration
+# --------------------------------------------------------------------------------------------
+
+
+def parse_scale(value: str) -> float | str:
+    """A positive number, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise PipatchError(f"{value!r} is neither a number nor 'auto'") from None
+    if not number > 0:  # also refuses NaN
+        raise PipatchError(f"must be positive, got {value}")
+    return number
+
+
+def _title(meta: dict) -> str:
+    return f"Causal trace · {meta.get('model', '?')} · subject {meta.get('subject', '')!r} → {meta.get('answer', '')!r}"
+
+
+DECLARATION = Experiment(
+    name="trace", kind="trace", noun="causal trace",
+    summary="Causal tracing (ROME): noise the subject's embeddings, restore clean states layer by layer.",
+    planner=plan_trace, prompts=PROMPT, title=_title,
+    params=(
+        Param("subject", help="the subject's text as it appears in the prompt (every token overlapping it is "
+              "noised), or a list of token indices", annotation="str | Sequence[int]", per_prompt=True),
+        Param("answer", help="the expected continuation, e.g. ' Paris' or ' New York' (several tokens are read "
+              "teacher-forced: P of the whole sequence)", annotation="str | Sequence[str]", per_prompt=True),
+        Param("seeds", 10, "noise draws averaged over", "int", parse=positive_int),
+        Param("scale", "auto", "noise scale in units of σ, or auto (the smallest that collapses every seed)",
+              "float | str", parse=parse_scale),
+        Param("sites", "resid", "resid, mlp, attn or a comma-separated list: one grid each", "str | Sequence[str]",
+              aliases=("kind",)),
+        Param("window", 10, "layers restored together for mlp / attn", "int", parse=positive_int),
+        Param("metric", "prob", "prob or logprob of the answer", "str"),
+        Param("control", False, "restore from the corrupt run itself (a control that must give 0)", "bool",
+              switch=True),
+        BATCH_SIZE, FAST,
+    ),
+    example='%%trace --subject "Eiffel Tower" --answer " Paris" -o eiffel\nThe Eiffel Tower is in the city of',
+    doc="""
+    Returns
+    -------
+    Result
+        ``result.grid`` is tensor[layers, tokens] of mean normalized recovery (see
+        :mod:`pipatch._protocols.tracing`); ``result.per_seed`` keeps every seed's grid.
+    """,
+    code=_code.trace_code, code_inputs=_code.trace_inputs,
+)

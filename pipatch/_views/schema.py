@@ -71,6 +71,7 @@ STATE_SCHEMA: dict[str, str] = {
     "code": "str",  # Result.code(): the plain nnsight script that recomputes the grid ("" for none)
     "sides": "str[]",  # a comparison's two sides, "a: …" and "b: …" ([] for one result)
     "compared": "str",  # what a comparison subtracts: "recovery" or "raw" ("" for one result)
+    "values": "str",  # what one result's cells hold: "" normalized recovery, "metric" the metric itself
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 

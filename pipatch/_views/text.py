@@ -61,6 +61,8 @@ def values_label(state: Mapping[str, Any], mode: str = "recovery", *, short: boo
         return which if short else f"{which}: {what}" if mode in ("a", "b") else f"a − b of {what}"
     if mode == "raw":
         return "raw metric" if short else f"raw {metric}"
+    if state.get("values") == "metric":
+        return metric
     return "recovery" if short else f"normalized recovery ({metric})"
 
 
@@ -102,7 +104,7 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
             cells = "".join("·".rjust(width) for _ in range(grid.shape[1]))
         lines.append(f"L{escape_label(label):<4}"[:5] + cells)
     what = {"head": "head", "token": "token"}.get(str(state.get("col_axis")), "column")
-    word = "a − b" if compared else "recovery"
+    word = "a − b" if compared else values_label(state, short=True)
     # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
     for row, col, value in top_cells(grid, top, by_size=compared):
         lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  {word} {value:.3f}")

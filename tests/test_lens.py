@@ -1,0 +1,116 @@
+"""The logit lens against a hand-written reference: hidden states read with plain forward
+hooks, then the final norm and the unembedding applied by hand (Gemma 2's soft-cap too), on
+the embedded model and on tiny random models of other families."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._models import _get, adapter_for
+from tests._reference import first, hooked
+from tests._tiny import tiny_model
+from tests.conftest import EIFFEL
+
+#: Where each family keeps its final norm (the module between the last block and the unembedding).
+FINAL_NORMS = ("model.norm", "model.language_model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm")
+
+
+def final_norm(hf):
+    for path in FINAL_NORMS:
+        try:
+            return _get(hf, path)
+        except AttributeError:
+            continue
+    raise AssertionError(f"no final norm found in {type(hf).__name__}")
+
+
+def reference_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch.Tensor:
+    """[layers, positions]: each block's output at each position through the final norm and the
+    unembedding, by hand; P(answer's first token) there, times the model's own P of the answer's
+    later tokens (teacher-forced), or its log."""
+    hf, adapter = model._module, adapter_for(model)
+    tokenizer = model.tokenizer
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    answer_ids = tokenizer(answer, add_special_tokens=False).input_ids
+    blocks = _get(hf, adapter.blocks)
+    states: dict[int, torch.Tensor] = {}
+    hooks = [(block, "post", lambda m, args, out, i=i: states.__setitem__(i, first(out).detach().clone()))
+             for i, block in enumerate(blocks)]
+    run_ids = torch.cat([ids, torch.tensor([answer_ids[:-1]], dtype=ids.dtype)], 1) if len(answer_ids) > 1 else ids
+    logits = hooked(hooks, lambda: hf(run_ids).logits)
+    T = ids.shape[1]
+    later = 0.0  # the answer's later tokens, at the model's output
+    for j in range(1, len(answer_ids)):
+        later += float(torch.log_softmax(logits[0, T - 1 + j].double(), -1)[answer_ids[j]])
+    norm, unembed = final_norm(hf), _get(hf, adapter.unembed)
+    cap = getattr(getattr(hf.config, "text_config", None) or hf.config, "final_logit_softcapping", None)
+    grid = torch.empty(len(blocks), T)
+    with torch.no_grad():
+        for layer in range(len(blocks)):
+            lens_logits = unembed(norm(states[layer][0, :T])).double()  # [T, vocab]
+            if cap:
+                lens_logits = torch.tanh(lens_logits / cap) * cap
+            logprob = torch.log_softmax(lens_logits, -1)[:, answer_ids[0]] + later
+            grid[layer] = logprob.exp() if metric == "prob" else logprob
+    return grid
+
+
+def test_the_lens_equals_the_hand_reference_on_the_embedded_model(model):
+    r = pipatch.lens(model, EIFFEL, answer=" Paris")
+    want = reference_lens(model, EIFFEL, " Paris")
+    assert r.kind == "lens" and r.grid.shape == want.shape == (18, len(r.tokens))
+    torch.testing.assert_close(r.grid, want, atol=1e-5, rtol=0)
+    # The last row at the last position is the model's own output, and the grid is no recovery.
+    assert abs(float(r.grid[-1, -1]) - r.meta["output"]) < 1e-4 and not r.normalized
+    assert abs(r.meta["output"] - 0.497) < 0.01
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("metric", ["prob", "logprob"])
+def test_the_lens_equals_the_hand_reference_on_tiny_families(family, metric):
+    """Three layouts (Llama's ``model.norm``, GPT-2's ``transformer.ln_f`` and tied unembedding,
+    Gemma 2's soft-capped logits)."""
+    tiny = tiny_model(family)
+    r = pipatch.lens(tiny, EIFFEL, answer=" Paris", metric=metric)
+    torch.testing.assert_close(r.grid, reference_lens(tiny, EIFFEL, " Paris", metric), atol=1e-5, rtol=0)
+    slow = pipatch.lens(tiny, EIFFEL, answer=" Paris", metric=metric, fast=False)
+    torch.testing.assert_close(slow.grid, r.grid, atol=1e-5, rtol=0)
+
+
+def test_a_multi_token_answer_is_read_teacher_forced(model):
+    r = pipatch.lens(model, "The Statue of Liberty is in the city of", answer=" New York")
+    assert r.meta["answer_tokens"] == [" New", " York"]
+    want = reference_lens(model, "The Statue of Liberty is in the city of", " New York")
+    torch.testing.assert_close(r.grid, want, atol=1e-5, rtol=0)
+
+
+def test_the_lens_saves_renders_exports_and_writes_its_code(model, tmp_path):
+    r = pipatch.lens(model, EIFFEL, answer=" Paris")
+    back = pipatch.load_result(r.save(tmp_path / "lens.safetensors"))
+    assert back.kind == "lens" and back.title == r.title and torch.equal(back.grid, r.grid)
+    state = r.to_state()
+    assert state["values"] == "metric" and state["baselines"] == {"output": pytest.approx(r.meta["output"])}
+    assert "Logit lens" in state["title"]
+    assert r.text().splitlines()[-1].split()[-2] == "prob"  # the top cells name the metric, not "recovery"
+    from pipatch._views import png
+
+    assert png(state)[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "lens.json").write_text(json.dumps(r.to_json()), encoding="utf-8")
+    again = pipatch.load_result(tmp_path / "lens.json")
+    assert again.kind == "lens" and not again.normalized and torch.allclose(again.grid, r.grid, atol=1e-7)
+    same = pipatch.compare(r, r)
+    assert float(same.grid.abs().max()) == 0.0 and "logit lens" in same.title
+
+
+def test_a_list_of_prompts_needs_a_subject_to_name_positions(model):
+    with pytest.raises(pipatch.PipatchError, match="subject"):
+        pipatch.lens(model, [EIFFEL, "The Louvre is in the city of"], answer=" Paris")
+    d = pipatch.lens(model, [EIFFEL, "The Louvre is in the city of"], answer=" Paris",
+                     subject=["Eiffel Tower", "Louvre"])
+    assert d.columns[-1] == "last" and d.n_seeds == 2
+    one = pipatch.lens(model, EIFFEL, answer=" Paris")
+    assert abs(float(d.raw["resid"][0, -1, -1]) - float(one.grid[-1, -1])) < 1e-6
