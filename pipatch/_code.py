@@ -37,7 +37,7 @@ from ._declare import EXPERIMENTS, declared
 from ._models import Adapter, PipatchError
 from ._sites import SITES
 
-__all__ = ["script"]
+__all__ = ["script", "trace_code", "patch_code", "attribution_code", "path_code", "trace_inputs", "pair_inputs"]
 
 _IDENTIFIER_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -121,7 +121,7 @@ def recovery(raw, clean, corrupt):
 _SINGLE = Template('''
 
 raw, clean, corrupt = $call
-grids = {view: recovery(values, clean, corrupt).nanmean(0) for view, values in raw.items()}
+grids = {view: $values.nanmean(0) for view, values in raw.items()}
 ''')
 
 _DATASET = Template('''
@@ -146,7 +146,7 @@ for inputs, groups in DATASET:
     for view, values in raw.items():
         if groups is not None:
             values = named_positions(values, groups)
-        rows.setdefault(view, []).append(recovery(values, clean, corrupt))
+        rows.setdefault(view, []).append($values)
 grids = {view: torch.cat(parts).nanmean(0) for view, parts in rows.items()}
 ''')
 
@@ -615,6 +615,8 @@ def _script(result: Any) -> str:
         out_proj=f"{adapter.attn}.{adapter.out_proj}", site_lines=_site_lines(adapter, sites),
         metric_doc=_METRIC_DOC[result.metric], metric_body=_METRIC_BODY[result.metric],
     )
+    # A normalized result's grid is recovery against its baselines; the logit lens's, the metric.
+    values = "recovery(values, clean, corrupt)" if result.normalized else "values"
     if meta.get("dataset"):
         entries = []
         for item in meta.get("items") or []:
@@ -623,10 +625,10 @@ def _script(result: Any) -> str:
         if not entries:
             raise PipatchError("code() needs each prompt's inputs (meta['items']), which this dataset result does not "
                                "record (saved by an older pipatch): rerun the experiment")
-        run = _DATASET.substitute(entries="\n".join(entries), function=function,
+        run = _DATASET.substitute(entries="\n".join(entries), function=function, values=values,
                                   groups=repr(list(result.columns)) if result.col_axis == "token" else "none")
     else:
-        run = _SINGLE.substitute(call=_call(function, *_inputs_of(declaration, meta)))
+        run = _SINGLE.substitute(call=_call(function, *_inputs_of(declaration, meta)), values=values)
     return header + experiment + run + _FOOTER.substitute(view=repr(result.views[0]))
 
 

@@ -33,7 +33,7 @@ PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rom
 #: name → (experiment, keyword arguments): every kind, every site, every direction, datasets.
 CASES: dict[str, tuple[str, dict]] = {
     "trace resid+mlp+attn": ("trace", {"prompt": PARIS, "subject": "Paris", "answer": " France", "seeds": 2,
-                                       "scale": 3.0, "kind": "resid,mlp,attn", "window": 3}),
+                                       "scale": 3.0, "sites": "resid,mlp,attn", "window": 3}),
     "patch resid denoise": ("patch", {**PAIR, "site": "resid", "positions": [2, 4, -1]}),
     "patch attn noise prob": ("patch", {**PAIR, "site": "attn", "direction": "noise", "metric": "prob",
                                         "positions": [3, -1]}),
@@ -48,6 +48,7 @@ CASES: dict[str, tuple[str, dict]] = {
                                                              ("head", 8, 2, "v")]}),
     "dataset trace": ("trace", {"prompt": [PARIS, "The Colosseum is in"], "subject": ["Paris", "Colosseum"],
                                 "answer": [" France", " Rome"], "seeds": 1, "scale": 3.0}),
+    "lens": ("lens", {"prompt": EIFFEL, "answer": " Paris"}),
     "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
                                 "foil": " Rome", "positions": [1, 3, -2, -1]}),
 }
@@ -110,6 +111,8 @@ def tolerance(result: pipatch.Result) -> float:
     cell alone, pipatch in batches, so their float32 rounding differs; a probability of 0.002
     ("Paris is in" → " France", noised at 3σ) then differs by a few 1e-7 after 18 layers, which
     a seed whose clean and corrupt probabilities are 6e-4 apart turns into 7e-4 of recovery."""
+    if not result.normalized:  # the logit lens: the metric itself, no baselines to divide by
+        return 1e-4
     spread = float((result.clean - result.corrupt.float()).abs().min())
     return 1e-4 + 1e-6 / spread
 

@@ -129,6 +129,19 @@ def test_multi_token_answers_equal_transformers(served, model):
     assert_same_multi_token(served, model, backend="served", everything=False)
 
 
+def test_the_logit_lens_equals_the_hand_reference(served, model):
+    from tests.test_lens import reference_lens
+
+    got = pipatch.lens(served, EIFFEL, answer=" Paris")
+    want = reference_lens(model, EIFFEL, " Paris")
+    print(f"lens: max |Δ| vs the reference {float((got.grid - want).abs().max()):.2g}")
+    assert got.kind == "lens"
+    # vLLM's own float32 kernels (its RMSNorm, its unembedding product) round differently from
+    # the transformers modules the reference runs: ~2e-5 at P ~ 0.5 (the transformers backend: 1e-5).
+    assert_close(got.grid, want, atol=3e-5)
+    assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"), backend="served")
+
+
 def test_attribution_is_refused_in_one_line(served):
     with pytest.raises(PipatchError) as error:
         pipatch.attribute(served, **PAIR)

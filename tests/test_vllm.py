@@ -170,6 +170,23 @@ def test_multi_token_answers_equal_transformers(vllm_model, model):
     assert_same_multi_token(vllm_model, model, backend="vllm")
 
 
+def test_the_logit_lens_equals_the_hand_reference(vllm_model, model):
+    """Every layer's state read through vLLM's own head: the hooks-and-by-hand reference on the
+    transformers model (tests/test_lens.py), and the transformers backend's lens; a multi-token answer too."""
+    from tests.test_lens import reference_lens
+
+    got = pipatch.lens(vllm_model, EIFFEL, answer=" Paris")
+    want = reference_lens(model, EIFFEL, " Paris")
+    print(f"lens: max |Δ| vs the reference {float((got.grid - want).abs().max()):.2g}")
+    assert got.meta["backend"] == "vllm" and got.kind == "lens"
+    # vLLM's own float32 kernels (its RMSNorm, its unembedding product) round differently from
+    # the transformers modules the reference runs: ~2e-5 at P ~ 0.5 (the transformers backend: 1e-5).
+    assert_close(got.grid, want, atol=3e-5)
+    assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"))
+    two = pipatch.lens(vllm_model, "The Statue of Liberty is in the city of", answer=" New York")
+    assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=3e-5)
+
+
 def test_attribution_is_refused_in_one_line(vllm_model):
     with pytest.raises(PipatchError) as error:
         pipatch.attribute(vllm_model, **PAIR)

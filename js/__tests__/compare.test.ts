@@ -118,3 +118,37 @@ describe('comparison toggle', () => {
     expect(ui?.mode).toBe('b');
   });
 });
+
+describe('a result that holds its metric (the logit lens)', () => {
+  function lens() {
+    return normalizeState({
+      title: "Logit lens · gemma · ' Paris'",
+      kind: 'lens',
+      views: ['resid'],
+      n_seeds: 1,
+      metric: 'prob',
+      row_labels: ['0', '1'],
+      col_labels: ['The', ' of'],
+      rows_done: { resid: 2 },
+      status: 'done',
+      values: 'metric',
+      baselines: { output: 0.5 },
+      arrays: { 'resid/mean': f32spec([0.0, 0.1, 0.2, 0.5], [2, 2]), 'resid/raw_mean': f32spec([0.0, 0.1, 0.2, 0.5], [2, 2]) },
+    });
+  }
+
+  it('offers the metric alone, names it on the colour bar and in the tooltip, never as recovery', () => {
+    const s = lens();
+    expect(modeChoices(s)).toEqual([['recovery', 'prob']]);
+    const el = document.createElement('div');
+    document.body.appendChild(el);
+    const g = new GridView(el, {});
+    g.update(s, { view: 'resid', seed: -1, mode: 'raw' });
+    expect(g.getUi().mode).toBe('recovery'); // the one mode there is
+    expect(el.querySelector('.pipatch-bar-name')!.textContent).toBe('prob');
+    const info = g.cellInfo(1, 1).join('\n');
+    expect(info).toContain('prob: 0.500');
+    expect(info).not.toContain('recovery');
+    g.destroy();
+  });
+});

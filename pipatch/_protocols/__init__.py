@@ -5,10 +5,14 @@
 * :mod:`.attribution` — attribution patching: every cell estimated from one backward pass,
   the top cells verified by real patches.
 * :mod:`.paths` — path patching: each sender's effect through chosen receivers only.
+* :mod:`.lens` — the logit lens: every layer's residual stream read through the model's head.
 * :mod:`.dataset` — any of them over many prompts, averaged over named positions.
 
 A protocol module checks its inputs (one :class:`~pipatch.PipatchError` line each), runs the
 baselines through a backend (``backend.capture``) and returns a :class:`~pipatch._engine.Plan`:
 the :class:`~pipatch.Result` to fill and the sweeps whose cells fill it. It never opens a trace
-itself. A new experiment is one module here plus one entry in :mod:`pipatch._registry`.
+itself. Each experiment module also holds its ``DECLARATION`` (:class:`pipatch._declare.Experiment`:
+parameters, planner, title, code template), from which its function, command, magic and
+``PatchGrid.run`` entry are derived: a new experiment is one module here plus its name in
+:mod:`pipatch._registry`'s list (another package's: an entry point instead).
 """

@@ -26,6 +26,7 @@ result's clean baseline is the model's own output value.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from string import Template
 from dataclasses import dataclass
 
 import torch
@@ -115,8 +116,42 @@ def plan_lens(
 
 
 # --------------------------------------------------------------------------------------------
-# The declaration
+# The declaration, and its part of ``Result.code()``'s script
 # --------------------------------------------------------------------------------------------
+
+_LENS = Template('''
+
+def logit_lens(prompt, answer):
+    """The logit lens of `prompt`: each layer's residual state at each position read through the
+    model's own head, by writing it into the last block's output at the last position. Returns
+    ({"resid": metric [1, layers, T]}, the model's own metric, the same)."""
+    input_ids = tokens(prompt)
+    T = input_ids.shape[1]
+    with model.trace(input_ids, **LAST_ONLY):
+        states = nnsight.save([site("resid", layer).clone() for layer in range(n_layers)])
+        output = metric(model.output.logits[0, -1], answer).save()
+    raw = torch.zeros(1, n_layers, T)
+    for layer in range(n_layers):
+        with model.trace(**LAST_ONLY) as tracer:
+            row = nnsight.save([])
+            for pos in range(T):
+                with tracer.invoke(input_ids):
+                    site("resid", n_layers - 1)[:, -1] = states[layer][:, pos]
+                    row.append(metric(model.output.logits[0, -1], answer))
+        raw[0, layer] = torch.stack(list(row))
+    return {"resid": raw}, output, output.reshape(1)
+''')
+
+
+def _code_part(result, adapter) -> tuple[str, str, list[str], str]:
+    summary = ("one run keeping every block's output, then one run per (layer, position) with that state\n"
+               "written into the last block's output at the last position: the metric read through the head.")
+    return "logit_lens", _LENS.template, ["resid"], summary
+
+
+def _code_inputs(meta: dict) -> dict:
+    return {"prompt": meta["prompt"], "answer": int(meta["answer_id"])}
+
 
 
 def _title(meta: dict) -> str:
@@ -136,6 +171,7 @@ DECLARATION = Experiment(
         BATCH_SIZE, FAST,
     ),
     example='%%lens --answer " Paris" -o lens\nThe Eiffel Tower is in the city of',
+    code=_code_part, code_inputs=_code_inputs,
     doc="""
     See :mod:`pipatch._protocols.lens`.
 
