@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from .._cells import Base, Cell
+from .._checks import whole_number
 from .._engine import Plan, SiteSweep, check_batch_size
-from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import layer_labels, model_meta, sweep_positions, undefined_recovery_warning
@@ -71,8 +71,7 @@ def plan_attribute(
     estimate is computed here (the result's grid is complete when the plan is returned); running
     the plan patches the ``verify`` cells with the largest estimated effect for real.
     """
-    if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
-        raise PipatchError(f"verify must be a non-negative integer (cells to check with real patches), got {verify!r}")
+    verify = whole_number(verify, "verify (the cells to check with real patches)", minimum=0)
     adapter = backend.adapter
     where = site_named(site, adapter)
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)

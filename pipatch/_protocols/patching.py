@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cells import METRICS, Base, Metric
+from .._checks import flag
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
@@ -121,6 +122,7 @@ def plan_patch(
     adapter = backend.adapter
     where = site_named(site, adapter)
     check_choice(direction, DIRECTIONS, "direction")
+    fast = flag(fast, "fast")
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
     T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
