@@ -62,6 +62,9 @@ test: $(STAMP) chromium install-vllm
 # One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
 # settings): the backend's tests, then the Jupyter-kernel test, which starts its own, then
 # the served backend's, which start one `pipatch serve` (~7.4 GB) and stop it.
+# PIPATCH_REQUIRE_VLLM=1: in the venv built for them these suites must run; a skip (vllm that
+# fails to import, a missing psutil) or a run where nothing passed fails (tests/_require.py).
+test-vllm: export PIPATCH_REQUIRE_VLLM := 1
 test-vllm: install-vllm
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm.py
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py

@@ -17,7 +17,7 @@ pipatch derives
 So a new experiment is its protocol module (planner + declaration), registered once
 (:func:`register`; pipatch's own are listed in :mod:`pipatch._registry`, others come from the
 ``pipatch.experiments`` entry-point group). This module is a leaf: it imports nothing of
-pipatch but the error type, so the result, the views and the code writer may read
+pipatch but the error type and the one number check (:mod:`pipatch._checks`), so the result, the views and the code writer may read
 declarations without importing the protocols.
 
 Words: an **experiment** is what a researcher runs (``trace``, ``patch``, ...); its result's
@@ -34,10 +34,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._checks import whole_number
 from ._models import PipatchError
 
 __all__ = ["Param", "PromptForm", "Experiment", "PROMPT", "PAIR", "REQUIRED", "register", "experiment",
-           "declared", "unregister", "EXPERIMENTS", "text", "whole_number", "positive_int", "count", "positions"]
+           "declared", "unregister", "EXPERIMENTS", "text", "positive_int", "count", "positions"]
 
 #: A parameter without a default: the caller must give it.
 REQUIRED = inspect.Parameter.empty
@@ -53,35 +54,13 @@ def text(value: str) -> str:
     return value
 
 
-def whole_number(value: Any, what: str = "the value", minimum: int = 0) -> int:
-    """``value`` (an int, or text of one in base 10) as a whole number ≥ ``minimum``.
-
-    The one integer check of pipatch's inputs: ``True`` and ``2.5`` are refused (a bool is an
-    int to Python, never to a researcher), and so is text such as ``"2.0"`` or ``"ten"``.
-    Raises one :class:`PipatchError` line naming ``what``, the value and what is accepted.
-    """
-    if isinstance(value, str):
-        try:
-            number = int(value.strip(), 10)
-        except ValueError:
-            raise PipatchError(f"{what}: {value!r} is not a whole number") from None
-    elif isinstance(value, bool) or not isinstance(value, int):
-        raise PipatchError(f"{what} must be a whole number ≥ {minimum}, got {value!r}")
-    else:
-        number = value
-    if number < minimum:
-        need = "0 or more" if minimum == 0 else f"at least {minimum}"
-        raise PipatchError(f"{what} must be {need}, got {number}")
-    return number
-
-
 def positive_int(value: str) -> int:
-    """A whole number ≥ 1."""
+    """A whole number ≥ 1 (:func:`pipatch._checks.whole_number`)."""
     return whole_number(value, "the value", 1)
 
 
 def count(value: str) -> int:
-    """A whole number ≥ 0."""
+    """A whole number ≥ 0 (:func:`pipatch._checks.whole_number`)."""
     return whole_number(value, "the value", 0)
 
 

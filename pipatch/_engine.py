@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from ._cells import Base, Cell, Metric, Op
+from ._checks import whole_number
 from ._models import Adapter, PipatchError
 from ._sites import Site
 
@@ -746,6 +747,4 @@ def check_batch_size(batch_size: int | None, n_tokens: int, backend: Any = None)
     """``batch_size`` checked, or the automatic size for ``backend`` (:func:`auto_batch_size`)."""
     if batch_size is None:
         return auto_batch_size(n_tokens, backend=backend)
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise PipatchError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return batch_size
+    return whole_number(batch_size, "batch_size", minimum=1)

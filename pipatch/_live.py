@@ -47,7 +47,9 @@ from collections import deque
 from typing import Any
 
 from ._api import plan
+from ._checks import whole_number
 from ._engine import EngineError, Predictor
+from ._models import PipatchError
 from ._registry import EXPERIMENTS
 from ._widget import GridWidget
 
@@ -96,8 +98,11 @@ def answer_selection(predictor: Predictor | None, result: Any, selection: dict) 
     [{token, prob}]}``, plus ``error`` when the top-5 cannot be computed.
     """
     view = str(selection.get("view") or result.views[0])
-    seed = int(selection.get("seed", -1))
-    row, col = int(selection["row"]), int(selection["col"])
+    try:  # the browser's numbers; a malformed click is answered with an error, never raised in its thread
+        seed = whole_number(selection.get("seed", -1), "seed", minimum=None)
+        row, col = whole_number(selection.get("row"), "row", None), whole_number(selection.get("col"), "col", None)
+    except PipatchError as error:
+        return {"view": view, "top": [], "error": f"not a cell: {error}"}
     detail: dict[str, Any] = {"view": view, "seed": seed, "row": row, "col": col, "top": []}
     if view not in result.raw:
         return {**detail, "error": f"no view {view!r} in this result"}

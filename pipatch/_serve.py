@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF id or local folder (default: the embedded Gemma 3 270M)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="bind address (default 127.0.0.1; any other needs --api-key)")
-    parser.add_argument("--port", type=int, default=6677, help="port (default 6677)")
+    parser.add_argument("--port", default=6677, help="port (default 6677)")
     parser.add_argument("--api-key", default=None, help="require this key (header ndif-api-key)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
@@ -66,11 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import anyio._backends._asyncio  # noqa: F401
     import anyio.abc  # noqa: F401
 
+    from ._checks import whole_number
     from ._models import PipatchError
 
     parser = build_parser()
     args, engine_words = parser.parse_known_args(argv)
     try:
+        # Checked here, not by argparse's int: its error would not name the range.
+        args.port = whole_number(args.port, "--port", minimum=1, maximum=65535)
         engine_args = _engine_args(engine_words)
         if args.host not in LOOPBACK and not args.api_key:
             raise PipatchError(f"--host {args.host} lets other machines send code for this server to run: "

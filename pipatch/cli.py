@@ -28,9 +28,10 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from tqdm import tqdm
 
 from ._api import plan as plan_experiment
 from ._compare import VALUES, compare
@@ -116,24 +117,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Progress:
-    """A one-line progress bar on stderr, redrawn after each finished row."""
+#: The bar's text: ``18/18 rows`` (a row is one layer of one view), not tqdm's ``18/18``.
+_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}<{remaining}]"
 
-    def __init__(self, total_rows: int, enabled: bool):
-        self.total, self.enabled, self.started = total_rows, enabled and total_rows > 0, time.perf_counter()
 
-    def __call__(self, result, view: str, layer: int) -> None:
-        if not self.enabled:
+def _progress(total_rows: int, enabled: bool) -> tqdm:
+    """A progress bar on stderr, one step per row (disabled by ``--quiet`` or a run of no rows)."""
+    return tqdm(total=total_rows, file=sys.stderr, bar_format=_BAR_FORMAT, dynamic_ncols=True,
+                disable=not enabled or total_rows <= 0)
+
+
+def _on_row(bar: tqdm) -> Callable[[Any, str, int], None]:
+    """The plan's ``on_row``: advance ``bar`` to the rows done, closing it after the last."""
+
+    def on_row(result: Any, view: str, layer: int) -> None:
+        if bar.disable:  # quiet, or closed: an attribution's verification rows come after the last
             return
-        done = sum(result.rows_done.values())
-        elapsed = time.perf_counter() - self.started
-        eta = max(result.time_left(elapsed), 0.0)
-        bar = "#" * int(30 * min(done, self.total) / self.total)
-        sys.stderr.write(f"\r[{bar:<30}] {done}/{self.total} rows  {elapsed:5.1f}s  ~{eta:4.1f}s left ")
-        sys.stderr.flush()
-        if done >= self.total:
-            sys.stderr.write("\n")
-            self.enabled = False  # rows after the last (an attribution's verification) redraw nothing
+        done = min(sum(result.rows_done.values()), bar.total)
+        bar.update(done - bar.n)
+        if done >= bar.total:
+            bar.close()
+
+    return on_row
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,7 +179,9 @@ def _run(args: argparse.Namespace) -> int:
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          serve=args.serve, api_key=api_key)
     plan = plan_experiment(entry, model, **keywords)
-    result = plan.run(on_row=_Progress(plan.total_rows, not args.quiet))
+    # Closed on the way out too: an interrupted or failed sweep ends its bar's line.
+    with _progress(plan.total_rows, not args.quiet) as bar:
+        result = plan.run(on_row=_on_row(bar))
     _show(result, args)
     return 0 if result.status == "done" else 130
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Under PIPATCH_REQUIRE_VLLM=1 (make test-vllm) a skip fails the run: see tests/_require.py.
+pytest_plugins = ["tests._require"]
+
 EIFFEL = "The Eiffel Tower is in the city of"
 COLOSSEUM = "The Colosseum is in the city of"
 

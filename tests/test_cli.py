@@ -81,8 +81,8 @@ def test_option_parsers(parse, text, value):
         (_declare.positions, ",", "no positions"),
         (tracing.parse_scale, "nan", "positive"),
         (tracing.parse_scale, "loud", "neither"),
-        (_declare.positive_int, "0", "at least 1"),
-        (_declare.count, "-2", "0 or more"),
+        (_declare.positive_int, "0", "≥ 1"),
+        (_declare.count, "-2", "≥ 0"),
     ],
 )
 def test_malformed_option_values_are_one_line(parse, text, match):
@@ -126,7 +126,11 @@ def test_every_command_writes_the_python_api_result(model, name, tmp_path, capsy
     for view in want.views:
         assert want.text(view) in captured.out  # the text heatmap
     total = len(want.layers) * len(want.views)
-    assert captured.err.count(f"{total}/{total} rows") == 1  # the progress bar, ending once
+    # The progress bar (tqdm redraws it after "\r"): one line as a terminal shows it, ending at the
+    # total, once (an attribution's verification rows after the last neither redraw nor exceed it).
+    bars = [line.rsplit("\r", 1)[-1] for line in captured.err.split("\n") if " rows" in line]
+    assert len(bars) == 1 and f" {total}/{total} rows" in bars[0], captured.err
+    assert f"{total + 1}/{total}" not in captured.err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(path.read_text())
     assert_json_matches(data, want)
@@ -134,11 +138,30 @@ def test_every_command_writes_the_python_api_result(model, name, tmp_path, capsy
         assert data["meta"]["verified"] == want.meta["verified"]  # the verified cells, checked by real patches
 
 
-def test_patch_command_with_heads_and_a_saved_result(model, tmp_path):
+def test_the_progress_bar_counts_rows_and_closes_after_the_last(capsys):
+    """No model: rows as the engine reports them, then two verification rows after the last."""
+    from types import SimpleNamespace
+
+    with cli._progress(3, enabled=True) as bar:
+        on_row = cli._on_row(bar)
+        for done in [1, 2, 3, 4, 5]:  # rows_done keeps counting past the total (verification)
+            on_row(SimpleNamespace(rows_done={"resid": min(done, 3), "verify": max(done - 3, 0)}), "resid", done)
+            assert bar.n == min(done, 3)
+        assert bar.disable  # closed by the last row, before the block ends
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1 and " 3/3 rows" in err.rsplit("\r", 1)[-1]
+    assert "4/3" not in err and "5/3" not in err
+    with cli._progress(3, enabled=False) as quiet:
+        cli._on_row(quiet)(SimpleNamespace(rows_done={"resid": 1}), "resid", 0)
+    assert capsys.readouterr().err == ""
+
+
+def test_patch_command_with_heads_and_a_saved_result(model, tmp_path, capsys):
     code = cli.main(["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome",
                      "--site", "head", "--json", str(tmp_path / "p.json"), "--save", str(tmp_path / "p.safetensors"),
                      "--quiet"])
     assert code == 0
+    assert "rows" not in capsys.readouterr().err  # --quiet: no progress bar
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["columns"] == ["H0", "H1", "H2", "H3"] and data["metric"] == "logit_diff"
     import pipatch

@@ -66,12 +66,29 @@ def fake_state(
 
 
 class Recorder:
+    """Records what the widget sends (from any thread: the coalescing timer sends from its own)."""
+
     def __init__(self, widget: GridWidget) -> None:
         self.messages: list[tuple[dict, list]] = []
+        self.times: list[float] = []  # time.monotonic() of each message, as it is sent
+        self.changed = threading.Condition()
         widget._send = self._send  # type: ignore[method-assign]
 
     def _send(self, msg: dict, buffers=None) -> None:
-        self.messages.append((msg, list(buffers or [])))
+        with self.changed:
+            self.messages.append((msg, list(buffers or [])))
+            self.times.append(time.monotonic())
+            self.changed.notify_all()
+
+    def updates(self) -> list[tuple[float, dict]]:
+        """The ``update`` messages so far, each with the time it was sent."""
+        with self.changed:
+            return [(at, m) for at, (m, _) in zip(self.times, self.messages) if m["method"] == "update"]
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> bool:
+        """Wait until ``predicate()`` holds (checked at each message); False after ``timeout`` s."""
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
 
 
 def test_from_state_sets_traits_and_arrays_are_binary():
@@ -104,28 +121,56 @@ def test_update_state_is_one_message():
 
 
 def test_push_coalesces_and_flush_ends_equal():
-    w = GridWidget.from_state(fake_state(done=0), min_interval=0.05)
+    # An interval no test run outlasts: the first push is sent, the 199 after it are held.
+    w = GridWidget.from_state(fake_state(done=0), min_interval=30.0)
     rec = Recorder(w)
-    start = time.monotonic()
     for i in range(200):
         w.push({"rows_done": {"resid": i, "mlp": 0}, "elapsed": float(i)})
-    took = time.monotonic() - start
+    assert len(rec.updates()) == 1
+    assert w.rows_done == {"resid": 0, "mlp": 0} and w.elapsed == 0.0  # the browser's state too
     w.flush({"status": "done", "rows_done": {"resid": 4, "mlp": 4}})
-    updates = [m for m, _ in rec.messages if m["method"] == "update"]
-    # At most one message per 50 ms interval (+ timer + final full sync).
-    assert len(updates) <= 3 + int(took / 0.05) + 2
+    updates = [m for _, m in rec.updates()]
+    # The held pushes (the latest of each key) and flush's state in one message, then a full sync.
+    assert len(updates) == 3
+    assert updates[1]["state"]["elapsed"] == 199.0 and updates[1]["state"]["rows_done"] == {"resid": 4, "mlp": 4}
     assert w.rows_done == {"resid": 4, "mlp": 4} and w.status == "done" and w.elapsed == 199.0
-    last = updates[-1]["state"]
-    assert set(STATE_KEYS) <= set(last)  # full sync
+    assert set(STATE_KEYS) <= set(updates[-1]["state"])  # full sync
+
+
+def test_push_sends_at_most_one_message_per_interval():
+    # A lower bound on the gaps: a slow machine only makes them longer.
+    interval = 0.05
+    w = GridWidget.from_state(fake_state(done=0), min_interval=interval)
+    rec = Recorder(w)
+    deadline = time.monotonic() + 30
+    i = 0
+    while len(rec.updates()) < 5 and time.monotonic() < deadline:
+        i += 1
+        w.push({"elapsed": float(i)})
+        time.sleep(0.001)  # yield to the timer thread; the loop's pace does not matter
+    w.flush()
+    sent = [at for at, _ in rec.updates()][:-1]  # flush's full sync goes at once, by design
+    assert len(sent) >= 5, "the pushes sent fewer than 5 messages in 30 s"
+    gaps = np.diff(sent)
+    assert gaps.min() >= 0.9 * interval, gaps  # 0.9: clock reads around the timer's wait
+    assert w.elapsed == float(i)
 
 
 def test_push_timer_delivers_held_state():
-    w = GridWidget.from_state(fake_state(done=0), min_interval=0.1)
+    interval = 0.2
+    w = GridWidget.from_state(fake_state(done=0), min_interval=interval)
+    rec = Recorder(w)
     w.push({"elapsed": 1.0})
-    w.push({"elapsed": 2.0})  # held back
-    assert w.elapsed == 1.0
-    time.sleep(0.3)
-    assert w.elapsed == 2.0
+    ((first, _),) = rec.updates()
+    w.push({"elapsed": 2.0})
+    shown, now = w.elapsed, time.monotonic()
+    if now - first < interval:  # (on a loaded machine the second push may come too late to be held)
+        assert shown == 1.0  # held back: the timer cannot have fired before the interval
+    # No further push and no flush: the timer alone delivers the held state.
+    assert rec.wait_for(lambda: len(rec.messages) >= 2), "the held state was never sent"
+    (_, (second, message)) = rec.updates()
+    assert message["state"] == {"elapsed": 2.0} and w.elapsed == 2.0
+    assert second - first >= 0.9 * interval
 
 
 def test_hooks_fire_from_other_threads():

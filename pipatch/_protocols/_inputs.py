@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._cells import Metric
+from .._checks import whole_number
 from .._declare import Param, positive_int
 from .._declare import positions as parse_positions
 from .._models import PipatchError
@@ -116,8 +117,7 @@ def subject_positions(subject: str | Sequence[int], prompt: str, tokens: list[st
 def normalize_positions(positions: Sequence[int], T: int, what: str = "position") -> list[int]:
     out = []
     for p in positions:
-        if not isinstance(p, int) or isinstance(p, bool):
-            raise PipatchError(f"{what} {p!r} is not an integer")
+        p = whole_number(p, what, minimum=None)  # the range is checked below, with negative indexing spelled out
         if not -T <= p < T:
             raise PipatchError(f"{what} {p} is out of range for a prompt of {T} tokens: use 0..{T - 1} or -{T}..-1")
         out.append(p % T)
@@ -165,13 +165,6 @@ def library_versions() -> dict[str, str]:
 def model_meta(backend) -> dict[str, Any]:
     """What every result records about the model and the libraries that ran it."""
     return {**backend.meta(), "versions": library_versions()}
-
-
-def check_int(value: Any, what: str, minimum: int = 1) -> int:
-    """``value`` as a whole number ≥ ``minimum``, or a one-line error."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PipatchError(f"{what} must be a whole number ≥ {minimum}, got {value!r}")
-    return value
 
 
 def undefined_recovery_warning(metric: str, clean: float, corrupt: float) -> list[str]:

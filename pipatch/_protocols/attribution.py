@@ -43,9 +43,9 @@ import torch
 
 from .. import _code
 from .._cells import Base, Cell
+from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count
 from .._engine import Plan, SiteSweep, check_batch_size
-from .._models import PipatchError
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import (
@@ -84,8 +84,7 @@ def plan_attribute(
     estimate is computed here (the result's grid is complete when the plan is returned); running
     the plan patches the ``verify`` cells with the largest estimated effect for real.
     """
-    if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
-        raise PipatchError(f"verify must be a non-negative integer (cells to check with real patches), got {verify!r}")
+    verify = whole_number(verify, "verify (the cells to check with real patches)", minimum=0)
     adapter = backend.adapter
     where = site_named(site, adapter)
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)

@@ -26,8 +26,8 @@ result's clean baseline is the model's own output value.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from string import Template
 from dataclasses import dataclass
+from string import Template
 
 import torch
 

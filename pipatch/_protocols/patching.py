@@ -33,6 +33,7 @@ import torch
 
 from .. import _code
 from .._cells import METRICS, Base, Metric
+from .._checks import flag
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
@@ -131,6 +132,7 @@ def plan_patch(
     adapter = backend.adapter
     where = site_named(site, adapter)
     check_choice(direction, DIRECTIONS, "direction")
+    fast = flag(fast, "fast")
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
     T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)

@@ -71,6 +71,7 @@ import torch
 
 from .. import _code
 from .._cells import Base, Capture, Cell, Op
+from .._checks import flag, whole_number
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, Sweep, check_batch_size
 from .._models import Adapter, PipatchError
@@ -171,6 +172,7 @@ def plan_path_patch(
     defaults are :data:`DECLARATION`'s).
     """
     check_choice(direction, DIRECTIONS, "direction")
+    fast = flag(fast, "fast")
     adapter = backend.adapter
     HEAD.check(adapter)  # refuses families whose sublayers include the residual
     view, senders, rows, columns = _parse_sender(sender, adapter)
@@ -223,9 +225,7 @@ def _receivers(receiver_list: list[tuple], adapter: Adapter) -> list[_Receiver]:
 
 
 def _check_index(value: Any, limit: int, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
-        raise PipatchError(f"{what} {value!r} is out of range: use 0..{limit - 1}")
-    return value
+    return whole_number(value, what, minimum=0, maximum=limit - 1)
 
 
 def _parse_sender(sender: Any, adapter: Adapter) -> tuple[str, list[list[tuple]], list[str], list[str]]:

@@ -44,6 +44,7 @@ import torch
 
 from .. import _code
 from .._cells import Base, Metric
+from .._checks import flag, whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
@@ -55,7 +56,6 @@ from ._inputs import (
     answer_ids,
     answer_meta,
     check_choice,
-    check_int,
     check_run_length,
     encode,
     layer_labels,
@@ -111,8 +111,8 @@ def plan_trace(
     """
     kinds = parse_kinds(sites)
     check_choice(metric, ("prob", "logprob"), "metric for tracing")
-    check_int(seeds, "seeds")
-    check_int(window, "window")
+    seeds, window = whole_number(seeds, "seeds", minimum=1), whole_number(window, "window", minimum=1)
+    control, fast = flag(control, "control"), flag(fast, "fast")
     if not (scale == "auto" or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
         raise PipatchError(f"scale must be a positive number or 'auto', got {scale!r}")
     if scale != "auto" and not scale > 0:

@@ -1,0 +1,173 @@
+"""The one whole-number / yes-no validator (pipatch._checks) and the parameters that use it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+import pipatch
+from pipatch._checks import flag, whole_number
+from pipatch._models import PipatchError
+
+# --------------------------------------------------------------------------------------------
+# whole_number
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [(0, 0), (7, 7), (-3, -3), ("10", 10), (" 12 ", 12), ("+4", 4), ("-2", -2), (np.int64(5), 5), (10**30, 10**30)],
+)
+def test_whole_number_takes_ints_and_base_10_text(value, want):
+    got = whole_number(value, "seeds", minimum=None)
+    assert got == want and type(got) is int
+
+
+@pytest.mark.parametrize("value", [True, False, 3.0, 2.5, float("nan"), "1.5", "", " ", "ten", "0x10", "1_000",
+                                   "٣", "1e3", None, [1], b"3", np.float32(2.0)])
+def test_whole_number_refuses_bools_floats_and_other_text(value):
+    with pytest.raises(PipatchError) as info:
+        whole_number(value, "seeds", minimum=1)
+    assert str(info.value) == f"seeds must be a whole number ≥ 1, got {value!r}"
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "message"),
+    [
+        (0, {"minimum": 1}, "batch_size must be a whole number ≥ 1, got 0"),
+        ("0", {"minimum": 1}, "batch_size must be a whole number ≥ 1, got '0'"),
+        (-1, {}, "batch_size must be a whole number ≥ 0, got -1"),  # the default minimum is 0
+        (9, {"maximum": 3}, "batch_size 9 is out of range: use 0..3"),
+        (-1, {"maximum": 3}, "batch_size -1 is out of range: use 0..3"),
+        ("x", {"maximum": 3}, "batch_size must be a whole number in 0..3, got 'x'"),
+        (5, {"minimum": None, "maximum": 4}, "batch_size must be a whole number ≤ 4, got 5"),
+    ],
+)
+def test_whole_number_out_of_bounds_is_one_line_naming_what_the_value_and_the_bounds(value, kwargs, message):
+    with pytest.raises(PipatchError) as info:
+        whole_number(value, "batch_size", **kwargs)
+    assert str(info.value) == message and "\n" not in message
+
+
+def test_whole_number_bounds_are_inclusive():
+    assert whole_number(1, "n", minimum=1, maximum=1) == 1
+    assert whole_number(0, "n") == 0
+
+
+# --------------------------------------------------------------------------------------------
+# flag
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [(True, True), (False, False), ("true", True), ("False", False), (" yes ", True), ("no", False), ("ON", True),
+     ("off", False), ("1", True), ("0", False)],
+)
+def test_flag_takes_bools_and_yes_no_words(value, want):
+    assert flag(value, "fast") is want
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "t", 1, 0, 1.0, None, [], np.float64(1.0)])
+def test_flag_refuses_everything_else(value):
+    # fast="no" must not pass as true because the string is not empty, nor 1 as True.
+    with pytest.raises(PipatchError) as info:
+        flag(value, "fast")
+    assert str(info.value) == f"fast must be True or False, got {value!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# The module stays a leaf, and the hand-written checks are gone
+# --------------------------------------------------------------------------------------------
+
+PACKAGE = pathlib.Path(pipatch.__file__).parent
+
+
+def test_the_checks_module_imports_only_the_error():
+    tree = ast.parse((PACKAGE / "_checks.py").read_text("utf-8"))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+    assert imported == {"_models"}
+
+
+def test_no_module_checks_for_a_bool_by_hand():
+    """``isinstance(x, bool)`` guards (an int that is not a bool) belong in _checks alone.
+
+    """
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_checks.py":
+            continue
+        for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+            if "isinstance(" in line and "bool)" in line and ", int)" in line:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert not offenders, offenders
+
+
+# --------------------------------------------------------------------------------------------
+# The parameters that use them (a tiny random model: the checks run before any forward)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests._tiny import tiny_model
+
+    return tiny_model("llama")
+
+
+TRACE = {"subject": "Colosseum", "answer": " Paris"}
+PAIR = {"clean": "The Colosseum is in the city of", "corrupt": "The Kremlin is in the city of",
+        "answer": " Paris", "foil": " Rome"}  # the same length in the tiny tokenizer
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: pipatch.trace(m, PAIR["clean"], **TRACE, seeds=True), "seeds must be a whole number ≥ 1, got True"),
+        (lambda m: pipatch.trace(m, PAIR["clean"], **TRACE, window=2.0), "window must be a whole number ≥ 1, got 2.0"),
+        (lambda m: pipatch.trace(m, PAIR["clean"], **TRACE, fast="maybe"), "fast must be True or False, got 'maybe'"),
+        (lambda m: pipatch.trace(m, PAIR["clean"], **TRACE, control=1), "control must be True or False, got 1"),
+        (lambda m: pipatch.patch(m, **PAIR, batch_size=0), "batch_size must be a whole number ≥ 1, got 0"),
+        (lambda m: pipatch.patch(m, **PAIR, fast=None), "fast must be True or False, got None"),
+        (lambda m: pipatch.patch(m, **PAIR, positions=[1.0]), "position must be a whole number, got 1.0"),
+        (lambda m: pipatch.attribute(m, **PAIR, verify=-1),
+         "verify (the cells to check with real patches) must be a whole number ≥ 0, got -1"),
+        (lambda m: pipatch.path_patch(m, **PAIR, sender=("head", 0, 9)), "sender head 9 is out of range: use 0..3"),
+        (lambda m: pipatch.path_patch(m, **PAIR, sender=("head", False, 0)),
+         re.compile(r"sender layer must be a whole number in 0\.\.\d+, got False")),
+    ],
+)
+def test_bad_parameters_are_refused_in_one_line(tiny, call, message):
+    with pytest.raises(PipatchError) as info:
+        call(tiny)
+    if isinstance(message, re.Pattern):
+        assert message.fullmatch(str(info.value)), str(info.value)
+    else:
+        assert str(info.value) == message
+
+
+def test_text_numbers_are_taken_where_ints_are(tiny):
+    """Text that reads as a number is the number (as on the command line): seeds='2' runs 2 seeds."""
+    result = pipatch.trace(tiny, PAIR["clean"], **TRACE, seeds="2", window="1", kind="resid")
+    assert result.n_seeds == 2 and result.meta["window"] == 1
+
+
+def test_a_malformed_click_is_answered_with_an_error(tiny):
+    from pipatch._live import answer_selection
+
+    result = pipatch.patch(tiny, **PAIR, positions=[-1])
+    detail = answer_selection(None, result, {"view": "resid", "seed": -1, "row": "x", "col": 0})
+    assert detail["error"] == "not a cell: row must be a whole number, got 'x'"
+    detail = answer_selection(None, result, {"view": "resid", "seed": -1, "row": 9, "col": 0})
+    assert detail["error"] == "no cell (row 9, col 0, seed -1) in this grid"
+
+
+def test_serve_refuses_a_port_out_of_range(capsys):
+    from pipatch._serve import main
+
+    assert main(["--port", "70000"]) == 2
+    assert capsys.readouterr().err == "pipatch serve: error: --port 70000 is out of range: use 1..65535\n"
