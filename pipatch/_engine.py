@@ -23,15 +23,19 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
   their ``start`` layer (and, where the backend reuses prefixes, about the same first
   written position). Each batch is one nnsight trace (the transformers backend: one invoke
   holding every cell's rows; vLLM: one invoke per cell), and the backend gets a row's
-  consecutive batches of at most ``batch_size`` cells in all at once (``backend.run_many``:
+  consecutive batches of at most ``batch_size`` cells in all at once (the hints' ``run_many``:
   the transformers backend then computes all their metrics in one product with the
   unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
   row so a front end can draw it live, and checks ``stop`` between batches.
 
 **The backend seam.** The engine and the protocols never touch a model: every call into it
-goes through the backend object (:mod:`pipatch._backends`), which turns cells into invokes.
-A new way of running models is one new module there; nothing here changes.
+goes through the backend object (:mod:`pipatch._backends`; its core members typed by
+:class:`~pipatch._backends._contract.Backend`), which turns cells into invokes. What the
+engine schedules by (layer order, prefix reuse, packing, pooled unembedding, the device's
+sizes) it reads only from the backend's hints (:attr:`Plan.hints`, the defaults where a
+backend gives none). A new way of running models is one new module there; nothing here
+changes.
 
 Stopping and failures: ``stop`` (an Event or a function) ends the run ``"stopped"``, Ctrl-C /
 a kernel interrupt ends it ``"interrupted"`` (both between batches), with every finished row kept. A batch that
@@ -167,7 +171,7 @@ def _is_noop(base: Base, cell: Cell, agrees_before: int = 0) -> bool:
         return True
     for op in cell.ops:
         current = base.capture.site(op.site.name, op.layer, cell.seed) if op.value is not None else None
-        if current is None or not torch.allclose(current[op.index], op.value, rtol=1e-6, atol=1e-7):
+        if current is None or op.value is None or not torch.allclose(current[op.index], op.value, rtol=1e-6, atol=1e-7):
             return False
     return True
 
@@ -304,7 +308,7 @@ def _run_batch(backend: Any, sweep: Sweep, cells: list[Cell], fast: bool, full_l
     """One batch on the backend; a two-stage batch (cells with ``then``) runs twice."""
     if _two_stage(cells):
         _, reads = backend.run(sweep.base, cells, sweep.metric, fast=fast)
-        cells = [cell.then(values) for cell, values in zip(cells, reads)]
+        cells = [cell.then(values) if cell.then is not None else cell for cell, values in zip(cells, reads)]
     values, _ = backend.run(sweep.base, cells, sweep.metric, fast=fast, full_logits=full_logits)
     return values
 

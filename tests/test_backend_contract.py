@@ -17,7 +17,7 @@ from pipatch._backends._contract import CORE, HINTS, Backend, Hints, hints_of
 from tests._tiny import tiny_model
 
 CLEAN = "The Eiffel Tower is in the city of"
-CORRUPT = "The Colosseum is in the city of"
+PAIR_CLEAN, PAIR_CORRUPT = "The Colosseum is in the city of", "The Kremlin is in the city of"
 
 
 def _tables(doc: str) -> list[list[str]]:
@@ -102,7 +102,7 @@ def test_a_backend_with_the_core_alone_runs_an_experiment_with_the_same_numbers(
         args = dict(prompt=CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind="resid,mlp")
         run = pipatch.trace
     else:
-        args = dict(clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome")
+        args = dict(clean=PAIR_CLEAN, corrupt=PAIR_CORRUPT, answer=" Rome", foil=" Moscow", site="mlp")
         run = pipatch.patch
     got, want = run(core, **args), run(backend, **args)
     assert got.meta["engine"]["traces"] > 0

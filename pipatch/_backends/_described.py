@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["Described"]
+
+
+class _Describable(Protocol):
+    """What :class:`Described`'s members read of the backend they are mixed into."""
+
+    kind: str
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def adapter(self) -> Any: ...
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def runs_on(self) -> str: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    def capture(self, input_ids: Any, metric: Any, sites: Sequence[Any] = ()) -> Any: ...
 
 
 class Described:
@@ -15,16 +33,16 @@ class Described:
     ``"cuda:0"``, ...) and a ``capture``. It takes no shortcut: the engine's scheduling hints
     are :class:`~._contract.Hints`, apart."""
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self: _Describable) -> dict[str, Any]:
         """What a result records about the model."""
         return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
                 "dtype": str(self.dtype).replace("torch.", ""), "device": self.runs_on}
 
-    def captures(self, prompts: Sequence[Any], metric: Any, sites: Sequence[Any] = ()) -> list[Any]:
+    def captures(self: _Describable, prompts: Sequence[Any], metric: Any, sites: Sequence[Any] = ()) -> list[Any]:
         """Each prompt's :meth:`capture` ([1, T] ids each, one length). A backend may run them
         together: the transformers backend runs them in one trace."""
         return [self.capture(ids, metric, sites) for ids in prompts]
 
-    def decode(self, ids: Sequence[int]) -> list[str]:
+    def decode(self: _Describable, ids: Sequence[int]) -> list[str]:
         """Each token id's text, alone."""
         return [self.tokenizer.decode([int(i)]) for i in ids]

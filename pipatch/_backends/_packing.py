@@ -88,7 +88,7 @@ class Packed:
         reads = [(self.spans[i][0], self.spans[i][1].stop - m + j) for i in range(len(cells)) for j in range(m)]
         self.read_at = tuple(torch.tensor(index, device=device) for index in zip(*reads))
         # Each row's cached positions: per seed among its cells, up to the latest start of them.
-        cached = [{} for _ in rows]
+        cached: list[dict[int, int]] = [{} for _ in rows]
         for r, row in enumerate(rows):
             for i in row:
                 seed = cells[i].seed
@@ -98,9 +98,9 @@ class Packed:
         cache_seed = torch.zeros(self.n_rows, K, dtype=torch.long)
         cache_pos = torch.zeros(self.n_rows, K, dtype=torch.long)
         cache_used = torch.zeros(self.n_rows, K, dtype=torch.bool)
-        for r, row in enumerate(cached):
+        for r, per_seed in enumerate(cached):
             at = 0
-            for seed, n in row.items():
+            for seed, n in per_seed.items():
                 cache_seed[r, at : at + n], cache_pos[r, at : at + n] = seed, torch.arange(n)
                 cache_used[r, at : at + n] = True
                 at += n
@@ -126,8 +126,10 @@ class Packed:
         seeds' base runs before their cells' starts (zeros, masked, to the longest row's)."""
         from transformers import DynamicCache
 
+        keys = self.base.capture.keys
+        assert keys is not None  # packed only on a capture with its keys
         layers = []
-        for layer, (k, v) in enumerate(self.base.capture.keys):
+        for layer, (k, v) in enumerate(keys):
             rows = slice(self.active[layer], None)
             seeds, positions = self.cache_seed[rows], self.cache_pos[rows]
             # [rows, K, kv_heads, head_dim] → [rows, kv_heads, K, head_dim]
@@ -181,7 +183,8 @@ def layout(starts: list[int], lengths: list[int], width: int = 0) -> list[list[i
     for start in sorted(set(starts), reverse=True):
         group = sorted((i for i, s in enumerate(starts) if s == start), key=lambda i: -lengths[i])
         n = -(-sum(lengths[i] for i in group) // width)
-        fill, members = [0] * n, [[] for _ in range(n)]
+        fill: list[int] = [0] * n
+        members: list[list[int]] = [[] for _ in range(n)]
         for i in group:
             least = min(range(n), key=fill.__getitem__)
             members[least].append(i)

@@ -180,14 +180,14 @@ class TransformersBackend(Described):
         softmax = metric.token_ids is None
         unembed = adapter.unembedding(model)
         cache = self._new_cache()
-        kwargs = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
+        kwargs: dict[Any, Any] = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
 
         def apply(site: Site, layer: int, value: Any) -> None:
             for op, i in writes.get((site.name, layer), ()):
                 op.apply(value[i * k : (i + 1) * k])
 
         with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
-            saved = list().save()
+            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(torch.cat([metric.inputs(prompt) for prompt in prompts])):
                 embedded = EMBED.value(adapter, model, 0)
                 apply(EMBED, 0, embedded)
@@ -239,9 +239,11 @@ class TransformersBackend(Described):
         of each cell (its seed's run), as the model's cache."""
         from transformers import DynamicCache
 
-        rows = torch.tensor(seeds, device=base.capture.keys[0][0].device).repeat_interleave(inputs)
+        keys = base.capture.keys
+        assert keys is not None  # prefix reuse only runs on a capture with its keys
+        rows = torch.tensor(seeds, device=keys[0][0].device).repeat_interleave(inputs)
         return DynamicCache(ddp_cache_data=[(k[:, :, :start].index_select(0, rows), v[:, :, :start].index_select(0, rows))
-                                            for k, v in base.capture.keys])
+                                            for k, v in keys])
 
     @staticmethod
     def _base_ops(base: Base, cell: Cell, start: int, below: int) -> list[Op]:
@@ -355,7 +357,8 @@ class TransformersBackend(Described):
         start = min(cell.first_position for cell in cells) if last_only and self.prefix_reuse(base) else 0
         below = min(cell.start for cell in cells) if fast else 0
         seeds = [cell.seed for cell in cells]
-        kwargs, invoke = {}, {"input_ids": run_ids.repeat(len(cells), 1)}
+        kwargs: dict[Any, Any] = {}
+        invoke = {"input_ids": run_ids.repeat(len(cells), 1)}
         if start:
             kwargs = {adapter.cache_kwarg: self._prefix_cache(base, seeds, n, start), "use_cache": True}
             # The mask covers the cached positions too (ALiBi reads it; nnsight would make one
@@ -371,8 +374,8 @@ class TransformersBackend(Described):
                       for op in self._base_ops(base, cell, start, below) + cell.sorted_ops()),
                      key=lambda item: item[0].key)
         with torch.no_grad(), model.trace(**kwargs) as tracer:
-            outs = list().save()
-            recorded = list().save()
+            outs = list().save()  # type: ignore[attr-defined]  # nnsight's
+            recorded = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(**invoke):
                 for layer in range(below):
                     adapter.block(model, layer).skip(_cat([base.capture.block_for(layer, seed, start) for seed in seeds]))
@@ -421,6 +424,7 @@ class TransformersBackend(Described):
         from its own first written position and its own ``start`` layer (:class:`~._packing.Packed`)."""
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
+        assert self._masks is not None  # packed only where pack_tokens says so
         windows, eager = self._masks
         pack = Packed(cells, base, metric, windows, self.dtype if eager else None)
         # Each cell's ops (its seed's base ops first, from its own start on) by layer, in
@@ -436,12 +440,12 @@ class TransformersBackend(Described):
             (embedding if item[0].site.is_embedding else ops.setdefault(item[0].layer, [])).append(item)
         # The masks and positions go to the forward as they are (a trace's keyword arguments;
         # an invoke's would be batched by nnsight, which takes no dict of masks).
-        kwargs = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
+        kwargs: dict[Any, Any] = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
         if pack.n_cached:
             kwargs.update({adapter.cache_kwarg: pack.cache(), "use_cache": True})
         with torch.no_grad(), model.trace(**kwargs) as tracer:
-            outs = list().save()
-            recorded = list().save()
+            outs = list().save()  # type: ignore[attr-defined]  # nnsight's
+            recorded = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(input_ids=pack.input_ids):
                 reads: list[list[Any]] = [[] for _ in cells]
                 if embedding:
@@ -508,8 +512,8 @@ class TransformersBackend(Described):
         model, adapter = self.model, self.adapter
         T, m = input_ids.shape[1], metric.n_read
         with torch.enable_grad(), model.trace(**adapter.trace_kwargs(m)) as tracer:
-            values = list().save()
-            grads = list().save()
+            values = list().save()  # type: ignore[attr-defined]  # nnsight's
+            grads = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(metric.inputs(input_ids)):
                 embedding = adapter.embedding(model)
                 leaf = embedding.output.detach().requires_grad_(True)
@@ -520,7 +524,7 @@ class TransformersBackend(Described):
                     acts.append(act)
                     values.append(act[:1, :T].detach().clone())
                 score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
-                value = score.detach().save()
+                value = score.detach().save()  # type: ignore[attr-defined]  # nnsight's
                 # nnsight serves .grad in the reverse of the forward order. A prompt position's
                 # activation is shared by every input of the run: its gradients add up.
                 with score.backward(inputs=[leaf]):

@@ -315,6 +315,7 @@ def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
     """
     if n_read == 1:
         return model.logits.float()
+    assert adapter.final_norm is not None  # every family vLLM runs has one
     hidden = first(_get(model, adapter.final_norm).output)[-n_read:]
     return model._module.compute_logits(hidden).float()
 
@@ -334,15 +335,19 @@ def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] 
 
     # The reads in forward order, each after the writes at its place (an op's key sorts a
     # write before a read of the same place: a read here is of the value as written).
-    reads = [(s, layer, None) for layer in range(adapter.n_layers) for s in [*(keep or ()), RESID]]
+    reads: list[tuple[Site, int, tuple | None]] = [(s, layer, None) for layer in range(adapter.n_layers)
+                                                   for s in [*(keep or ()), RESID]]
     embedded = fetch(EMBED, 0)
     T = slice(0, embedded.shape[0] - metric.n_read + 1)  # the prompt's positions
     _apply(values, [op for op in ops if op[0].is_embedding], adapter, model)
-    blocks, kept, embedded_copy = None, None, None
+    blocks: list[torch.Tensor] | None = None
+    kept: dict[str, list[torch.Tensor]] | None = None
+    embedded_copy = None
     if keep is not None:
         embedded_copy = embedded[T].unsqueeze(0).clone().cpu()
         blocks, kept = [], {s.name: [] for s in keep}
-        later = sorted([(op[0], op[1], op) for op in ops if not op[0].is_embedding] + reads,
+        places: list[tuple[Site, int, tuple | None]] = [(op[0], op[1], op) for op in ops if not op[0].is_embedding]
+        later = sorted(places + reads,
                        key=lambda item: (item[1], item[0].order, item[2] is None))
         for site, layer, op in later:
             if op is not None:
