@@ -31,8 +31,13 @@ Four exact shortcuts, used when the engine asks for ``fast=True`` (tests compare
   computes a third fewer positions, and rows of several grid rows share one trace.
 * **Unembed one position.** The metric needs the last position only (the last few for a
   multi-token answer), and a logit difference needs two rows of the unembedding, not 262k: the
-  invoke reads the unembedding's *input* at those positions and skips the unembedding; :meth:`TransformersBackend.logits` computes
-  just the rows the metric reads.
+  invoke reads the unembedding's *input* at those positions and skips the unembedding;
+  :class:`~._unembedding.Unembedding` computes just the rows the metric reads.
+
+This module runs the traces; :mod:`._packing` lays packed traces out (rows, masks, caches)
+and :mod:`._unembedding` holds the arithmetic after them. The engine reads the shortcuts
+through :class:`TransformersHints`. Base ops (causal tracing's noise at
+:data:`~pipatch._sites.EMBED`) are applied as cells' writes are, in the same op loop.
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ class TransformersBackend(Described):
         model, adapter = self.model, self.adapter
         n, k = len(prompts), metric.n_inputs
         T, m = prompts[0].shape[1], metric.n_read
-        keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
+        keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)  # blocks: always kept
         # Each run's writes by (site, layer), in forward order; run ``i`` is rows ``i·k …``.
         writes: dict[tuple[str, int], list[tuple[Op, int]]] = {}
         for i, run in enumerate(ops or []):
@@ -475,7 +480,7 @@ class TransformersBackend(Described):
                         read = op.apply(values[op.site.name][row : row + 1, span], index)
                         if read is not None:
                             reads[i].append(read)
-                    if partly and RESID.name not in values:
+                    if partly and not any(op.site.is_block_output for op, _, _ in ops.get(layer, ())):
                         pack.widen(block, layer)
                 recorded.extend(reads)
                 outs.append(unembedding_input(unembed, pack.read_at))

@@ -119,7 +119,7 @@ class VLLMBackend(Described):
         0's input, :data:`~pipatch._sites.EMBED`); ``None`` is one clean run.
         """
         adapter = self.adapter
-        keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
+        keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)  # blocks: always kept
         writes = [_shipped(run) for run in ([[]] if ops is None else ops)]
         inputs = _inputs(metric, input_ids)
         runs = self._invokes(_capture_run, [(ids, (adapter, metric, keep if c == 0 else None, run))
@@ -352,7 +352,7 @@ def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] 
         for site, layer, op in later:
             if op is not None:
                 _apply(values, [op], adapter, model)
-            elif site is RESID:
+            elif site.is_block_output:
                 blocks.append(_resid(fetch(site, layer))[T].unsqueeze(0).clone().cpu())
             else:
                 kept[site.name].append(_read(fetch(site, layer), (slice(None), T)))
