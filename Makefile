@@ -14,7 +14,7 @@ VVENV  ?= .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.pipatch-vllm-installed
 
-.PHONY: install install-vllm demo test test-py test-js test-e2e test-vllm bench js lint clean device-wheels
+.PHONY: install install-vllm demo test test-py test-js test-e2e test-vllm bench js lint typecheck clean device-wheels
 
 install: $(STAMP)
 
@@ -55,6 +55,7 @@ chromium:
 
 test: $(STAMP) chromium install-vllm
 	npm test
+	$(PY) -m mypy pipatch/_backends pipatch/_engine.py
 	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
 		--ignore=tests/test_served.py
 	$(MAKE) test-vllm
@@ -84,6 +85,10 @@ bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
+
+# The backend seam and the engine, against the typed contract (pipatch/_backends/_contract.py).
+typecheck: $(STAMP)
+	$(PY) -m mypy pipatch/_backends pipatch/_engine.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipatch tests bench

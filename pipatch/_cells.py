@@ -16,6 +16,7 @@ and have several batch rows (:attr:`Metric.n_inputs`), which a write covers alik
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -244,30 +245,70 @@ class Capture:
 
 @dataclass
 class Base:
-    """The run a cell patches: token ids [1, T], its capture, and (causal tracing) its noise.
+    """The run a cell patches: token ids [1, T], its capture, and the ops that made it.
 
-    Row ``seed`` of ``capture`` is the base run of cells with that seed. ``noise[seed]``
-    ([len(noise_positions), d]) is added to the embedding output at ``noise_positions``.
+    Row ``seed`` of ``capture`` is the base run of cells with that seed. ``ops[seed]`` (none by
+    default) are the writes that run ``seed`` was captured under, which every cell of that
+    seed runs under too, before its own: causal tracing's noise, one draw per seed added at the
+    embedding (:data:`~pipatch._sites.EMBED`). They are the base run's, not the cell's: the
+    engine never prunes or groups cells by them (:attr:`Cell.first_position` ignores them).
     """
 
     input_ids: torch.Tensor
     capture: Capture
-    noise: torch.Tensor | None = None
-    noise_positions: list[int] | None = None
+    ops: list[list[Op]] = field(default_factory=list)
 
     @property
     def n_seeds(self) -> int:
         return int(self.capture.metric.shape[0])
 
+    def ops_of(self, seed: int) -> list[Op]:
+        """The base ops of run ``seed`` (empty where the base run has none)."""
+        return self.ops[seed] if self.ops else []
+
 
 @dataclass
 class Op:
-    """Write ``value`` at ``site[layer][index]``, or (``value is None``) record what is there."""
+    """Write ``value`` at ``site[layer][index]``, or (``value is None``) record what is there.
+
+    With ``add``, the value is added to what is there instead (in the site's dtype): causal
+    tracing's noise at the embedding.
+    """
 
     site: Site
     layer: int
     index: tuple
     value: torch.Tensor | None = None
+    add: bool = False
+
+    def apply(self, where: torch.Tensor, index: tuple | None = None) -> torch.Tensor | None:
+        """Apply the op to ``where`` (one run's rows of the site's value) at ``index`` (its own
+        by default; a backend passes a shifted one): write, add, or return a copy of what is
+        there (a recording op)."""
+        index = self.index if index is None else index
+        if self.value is None:
+            return where[index].clone()
+        if self.add:
+            where[index] += self.value.to(where.dtype)
+        else:
+            where[index] = self.value
+        return None
+
+    def from_position(self, start: int) -> Op | None:
+        """The op with the positions before ``start`` dropped, for a run that starts at prompt
+        position ``start`` (their states are the base run's, already under this op; the rest
+        are then shifted by :meth:`index_from`), or ``None`` where none is left. Only an index
+        that lists positions (a base op: the noised ones) can lose some; any other op is kept
+        as is."""
+        where = self.index[1] if len(self.index) > 1 else None
+        if not start or not isinstance(where, (list, tuple)) or min(where) >= start:
+            return self
+        keep = [j for j, q in enumerate(where) if q >= start]
+        if not keep:
+            return None
+        value = None if self.value is None else self.value[:, keep]
+        index = (self.index[0], [int(where[j]) for j in keep], *self.index[2:])
+        return dataclasses.replace(self, index=index, value=value)
 
     @property
     def key(self) -> tuple[int, int, str]:

@@ -23,15 +23,19 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
   their ``start`` layer (and, where the backend reuses prefixes, about the same first
   written position). Each batch is one nnsight trace (the transformers backend: one invoke
   holding every cell's rows; vLLM: one invoke per cell), and the backend gets a row's
-  consecutive batches of at most ``batch_size`` cells in all at once (``backend.run_many``:
+  consecutive batches of at most ``batch_size`` cells in all at once (the hints' ``run_many``:
   the transformers backend then computes all their metrics in one product with the
   unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
   row so a front end can draw it live, and checks ``stop`` between batches.
 
 **The backend seam.** The engine and the protocols never touch a model: every call into it
-goes through the backend object (:mod:`pipatch._backends`), which turns cells into invokes.
-A new way of running models is one new module there; nothing here changes.
+goes through the backend object (:mod:`pipatch._backends`; its core members typed by
+:class:`~pipatch._backends._contract.Backend`), which turns cells into invokes. What the
+engine schedules by (layer order, prefix reuse, packing, pooled unembedding, the device's
+sizes) it reads only from the backend's hints (:attr:`Plan.hints`, the defaults where a
+backend gives none). A new way of running models is one new module there; nothing here
+changes.
 
 Stopping and failures: ``stop`` (an Event or a function) ends the run ``"stopped"``, Ctrl-C /
 a kernel interrupt ends it ``"interrupted"`` (both between batches), with every finished row kept. A batch that
@@ -54,6 +58,7 @@ from typing import Any
 
 import torch
 
+from ._backends._contract import Hints, hints_of
 from ._cells import Base, Cell, Metric, Op
 from ._checks import whole_number
 from ._models import Adapter, PipatchError
@@ -146,16 +151,14 @@ class SiteSweep(Sweep):
 
     def cell(self, row: int, col: int, seed: int) -> Cell:
         donor_seed = seed if self.donor[0].shape[0] > 1 else 0
-        if self.site.axis == "head":
-            index = (slice(None), self.positions, self.site.head_slice(self.adapter, col))
-            layers = [row]
-        else:
-            index = (slice(None), self.columns[col])
-            layers = range(row, min(row + self.window, self.adapter.n_layers))
-        ops = [Op(self.site, layer, index, self.donor[layer][donor_seed : donor_seed + 1][index]) for layer in layers]
-        # A block output's write leaves that block's own computation the base run's: the run
-        # starts above it. A site inside the block (a sublayer, a head) starts at the block.
-        return Cell(row, col, seed, start=row + 1 if self.site.where == "block" else row, ops=ops)
+        site, adapter = self.site, self.adapter
+        assert site is not None and adapter is not None, "a SiteSweep needs its site and adapter"
+        index = site.index(adapter, col, self.columns, self.positions)
+        layers = site.window_layers(row, self.window, adapter.n_layers)
+        ops = [Op(site, layer, index, self.donor[layer][donor_seed : donor_seed + 1][index]) for layer in layers]
+        # The run starts at the lowest block the writes can change (a block output's write
+        # leaves that block's own computation the base run's: the run starts above it).
+        return Cell(row, col, seed, start=site.start_layer(row), ops=ops)
 
 
 def _is_noop(base: Base, cell: Cell, agrees_before: int = 0) -> bool:
@@ -169,7 +172,7 @@ def _is_noop(base: Base, cell: Cell, agrees_before: int = 0) -> bool:
         return True
     for op in cell.ops:
         current = base.capture.site(op.site.name, op.layer, cell.seed) if op.value is not None else None
-        if current is None or not torch.allclose(current[op.index], op.value, rtol=1e-6, atol=1e-7):
+        if current is None or op.value is None or not torch.allclose(current[op.index], op.value, rtol=1e-6, atol=1e-7):
             return False
     return True
 
@@ -213,8 +216,10 @@ class Plan:
         self.sweeps = sweeps
         self.batch_size = batch_size
         self.fast = fast
-        #: How many FLOPs a run of rows sharing traces may hold, about (:data:`RUN_FLOPS`).
-        self.run_flops = RUN_FLOPS["cuda" if str(backend.runs_on).startswith("cuda") else "cpu"]
+        #: What the backend says the engine may schedule by (:class:`~pipatch._backends._contract.Hints`).
+        self.hints = hints_of(backend)
+        #: How many FLOPs rows sharing traces may hold, about (:data:`RUN_FLOPS`).
+        self.run_flops = RUN_FLOPS.get(self.hints.device_kind, RUN_FLOPS["cpu"])
 
     @property
     def row_order(self) -> int:
@@ -222,7 +227,7 @@ class Plan:
         backend starts a cell's run at its first patched layer (``fast``): a higher row then
         costs less, so the first finished row shows soonest (layer 17 of a 10-seed trace in
         0.2 s, where layer 0 takes 2 s); else ``1``, from layer 0."""
-        return -1 if self.fast and self.backend.starts_at_layer else 1
+        return -1 if self.fast and self.hints.starts_at_layer else 1
 
     def rows(self, sweep: Sweep) -> range:
         """``sweep``'s rows in the order they run."""
@@ -304,17 +309,17 @@ def _run_batch(backend: Any, sweep: Sweep, cells: list[Cell], fast: bool, full_l
     """One batch on the backend; a two-stage batch (cells with ``then``) runs twice."""
     if _two_stage(cells):
         _, reads = backend.run(sweep.base, cells, sweep.metric, fast=fast)
-        cells = [cell.then(values) for cell, values in zip(cells, reads)]
+        cells = [cell.then(values) if cell.then is not None else cell for cell, values in zip(cells, reads)]
     values, _ = backend.run(sweep.base, cells, sweep.metric, fast=fast, full_logits=full_logits)
     return values
 
 
-def _run_batches(backend: Any, sweep: Sweep, group: list[list[Cell]], fast: bool) -> list[torch.Tensor]:
+def _run_batches(backend: Any, hints: Hints, sweep: Sweep, group: list[list[Cell]], fast: bool) -> list[torch.Tensor]:
     """Batches of one row → the metric per cell of each: one ``run_many`` call (each batch one
     trace), or a two-stage batch alone (:func:`_run_batch`)."""
     if len(group) == 1:
         return [_run_batch(backend, sweep, group[0], fast)]
-    return backend.run_many(sweep.base, group, sweep.metric, fast=fast)
+    return hints.run_many(sweep.base, group, sweep.metric, fast=fast)
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -334,9 +339,9 @@ TRACE_COST = 32
 # 12 to 24: 2.3 s, 32: 2.6 s. Rows that share traces run each block's matrix products on
 # more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
 JOIN_COST = 16
-# How much arithmetic a run of rows that share their traces may hold (:func:`_joins`), by the
-# device the model runs on: a run's rows show when it ends, and a click is answered between
-# runs, so a slow model's grid still fills a row or two at a time. About a second's work (this
+# How much arithmetic a group of rows that share their traces may hold (:func:`_joins`), by the
+# device the model runs on (:attr:`Hints.device_kind`): a group's rows show when it ends, and a
+# click is answered between groups, so a slow model's grid still fills a row or two at a time. About a second's work (this
 # CPU runs a block's matrix products at 100-200 GFLOP/s), counted rather than timed, so the same
 # sweep always runs in the same traces and gives the same numbers to the last bit.
 RUN_FLOPS = {"cpu": 1e11, "cuda": 1e13}
@@ -415,13 +420,14 @@ def _pending(plan: Plan, sweep: Sweep, row: int, stats: dict) -> tuple[list[Cell
     return pending, filled
 
 
-def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell]) -> bool:
-    """Whether the next row's ``cells`` run in the traces of ``run``'s last part (the pending
-    cells of the rows before it), on a backend that starts each cell at its layer.
+def _joins(plan: Plan, sweep: Sweep, held: _RowGroup, cells: list[Cell]) -> bool:
+    """Whether the next row's ``cells`` run in the traces of the last part of ``held`` (the
+    :class:`_RowGroup` so far: the pending cells of the rows before it), on a backend that
+    starts each cell at its layer.
 
-    Never where the run would then hold more than ``plan.run_flops`` (its :func:`_work` times
+    Never where the group would then hold more than ``plan.run_flops`` (its :func:`_work` times
     the backend's ``position_flops``). Where the backend packs (:func:`batches`), each cell
-    keeps its own ``start`` and sharing costs nothing: rows join while the run holds at most
+    keeps its own ``start`` and sharing costs nothing: rows join while the group holds at most
     ``batch_size`` cells. Otherwise all of them start at the lowest ``start`` among them,
     recomputing the base run's blocks between it and their own: worth it while that extra
     work, counted in positions through one block, is at most what one more trace costs
@@ -429,36 +435,37 @@ def _joins(plan: Plan, sweep: Sweep, run: _Run, cells: list[Cell]) -> bool:
     patching grid) share their traces, and rows of many cells (a 10-seed causal trace) run
     alone.
     """
-    group = run.parts[-1]
+    group = held.parts[-1]
     if not group or not cells or _two_stage(group) or _two_stage(cells):
         return False
-    if (run.work + _work(sweep, cells)) * plan.backend.position_flops > plan.run_flops:
+    if (held.work + _work(sweep, cells)) * plan.hints.position_flops > plan.run_flops:
         return False
-    if plan.backend.pack_tokens(sweep.base, sweep.metric):
-        return run.n_pending + len(cells) <= plan.batch_size  # each cell keeps its own start
+    if plan.hints.pack_tokens(sweep.base, sweep.metric):
+        return held.n_pending + len(cells) <= plan.batch_size  # each cell keeps its own start
     if len(group) + len(cells) > plan.batch_size:
         return False
     n_positions = sweep.base.input_ids.shape[1]
-    reuse = plan.backend.prefix_reuse(sweep.base)
+    reuse = plan.hints.prefix_reuse(sweep.base)
 
-    def extra(run: list[Cell]) -> tuple[int, int]:
-        """The run's lowest start, and its cells' blocks below their own start, times positions."""
-        start = min(cell.start for cell in run)
-        return start, sum((n_positions - (cell.first_position if reuse else 0)) * (cell.start - start) for cell in run)
+    def extra(part: list[Cell]) -> tuple[int, int]:
+        """The part's lowest start, and its cells' blocks below their own start, times positions."""
+        start = min(cell.start for cell in part)
+        return start, sum((n_positions - (cell.first_position if reuse else 0)) * (cell.start - start) for cell in part)
 
     start, more = extra(group + cells)
     return more - extra(group)[1] <= JOIN_COST * (len(sweep.base.capture.blocks) - start)
 
 
 @dataclass
-class _Run:
-    """Consecutive rows of one sweep that run together, and finish together.
+class _RowGroup:
+    """Consecutive rows of one sweep that run together, and finish together: a row group (each
+    of its traces is one run, a forward pass, of many cells).
 
     ``parts`` are the rows' pending cells: the cells of one part share their traces, each
     started at the part's lowest ``start`` unless the backend packs (:func:`_joins`); all the
     parts' batches go to the backend in one call, so it can compute their metrics in one pass
     over the unembedding (:func:`_shares`). ``filled`` are the cells that need no forward
-    (:func:`_pending`), stored when the run finishes.
+    (:func:`_pending`), stored when the group finishes.
     """
 
     sweep: Sweep
@@ -472,7 +479,7 @@ class _Run:
 
     @property
     def work(self) -> int:
-        """The run's work (:func:`_work`)."""
+        """The group's work (:func:`_work`)."""
         return sum(_work(self.sweep, part) for part in self.parts)
 
     def add(self, row: int, pending: list[Cell], filled: list[Cell], *, join: bool, lower: bool = True) -> None:
@@ -499,56 +506,56 @@ def _work(sweep: Sweep, cells: list[Cell]) -> int:
     return sum((n_positions - min(cell.first_position, n_positions - 1)) * (n_layers - cell.start + 1) for cell in cells)
 
 
-def _shares(plan: Plan, run: _Run, cells: list[Cell]) -> bool:
-    """Whether the next row's ``cells`` finish in ``run`` in traces of their own: where the
+def _shares(plan: Plan, held: _RowGroup, cells: list[Cell]) -> bool:
+    """Whether the next row's ``cells`` finish in ``held`` (a :class:`_RowGroup`) in traces of their own: where the
     backend computes a batch of cells' metrics together for less than apart (a probability
     reads the whole unembedding, 262k rows for Gemma: one pass for 210 positions costs about
     what it costs for 70 here), up to :data:`SHARE_POSITIONS` read positions and
     :data:`SHARE_ROWS` rows. The rows then show together, a few at a time."""
-    metric = run.sweep.metric
-    return (plan.fast and plan.backend.shares_unembedding(metric) and bool(cells) and len(run.rows) < SHARE_ROWS
-            and (run.n_pending + len(cells)) * metric.n_inputs * metric.n_read <= SHARE_POSITIONS
-            and not _two_stage(cells) and not any(_two_stage(part) for part in run.parts))
+    metric = held.sweep.metric
+    return (plan.fast and plan.hints.shares_unembedding(metric) and bool(cells) and len(held.rows) < SHARE_ROWS
+            and (held.n_pending + len(cells)) * metric.n_inputs * metric.n_read <= SHARE_POSITIONS
+            and not _two_stage(cells) and not any(_two_stage(part) for part in held.parts))
 
 
-def _runs(plan: Plan, stats: dict) -> Iterator[_Run]:
-    """The plan's tasks as runs (:class:`_Run`): one row, or several consecutive rows of one
-    sweep that share traces (rows from the last layer down, :func:`_joins`) or the metric's
-    unembedding (:func:`_shares`). The first run is one row, so the first finished row shows
-    soonest."""
-    held: _Run | None = None
-    runs = 0
+def _row_groups(plan: Plan, stats: dict) -> Iterator[_RowGroup]:
+    """The plan's tasks as row groups (:class:`_RowGroup`): one row, or several consecutive
+    rows of one sweep that share traces (rows from the last layer down, :func:`_joins`) or the
+    metric's unembedding (:func:`_shares`). The first group is one row, so the first finished
+    row shows soonest."""
+    held: _RowGroup | None = None
+    groups = 0
     for sweep, row in plan.tasks():
         pending, filled = _pending(plan, sweep, row, stats)
-        if held is not None and runs and held.sweep is sweep:
+        if held is not None and groups and held.sweep is sweep:
             if plan.row_order == -1 and _joins(plan, sweep, held, pending):
                 held.add(row, pending, filled, join=True,
-                         lower=not plan.backend.pack_tokens(sweep.base, sweep.metric))
+                         lower=not plan.hints.pack_tokens(sweep.base, sweep.metric))
                 continue
             if _shares(plan, held, pending):
                 held.add(row, pending, filled, join=False)
                 continue
         if held is not None:
             yield held
-            runs += 1
-        held = _Run(sweep, [row], [pending], filled)
+            groups += 1
+        held = _RowGroup(sweep, [row], [pending], filled)
     if held is not None:
         yield held
 
 
-def _run_cells(plan: Plan, run: _Run, should_stop: Callable[[], bool] | None, stats: dict) -> bool:
-    """Fill ``run``'s rows: its ``filled`` cells with the base metric, its pending cells run
+def _run_cells(plan: Plan, rowgroup: _RowGroup, should_stop: Callable[[], bool] | None, stats: dict) -> bool:
+    """Fill ``rowgroup``'s rows: its ``filled`` cells with the base metric, its pending cells run
     (each part's batches, :func:`batches`); False when stopped before they finished."""
-    fast, sweep, rows = plan.fast, run.sweep, run.rows
-    reuse = fast and plan.backend.prefix_reuse(sweep.base)
-    pack = plan.backend.pack_tokens(sweep.base, sweep.metric) if reuse else 0
+    fast, sweep, rows = plan.fast, rowgroup.sweep, rowgroup.rows
+    reuse = fast and plan.hints.prefix_reuse(sweep.base)
+    pack = plan.hints.pack_tokens(sweep.base, sweep.metric) if reuse else 0
     n_positions = sweep.base.input_ids.shape[1]
-    queue = collections.deque(batch for part in run.parts
+    queue = collections.deque(batch for part in rowgroup.parts
                               for batch in batches(part, plan.batch_size, reuse, pack, n_positions))
     # Batches of at most ``size`` cells (one trace each), handed to the backend ``together``
-    # cells at a time: all of a run's (:func:`_shares`), else up to ``size``.
+    # cells at a time: all of a group's (:func:`_shares`), else up to ``size``.
     size, batch_no = plan.batch_size, 0
-    together = max(size, run.n_pending)
+    together = max(size, rowgroup.n_pending)
     where = f"layer {rows[0]}" if len(rows) == 1 else f"layers {rows[0]}–{rows[-1]}"
     while queue:
         if should_stop is not None and should_stop():
@@ -564,10 +571,10 @@ def _run_cells(plan: Plan, run: _Run, should_stop: Callable[[], bool] | None, st
             total += len(queue[0])
             group.append(queue.popleft())
         try:
-            values = _run_batches(plan.backend, sweep, group, fast)
+            values = _run_batches(plan.backend, plan.hints, sweep, group, fast)
         except Exception as error:  # noqa: BLE001 - re-raised with the batch named
             if _is_oom(error) and total > 1:
-                size = together = max(1, min(total, size) // 2)  # and every later batch of the run
+                size = together = max(1, min(total, size) // 2)  # and every later batch of the rowgroup
                 queue.extendleft(reversed(group))
                 continue
             raise EngineError(
@@ -586,7 +593,7 @@ def _run_cells(plan: Plan, run: _Run, should_stop: Callable[[], bool] | None, st
                         flagged.append([sweep.view, cell.row])
                 plan.store(sweep, cell, value)
             batch_no += 1
-    for cell in run.filled:  # last, so a stopped or failed run leaves its rows unfilled
+    for cell in rowgroup.filled:  # last, so a stopped or failed group leaves its rows unfilled
         plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
     return True
 
@@ -655,14 +662,14 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
             def halt() -> bool:
                 return interrupted.is_set() or (should_stop is not None and should_stop())
 
-            for run in _runs(plan, stats):
-                finished = _run_cells(plan, run, halt, stats)
-                for row in run.rows if finished else ():
-                    plan.row_done(run.sweep, row)
+            for rowgroup in _row_groups(plan, stats):
+                finished = _run_cells(plan, rowgroup, halt, stats)
+                for row in rowgroup.rows if finished else ():
+                    plan.row_done(rowgroup.sweep, row)
                     finished_rows += 1
                     result.meta["elapsed"] = time.perf_counter() - started
                     if on_row is not None:
-                        on_row(plan.result, run.sweep.view, row)
+                        on_row(plan.result, rowgroup.sweep.view, row)
                 if interrupted.is_set():
                     raise KeyboardInterrupt
                 if not finished:

@@ -30,12 +30,13 @@ here; nothing else compares site names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._models import Adapter, PipatchError, _get, first
 
-__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "projection"]
+__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "projection"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,36 @@ class Site:
     def __repr__(self) -> str:
         return f"<site {self.name}>"
 
+    # -- what the engine and the backends ask a site (they never compare its name) -----------
+    @property
+    def is_block_output(self) -> bool:
+        """Whether the value is a block's whole output (the residual stream after it), which a
+        backend may skip the block with, rather than a value the block computes inside."""
+        return self.where == "block"
+
+    @property
+    def is_embedding(self) -> bool:
+        """Whether the value is the embedding output: what block 0 reads (:data:`EMBED`)."""
+        return self.where == "embed"
+
+    def start_layer(self, layer: int) -> int:
+        """The lowest block whose computation a write here at ``layer`` can change: the block
+        above for a block's output (the block itself stays the base run's), else the block
+        that computes the value."""
+        return layer + 1 if self.is_block_output else layer
+
+    def index(self, adapter: Adapter, col: int, columns: Sequence[Any], positions: Sequence[int]) -> tuple:
+        """The op index of grid column ``col``: on a token site, the position (or list of
+        them) ``columns[col]``; on a head site, head ``col``'s slice at ``positions``."""
+        if self.axis == "head":
+            return (slice(None), positions, self.head_slice(adapter, col))
+        return (slice(None), columns[col])
+
+    def window_layers(self, row: int, window: int, n_layers: int) -> range:
+        """The layers a cell of grid row ``row`` writes: ``window`` of them from ``row`` on
+        (clipped to the model), or row ``row`` alone on a head site (one head, one layer)."""
+        return range(row, row + 1 if self.axis == "head" else min(row + window, n_layers))
+
 
 RESID = Site("resid", order=6, where="block", sublayer=False)
 ATTN = Site("attn", order=4, where="attn")
@@ -147,3 +178,18 @@ def projection(module_name: str, order: int) -> Site:
     if key not in _PROJECTIONS:
         _PROJECTIONS[key] = Site(module_name, order=order, where="proj")
     return _PROJECTIONS[key]
+
+
+@dataclass(frozen=True)
+class _Embedding(Site):
+    """The embedding module's output, as transformers defines it: what block 0 reads (Gemma's
+    ``× √d`` included, which transformers applies inside the module). Not a grid's site; the
+    place causal tracing's noise is added (an :class:`~pipatch._cells.Op` with ``add``). It
+    sits before block 0: an op here has layer 0 and runs before every other op of the run."""
+
+    def module(self, adapter: Adapter, model: Any, layer: int) -> Any:
+        return adapter.embedding(model)
+
+
+#: The embedding output (see :class:`_Embedding`); never in :data:`SITES`.
+EMBED: Site = _Embedding("embed", order=-1, where="embed", sublayer=False)

@@ -3,19 +3,45 @@
 A backend wraps one way of running a model and owns every call into it: opening nnsight
 traces, reading the device, dtype and tokenizer, the unembedding arithmetic, gradients. The
 engine, the protocols and the result never touch the model; they hand a backend *cells*
-(:mod:`pipatch._cells`) and get numbers back. A backend offers:
+(:mod:`pipatch._cells`) and get numbers back.
+
+Every backend offers the core (:class:`~._contract.Backend`, a ``typing.Protocol``):
 
 =====================================  ======================================================
-``adapter``, ``tokenizer``             the family's :class:`~pipatch._models.Adapter`; text
-``device``, ``name``, ``meta()``       where inputs go; what results call the model
-``context_length``                     longest prompt, or ``None``
-``capture(ids, metric, sites, ...)``   one run (or one per noise draw) keeping every block
-                                       output and the named sites → :class:`Capture`
+core member                            what it is
+=====================================  ======================================================
+``adapter``                            the family's :class:`~pipatch._models.Adapter`
+``tokenizer``                          the model's tokenizer
+``device``                             where inputs, noise and donors go
+``dtype``                              the model's dtype
+``name``                               what results call the model
+``runs_on``                            where the forward passes run (``"cpu"``, ``"cuda:0"``)
+``context_length``                     longest run, or ``None``
+``meta()``                             what a result records about the model
+``capture(ids, metric, sites, ops=)``  one run per list of ops (causal tracing's noise,
+                                       added at the embedding) keeping every block output
+                                       and the named sites → :class:`Capture`
+``captures(prompts, metric, sites)``   each prompt's capture, maybe in one trace
 ``run(base, cells, metric, fast=)``    a batch of patched runs as invokes of one trace →
                                        (metric per cell, recorded values per cell)
-``logits_of(base, cell)``              one cell's full last-position logits (clicks)
-``gradients(ids, metric, site)``       d metric / d site at every layer (attribution)
 ``decode(ids)``                        token ids → text
+``gradients(ids, metric, site)``       d metric / d site at every layer (attribution)
+=====================================  ======================================================
+
+and may tell the engine how to schedule its work, through ``hints``, a
+:class:`~._contract.Hints` whose defaults take no shortcut (a backend without ``hints`` gets
+them: a new backend can start from the core alone):
+
+=====================================  ======================================================
+hint                                   what the engine does with it
+=====================================  ======================================================
+``starts_at_layer``                    runs a sweep's rows from the last layer down
+``position_flops``                     bounds the work rows that share traces may hold
+``device_kind``                        picks its per-device sizes (``"cpu"``, ``"cuda"``)
+``prefix_reuse(base)``                 groups cells by their first written position
+``pack_tokens(base, metric)``          cuts a row's cells into packed traces of that size
+``shares_unembedding(metric)``         lets rows finish together, one ``run_many`` call
+``run_many(base, batches, metric)``    hands it several batches at once
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a

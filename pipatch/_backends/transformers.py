@@ -26,13 +26,18 @@ Four exact shortcuts, used when the engine asks for ``fast=True`` (tests compare
   4-D attention mask (every family here but ALiBi's BLOOM), a batch's cells are laid side by
   side in rows of about :data:`ROW_TOKENS` positions, each from its own first written
   position, one ``start`` layer a row, and a mask keeps each to what its own run would see
-  (:class:`_Packed`): no cell recomputes positions before its own, or blocks below its own,
+  (:class:`~._packing.Packed`): no cell recomputes positions before its own, or blocks below its own,
   because another cell of its batch writes earlier or lower. A 10-seed causal trace then
   computes a third fewer positions, and rows of several grid rows share one trace.
 * **Unembed one position.** The metric needs the last position only (the last few for a
   multi-token answer), and a logit difference needs two rows of the unembedding, not 262k: the
-  invoke reads the unembedding's *input* at those positions and skips the unembedding; :meth:`TransformersBackend.logits` computes
-  just the rows the metric reads.
+  invoke reads the unembedding's *input* at those positions and skips the unembedding;
+  :class:`~._unembedding.Unembedding` computes just the rows the metric reads.
+
+This module runs the traces; :mod:`._packing` lays packed traces out (rows, masks, caches)
+and :mod:`._unembedding` holds the arithmetic after them. The engine reads the shortcuts
+through :class:`TransformersHints`. Base ops (causal tracing's noise at
+:data:`~pipatch._sites.EMBED`) are applied as cells' writes are, in the same op loop.
 """
 
 from __future__ import annotations
@@ -40,41 +45,36 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .._cells import Base, Capture, Cell, Metric
-from .._models import _get, adapter_for, dispatched, first
-from .._sites import RESID, Site
+from .._cells import Base, Capture, Cell, Metric, Op
+from .._models import Adapter, _get, adapter_for, dispatched, first
+from .._sites import EMBED, RESID, Site
+from ._contract import Hints
 from ._described import Described
+from ._packing import NO_BOUND, PACK_TOKENS, ROW_TOKENS, Packed, layout, with_hidden
+from ._unembedding import Unembedding, unembedding_input
 
-__all__ = ["TransformersBackend"]
+__all__ = ["TransformersBackend", "TransformersHints"]
 
-# Positions per packed trace (:class:`_Packed`), all its rows together, by the device type the
-# model runs on. On the CPU, enough to run each block's matrix products near its peak, and
-# more only adds to the working set. A device not listed (a GPU) sets no bound of its own
-# (:data:`NO_BOUND`): a packed trace then holds what any batch holds, the engine's batch size
-# in cells, which on a GPU is sized from its free memory (``pipatch._engine.auto_batch_size``),
-# and at most a prompt's positions each.
-PACK_TOKENS = {"cpu": 1024}
-NO_BOUND = sys.maxsize
-# Positions per row of a packed trace (:func:`_layout`): a row's attention runs over all its
-# positions, so a row of 64 costs Gemma 3 270M about 3 % of its block.
-ROW_TOKENS = 64
-
+# Re-exported: tests and benchmarks read the packing's sizes and layout here.
+_layout, _Packed, _with_hidden = layout, Packed, with_hidden
+__all__ += ["PACK_TOKENS", "NO_BOUND", "ROW_TOKENS"]
 
 class TransformersBackend(Described):
     """Runs cells on an nnsight model of a transformers checkpoint, in this process."""
 
+    adapter: Adapter
+    model: Any
+
     kind = "transformers"
-    starts_at_layer = True
 
     def __init__(self, model: Any, *, reuse_prefix: bool = True, pack: bool = True):
         """``reuse_prefix=False`` switches prefix reuse off (every run starts at position 0),
-        ``pack=False`` packing (:class:`_Packed`: a batch's cells then start at the smallest
+        ``pack=False`` packing (:class:`~._packing.Packed`: a batch's cells then start at the smallest
         first position among them): the same numbers, slower; for comparing."""
         self.model = dispatched(model)
         self.adapter = adapter_for(self.model)
@@ -141,23 +141,17 @@ class TransformersBackend(Described):
         return {**super().meta(), "model_path": self.path, "adapter": dataclasses.asdict(self.adapter)}
 
     # -- runs -------------------------------------------------------------------------------
-    def capture(
-        self,
-        input_ids: torch.Tensor,
-        metric: Metric,
-        sites: Sequence[Site] = (),
-        *,
-        noise: torch.Tensor | None = None,
-        noise_positions: list[int] | None = None,
-    ) -> Capture:
-        """Run ``input_ids`` ([1, T]) once per noise draw and keep every block output and site.
+    def capture(self, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Site] = (), *,
+                ops: Sequence[Sequence[Op]] | None = None) -> Capture:
+        """Run ``input_ids`` ([1, T]) once per list of ``ops`` and keep every block output and site.
 
-        ``noise`` is [n, len(noise_positions), d]: invoke ``i`` adds draw ``i`` to the
-        embedding output at ``noise_positions`` (causal tracing's corrupted runs); ``None``
-        is one clean run. ``sites`` lists the site values to keep besides the block outputs.
+        ``ops[i]`` are run ``i``'s writes (causal tracing's corrupted runs: seed ``i``'s noise,
+        added at :data:`~pipatch._sites.EMBED`), applied as a patched run applies a cell's;
+        ``None`` is one clean run. ``sites`` lists the site values to keep besides the block
+        outputs.
         """
-        n = 1 if noise is None else noise.shape[0]
-        return self._capture([input_ids] * n, metric, sites, noise=noise, noise_positions=noise_positions)
+        runs = [[]] if ops is None else [list(run) for run in ops]
+        return self._capture([input_ids] * len(runs), metric, sites, ops=runs)
 
     def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Site] = ()) -> list[Capture]:
         """Several prompts' runs ([1, T] each, one length), each kept as :meth:`capture` keeps one,
@@ -167,9 +161,9 @@ class TransformersBackend(Described):
         return [both.run(i) for i in range(len(prompts))]
 
     def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
-                 noise: torch.Tensor | None = None, noise_positions: list[int] | None = None) -> Capture:
-        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) plus, given ``noise``, draw ``i``; all
-        of them one batch of one invoke (one intervention per layer, however many runs).
+                 ops: list[list[Op]] | None = None) -> Capture:
+        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) under ``ops[i]`` (none by default);
+        all of them one batch of one invoke (one intervention per layer, however many runs).
 
         A metric that reads a softmax (and causal tracing's P(answer)) is read off the model's
         own logits; a logit difference, off the two rows of the unembedding it needs
@@ -178,31 +172,47 @@ class TransformersBackend(Described):
         model, adapter = self.model, self.adapter
         n, k = len(prompts), metric.n_inputs
         T, m = prompts[0].shape[1], metric.n_read
-        keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
+        keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)  # blocks: always kept
+        # Each run's writes by (site, layer), in forward order; run ``i`` is rows ``i·k …``.
+        writes: dict[tuple[str, int], list[tuple[Op, int]]] = {}
+        for i, run in enumerate(ops or []):
+            for op in sorted(run, key=lambda op: op.key):
+                writes.setdefault((op.site.name, op.layer), []).append((op, i))
+        written = {op.site for pairs in writes.values() for op, _ in pairs}
+        inside = sorted(set(keep) | {s for s in written if not (s.is_embedding or s.is_block_output)},
+                        key=lambda s: s.order)
         layers = range(adapter.n_layers)
         softmax = metric.token_ids is None
         unembed = adapter.unembedding(model)
         cache = self._new_cache()
-        kwargs = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
+        kwargs: dict[Any, Any] = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
+
+        def apply(site: Site, layer: int, value: Any) -> None:
+            for op, i in writes.get((site.name, layer), ()):
+                op.apply(value[i * k : (i + 1) * k])
+
         with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
-            saved = list().save()
+            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(torch.cat([metric.inputs(prompt) for prompt in prompts])):
-                embedded = adapter.embedding(model).output
-                if noise is not None:
-                    embedded[:, noise_positions] += noise.repeat_interleave(k, dim=0).to(embedded.dtype)
+                embedded = EMBED.value(adapter, model, 0)
+                apply(EMBED, 0, embedded)
                 embedded_copy = embedded[::k, :T].clone()
                 blocks = []
-                values = {s.name: [] for s in keep}
+                values: dict[str, list[Any]] = {s.name: [] for s in keep}
                 for layer in layers:
-                    for s in keep:
-                        values[s.name].append(s.value(adapter, model, layer)[::k, :T].clone())
+                    for s in inside:
+                        value = s.value(adapter, model, layer)
+                        apply(s, layer, value)
+                        if s in keep:
+                            values[s.name].append(value[::k, :T].clone())
                     out = adapter.block(model, layer).output
+                    apply(RESID, layer, first(out))
                     blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
                                   if isinstance(out, tuple) else out.clone())
                 if softmax:
                     read = model.output.logits[:, -m:].float()
                 else:
-                    read = _unembedding_input(unembed, (slice(None), slice(-m, None)))
+                    read = unembedding_input(unembed, (slice(None), slice(-m, None)))
                 saved.append((blocks, values, read, embedded_copy))
         blocks, values, read, embedded = saved[0]
         values[RESID.name] = [first(b)[::k, :T] for b in blocks]
@@ -234,9 +244,24 @@ class TransformersBackend(Described):
         of each cell (its seed's run), as the model's cache."""
         from transformers import DynamicCache
 
-        rows = torch.tensor(seeds, device=base.capture.keys[0][0].device).repeat_interleave(inputs)
+        keys = base.capture.keys
+        assert keys is not None  # prefix reuse only runs on a capture with its keys
+        rows = torch.tensor(seeds, device=keys[0][0].device).repeat_interleave(inputs)
         return DynamicCache(ddp_cache_data=[(k[:, :, :start].index_select(0, rows), v[:, :, :start].index_select(0, rows))
-                                            for k, v in base.capture.keys])
+                                            for k, v in keys])
+
+    @staticmethod
+    def _base_ops(base: Base, cell: Cell, start: int, below: int) -> list[Op]:
+        """``cell``'s seed's base ops for a run from position ``start`` whose blocks below
+        ``below`` are skipped: those whose positions from ``start`` on feed a block that runs
+        (:meth:`Op.from_position`, :meth:`Site.start_layer`)."""
+        kept = (op.from_position(start) for op in base.ops_of(cell.seed) if op.site.start_layer(op.layer) >= below)
+        return [op for op in kept if op is not None]
+
+    @functools.cached_property
+    def hints(self) -> TransformersHints:
+        """What the engine may schedule by (:class:`TransformersHints`)."""
+        return TransformersHints(self)
 
     def prefix_reuse(self, base: Base) -> bool:
         """Whether :meth:`run` can start cells of ``base`` at their first written position."""
@@ -248,7 +273,7 @@ class TransformersBackend(Described):
         return 2 * sum(p.numel() for p in _get(self._hf, self.adapter.blocks)[0].parameters())
 
     def pack_tokens(self, base: Base, metric: Metric) -> int:
-        """How many positions a packed trace holds (:class:`_Packed`: each cell from its own
+        """How many positions a packed trace holds (:class:`~._packing.Packed`: each cell from its own
         first written position), or 0 where this model's batches are not packed (then a
         batch's cells start at the smallest first position among them). By the device
         (:data:`PACK_TOKENS`): 1,024 on the CPU; on a GPU, :data:`NO_BOUND`, the batch size
@@ -316,7 +341,7 @@ class TransformersBackend(Described):
         batch's cells in one go from their read positions' states: one product with the
         unembedding for all of them (70 positions run ~1.3× faster per position than 35 here)."""
         if not fast:
-            return super().run_many(base, batches, metric, fast=fast)
+            return [self.run(base, cells, metric, fast=False)[0] for cells in batches]
         hidden = [self._trace(base, cells, metric, fast=True)[0] for cells in batches]
         return list(self.metric_from_hidden(metric, torch.cat(hidden)).split([len(h) for h in hidden]))
 
@@ -337,41 +362,40 @@ class TransformersBackend(Described):
         start = min(cell.first_position for cell in cells) if last_only and self.prefix_reuse(base) else 0
         below = min(cell.start for cell in cells) if fast else 0
         seeds = [cell.seed for cell in cells]
-        kwargs, invoke = {}, {"input_ids": run_ids.repeat(len(cells), 1)}
+        kwargs: dict[Any, Any] = {}
+        invoke = {"input_ids": run_ids.repeat(len(cells), 1)}
         if start:
             kwargs = {adapter.cache_kwarg: self._prefix_cache(base, seeds, n, start), "use_cache": True}
             # The mask covers the cached positions too (ALiBi reads it; nnsight would make one
             # of the input's width only).
             invoke = {"input_ids": invoke["input_ids"][:, start:],
                       "attention_mask": torch.ones(len(cells) * n, L, dtype=torch.long, device=run_ids.device)}
-        noised = [i for i, q in enumerate(base.noise_positions or []) if q >= start]
-        noise_at = [base.noise_positions[i] - start for i in noised]
-        # Every op of the batch in forward order; a cell's ops keep their own order.
-        ops = sorted(((op, i) for i, cell in enumerate(cells) for op in cell.sorted_ops()), key=lambda pair: pair[0].key)
+        # Every op of the batch in forward order, each with its index in this run's positions;
+        # a cell's ops keep their own order. Its seed's base ops (noise) come first, where the
+        # run computes what they feed: from position ``start`` on (the positions before are
+        # the base run's, already under them), and only when the block they feed is not
+        # skipped (a skipped block's output is the base run's, already under them).
+        ops = sorted(((op, i, op.index_from(start)) for i, cell in enumerate(cells)
+                      for op in self._base_ops(base, cell, start, below) + cell.sorted_ops()),
+                     key=lambda item: item[0].key)
         with torch.no_grad(), model.trace(**kwargs) as tracer:
-            outs = list().save()
-            recorded = list().save()
+            outs = list().save()  # type: ignore[attr-defined]  # nnsight's
+            recorded = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(**invoke):
-                if base.noise is not None and below == 0 and noised:
-                    embedded = adapter.embedding(model).output
-                    noise = base.noise[seeds][:, noised].repeat_interleave(n, dim=0)
-                    embedded[:, noise_at] += noise.to(embedded.dtype)
                 for layer in range(below):
                     adapter.block(model, layer).skip(_cat([base.capture.block_for(layer, seed, start) for seed in seeds]))
                 values: dict[tuple[str, int], Any] = {}
                 reads: list[list[Any]] = [[] for _ in cells]
-                for op, i in ops:
+                for op, i, index in ops:
                     key = (op.site.name, op.layer)
                     if key not in values:
                         values[key] = op.site.value(adapter, model, op.layer)
-                    rows = values[key][i * n : (i + 1) * n]
-                    if op.value is None:
-                        reads[i].append(rows[op.index_from(start)].clone())
-                    else:
-                        rows[op.index_from(start)] = op.value
+                    read = op.apply(values[key][i * n : (i + 1) * n], index)
+                    if read is not None:
+                        reads[i].append(read)
                 recorded.extend(reads)
                 if last_only:
-                    outs.append(_unembedding_input(unembed, (slice(None), slice(-m, None))))
+                    outs.append(unembedding_input(unembed, (slice(None), slice(-m, None))))
                 elif full_logits:
                     outs.append(model.output.logits[::n, -m])  # the next token after the prompt
                 else:
@@ -402,28 +426,38 @@ class TransformersBackend(Described):
 
     def _trace_packed(self, base: Base, cells: list[Cell], metric: Metric) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """:meth:`_trace` (``fast``, one input per cell) with the cells packed into rows, each
-        from its own first written position and its own ``start`` layer (:class:`_Packed`)."""
+        from its own first written position and its own ``start`` layer (:class:`~._packing.Packed`)."""
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
+        assert self._masks is not None  # packed only where pack_tokens says so
         windows, eager = self._masks
-        pack = _Packed(cells, base, metric, windows, self.dtype if eager else None)
-        ops: dict[int, list[tuple[Any, int]]] = {}
-        for op, i in sorted(((op, i) for i, cell in enumerate(cells) for op in cell.sorted_ops()),
-                            key=lambda pair: pair[0].key):
-            ops.setdefault(op.layer, []).append((op, i))
+        pack = Packed(cells, base, metric, windows, self.dtype if eager else None)
+        # Each cell's ops (its seed's base ops first, from its own start on) by layer, in
+        # forward order, with their index in the cell's span; the embedding's before block 0,
+        # and only where some row runs block 0.
+        below = 0 if pack.active[0] < pack.n_rows else 1
+        embedding: list[tuple[Op, int, tuple]] = []
+        ops: dict[int, list[tuple[Op, int, tuple]]] = {}
+        every = sorted(((op, i, op.index_from(pack.starts[i])) for i, cell in enumerate(cells)
+                        for op in self._base_ops(base, cell, pack.starts[i], below) + cell.sorted_ops()),
+                       key=lambda item: item[0].key)
+        for item in every:
+            (embedding if item[0].site.is_embedding else ops.setdefault(item[0].layer, [])).append(item)
         # The masks and positions go to the forward as they are (a trace's keyword arguments;
         # an invoke's would be batched by nnsight, which takes no dict of masks).
-        kwargs = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
+        kwargs: dict[Any, Any] = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
         if pack.n_cached:
             kwargs.update({adapter.cache_kwarg: pack.cache(), "use_cache": True})
         with torch.no_grad(), model.trace(**kwargs) as tracer:
-            outs = list().save()
-            recorded = list().save()
+            outs = list().save()  # type: ignore[attr-defined]  # nnsight's
+            recorded = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(input_ids=pack.input_ids):
-                if pack.noise is not None and pack.active[0] < pack.n_rows:  # rows from block 0 on
-                    embedded = adapter.embedding(model).output
-                    embedded[pack.noise_at] += pack.noise.to(embedded.dtype)
                 reads: list[list[Any]] = [[] for _ in cells]
+                if embedding:
+                    embedded = EMBED.value(adapter, model, 0)
+                    for op, i, index in embedding:
+                        row, span = pack.spans[i]
+                        op.apply(embedded[row : row + 1, span], index)
                 for layer in range(adapter.n_layers):
                     block = adapter.block(model, layer)
                     # The block runs the rows whose cells start at or below it: rows ``active``
@@ -436,90 +470,40 @@ class TransformersBackend(Described):
                         args, kw = block.inputs
                         block.inputs = pack.narrowed(args, active), pack.narrowed(kw, active)
                     values: dict[str, Any] = {}
-                    for op, i in ops.get(layer, ()):
-                        inside = op.site.where != "block"  # a site the block computes: its rows only
+                    for op, i, index in ops.get(layer, ()):
+                        inside = not op.site.is_block_output  # a site the block computes: its rows only
                         if op.site.name not in values:
                             values[op.site.name] = (pack.widen(block, layer) if partly and not inside
                                                     else op.site.value(adapter, model, layer))
                         row, span = pack.spans[i]
                         row -= active if inside else 0
-                        where = values[op.site.name][row : row + 1, span]
-                        if op.value is None:
-                            reads[i].append(where[op.index_from(pack.starts[i])].clone())
-                        else:
-                            where[op.index_from(pack.starts[i])] = op.value
-                    if partly and RESID.name not in values:
+                        read = op.apply(values[op.site.name][row : row + 1, span], index)
+                        if read is not None:
+                            reads[i].append(read)
+                    if partly and not any(op.site.is_block_output for op, _, _ in ops.get(layer, ())):
                         pack.widen(block, layer)
                 recorded.extend(reads)
-                outs.append(_unembedding_input(unembed, pack.read_at))
+                outs.append(unembedding_input(unembed, pack.read_at))
         return outs[0].reshape(len(cells), 1, metric.n_read, -1), list(recorded)
 
-    @torch.no_grad()
+    # -- the unembedding arithmetic (:mod:`._unembedding`) ------------------------------------
+    @property
+    def unembedding(self) -> Unembedding:
+        """The unembedding's weights and the model's soft-cap, for metrics outside a trace."""
+        return Unembedding(_get(self._hf, self.adapter.unembed), self.adapter.softcap)
+
     def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
-        """The metric from the unembedding's input at the read positions,
-        [batch, inputs, n_read, d] → [batch].
-
-        A logit difference reads two rows of the unembedding. A probability needs every
-        logit's share of the softmax, but not the logits themselves: the read tokens' logits
-        and the log-sum-exp of all of them (:meth:`logsumexp`) — one pass over the
-        unembedding, never the whole vocabulary's logits in memory at once.
-        """
-        if metric.token_ids is not None:
-            return metric.score(self.logits(hidden, metric.token_ids), subset=True)
-        lse = self.logsumexp(hidden)
-        picked = self.logits(hidden, metric.read_ids)
-        return metric.combine(metric.pieces(picked, lse=lse))
-
-    def _unembedding(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        module = _get(self._hf, self.adapter.unembed)
-        return module.weight, getattr(module, "bias", None)
-
-    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        """Float32 logits, soft-capped where the model caps them (Gemma 2)."""
-        logits = logits.float()
-        if self.adapter.softcap:
-            logits = torch.tanh(logits / self.adapter.softcap) * self.adapter.softcap
-        return logits
+        """The metric from the unembedding's input at the read positions, [batch, inputs,
+        n_read, d] → [batch] (:meth:`Unembedding.metric`)."""
+        return self.unembedding.metric(metric, hidden)
 
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
-        """Logits from the input of the unembedding (final-normed states, [..., d] → [..., vocab]).
-
-        ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
-        all a logit difference needs and avoids multiplying by a 262k-row matrix.
-        """
-        weight, bias = self._unembedding()
-        if token_ids is not None:
-            index = torch.as_tensor(token_ids, device=weight.device)
-            weight = weight.index_select(0, index)
-            bias = bias.index_select(0, index) if bias is not None else None
-        # ``weight @ hidden.T`` rather than ``linear``: for a few dozen positions against a
-        # 262k-row matrix it runs 15-40 % faster on the CPU, with the same numbers.
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
-        out = torch.mm(weight, flat.T).T
-        if bias is not None:
-            out = out + bias
-        return self._capped(out.reshape(*hidden.shape[:-1], weight.shape[0]))
+        """Logits from the unembedding's input, [..., d] → [..., vocab or len(token_ids)]."""
+        return self.unembedding.logits(hidden, token_ids)
 
     def logsumexp(self, hidden: torch.Tensor, budget: int = 1 << 20) -> torch.Tensor:
-        """The log-sum-exp of every logit at each position, [..., d] → [...] (float32).
-
-        The unembedding is read in slices of vocabulary rows, each slice's logits
-        (``rows × positions``, about ``budget`` values: 4 MB) reduced at once and the slices
-        combined with ``logaddexp``: the logits stay in the cache instead of 262k × positions
-        of them going through memory twice (the product, then the softmax). Measured on this
-        CPU for 70 positions: 0.23 s against 0.38 s for the full logits then ``log_softmax``.
-        """
-        weight, bias = self._unembedding()
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
-        rows = max(1, budget // max(1, flat.shape[0]))
-        total = None
-        for top in range(0, weight.shape[0], rows):
-            part = torch.mm(weight[top : top + rows], flat.T)  # [rows, positions]
-            if bias is not None:
-                part = part + bias[top : top + rows, None]
-            part = torch.logsumexp(self._capped(part), dim=0)
-            total = part if total is None else torch.logaddexp(total, part)
-        return total.reshape(hidden.shape[:-1])
+        """The log-sum-exp of every logit at each position, [..., d] → [...], in slices."""
+        return self.unembedding.logsumexp(hidden, budget)
 
     def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
         """One forward with gradient tracking and one backward on ``input_ids``.
@@ -533,8 +517,8 @@ class TransformersBackend(Described):
         model, adapter = self.model, self.adapter
         T, m = input_ids.shape[1], metric.n_read
         with torch.enable_grad(), model.trace(**adapter.trace_kwargs(m)) as tracer:
-            values = list().save()
-            grads = list().save()
+            values = list().save()  # type: ignore[attr-defined]  # nnsight's
+            grads = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(metric.inputs(input_ids)):
                 embedding = adapter.embedding(model)
                 leaf = embedding.output.detach().requires_grad_(True)
@@ -545,25 +529,13 @@ class TransformersBackend(Described):
                     acts.append(act)
                     values.append(act[:1, :T].detach().clone())
                 score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
-                value = score.detach().save()
+                value = score.detach().save()  # type: ignore[attr-defined]  # nnsight's
                 # nnsight serves .grad in the reverse of the forward order. A prompt position's
                 # activation is shared by every input of the run: its gradients add up.
                 with score.backward(inputs=[leaf]):
                     for act in reversed(acts):
                         grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
         return list(values), list(reversed(list(grads))), float(value)
-
-
-def _unembedding_input(unembed: Any, at: Any) -> Any:
-    """Inside an invoke: the unembedding's input (the final-normed states, [batch, positions,
-    d]) at ``at``, with the module itself skipped (its output a placeholder of one value per
-    position, never read). The metric is then computed from these states outside the trace,
-    for the read positions and the metric's rows of the unembedding only
-    (:meth:`TransformersBackend.metric_from_hidden`)."""
-    final = unembed.input
-    read = final[at]
-    unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
-    return read
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -575,172 +547,29 @@ def _cat(parts: list[Any]) -> Any:
     return torch.cat(parts)
 
 
-class _Packed:
-    """Cells packed into rows, each cell from its own first written position and its own
-    ``start`` layer.
+class TransformersHints(Hints):
+    """The transformers backend's shortcuts, as the engine reads them: each a member of the
+    backend (:meth:`TransformersBackend.prefix_reuse`, ...), which tests may replace."""
 
-    Unpacked, a batch of cells runs as rows of one width from one layer: every cell from the
-    batch's first written position and lowest ``start``, so a cell that writes later or
-    higher recomputes base-run states below and before its own. Packed, cell ``i`` is
-    positions ``starts[i] … L − 1`` of its run, laid beside other cells in one row
-    (``spans[i]``: its row and columns) with their own ``position_ids``. A row holds cells of
-    one ``start`` (:func:`_layout`), rows of higher ``start`` first, so block ``k`` runs the
-    rows from ``active[k]`` on (its inputs :meth:`narrowed` to them) and the rows before take
-    the base runs' output of the block (:meth:`widen`). Each row's cached keys and values are
-    its cells' seeds' base runs before their starts, and the attention mask lets a position
-    see its own seed's cached positions before its cell's start and its own cell's positions
-    up to itself, within the layer's sliding window where it has one: what the cell's run
-    alone would see. A cell then costs the layers above its patch at the positions from its
-    patch on, and its attention the keys its own run has; a row's padding (at most a few
-    per cent for the rows of a grid) is the only extra work.
-    """
+    backend: TransformersBackend
 
-    def __init__(self, cells: list[Cell], base: Base, metric: Metric, windows: dict[str, int | None],
-                 additive: torch.dtype | None):
-        run_ids = metric.inputs(base.input_ids)[0]
-        L, m, device = run_ids.shape[0], metric.n_read, run_ids.device
-        self.base = base
-        self.starts = [min(cell.first_position, L - m) for cell in cells]
-        rows = _layout([cell.start for cell in cells], [L - b for b in self.starts])
-        self.n_rows, width = len(rows), max(sum(L - self.starts[i] for i in row) for row in rows)
-        # What each slot of the [rows, width] layout holds: its cell (-1: padding, which sees
-        # only padding), seed and run position.
-        cell_at = torch.full((self.n_rows, width), -1)
-        seed_at = torch.zeros(self.n_rows, width, dtype=torch.long)
-        pos_at = torch.zeros(self.n_rows, width, dtype=torch.long)
-        start_at = torch.zeros(self.n_rows, width, dtype=torch.long)
-        self.spans: list[tuple[int, slice]] = [(0, slice(0))] * len(cells)
-        for r, row in enumerate(rows):
-            at = 0
-            for i in row:
-                span = slice(at, at + L - self.starts[i])
-                self.spans[i] = (r, span)
-                cell_at[r, span], seed_at[r, span], start_at[r, span] = i, cells[i].seed, self.starts[i]
-                pos_at[r, span] = torch.arange(self.starts[i], L)
-                at = span.stop
-        # Rows of higher ``start`` first: block ``k`` runs rows ``active[k]`` on.
-        row_start = [cells[row[0]].start for row in rows]
-        n_layers = len(base.capture.blocks)
-        self.active = [next((r for r, s in enumerate(row_start) if s <= layer), self.n_rows) for layer in range(n_layers)]
-        self.seed_at, self.pos_at = seed_at.to(device), pos_at.to(device)
-        self.input_ids = run_ids[self.pos_at]
-        self.position_ids = self.pos_at
-        reads = [(self.spans[i][0], self.spans[i][1].stop - m + j) for i in range(len(cells)) for j in range(m)]
-        self.read_at = tuple(torch.tensor(index, device=device) for index in zip(*reads))
-        # Each row's cached positions: per seed among its cells, up to the latest start of them.
-        cached = [{} for _ in rows]
-        for r, row in enumerate(rows):
-            for i in row:
-                seed = cells[i].seed
-                cached[r][seed] = max(cached[r].get(seed, 0), self.starts[i])
-        self.n_cached = max(sum(row.values()) for row in cached)
-        K = self.n_cached
-        cache_seed = torch.zeros(self.n_rows, K, dtype=torch.long)
-        cache_pos = torch.zeros(self.n_rows, K, dtype=torch.long)
-        cache_used = torch.zeros(self.n_rows, K, dtype=torch.bool)
-        for r, row in enumerate(cached):
-            at = 0
-            for seed, n in row.items():
-                cache_seed[r, at : at + n], cache_pos[r, at : at + n] = seed, torch.arange(n)
-                cache_used[r, at : at + n] = True
-                at += n
-        self.cache_seed, self.cache_pos = cache_seed.to(device), cache_pos.to(device)
-        # [rows, width, K + width]: a slot sees a cached position of its own seed before its
-        # cell's start, and its own cell's positions up to its own.
-        sees_cached = (cache_used[:, None] & (cache_seed[:, None] == seed_at[:, :, None])
-                       & (cache_pos[:, None] < start_at[:, :, None]) & (cell_at[:, :, None] >= 0))
-        sees_own = (cell_at[:, :, None] == cell_at[:, None]) & (pos_at[:, None] <= pos_at[:, :, None])
-        sees = torch.cat([sees_cached, sees_own], -1)
-        key_pos = torch.cat([cache_pos, pos_at], -1)
-        masks = {}
-        for kind, window in windows.items():
-            allowed = sees if window is None else sees & (pos_at[:, :, None] - key_pos[:, None] < window)
-            allowed = allowed[:, None].to(device)
-            # SDPA takes the mask as booleans; eager attention adds it to the scores.
-            masks[kind] = allowed if additive is None else torch.zeros(
-                allowed.shape, dtype=additive, device=device).masked_fill(~allowed, torch.finfo(additive).min)
-        self.mask = masks[""] if "" in masks else masks
-        # Causal tracing's noise, at the noised positions of each cell's span.
-        at, rows_noise = [], []
-        for i, cell in enumerate(cells):
-            r, span = self.spans[i]
-            for j, q in enumerate(base.noise_positions or []):
-                if q >= self.starts[i]:
-                    at.append((r, span.start + q - self.starts[i]))
-                    rows_noise.append(base.noise[cell.seed, j])
-        self.noise = torch.stack(rows_noise) if rows_noise else None
-        self.noise_at = tuple(torch.tensor(index, device=device) for index in zip(*at)) if at else None
+    @property
+    def starts_at_layer(self) -> bool:
+        return True
 
-    def cache(self) -> Any:
-        """The cached keys and values, per layer for the rows its block runs: each row's
-        seeds' base runs before their cells' starts (zeros, masked, to the longest row's)."""
-        from transformers import DynamicCache
+    @property
+    def position_flops(self) -> int:
+        return self.backend.position_flops
 
-        layers = []
-        for layer, (k, v) in enumerate(self.base.capture.keys):
-            rows = slice(self.active[layer], None)
-            seeds, positions = self.cache_seed[rows], self.cache_pos[rows]
-            # [rows, K, kv_heads, head_dim] → [rows, kv_heads, K, head_dim]
-            layers.append((k[seeds, :, positions].transpose(1, 2), v[seeds, :, positions].transpose(1, 2)))
-        return DynamicCache(ddp_cache_data=layers)
+    def prefix_reuse(self, base: Base) -> bool:
+        return self.backend.prefix_reuse(base)
 
-    def base_states(self, layer: int, upto: int | None = None) -> torch.Tensor:
-        """The base runs' hidden states out of block ``layer`` in the layout's first ``upto``
-        rows (all of them by default): [rows, width, d]."""
-        hidden = first(self.base.capture.blocks[layer])
-        return hidden[self.seed_at[:upto], self.pos_at[:upto]]
+    def pack_tokens(self, base: Base, metric: Metric) -> int:
+        return self.backend.pack_tokens(base, metric)
 
-    def base_output(self, layer: int) -> Any:
-        """:meth:`base_states` of every row in block ``layer``'s own output structure (what
-        the block is skipped with)."""
-        return _with_hidden(self.base.capture.blocks[layer], self.base_states(layer))
+    def shares_unembedding(self, metric: Metric) -> bool:
+        return self.backend.shares_unembedding(metric)
 
-    def narrowed(self, value: Any, active: int) -> Any:
-        """A block's inputs (args or kwargs, nested) for rows ``active`` on: every tensor with
-        a row per layout row cut (the hidden states, position embeddings and masks)."""
-        if isinstance(value, dict):
-            return {key: self.narrowed(item, active) for key, item in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(self.narrowed(item, active) for item in value)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == self.n_rows:
-            return value[active:]
-        return value
-
-    def widen(self, block: Any, layer: int) -> torch.Tensor:
-        """Block ``layer``'s output (inside the trace) for every row: the base runs' before
-        the rows it ran, its own after; returns the hidden states, writable."""
-        out = block.output
-        hidden = torch.cat([self.base_states(layer, self.active[layer]), first(out)], 0)
-        block.output = _with_hidden(out, hidden)
-        return hidden
-
-
-def _layout(starts: list[int], lengths: list[int], width: int = 0) -> list[list[int]]:
-    """Cells (their ``start`` layers and lengths in positions) → the rows of a packed trace:
-    lists of cell indices, rows of higher ``start`` first, each row one ``start``.
-
-    A row is about ``width`` positions (:data:`ROW_TOKENS`; the longest cell's length where
-    that is more): wide enough to run each block's matrix products as one, narrow enough that
-    the attention, which a row computes over all its positions before the mask, stays a few
-    per cent of a block. Each ``start``'s cells go to ``ceil(total / width)`` rows, longest
-    first, each to the row with the fewest positions so far: rows of about equal length, so
-    padding the layout to its longest row adds little.
-    """
-    width = max(width or ROW_TOKENS, max(lengths))
-    rows: list[list[int]] = []
-    for start in sorted(set(starts), reverse=True):
-        group = sorted((i for i, s in enumerate(starts) if s == start), key=lambda i: -lengths[i])
-        n = -(-sum(lengths[i] for i in group) // width)
-        fill, members = [0] * n, [[] for _ in range(n)]
-        for i in group:
-            least = min(range(n), key=fill.__getitem__)
-            members[least].append(i)
-            fill[least] += lengths[i]
-        rows.extend(members)
-    return rows
-
-
-def _with_hidden(template: Any, hidden: torch.Tensor) -> Any:
-    """``hidden`` in the structure of a block's output ``template``: itself, or the tuple with
-    its hidden states replaced (the other items, attention weights, are read by nothing)."""
-    return (hidden, *template[1:]) if isinstance(template, tuple) else hidden
+    def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
+                 fast: bool = True) -> list[torch.Tensor]:
+        return self.backend.run_many(base, batches, metric, fast=fast)

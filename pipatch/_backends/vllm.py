@@ -14,9 +14,11 @@ and is handled here and nowhere else:
   reads the sum; writing it writes the value into ``residual`` and zeros into ``hidden`` at the
   written positions, so the sum is the written value exactly.
 * **Embeddings.** Some vLLM models scale the embedding *after* the embedding module (Gemma:
-  ``× √d``), where transformers scales inside it. Causal tracing's noise goes where block 0
-  reads its input, which is the embedding output as transformers defines it; σ is measured at
-  the same place, so the same seeds give the same corrupted runs on both backends.
+  ``× √d``), where transformers scales inside it. The embedding site
+  (:data:`~pipatch._sites.EMBED`, where causal tracing's noise is added) is the embedding
+  output as transformers defines it, so here it is block 0's input (:func:`_site_tensor`); σ
+  is measured at the same place, so the same seeds give the same corrupted runs on both
+  backends.
 * **No values across invokes.** Each invoke is its own request, so a donor is never read from
   another invoke: every cell's donor values and noise draw are tensors shipped with its
   request (they are small: a position's or a head's slice). Saved values come back one per
@@ -39,9 +41,9 @@ from typing import Any
 
 import torch
 
-from .._cells import Base, Capture, Cell, Metric
+from .._cells import Base, Capture, Cell, Metric, Op
 from .._models import Adapter, PipatchError, _get, adapter_for, dispatched, first
-from .._sites import RESID, Site
+from .._sites import EMBED, RESID, Site
 from ._described import Described
 
 __all__ = ["VLLMBackend", "is_vllm_model"]
@@ -58,6 +60,9 @@ def is_vllm_model(model: Any) -> bool:
 
 class VLLMBackend(Described):
     """Runs cells on an nnsight ``VLLM`` model (vLLM engine in this process)."""
+
+    adapter: Adapter
+    model: Any
 
     kind = "vllm"
 
@@ -105,27 +110,20 @@ class VLLMBackend(Described):
 
 
     # -- runs -------------------------------------------------------------------------------
-    def capture(
-        self,
-        input_ids: torch.Tensor,
-        metric: Metric,
-        sites: Sequence[Site] = (),
-        *,
-        noise: torch.Tensor | None = None,
-        noise_positions: list[int] | None = None,
-    ) -> Capture:
-        """Run ``input_ids`` ([1, T]) once per noise draw, keeping every block output and site.
+    def capture(self, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Site] = (), *,
+                ops: Sequence[Sequence[Op]] | None = None) -> Capture:
+        """Run ``input_ids`` ([1, T]) once per list of ``ops``, keeping every block output and site.
 
-        Same contract as :meth:`TransformersBackend.capture`: ``noise`` [n, P, d] is added at
-        ``noise_positions`` of block 0's input, one draw per invoke.
+        Same contract as :meth:`TransformersBackend.capture`: run ``i`` (its invokes) applies
+        ``ops[i]`` as a patched run applies a cell's (causal tracing's noise: added at block
+        0's input, :data:`~pipatch._sites.EMBED`); ``None`` is one clean run.
         """
         adapter = self.adapter
-        keep = sorted({s for s in sites if s is not RESID}, key=lambda s: s.order)
-        draws = [None] if noise is None else [noise[i].detach().cpu() for i in range(noise.shape[0])]
-        positions = list(noise_positions or [])
+        keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)  # blocks: always kept
+        writes = [_shipped(run) for run in ([[]] if ops is None else ops)]
         inputs = _inputs(metric, input_ids)
-        runs = self._invokes(_capture_run, [(ids, (adapter, metric, keep if c == 0 else None, draw, positions))
-                                            for draw in draws for c, ids in enumerate(inputs)])
+        runs = self._invokes(_capture_run, [(ids, (adapter, metric, keep if c == 0 else None, run))
+                                            for run in writes for c, ids in enumerate(inputs)])
         heads, n = runs[:: len(inputs)], len(inputs)
         layers = range(adapter.n_layers)
         resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
@@ -144,14 +142,12 @@ class VLLMBackend(Described):
         and each answer continuation), combined here. ``fast`` changes nothing (see the module
         docstring): every cell runs its whole forward.
         """
-        positions = list(base.noise_positions or [])
         inputs = _inputs(metric, base.input_ids)[: 1 if full_logits else None]
         jobs = []
         for cell in cells:
-            draw = None if base.noise is None else base.noise[cell.seed].detach().cpu()
-            ops = [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu())
-                   for op in cell.sorted_ops()]
-            jobs += [(ids, (self.adapter, metric, draw, positions, ops, full_logits)) for ids in inputs]
+            # The seed's base ops (noise) first, then the cell's: one forward order for both.
+            ops = _shipped(base.ops_of(cell.seed) + cell.sorted_ops())
+            jobs += [(ids, (self.adapter, metric, ops, full_logits)) for ids in inputs]
         outs = self._invokes(_patched_run, jobs)
         n = len(inputs)
         reads = [o[1] for o in outs[::n]]
@@ -246,10 +242,6 @@ def _block_input(adapter: Adapter, model: Any) -> torch.Tensor:
     raise RuntimeError("pipatch: found no hidden-state input to block 0 of this vLLM model")
 
 
-def _add_noise(embedded: torch.Tensor, positions: list[int], draw: torch.Tensor) -> None:
-    embedded[positions] += draw.to(embedded.device, embedded.dtype)
-
-
 def _stream(adapter: Adapter, model: Any, layer: int) -> Any:
     """Block ``layer``'s output: ``(hidden, residual)`` under vLLM, whose sum is the stream."""
     return adapter.block(model, layer).output
@@ -262,11 +254,17 @@ def _resid(out: Any) -> torch.Tensor:
 
 
 def _site_tensor(site: Site, adapter: Adapter, model: Any, layer: int) -> Any:
-    """The site's live value at ``layer`` ([T, width]), or the block's ``(hidden, residual)``."""
-    if site.where == "block":
+    """The site's live value at ``layer`` ([T, width]), or the block's ``(hidden, residual)``.
+
+    The site's own module access (:meth:`Site.value`), but for two places where vLLM's
+    modules differ from transformers': a block's output is the pair whose sum is the stream,
+    and the embedding output as transformers defines it (:data:`~pipatch._sites.EMBED`) is
+    block 0's input, after the scaling vLLM applies outside the embedding module."""
+    if site.is_block_output:
         return _stream(adapter, model, layer)
-    module = site.module(adapter, model, layer)
-    return module.input if site.where == "out_proj" else first(module.output)
+    if site.is_embedding:
+        return _block_input(adapter, model)
+    return site.value(adapter, model, layer)
 
 
 def _read(value: Any, index: tuple) -> torch.Tensor:
@@ -275,13 +273,37 @@ def _read(value: Any, index: tuple) -> torch.Tensor:
     return value.unsqueeze(0)[index].clone().cpu()
 
 
-def _write(value: Any, index: tuple, new: torch.Tensor) -> None:
+def _write(value: Any, index: tuple, new: torch.Tensor, add: bool = False) -> None:
+    """Write ``new`` at ``index`` (or, ``add``, add it there): into a block's ``(hidden,
+    residual)``, the residual takes the value and the hidden zeros (a sum of the two equal to
+    the value), or the addend alone."""
     if isinstance(value, tuple):
         hidden, residual = value
+        if add:
+            residual.unsqueeze(0)[index] += new.to(residual.device, residual.dtype)
+            return
         residual.unsqueeze(0)[index] = new.to(residual.device, residual.dtype)
         hidden.unsqueeze(0)[index] = 0
         return
+    if add:
+        value.unsqueeze(0)[index] += new.to(value.device, value.dtype)
+        return
     value.unsqueeze(0)[index] = new.to(value.device, value.dtype)
+
+
+def _apply(values: dict[tuple[str, int], Any], ops: list[tuple], adapter: Adapter, model: Any) -> list[torch.Tensor]:
+    """Ops ``(site, layer, index, value, add)`` in forward order, each site fetched once into
+    ``values``: writes (and adds) applied, recording ops' reads returned in op order."""
+    reads = []
+    for site, layer, index, value, add in ops:
+        key = (site.name, layer)
+        if key not in values:
+            values[key] = _site_tensor(site, adapter, model, layer)
+        if value is None:
+            reads.append(_read(values[key], index))
+        else:
+            _write(values[key], index, value, add)
+    return reads
 
 
 def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
@@ -293,47 +315,58 @@ def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
     """
     if n_read == 1:
         return model.logits.float()
+    assert adapter.final_norm is not None  # every family vLLM runs has one
     hidden = first(_get(model, adapter.final_norm).output)[-n_read:]
     return model._module.compute_logits(hidden).float()
 
 
-def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None,
-                 draw: torch.Tensor | None, positions: list[int]) -> tuple:
-    """One baseline request: the metric's pieces and P(answer), with (``keep`` given) the
-    embedding, block and ``keep`` site values at the prompt's positions. ``keep is None``: a
-    further input of the run (the foil's continuation), which only reads the pieces."""
-    embedded = _block_input(adapter, model)
-    if draw is not None:
-        _add_noise(embedded, positions, draw)
-    blocks, values, embedded_copy = None, None, None
-    if keep is not None:
-        T = slice(0, embedded.shape[0] - metric.n_read + 1)  # the prompt's positions
-        embedded_copy = embedded[T].unsqueeze(0).clone().cpu()
-        blocks, values = [], {s.name: [] for s in keep}
-        for layer in range(adapter.n_layers):
-            for s in keep:
-                values[s.name].append(_read(_site_tensor(s, adapter, model, layer), (slice(None), T)))
-            blocks.append(_resid(_stream(adapter, model, layer))[T].unsqueeze(0).clone().cpu())
-    logits = _read_logits(model, adapter, metric.n_read)
-    return blocks, values, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy
-
-
-def _patched_run(model: Any, adapter: Adapter, metric: Metric, draw: torch.Tensor | None,
-                 positions: list[int], ops: list[tuple], full_logits: bool) -> tuple:
-    """One patched request: the metric's pieces at the read positions (or, ``full_logits``, the
-    logits after the prompt) and the values the recording ops read."""
-    if draw is not None:
-        _add_noise(_block_input(adapter, model), positions, draw)
+def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None, ops: list[tuple]) -> tuple:
+    """One baseline request under ``ops`` (the run's writes, in forward order: causal
+    tracing's noise at the embedding): the metric's pieces and P(answer), with (``keep``
+    given) the embedding, block and ``keep`` site values at the prompt's positions.
+    ``keep is None``: a further input of the run (the foil's continuation), which only reads
+    the pieces."""
     values: dict[tuple[str, int], Any] = {}
-    reads = []
-    for site, layer, index, value in ops:  # sorted in forward order by the caller
-        key = (site.name, layer)
-        if key not in values:
-            values[key] = _site_tensor(site, adapter, model, layer)
-        if value is None:
-            reads.append(_read(values[key], index))
-        else:
-            _write(values[key], index, value)
+
+    def fetch(site: Site, layer: int) -> Any:
+        if (site.name, layer) not in values:
+            values[site.name, layer] = _site_tensor(site, adapter, model, layer)
+        return values[site.name, layer]
+
+    # The reads in forward order, each after the writes at its place (an op's key sorts a
+    # write before a read of the same place: a read here is of the value as written).
+    reads: list[tuple[Site, int, tuple | None]] = [(s, layer, None) for layer in range(adapter.n_layers)
+                                                   for s in [*(keep or ()), RESID]]
+    embedded = fetch(EMBED, 0)
+    T = slice(0, embedded.shape[0] - metric.n_read + 1)  # the prompt's positions
+    _apply(values, [op for op in ops if op[0].is_embedding], adapter, model)
+    blocks: list[torch.Tensor] | None = None
+    kept: dict[str, list[torch.Tensor]] | None = None
+    embedded_copy = None
+    if keep is not None:
+        embedded_copy = embedded[T].unsqueeze(0).clone().cpu()
+        blocks, kept = [], {s.name: [] for s in keep}
+        places: list[tuple[Site, int, tuple | None]] = [(op[0], op[1], op) for op in ops if not op[0].is_embedding]
+        later = sorted(places + reads,
+                       key=lambda item: (item[1], item[0].order, item[2] is None))
+        for site, layer, op in later:
+            if op is not None:
+                _apply(values, [op], adapter, model)
+            elif site.is_block_output:
+                blocks.append(_resid(fetch(site, layer))[T].unsqueeze(0).clone().cpu())
+            else:
+                kept[site.name].append(_read(fetch(site, layer), (slice(None), T)))
+    else:
+        _apply(values, [op for op in ops if not op[0].is_embedding], adapter, model)
+    logits = _read_logits(model, adapter, metric.n_read)
+    return blocks, kept, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy
+
+
+def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple], full_logits: bool) -> tuple:
+    """One patched request: the metric's pieces at the read positions (or, ``full_logits``, the
+    logits after the prompt) and the values the recording ops read. ``ops`` are the cell's
+    seed's base ops and its own, sorted in forward order by the caller."""
+    reads = _apply({}, ops, adapter, model)
     logits = _read_logits(model, adapter, metric.n_read)
     out = logits[:1] if full_logits else metric.pieces(logits)
     return out.cpu(), reads
@@ -351,6 +384,13 @@ def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Helpers on the client side
 # --------------------------------------------------------------------------------------------
+
+
+def _shipped(ops: Sequence[Op]) -> list[tuple]:
+    """Ops as an invoke takes them, sorted in forward order: ``(site, layer, index, value,
+    add)`` with the value on the CPU (the engine moves each request's tensors)."""
+    return [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu(), op.add)
+            for op in sorted(ops, key=lambda op: op.key)]
 
 
 def _inputs(metric: Metric, input_ids: torch.Tensor) -> list[list[int]]:

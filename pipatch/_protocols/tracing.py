@@ -43,12 +43,13 @@ from collections.abc import Sequence
 import torch
 
 from .. import _code
-from .._cells import Base, Metric
+from .._cells import Base, Metric, Op
 from .._checks import flag, whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
+from .._sites import EMBED
 from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
@@ -63,7 +64,7 @@ from ._inputs import (
     subject_positions,
 )
 
-__all__ = ["plan_trace", "noise_draws", "KINDS", "AUTO_SCALES", "DECLARATION"]
+__all__ = ["plan_trace", "noise_draws", "noise_ops", "KINDS", "AUTO_SCALES", "DECLARATION"]
 
 AUTO_SCALES = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)
 COLLAPSE_FRACTION = 0.1
@@ -77,6 +78,15 @@ def noise_draws(seeds: int, n_positions: int, d_model: int, scale: float, sigma:
         generator = torch.Generator().manual_seed(seed)
         draws.append(torch.randn(n_positions, d_model, generator=generator) * (scale * sigma))
     return torch.stack(draws)
+
+
+def noise_ops(noise: torch.Tensor, positions: Sequence[int]) -> list[list[Op]]:
+    """Noise draws [seeds, len(positions), d] → each seed's ops: its draw *added* to the
+    embedding output (:data:`~pipatch._sites.EMBED`: what block 0 reads) at ``positions``.
+    A backend applies them as it applies any write; the corrupted base run of seed ``s`` is
+    the prompt run under ``ops[s]``, and so is every restoration of that seed."""
+    index = (slice(None), list(positions))
+    return [[Op(EMBED, 0, index, noise[s : s + 1], add=True)] for s in range(noise.shape[0])]
 
 
 def parse_kinds(sites: str | Sequence[str]) -> list[str]:
@@ -134,12 +144,13 @@ def plan_trace(
 
     def corrupt_at(value: float):
         noise = noise_draws(seeds, len(positions), adapter.d_model, value, sigma).to(input_ids.device)
-        return noise, backend.capture(input_ids, scorer, sites, noise=noise, noise_positions=positions)
+        ops = noise_ops(noise, positions)
+        return ops, backend.capture(input_ids, scorer, sites, ops=ops)
 
     if scale == "auto":
         chosen = None
         for value in AUTO_SCALES:
-            noise, corrupt = corrupt_at(value)
+            corrupting, corrupt = corrupt_at(value)
             worst, mean = float(corrupt.prob.max()), float(corrupt.prob.mean())
             scales_tried.append({"scale": value, "worst": worst, "mean": mean})
             if worst <= threshold:
@@ -155,7 +166,7 @@ def plan_trace(
         scale_value = chosen
     else:
         scale_value = float(scale)
-        noise, corrupt = corrupt_at(scale_value)
+        corrupting, corrupt = corrupt_at(scale_value)
         scales_tried.append({"scale": scale_value, "worst": float(corrupt.prob.max()), "mean": float(corrupt.prob.mean())})
     failed = [i for i, p in enumerate(corrupt.prob.tolist()) if p > threshold]
     if failed:
@@ -181,7 +192,7 @@ def plan_trace(
         meta=meta, warnings=warnings,
     )
     donor = corrupt.sites if control else clean.sites
-    base = Base(input_ids, corrupt, noise=noise, noise_positions=positions)
+    base = Base(input_ids, corrupt, ops=corrupting)
     sweeps = [
         SiteSweep(view=s.name, base=base, metric=scorer, n_rows=n_layers, n_cols=len(tokens), prune=not control,
                   agrees_before=min(positions),

@@ -1,0 +1,112 @@
+"""The unembedding arithmetic of the transformers backend, outside any trace.
+
+A patched run's metric reads the last position or few, and a logit difference two rows of the
+unembedding, not 262k: so the trace reads the unembedding's *input* at the read positions and
+skips the module (:func:`unembedding_input`), and :class:`Unembedding` computes from those
+states just what the metric reads — the rows a logit difference needs, or, for a probability,
+the read tokens' logits and the log-sum-exp of all of them, over slices of the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._cells import Metric
+
+__all__ = ["Unembedding", "unembedding_input"]
+
+
+class Unembedding:
+    """The unembedding's weight (and bias), and the model's logit soft-cap (Gemma 2), as the
+    metric of a batch of states needs them.
+
+    Parameters
+    ----------
+    module
+        The unembedding module (a linear layer: ``weight`` [vocab, d], maybe ``bias``).
+    softcap
+        The cap of ``tanh(logits / cap) × cap``, or 0 / ``None``: none.
+    """
+
+    def __init__(self, module: Any, softcap: float | None = None):
+        self.weight: torch.Tensor = module.weight
+        self.bias: torch.Tensor | None = getattr(module, "bias", None)
+        self.softcap = softcap
+
+    @torch.no_grad()
+    def metric(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
+        """The metric from the unembedding's input at the read positions,
+        [batch, inputs, n_read, d] → [batch].
+
+        A logit difference reads two rows of the unembedding. A probability needs every
+        logit's share of the softmax, but not the logits themselves: the read tokens' logits
+        and the log-sum-exp of all of them (:meth:`logsumexp`) — one pass over the
+        unembedding, never the whole vocabulary's logits in memory at once.
+        """
+        if metric.token_ids is not None:
+            return metric.score(self.logits(hidden, metric.token_ids), subset=True)
+        lse = self.logsumexp(hidden)
+        picked = self.logits(hidden, metric.read_ids)
+        return metric.combine(metric.pieces(picked, lse=lse))
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 logits, soft-capped where the model caps them (Gemma 2)."""
+        logits = logits.float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
+        """Logits from the input of the unembedding (final-normed states, [..., d] → [..., vocab]).
+
+        ``token_ids=None`` gives the whole vocabulary; a list gives just those columns, which is
+        all a logit difference needs and avoids multiplying by a 262k-row matrix.
+        """
+        weight, bias = self.weight, self.bias
+        if token_ids is not None:
+            index = torch.as_tensor(token_ids, device=weight.device)
+            weight = weight.index_select(0, index)
+            bias = bias.index_select(0, index) if bias is not None else None
+        # ``weight @ hidden.T`` rather than ``linear``: for a few dozen positions against a
+        # 262k-row matrix it runs 15-40 % faster on the CPU, with the same numbers.
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+        out = torch.mm(weight, flat.T).T
+        if bias is not None:
+            out = out + bias
+        return self.capped(out.reshape(*hidden.shape[:-1], weight.shape[0]))
+
+    def logsumexp(self, hidden: torch.Tensor, budget: int = 1 << 20) -> torch.Tensor:
+        """The log-sum-exp of every logit at each position, [..., d] → [...] (float32).
+
+        The unembedding is read in slices of vocabulary rows, each slice's logits
+        (``rows × positions``, about ``budget`` values: 4 MB) reduced at once and the slices
+        combined with ``logaddexp``: the logits stay in the cache instead of 262k × positions
+        of them going through memory twice (the product, then the softmax). Measured on this
+        CPU for 70 positions: 0.23 s against 0.38 s for the full logits then ``log_softmax``.
+        """
+        weight, bias = self.weight, self.bias
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+        rows = max(1, budget // max(1, flat.shape[0]))
+        total: torch.Tensor | None = None
+        for top in range(0, weight.shape[0], rows):
+            part = torch.mm(weight[top : top + rows], flat.T)  # [rows, positions]
+            if bias is not None:
+                part = part + bias[top : top + rows, None]
+            part = torch.logsumexp(self.capped(part), dim=0)
+            total = part if total is None else torch.logaddexp(total, part)
+        assert total is not None  # a vocabulary has rows
+        return total.reshape(hidden.shape[:-1])
+
+
+def unembedding_input(unembed: Any, at: Any) -> Any:
+    """Inside an invoke: the unembedding's input (the final-normed states, [batch, positions,
+    d]) at ``at``, with the module itself skipped (its output a placeholder of one value per
+    position, never read). The metric is then computed from these states outside the trace,
+    for the read positions and the metric's rows of the unembedding only
+    (:meth:`Unembedding.metric`)."""
+    final = unembed.input
+    read = final[at]
+    unembed.skip(torch.zeros(*final.shape[:2], 1, dtype=final.dtype, device=final.device))
+    return read
