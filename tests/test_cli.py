@@ -205,12 +205,12 @@ PAIR = ["--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil
     ("argv", "match"),
     [
         # refused by the parser (SystemExit 2), before any model is loaded
-        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--seeds", "0"], "at least 1"),
+        (["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--seeds", "0"], "≥ 1"),
         (["patch", "--site"], "expected one argument"),
         (["patch", *PAIR, "--sender", "12.2"], "unrecognized arguments: --sender"),
         (["path-patch", *PAIR, "--sender", "12"], "LAYER.HEAD"),
         (["path-patch", *PAIR, "--receivers", "13.4.z"], "not a receiver"),
-        (["attribute", *PAIR, "--verify", "many"], "not a whole number"),
+        (["attribute", *PAIR, "--verify", "many"], "must be a whole number ≥ 0"),
         (["attribute", "--clean", EIFFEL, "--answer", " Paris"], "required: --corrupt"),
         # refused by the command before the model loads
         (["patch", *PAIR, "--clean", EIFFEL], "2 clean, 1 corrupt"),
