@@ -22,6 +22,10 @@ from pipatch import _api, _declare
 from pipatch._models import PipatchError
 from tests.conftest import EIFFEL
 
+#: Another process (CLI, kernel) runs its own CPU kernels, threads and batch picks: its numbers agree to
+#: float32 accumulation order (measured up to 7.6e-6 on a CI machine), not bit for bit.
+ACROSS_PROCESSES = 1e-4
+
 #: A toy experiment: zero-ablate the residual stream at each (layer, position) of one prompt.
 TOY = '''
 """Zero ablation of the residual stream, one (layer, position) at a time: a toy experiment."""
@@ -122,7 +126,7 @@ def test_the_cli_runs_the_toy_with_json(toy_dir, toy_result, tmp_path):
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["kind"] == "toy_ablation"
-    torch.testing.assert_close(torch.tensor(data["grid"]), toy_result.grid, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(data["grid"]), toy_result.grid, atol=ACROSS_PROCESSES, rtol=0)
     helped = subprocess.run([sys.executable, "-m", "pipatch.cli", "toy-ablate", "--help"], env=_env(toy_dir),
                             capture_output=True, text=True, timeout=300)
     assert "--answer ANSWER" in helped.stdout and "--batch-size BATCH_SIZE" in helped.stdout
@@ -155,7 +159,7 @@ def test_a_real_kernel_runs_the_toy_as_a_magic(toy_dir, toy_result):
                     break
         grid, kind = "".join(outputs).rsplit(" ", 1)
         assert kind.strip() == "toy_ablation"
-        torch.testing.assert_close(torch.tensor(json.loads(grid)), toy_result.grid, atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(json.loads(grid)), toy_result.grid, atol=ACROSS_PROCESSES, rtol=0)
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
