@@ -7,7 +7,8 @@ over the positions after the prompt: :class:`Metric`). A protocol turns a resear
 into cells; the engine batches them; a backend runs a batch as invokes of one trace. Nothing
 here touches a model.
 
-Shapes: a site value is ``[batch, T, width]``; an op's ``index`` selects into one batch row's
+Shapes: a site value is ``[batch, T, width]`` today (its dimensions are the site's:
+:attr:`~pipatch._sites.Site.dims`); an op's ``index`` selects into one batch row's
 value (``value[index]`` with the batch dimension kept, e.g. ``(slice(None), 4)`` for position
 4, or ``(slice(None), [2, 3], slice(0, 64))`` for head 0's slice at positions 2 and 3). Indices
 name prompt positions only: a run's value may be longer (the answer's tokens follow the prompt)
@@ -329,14 +330,15 @@ class Op:
 
     def _bounds(self) -> tuple[int, int | None]:
         """(first, last) prompt positions of the index: (0, None) where it does not say."""
-        where = self.index[1] if len(self.index) > 1 else None
-        if isinstance(where, numbers.Integral):
-            return (int(where), int(where)) if where >= 0 else (0, None)
-        if isinstance(where, slice) and where.step in (None, 1):
-            first = max(where.start or 0, 0)
-            return first, (int(where.stop) - 1 if where.stop is not None and where.stop > first else None)
-        if isinstance(where, (list, tuple)) and where and all(isinstance(i, numbers.Integral) for i in where):
-            return (int(min(where)), int(max(where))) if min(where) >= 0 else (0, None)
+        dim = self.site.position_dim  # a site's positions need not be its second dimension
+        at = self.index[dim] if len(self.index) > dim else None
+        if isinstance(at, numbers.Integral):
+            return (int(at), int(at)) if at >= 0 else (0, None)
+        if isinstance(at, slice) and at.step in (None, 1):
+            first = max(at.start or 0, 0)
+            return first, (int(at.stop) - 1 if at.stop is not None and at.stop > first else None)
+        if isinstance(at, (list, tuple)) and at and all(isinstance(i, numbers.Integral) for i in at):
+            return (int(min(at)), int(max(at))) if min(at) >= 0 else (0, None)
         return 0, None
 
     def index_from(self, start: int) -> tuple:
@@ -344,14 +346,15 @@ class Op:
         (``start`` ≤ :attr:`first_position`)."""
         if not start:
             return self.index
-        where = self.index[1]
-        if isinstance(where, slice):
-            where = slice(where.start - start, None if where.stop is None else where.stop - start)
-        elif isinstance(where, numbers.Integral):
-            where = int(where) - start
+        dim = self.site.position_dim
+        at = self.index[dim]
+        if isinstance(at, slice):
+            at = slice(at.start - start, None if at.stop is None else at.stop - start)
+        elif isinstance(at, numbers.Integral):
+            at = int(at) - start
         else:
-            where = [int(i) - start for i in where]
-        return (self.index[0], where, *self.index[2:])
+            at = [int(i) - start for i in at]
+        return (*self.index[:dim], at, *self.index[dim + 1:])
 
 
 @dataclass

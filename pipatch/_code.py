@@ -35,7 +35,8 @@ from typing import Any
 
 from ._declare import EXPERIMENTS, declared
 from ._models import Adapter, PipatchError
-from ._sites import SITES
+from ._sites import ATTN, HEAD, MLP, RESID, Site, projection
+from ._sites import site as site_named
 
 __all__ = ["script", "trace_code", "patch_code", "attribution_code", "path_code", "trace_inputs", "pair_inputs"]
 
@@ -430,17 +431,17 @@ def _adapter(meta: dict) -> Adapter:
                                n_kv_heads=int(adapter.n_kv_heads), head_dim=int(adapter.head_dim))
 
 
-def _site_lines(adapter: Adapter, names: list[str]) -> str:
+def _site_expression(adapter: Adapter, target: Site) -> str:
+    """The script's expression for ``target``'s value at ``layer``, built from where the site
+    says it lives: its module under the block, and whether it is that module's input or output."""
+    path = target.module_path(adapter)
+    module = f"layers[layer].{_path(path, 'site')}" if path else "layers[layer]"
+    return f"{module}.input" if target.reads_input else f"first({module}.output)"
+
+
+def _site_lines(adapter: Adapter, sites: list[Site]) -> str:
     """The body of the script's ``site(name, layer)`` for the sites it uses."""
-    exprs = {
-        "resid": ("first(layers[layer].output)", "the block's output: the residual stream"),
-        "attn": (f"first(layers[layer].{adapter.attn}.output)", "what the attention sublayer adds"),
-        "mlp": (f"first(layers[layer].{adapter.mlp}.output)", "what the MLP sublayer adds"),
-        "head": (f"layers[layer].{adapter.attn}.{adapter.out_proj}.input", "z: every head's output, side by side"),
-    }
-    for module in adapter.qkv:
-        exprs[module] = (f"layers[layer].{adapter.attn}.{module}.output", "a query / key / value projection")
-    lines = [f"    if name == {name!r}:  # {exprs[name][1]}\n        return {exprs[name][0]}" for name in names]
+    lines = [f"    if name == {s.name!r}:  # {s.about}\n        return {_site_expression(adapter, s)}" for s in sites]
     return "\n".join(lines) + "\n    raise ValueError(name)"
 
 
@@ -470,56 +471,61 @@ def pair_inputs(meta: dict, *, positions: bool = True, means: bool = False) -> d
     return inputs
 
 
-def trace_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+def trace_code(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
     """Causal tracing's part of the script: (function name, its code, the sites it reads, a summary)."""
     meta = result.meta
-    kinds = sorted(meta.get("kinds") or result.views, key=("attn", "mlp", "resid").index)
-    code = _TRACE.substitute(kinds=repr(kinds), window=int(meta["window"]), seeds=int(meta["seeds"]),
-                             control=bool(meta.get("control")), embed=_path(adapter.embed, "embedding"))
+    # In forward order (attention, MLP, then the block's output), as the script's KINDS say.
+    traced = sorted((site_named(name) for name in meta.get("kinds") or result.views), key=lambda s: s.order)
+    code = _TRACE.substitute(kinds=repr([s.name for s in traced]), window=int(meta["window"]),
+                             seeds=int(meta["seeds"]), control=bool(meta.get("control")),
+                             embed=_path(adapter.embed, "embedding"))
     summary = (f"noise the subject's embeddings ({int(meta['seeds'])} seeded draws), restore one clean state per\n"
                "(layer, position), average normalized recovery over the seeds.")
-    return "causal_trace", code, kinds, summary
+    return "causal_trace", code, traced, summary
 
 
-def _pair_site(result: Any) -> tuple[str, bool, str, str]:
-    """A pair experiment's site, whether its columns are heads, and the script's column words."""
-    site = result.meta.get("site", "resid")
-    if site not in SITES:
-        raise PipatchError(f"code(): unknown site {site!r}")
-    heads = result.col_axis == "head"
+def _pair_site(result: Any) -> tuple[Site, bool, str, str]:
+    """A pair experiment's site (``meta["site"]``), whether its columns are heads, and the
+    script's column words."""
+    name = result.meta.get("site", RESID.name)
+    try:
+        target = site_named(name)
+    except PipatchError:
+        raise PipatchError(f"code(): unknown site {name!r}") from None
+    heads = target.per_head
     n_columns = "N_HEADS" if heads else "len(positions)"
     columns_doc = "head (each patched at `positions`)" if heads else "position in `positions`"
-    return site, heads, n_columns, columns_doc
+    return target, heads, n_columns, columns_doc
 
 
-def patch_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+def patch_code(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
     """Activation patching's part of the script (see :func:`trace_code`)."""
-    site, heads, n_columns, columns_doc = _pair_site(result)
+    target, heads, n_columns, columns_doc = _pair_site(result)
     direction = result.meta.get("direction", "denoise")
     if direction not in _DONORS:
         raise PipatchError(f"code(): unknown patching direction {direction!r}")
-    code = _PATCH.substitute(site=repr(site), direction=repr(direction), columns_doc=columns_doc,
+    code = _PATCH.substitute(site=repr(target.name), direction=repr(direction), columns_doc=columns_doc,
                              mean_arg=", mean_prompts" if direction == "mean" else "",
                              baselines=_BASELINES, donor=_DONORS[direction], n_columns=n_columns,
                              cells=_HEAD_CELLS if heads else _POSITION_CELLS)
-    summary = (f"clean and corrupt runs, then one {direction} patch of the {site} site per cell, normalized\n"
+    summary = (f"clean and corrupt runs, then one {direction} patch of the {target.name} site per cell, normalized\n"
                "recovery (patched − corrupt) / (clean − corrupt).")
-    return "activation_patch", code, [site], summary
+    return "activation_patch", code, [target], summary
 
 
-def attribution_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+def attribution_code(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
     """Attribution patching's part of the script (see :func:`trace_code`)."""
-    site, heads, n_columns, _ = _pair_site(result)
+    target, heads, n_columns, _ = _pair_site(result)
     estimate = ("        raw[0, layer] = corrupt + product.reshape(len(positions), N_HEADS, HEAD_DIM).sum(dim=(0, 2))"
                 if heads else "        raw[0, layer] = corrupt + product.sum(-1)")
-    code = _ATTRIBUTE.substitute(site=repr(site), baselines=_BASELINES, n_columns=n_columns,
+    code = _ATTRIBUTE.substitute(site=repr(target.name), baselines=_BASELINES, n_columns=n_columns,
                                  embed=_path(adapter.embed, "embedding"), estimate=estimate)
     summary = ("attribution patching, gradient × (clean − corrupt) activation at every cell from two\n"
                "forwards and one backward, as normalized recovery.")
-    return "attribution", code, [site], summary
+    return "attribution", code, [target], summary
 
 
-def path_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
+def path_code(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
     """Path patching's part of the script (see :func:`trace_code`)."""
     meta = result.meta
     code = _PATH.substitute(direction=repr(meta.get("direction", "denoise")),
@@ -528,7 +534,8 @@ def path_code(result: Any, adapter: Adapter) -> tuple[str, str, list[str], str]:
                             view=repr(result.views[0]))
     summary = ("path patching, one run per sender with every later attention and MLP output frozen\n"
                "(and one more writing only the receivers' inputs), as normalized recovery.")
-    return "path_patch", code, ["head", "attn", "mlp", *adapter.qkv], summary
+    projections = [projection(module, order) for order, module in enumerate(adapter.qkv)]
+    return "path_patch", code, [HEAD, ATTN, MLP, *projections], summary
 
 
 def _device_line(device: str) -> str:

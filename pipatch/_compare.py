@@ -53,6 +53,7 @@ import torch
 from ._declare import declared
 from ._models import PipatchError
 from ._result import Result, _rows, load_result, parts_from_json, result_from_parts
+from ._sites import TOKEN_AXIS
 from ._views import SCHEMA_VERSION, conform_state, json_safe
 
 __all__ = ["VALUES", "Comparison", "compare"]
@@ -270,10 +271,10 @@ def _check_comparable(a: Result, b: Result, values: str, views: Sequence[str] | 
         raise PipatchError(f"column axes differ: a's columns are {a.col_axis}s, b's are {b.col_axis}s; compare "
                            "results swept over the same axis (both positions, or both heads)")
     if len(a.columns) != len(b.columns):
-        fix = ("use two prompts of the same token length" if a.col_axis == "token"
+        fix = ("use two prompts of the same token length" if a.col_axis == TOKEN_AXIS
                else "compare results of models with the same number of them")
         raise PipatchError(f"columns differ: a has {len(a.columns)} {a.col_axis} columns, b has {len(b.columns)}; {fix}"
-                           + (f" (a: {a.columns}, b: {b.columns})" if a.col_axis == "token" else ""))
+                           + (f" (a: {a.columns}, b: {b.columns})" if a.col_axis == TOKEN_AXIS else ""))
     if a.meta.get("site") != b.meta.get("site"):
         raise PipatchError(f"sites differ: a patches {a.meta.get('site')!r}, b patches {b.meta.get('site')!r}; "
                            "run both with the same site=")

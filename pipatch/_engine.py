@@ -153,7 +153,7 @@ class SiteSweep(Sweep):
         donor_seed = seed if self.donor[0].shape[0] > 1 else 0
         site, adapter = self.site, self.adapter
         assert site is not None and adapter is not None, "a SiteSweep needs its site and adapter"
-        index = site.index(adapter, col, self.columns, self.positions)
+        index = site.column_index(adapter, col, self.columns, self.positions)
         layers = site.window_layers(row, self.window, adapter.n_layers)
         ops = [Op(site, layer, index, self.donor[layer][donor_seed : donor_seed + 1][index]) for layer in layers]
         # The run starts at the lowest block the writes can change (a block output's write

@@ -378,7 +378,7 @@ class Adapter:
         kv = head // group
         index = {"q": 0, "k": 1, "v": 2}[which]
         if self.qkv_layout == "separate":
-            module, start = self.qkv[index], head if which == "q" else kv
+            module, start = self.qkv[index], (head, kv, kv)[index]
         elif self.qkv_layout == "stacked":
             module, start = self.qkv[0], (head, self.n_heads + kv, self.n_heads + self.n_kv_heads + kv)[index]
         elif self.qkv_layout == "per_head":

@@ -27,6 +27,7 @@ import torch
 
 from ._declare import declared
 from ._models import PipatchError
+from ._sites import axis_of
 from ._views import (
     MIME_TYPE,
     SCHEMA_VERSION,
@@ -213,8 +214,8 @@ class Result:
     def col_axis(self) -> str:
         """What a column is: ``"token"`` (a position, or a named group of them), ``"head"``, or
         ``"component"`` (an MLP sender)."""
-        # Files saved before ``col_axis`` was recorded name the head site instead.
-        return str(self.meta.get("col_axis") or ("head" if self.meta.get("site") == "head" else "token"))
+        # Files saved before ``col_axis`` was recorded name only the site: its axis says.
+        return str(self.meta.get("col_axis") or axis_of(self.meta.get("site")))
 
     @property
     def title(self) -> str:

@@ -1,17 +1,23 @@
 """Sites: the places in a model where pipatch reads and writes activations.
 
-A site is one small object that knows
+A site is one small object that owns everything pipatch knows about a place, so that no other
+module compares site names (``tests/test_site_names.py`` holds them to it):
 
-* **where** its value lives, through the :class:`~pipatch._models.Adapter` (so it never spells
-  a module name): a block's output, a sublayer's output, the attention output projection's
-  input, a query/key/value projection's output;
+* **which module holds it** (:attr:`Site.holder`), reached through the
+  :class:`~pipatch._models.Adapter` so it never spells a family's module names
+  (:meth:`Site.module_path`, :meth:`Site.module`, :meth:`Site.value`): a block's output, a
+  sublayer's output, the attention output projection's input, a query/key/value projection's
+  output;
 * **when** the forward pass computes it within a block (:attr:`Site.order`): nnsight serves a
   module's values only in forward order, so a patched run reads and writes sites sorted by
-  ``(layer, order)``;
-* its **column axis**: a grid over a site has one column per position, or one per head
-  (:attr:`Site.axis`), with labels to match.
+  ``(layer, order)``; and which layer a patched run must start at (:meth:`Site.start_layer`);
+* **its shape**: the named dimensions of its value (:attr:`Site.dims`) and so what an op's index
+  into it means (:meth:`Site.index`: positions on the position dimension, a head's part on the
+  width or head dimension);
+* **its column axis**: a grid over a site has one column per position, or one per head
+  (:attr:`Site.axis`, :attr:`Site.per_head`), with labels to match (:meth:`Site.columns`).
 
-Every value of a site is ``[batch, T, width]``. The sites of today:
+Every site of today is ``[batch, T, width]``:
 
 ==========  ===================================================  ==========  =========
 name        value                                                axis        order
@@ -23,9 +29,18 @@ name        value                                                axis        ord
 ``resid``   the block's output: the residual stream after it     token       6
 ==========  ===================================================  ==========  =========
 
-A head ``h`` is the slice ``[h·head_dim, (h+1)·head_dim)`` of ``z``; a GQA model's ``z`` still
-has one slice per *query* head. Adding a site (an attention pattern, say) is one new instance
-here; nothing else compares site names.
+A head ``h`` is the slice ``[h·head_dim, (h+1)·head_dim)`` of ``z``'s width; a GQA model's ``z``
+still has one slice per *query* head.
+
+**A new site is one new instance here.** An attention pattern, say, would be
+``Site("pattern", order=..., holder=..., axis=HEAD_AXIS, dims=(BATCH, HEADS, POSITION, KEY))``:
+its value is ``[batch, heads, query, key]``, the query being the position the row belongs to
+(so :attr:`Site.position_dim` is 2, and an op's first and last positions are read there), and a
+head is a dimension of its own rather than a slice of the width (:meth:`Site.head_index` indexes
+it directly). Nothing assumes a width: only ``z``-like sites, whose heads sit side by side in
+the width, cut it into head slices. What it would still need is a module to read the weights
+from (the attention's softmax output, which not every family's attention returns): a new
+:attr:`Site.holder` and its line in :meth:`Site.module_path` / :meth:`Site.value`.
 """
 
 from __future__ import annotations
@@ -36,7 +51,22 @@ from typing import Any
 
 from ._models import Adapter, PipatchError, _get, first
 
-__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "projection"]
+__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "QKV", "projection", "axis_of",
+           "TOKEN_AXIS", "HEAD_AXIS", "BATCH", "POSITION", "WIDTH", "HEADS", "KEY"]
+
+#: Column axes: what one grid column over a site is. A result records its own as ``col_axis``.
+TOKEN_AXIS = "token"  # a prompt position (or, in a dataset, a named group of positions)
+HEAD_AXIS = "head"  # one attention head
+
+#: Names of a site value's dimensions (:attr:`Site.dims`).
+BATCH, POSITION, WIDTH, HEADS, KEY = "batch", "position", "width", "heads", "key"
+
+#: What a query head reads, by the names receivers use (``("head", layer, h, "q")``).
+QKV = ("q", "k", "v")
+
+# The modules that can hold a site (:attr:`Site.holder`).
+_BLOCK, _ATTN, _MLP, _OUT_PROJ, _PROJ, _EMBEDDING = "block", "attn", "mlp", "out_proj", "proj", "embed"
+_ALL = slice(None)  # an index part that takes the whole dimension
 
 
 @dataclass(frozen=True)
@@ -46,25 +76,129 @@ class Site:
     Attributes
     ----------
     name
-        What researchers call it: ``"resid"``, ``"attn"``, ``"mlp"``, ``"head"``, ``"q"``, ...
+        What researchers call it: ``"resid"``, ``"attn"``, ``"mlp"``, ``"head"``, or a q/k/v
+        projection module's name (``"q_proj"``, GPT-2's fused ``"c_attn"``). Results record it
+        (``meta["site"]``) and captures key values by it; code outside this module only looks
+        names up (:func:`site`, :func:`axis_of`), never compares them.
     order
         Position in the forward pass within one block (see the module docstring).
-    axis
-        ``"token"`` or ``"head"``: what one grid column over this site is (a position, or a head).
-    where
+    holder
         Which module holds it: ``"block"`` (its output), ``"attn"`` / ``"mlp"`` (the sublayer's
         output), ``"out_proj"`` (the attention output projection's *input*), or ``"proj"``
         (the output of the projection module under the attention called :attr:`name`).
+    axis
+        :data:`TOKEN_AXIS` or :data:`HEAD_AXIS`: what one grid column over this site is (a
+        position, or a head).
     sublayer
         Whether the site sits inside a block's sublayers (refused for families whose sublayers
         return the residual stream plus their contribution, such as BLOOM).
+    dims
+        The named dimensions of the site's value: ``(BATCH, POSITION, WIDTH)`` for every site
+        of today, ``(BATCH, HEADS, POSITION, KEY)`` for an attention pattern. An op's index
+        (:meth:`index`) has one part per dimension, trailing whole ones left out.
+    about
+        One line on what the value is, for the scripts ``Result.code()`` writes.
     """
 
     name: str
     order: int
-    where: str
-    axis: str = "token"
+    holder: str
+    axis: str = TOKEN_AXIS
     sublayer: bool = True
+    dims: tuple[str, ...] = (BATCH, POSITION, WIDTH)
+    about: str = ""
+
+    @property
+    def where(self) -> str:
+        """Deprecated: :attr:`holder` under its old name (``where`` now only names a variable
+        holding a site); kept, read-only, for code not yet moved to :attr:`holder`."""
+        return self.holder
+
+    # -- what a column and an index mean ----------------------------------------------------
+    @property
+    def per_head(self) -> bool:
+        """Whether a grid column over this site is one head (else one position)."""
+        return self.axis == HEAD_AXIS
+
+    @property
+    def per_position(self) -> bool:
+        """Whether a grid column over this site is one position (or a group of them)."""
+        return self.axis == TOKEN_AXIS
+
+    @property
+    def position_dim(self) -> int:
+        """Which dimension of the value is the prompt position (a pattern's: the query)."""
+        return self.dims.index(POSITION)
+
+    def index(self, positions: Any, width: Any = None, head: int | None = None) -> tuple:
+        """The index an op uses into this site's value: ``positions`` on the position
+        dimension, ``width`` (a slice of the columns) on the width one, ``head`` on a head
+        dimension; every other dimension whole, trailing whole ones left out:
+        ``(slice(None), 4)`` is position 4 of a ``[batch, T, width]`` value."""
+        wanted = {POSITION: positions, WIDTH: width, HEADS: head}
+        parts = [_ALL if wanted.get(dim) is None else wanted[dim] for dim in self.dims]
+        while len(parts) > 1 and parts[-1] is _ALL:
+            parts.pop()
+        return tuple(parts)
+
+    def head_index(self, adapter: Adapter, head: int, positions: Any) -> tuple:
+        """The index of head ``head``'s part at ``positions``: its slice of the width
+        (``z``: the heads side by side), or its entry on a head dimension (a pattern)."""
+        if HEADS in self.dims:
+            return self.index(positions, head=head)
+        return self.index(positions, width=self.head_slice(adapter, head))
+
+    def column_index(self, adapter: Adapter, col: int, columns: Sequence[Any], positions: Any) -> tuple:
+        """The index grid column ``col`` writes: head ``col`` at ``positions`` (a head axis),
+        or the position(s) ``columns[col]`` (a token axis)."""
+        if self.per_head:
+            return self.head_index(adapter, col, positions)
+        return self.index(columns[col])
+
+    def window_layers(self, row: int, window: int, n_layers: int) -> range:
+        """The layers a cell of grid row ``row`` writes: ``window`` of them from ``row`` on
+        (clipped to the model), or row ``row`` alone on a head site (one head, one layer)."""
+        return range(row, row + 1 if self.per_head else min(row + window, n_layers))
+
+    def head_slice(self, adapter: Adapter, head: int) -> slice:
+        """The columns of head ``head`` in this site's width (``head`` sites only)."""
+        lo = head * adapter.head_dim
+        return slice(lo, lo + adapter.head_dim)
+
+    def columns(self, adapter: Adapter, tokens: list[str], positions: list[int]) -> list[str]:
+        """Column labels of a grid over this site: the swept tokens, or ``H0, H1, ...``."""
+        if self.per_head:
+            return [self.head_label(h) for h in range(adapter.n_heads)]
+        return [tokens[p] for p in positions]
+
+    @staticmethod
+    def head_label(head: int) -> str:
+        """A head's column label: ``"H3"``."""
+        return f"H{head}"
+
+    # -- where it sits in the forward pass ----------------------------------------------------
+    @property
+    def is_block_output(self) -> bool:
+        """Whether the value is a block's whole output (the residual stream after it), which a
+        backend may skip the block with, rather than a value the block computes inside."""
+        return self.holder == _BLOCK
+
+    @property
+    def is_embedding(self) -> bool:
+        """Whether the value is the embedding output: what block 0 reads (:data:`EMBED`)."""
+        return self.holder == _EMBEDDING
+
+    @property
+    def reads_input(self) -> bool:
+        """Whether the value is its module's *input* (``z``, read before the output
+        projection) rather than its output."""
+        return self.holder == _OUT_PROJ
+
+    def start_layer(self, layer: int) -> int:
+        """The first layer whose input a write at ``layer`` can change: a block output's write
+        leaves that block's own computation the base run's, so a patched run may start above
+        it; a site inside the block starts at the block."""
+        return layer + 1 if self.is_block_output else layer
 
     @property
     def feeds_its_own_attention(self) -> bool:
@@ -72,8 +206,9 @@ class Site:
         value does (the layer's attention reads it); every other site comes after the
         attention has mixed positions, so its write at position ``p`` stays at ``p`` until the
         next layer."""
-        return self.where == "proj"
+        return self.holder == _PROJ
 
+    # -- module access ------------------------------------------------------------------------
     def check(self, adapter: Adapter) -> Site:
         """Refuse, in one line, a site this family cannot patch; return the site."""
         if self.sublayer and not adapter.sublayers_are_contributions:
@@ -83,72 +218,35 @@ class Site:
             )
         return self
 
+    def module_path(self, adapter: Adapter) -> str:
+        """The dotted path of the module holding this site, under a block (``""``: the block)."""
+        return {
+            _BLOCK: "",
+            _ATTN: adapter.attn,
+            _MLP: adapter.mlp,
+            _OUT_PROJ: f"{adapter.attn}.{adapter.out_proj}",
+            _PROJ: f"{adapter.attn}.{self.name}",
+        }[self.holder]  # the embedding (no block's) overrides module(): see _Embedding
+
     def module(self, adapter: Adapter, model: Any, layer: int) -> Any:
         """The module (nnsight envoy or torch module) that holds this site at ``layer``."""
         block = adapter.block(model, layer)
-        if self.where == "block":
-            return block
-        if self.where == "mlp":
-            return _get(block, adapter.mlp)
-        attn = _get(block, adapter.attn)
-        if self.where == "attn":
-            return attn
-        return _get(attn, adapter.out_proj if self.where == "out_proj" else self.name)
+        path = self.module_path(adapter)
+        return _get(block, path) if path else block
 
     def value(self, adapter: Adapter, model: Any, layer: int) -> Any:
-        """The site's value at ``layer`` inside a trace: [batch, T, width], readable and writable."""
+        """The site's value at ``layer`` inside a trace (:attr:`dims`), readable and writable."""
         module = self.module(adapter, model, layer)
-        return module.input if self.where == "out_proj" else first(module.output)
-
-    def columns(self, adapter: Adapter, tokens: list[str], positions: list[int]) -> list[str]:
-        """Column labels of a grid over this site: the swept tokens, or ``H0, H1, ...``."""
-        if self.axis == "head":
-            return [f"H{h}" for h in range(adapter.n_heads)]
-        return [tokens[p] for p in positions]
-
-    def head_slice(self, adapter: Adapter, head: int) -> slice:
-        """The columns of head ``head`` in this site's width (``head`` sites only)."""
-        lo = head * adapter.head_dim
-        return slice(lo, lo + adapter.head_dim)
+        return module.input if self.reads_input else first(module.output)
 
     def __repr__(self) -> str:
         return f"<site {self.name}>"
 
-    # -- what the engine and the backends ask a site (they never compare its name) -----------
-    @property
-    def is_block_output(self) -> bool:
-        """Whether the value is a block's whole output (the residual stream after it), which a
-        backend may skip the block with, rather than a value the block computes inside."""
-        return self.where == "block"
 
-    @property
-    def is_embedding(self) -> bool:
-        """Whether the value is the embedding output: what block 0 reads (:data:`EMBED`)."""
-        return self.where == "embed"
-
-    def start_layer(self, layer: int) -> int:
-        """The lowest block whose computation a write here at ``layer`` can change: the block
-        above for a block's output (the block itself stays the base run's), else the block
-        that computes the value."""
-        return layer + 1 if self.is_block_output else layer
-
-    def index(self, adapter: Adapter, col: int, columns: Sequence[Any], positions: Sequence[int]) -> tuple:
-        """The op index of grid column ``col``: on a token site, the position (or list of
-        them) ``columns[col]``; on a head site, head ``col``'s slice at ``positions``."""
-        if self.axis == "head":
-            return (slice(None), positions, self.head_slice(adapter, col))
-        return (slice(None), columns[col])
-
-    def window_layers(self, row: int, window: int, n_layers: int) -> range:
-        """The layers a cell of grid row ``row`` writes: ``window`` of them from ``row`` on
-        (clipped to the model), or row ``row`` alone on a head site (one head, one layer)."""
-        return range(row, row + 1 if self.axis == "head" else min(row + window, n_layers))
-
-
-RESID = Site("resid", order=6, where="block", sublayer=False)
-ATTN = Site("attn", order=4, where="attn")
-MLP = Site("mlp", order=5, where="mlp")
-HEAD = Site("head", order=3, where="out_proj", axis="head")
+RESID = Site("resid", order=6, holder=_BLOCK, sublayer=False, about="the block's output: the residual stream")
+ATTN = Site("attn", order=4, holder=_ATTN, about="what the attention sublayer adds")
+MLP = Site("mlp", order=5, holder=_MLP, about="what the MLP sublayer adds")
+HEAD = Site("head", order=3, holder=_OUT_PROJ, axis=HEAD_AXIS, about="z: every head's output, side by side")
 
 #: The sites a grid can sweep, by name.
 SITES: dict[str, Site] = {s.name: s for s in (RESID, ATTN, MLP, HEAD)}
@@ -165,6 +263,13 @@ def site(name: Any, adapter: Adapter | None = None) -> Site:
     return found.check(adapter) if adapter is not None else found
 
 
+def axis_of(name: Any) -> str:
+    """The column axis of the site a result names (``meta["site"]``): a result holds site names
+    as strings only. Anything not a sweepable site's name reads as :data:`TOKEN_AXIS`."""
+    found = SITES.get(name) if isinstance(name, str) else None
+    return found.axis if found is not None else TOKEN_AXIS
+
+
 _PROJECTIONS: dict[str, Site] = {}
 
 
@@ -176,7 +281,7 @@ def projection(module_name: str, order: int) -> Site:
     """
     key = f"{module_name}#{order}"
     if key not in _PROJECTIONS:
-        _PROJECTIONS[key] = Site(module_name, order=order, where="proj")
+        _PROJECTIONS[key] = Site(module_name, order=order, holder=_PROJ, about="a query / key / value projection")
     return _PROJECTIONS[key]
 
 
@@ -192,4 +297,4 @@ class _Embedding(Site):
 
 
 #: The embedding output (see :class:`_Embedding`); never in :data:`SITES`.
-EMBED: Site = _Embedding("embed", order=-1, where="embed", sublayer=False)
+EMBED: Site = _Embedding("embed", order=-1, holder=_EMBEDDING, sublayer=False, about="the embedding output")

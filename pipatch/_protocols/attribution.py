@@ -86,50 +86,50 @@ def plan_attribute(
     """
     verify = whole_number(verify, "verify (the cells to check with real patches)", minimum=0)
     adapter = backend.adapter
-    where = site_named(site, adapter)
+    target = site_named(site, adapter)
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
     T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T, backend)
     scorer = pair.metric
 
-    clean_run = backend.capture(pair.clean_ids, scorer, [where])
-    corrupt_acts, grads, corrupt_value = backend.gradients(pair.corrupt_ids, scorer, where)
+    clean_run = backend.capture(pair.clean_ids, scorer, [target])
+    corrupt_acts, grads, corrupt_value = backend.gradients(pair.corrupt_ids, scorer, target)
     clean_value = float(clean_run.metric[0])
 
-    columns = where.columns(adapter, pair.clean_tokens, cols)
+    columns = target.columns(adapter, pair.clean_tokens, cols)
     delta = torch.zeros(adapter.n_layers, len(columns))
     for layer in range(adapter.n_layers):
-        diff = clean_run.sites[where.name][layer][0].float() - corrupt_acts[layer][0].float()  # [T, width]
+        diff = clean_run.sites[target.name][layer][0].float() - corrupt_acts[layer][0].float()  # [T, width]
         product = (grads[layer][0].float() * diff)[cols]
-        if where.axis == "head":
+        if target.per_head:
             delta[layer] = product.reshape(len(cols), adapter.n_heads, adapter.head_dim).sum(dim=(0, 2))
         else:
             delta[layer] = product.sum(-1)
 
     meta = model_meta(backend)
     meta.update({
-        **pair.meta(backend), "site": where.name, "col_axis": where.axis, "direction": "denoise", "positions": cols,
+        **pair.meta(backend), "site": target.name, "col_axis": target.axis, "direction": "denoise", "positions": cols,
         "estimate": "attribution patching: grad(metric) at the corrupt run · (clean − corrupt) activation",
     })
     result = Result(
         kind="attribution", tokens=pair.clean_tokens, columns=columns, layers=layer_labels(backend), metric=scorer.label,
-        raw={where.name: (corrupt_value + delta).unsqueeze(0)}, clean=clean_value,
+        raw={target.name: (corrupt_value + delta).unsqueeze(0)}, clean=clean_value,
         corrupt=torch.tensor([corrupt_value]), meta=meta,
         warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
-        rows_done={where.name: adapter.n_layers},
+        rows_done={target.name: adapter.n_layers},
     )
     k = min(verify, delta.numel())
     order = delta.abs().flatten().argsort(descending=True, stable=True)[:k].tolist()
     chosen = [(i // len(columns), i % len(columns)) for i in order]
     # The corrupt run's cached blocks (reused below each patch, by verification and by clicks on
     # any cell) come from a plain capture: the gradient run keeps only the site values.
-    base = backend.capture(pair.corrupt_ids, scorer, [where])
-    sweep = _VerifySweep(view=where.name, base=Base(pair.corrupt_ids, base), metric=scorer,
-                         n_rows=adapter.n_layers, n_cols=len(columns), only=set(chosen), site=where, adapter=adapter,
-                         donor=clean_run.sites[where.name], columns=cols, positions=cols)
+    base = backend.capture(pair.corrupt_ids, scorer, [target])
+    sweep = _VerifySweep(view=target.name, base=Base(pair.corrupt_ids, base), metric=scorer,
+                         n_rows=adapter.n_layers, n_cols=len(columns), only=set(chosen), site=target, adapter=adapter,
+                         donor=clean_run.sites[target.name], columns=cols, positions=cols)
     if k:
-        meta["verified"] = {where.name: [[0.0] * len(columns) for _ in range(adapter.n_layers)]}
+        meta["verified"] = {target.name: [[0.0] * len(columns) for _ in range(adapter.n_layers)]}
         meta["verified_values"] = [{"layer": row, "col": col, "estimate": corrupt_value + float(delta[row, col]),
                                     "actual": None} for row, col in chosen]
     return _AttributionPlan(backend, result, [sweep], batch, True)

@@ -105,7 +105,7 @@ def prompt_groups(result: Result) -> tuple[list[str], list[list[int]], list[list
 
 def _position_axis(plan: Plan) -> bool:
     sweep = plan.sweeps[0]
-    return isinstance(sweep, SiteSweep) and sweep.site.axis == "token"
+    return isinstance(sweep, SiteSweep) and sweep.site.per_position
 
 
 class DatasetPlan(Plan):

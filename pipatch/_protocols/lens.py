@@ -146,7 +146,7 @@ def logit_lens(prompt, answer):
 def _code_part(result, adapter) -> tuple[str, str, list[str], str]:
     summary = ("one run keeping every block's output, then one run per (layer, position) with that state\n"
                "written into the last block's output at the last position: the metric read through the head.")
-    return "logit_lens", _LENS.template, ["resid"], summary
+    return "logit_lens", _LENS.template, [RESID], summary
 
 
 def _code_inputs(meta: dict) -> dict:

@@ -130,7 +130,7 @@ def plan_patch(
     defaults are :data:`DECLARATION`'s).
     """
     adapter = backend.adapter
-    where = site_named(site, adapter)
+    target = site_named(site, adapter)
     check_choice(direction, DIRECTIONS, "direction")
     fast = flag(fast, "fast")
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
@@ -150,23 +150,23 @@ def plan_patch(
                     "mean ablation needs prompts of the same token length"
                 )
             means.append(ids)
-    clean_run, corrupt_run, *mean_runs = backend.captures([pair.clean_ids, pair.corrupt_ids, *means], scorer, [where])
+    clean_run, corrupt_run, *mean_runs = backend.captures([pair.clean_ids, pair.corrupt_ids, *means], scorer, [target])
     if direction == "denoise":
-        base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run.sites[where.name]
+        base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run.sites[target.name]
     elif direction == "noise":
-        base, base_ids, donor = clean_run, pair.clean_ids, corrupt_run.sites[where.name]
+        base, base_ids, donor = clean_run, pair.clean_ids, corrupt_run.sites[target.name]
     elif direction == "zero":
         base, base_ids = clean_run, pair.clean_ids
-        donor = [torch.zeros_like(t) for t in clean_run.sites[where.name]]
+        donor = [torch.zeros_like(t) for t in clean_run.sites[target.name]]
     else:
-        donor = [torch.stack([r.sites[where.name][layer][0] for r in mean_runs]).mean(0, keepdim=True)
+        donor = [torch.stack([r.sites[target.name][layer][0] for r in mean_runs]).mean(0, keepdim=True)
                  for layer in range(adapter.n_layers)]
         base, base_ids = clean_run, pair.clean_ids
 
-    columns = where.columns(adapter, pair.clean_tokens, cols)
-    raw = {where.name: torch.full((1, adapter.n_layers, len(columns)), float("nan"))}
+    columns = target.columns(adapter, pair.clean_tokens, cols)
+    raw = {target.name: torch.full((1, adapter.n_layers, len(columns)), float("nan"))}
     meta = model_meta(backend)
-    meta.update({**pair.meta(backend), "site": where.name, "col_axis": where.axis, "direction": direction, "positions": cols,
+    meta.update({**pair.meta(backend), "site": target.name, "col_axis": target.axis, "direction": direction, "positions": cols,
                  "mean_prompts": list(mean_prompts) if mean_prompts else None})
     clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
     result = Result(
@@ -177,8 +177,8 @@ def plan_patch(
     # Before the first token where the prompts differ, the clean and corrupt runs agree.
     differ = (pair.clean_ids[0] != pair.corrupt_ids[0]).nonzero()
     agrees = (int(differ[0]) if len(differ) else T) if direction in ("denoise", "noise") else 0
-    sweep = SiteSweep(view=where.name, base=Base(base_ids, base), metric=scorer, n_rows=adapter.n_layers,
-                      n_cols=len(columns), site=where, adapter=adapter, donor=donor, columns=cols, positions=cols,
+    sweep = SiteSweep(view=target.name, base=Base(base_ids, base), metric=scorer, n_rows=adapter.n_layers,
+                      n_cols=len(columns), site=target, adapter=adapter, donor=donor, columns=cols, positions=cols,
                       agrees_before=agrees)
     return Plan(backend, result, [sweep], batch, fast)
 

@@ -76,7 +76,8 @@ from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, Sweep, check_batch_size
 from .._models import Adapter, PipatchError
 from .._result import Result
-from .._sites import ATTN, HEAD, MLP, Site, projection
+from .._sites import ATTN, HEAD, MLP, QKV, Site, projection
+from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
     FAST,
@@ -92,7 +93,19 @@ from .patching import pair_inputs
 __all__ = ["plan_path_patch", "DIRECTIONS"]
 
 DIRECTIONS = ("denoise", "noise")
-_QKV = ("q", "k", "v")
+#: What a sender can be: one head's slice of ``z``, or one MLP's output.
+SENDER_SITES = (HEAD, MLP)
+#: The column axis of a grid over MLP senders: one column, the layer's whole MLP.
+COMPONENT_AXIS = "component"
+
+
+@dataclass(frozen=True)
+class _Sender:
+    """One sender: site ``site`` at ``layer``, and which head (``None``: the whole MLP)."""
+
+    site: Site
+    layer: int
+    head: int | None = None
 
 
 @dataclass
@@ -106,7 +119,7 @@ class _Receiver:
 
     def index(self, prompt: slice) -> tuple:
         """Columns ``lo:hi`` at the prompt's positions."""
-        return (slice(None), prompt, slice(self.lo, self.hi))
+        return self.site.index(prompt, width=slice(self.lo, self.hi))
 
 
 @dataclass
@@ -121,35 +134,37 @@ class _PathSweep(Sweep):
 
     adapter: Adapter | None = None
     donor: Capture | None = None
-    senders: list[list[tuple]] = field(default_factory=list)
+    senders: list[list[_Sender]] = field(default_factory=list)
     receivers: list[_Receiver] = field(default_factory=list)
 
     def cell(self, row: int, col: int, seed: int) -> Cell:
-        kind, layer, head = self.senders[row][col]
+        sender = self.senders[row][col]
+        layer = sender.layer
         base = self.base.capture
         prompt = slice(0, self.base.input_ids.shape[1])  # writes and freezes: prompt positions only
-        full = (slice(None), prompt)
         ops = []
-        if kind == "head":
-            index = (slice(None), prompt, HEAD.head_slice(self.adapter, head))
+        if sender.head is not None:
+            index = HEAD.head_index(self.adapter, sender.head, prompt)
             ops.append(Op(HEAD, layer, index, self.donor.sites[HEAD.name][layer][index]))
         for later in range(layer, self.adapter.n_layers):
+            # The sender's own layer keeps its attention output: it carries a head sender's
+            # write (and comes before an MLP sender's). Every later one is frozen.
             if later > layer:
-                ops.append(Op(ATTN, later, full, base.sites[ATTN.name][later]))
-            mlp = self.donor if (later == layer and kind == "mlp") else base
-            ops.append(Op(MLP, later, full, mlp.sites[MLP.name][later]))
+                ops.append(Op(ATTN, later, ATTN.index(prompt), base.sites[ATTN.name][later]))
+            mlp = self.donor if (later == layer and sender.site is MLP) else base
+            ops.append(Op(MLP, later, MLP.index(prompt), mlp.sites[MLP.name][later]))
         ops += [Op(r.site, r.layer, r.index(prompt)) for r in self.receivers]
         then = None
         if self.receivers:
             receivers = self.receivers
-            start = min(r.layer for r in receivers)
+            start = min(r.site.start_layer(r.layer) for r in receivers)
 
             def then(recorded: list[torch.Tensor], row=row, col=col, seed=seed) -> Cell:
                 ordered = sorted(receivers, key=lambda r: (r.layer, r.site.order))
                 return Cell(row, col, seed, start=start,
                             ops=[Op(r.site, r.layer, r.index(prompt), value) for r, value in zip(ordered, recorded)])
 
-        return Cell(row, col, seed, start=layer, ops=ops, then=then)
+        return Cell(row, col, seed, start=sender.site.start_layer(layer), ops=ops, then=then)
 
 
 def plan_path_patch(
@@ -175,13 +190,14 @@ def plan_path_patch(
     fast = flag(fast, "fast")
     adapter = backend.adapter
     HEAD.check(adapter)  # refuses families whose sublayers include the residual
-    view, senders, rows, columns = _parse_sender(sender, adapter)
+    sender_site, senders, rows, columns = _parse_sender(sender, adapter)
+    view = sender_site.name
     receiver_list = _parse_receivers(receivers, adapter)
     first_receiver = min((r[1] for r in receiver_list), default=adapter.n_layers)
-    if sender is not None and not isinstance(sender, str) and receiver_list and senders[0][0][1] >= first_receiver:
-        late = next(r for r in receiver_list if r[1] <= senders[0][0][1])
+    if sender is not None and not isinstance(sender, str) and receiver_list and senders[0][0].layer >= first_receiver:
+        late = next(r for r in receiver_list if r[1] <= senders[0][0].layer)
         raise PipatchError(
-            f"receiver {tuple(late)} is at layer {late[1]}, not after the sender's layer {senders[0][0][1]}: "
+            f"receiver {tuple(late)} is at layer {late[1]}, not after the sender's layer {senders[0][0].layer}: "
             "a receiver must read the residual stream after the sender wrote to it"
         )
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
@@ -196,9 +212,9 @@ def plan_path_patch(
         base, base_ids, donor = clean_run, pair.clean_ids, corrupt_run
 
     only = {(row, col) for row in range(len(senders)) for col in range(len(senders[row]))
-            if senders[row][col][1] < first_receiver}
+            if senders[row][col].layer < first_receiver}
     meta = model_meta(backend)
-    meta.update({**pair.meta(backend), "site": view, "col_axis": "head" if view == HEAD.name else "component",
+    meta.update({**pair.meta(backend), "site": view, "col_axis": sender_site.axis if sender_site.per_head else COMPONENT_AXIS,
                  "direction": direction,
                  "sender": list(sender) if isinstance(sender, (tuple, list)) else sender,
                  "receivers": "logits" if not receiver_list else [list(r) for r in receiver_list]})
@@ -228,23 +244,40 @@ def _check_index(value: Any, limit: int, what: str) -> int:
     return whole_number(value, what, minimum=0, maximum=limit - 1)
 
 
-def _parse_sender(sender: Any, adapter: Adapter) -> tuple[str, list[list[tuple]], list[str], list[str]]:
-    """``(view, senders[row][col] = (kind, layer, head), row labels, column labels)``."""
-    layers = range(adapter.n_layers)
-    if sender is None or sender == "head":
-        return ("head", [[("head", layer, h) for h in range(adapter.n_heads)] for layer in layers],
-                [str(layer) for layer in layers], [f"H{h}" for h in range(adapter.n_heads)])
-    if sender == "mlp":
-        return "mlp", [[("mlp", layer, None)] for layer in layers], [str(layer) for layer in layers], ["MLP"]
-    if isinstance(sender, (tuple, list)) and len(sender) == 3 and sender[0] == "head":
-        layer = _check_index(sender[1], adapter.n_layers, "sender layer")
-        head = _check_index(sender[2], adapter.n_heads, "sender head")
-        return "head", [[("head", layer, head)]], [str(layer)], [f"H{head}"]
-    if isinstance(sender, (tuple, list)) and len(sender) == 2 and sender[0] == "mlp":
-        layer = _check_index(sender[1], adapter.n_layers, "sender layer")
-        return "mlp", [[("mlp", layer, None)]], [str(layer)], ["MLP"]
+def _site_called(name: Any) -> Site | None:
+    """The site ``name`` names (``"head"``, ``"mlp"``, ...), or ``None`` for anything else."""
+    try:
+        return site_named(name) if isinstance(name, str) else None
+    except PipatchError:
+        return None
+
+
+def _parse_sender(sender: Any, adapter: Adapter) -> tuple[Site, list[list[_Sender]], list[str], list[str]]:
+    """``(sender site, senders[row][col], row labels, column labels)``.
+
+    ``sender`` is ``None`` or a sender site's name (a sweep: every head of every layer, or
+    every layer's MLP), or one sender: ``(name, layer)``, and its head for a head.
+    """
+    if sender is None or isinstance(sender, str):
+        found = _site_called(HEAD.name if sender is None else sender)
+        if found in SENDER_SITES:
+            layers = range(adapter.n_layers)
+            heads = list(range(adapter.n_heads)) if found.per_head else [None]
+            return (found, [[_Sender(found, layer, h) for h in heads] for layer in layers],
+                    [str(layer) for layer in layers], _sender_labels(heads))
+    elif isinstance(sender, (tuple, list)) and sender:
+        found = _site_called(sender[0])
+        if found in SENDER_SITES and len(sender) == (3 if found.per_head else 2):
+            layer = _check_index(sender[1], adapter.n_layers, "sender layer")
+            head = _check_index(sender[2], adapter.n_heads, "sender head") if found.per_head else None
+            return found, [[_Sender(found, layer, head)]], [str(layer)], _sender_labels([head])
     raise PipatchError(f"sender {sender!r} is not None/'head' (every head), 'mlp' (every MLP), "
                        "('head', layer, head) or ('mlp', layer)")
+
+
+def _sender_labels(heads: list[int | None]) -> list[str]:
+    """Column labels: ``H0, H1, ...`` for head senders, ``MLP`` for the layer's MLP."""
+    return [HEAD.head_label(h) if h is not None else "MLP" for h in heads]
 
 
 def _parse_receivers(receivers: Any, adapter: Adapter) -> list[tuple]:
@@ -254,8 +287,8 @@ def _parse_receivers(receivers: Any, adapter: Adapter) -> list[tuple]:
         return []
     out = []
     for receiver in receivers:
-        if not (isinstance(receiver, (tuple, list)) and len(receiver) == 4 and receiver[0] == "head"
-                and receiver[3] in _QKV):
+        if not (isinstance(receiver, (tuple, list)) and len(receiver) == 4 and _site_called(receiver[0]) is HEAD
+                and receiver[3] in QKV):
             raise PipatchError(f"receiver {receiver!r} is not ('head', layer, head, 'q'|'k'|'v')")
         _check_index(receiver[1], adapter.n_layers, "receiver layer")
         _check_index(receiver[2], adapter.n_heads, "receiver head")
@@ -271,7 +304,7 @@ def _parse_receivers(receivers: Any, adapter: Adapter) -> list[tuple]:
 # --------------------------------------------------------------------------------------------
 
 _HEAD_TEXT = re.compile(r"^(\d+)\.(\d+)$")
-_MLP_TEXT = re.compile(r"^mlp\.?(\d+)$", re.IGNORECASE)
+_MLP_TEXT = re.compile(r"^mlp(?:\.?(\d+))?$", re.IGNORECASE)  # no layer: every MLP
 _RECEIVER_TEXT = re.compile(r"^(\d+)\.(\d+)\.([qkv])$", re.IGNORECASE)
 
 
@@ -281,12 +314,10 @@ def parse_sender(value: str) -> tuple | str | None:
     value = value.strip()
     if value.lower() == "all":
         return None
-    if value.lower() == "mlp":
-        return "mlp"
     if match := _HEAD_TEXT.match(value):
         return ("head", int(match[1]), int(match[2]))
     if match := _MLP_TEXT.match(value):
-        return ("mlp", int(match[1]))
+        return ("mlp", int(match[1])) if match[1] else "mlp"
     raise PipatchError(f"{value!r} is not a sender: use LAYER.HEAD (e.g. 12.2), mlpLAYER (e.g. mlp12), all or mlp")
 
 

@@ -49,7 +49,7 @@ from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
 from .._result import Result
-from .._sites import EMBED
+from .._sites import ATTN, EMBED, MLP, RESID
 from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
@@ -68,7 +68,7 @@ __all__ = ["plan_trace", "noise_draws", "noise_ops", "KINDS", "AUTO_SCALES", "DE
 
 AUTO_SCALES = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)
 COLLAPSE_FRACTION = 0.1
-KINDS = ("resid", "mlp", "attn")
+KINDS = tuple(s.name for s in (RESID, MLP, ATTN))  # the sites a trace restores
 
 
 def noise_draws(seeds: int, n_positions: int, d_model: int, scale: float, sigma: float) -> torch.Tensor:
@@ -184,7 +184,7 @@ def plan_trace(
         "seeds": seeds,
         "scale": scale_value, "scale_requested": scale, "sigma": sigma, "scales": scales_tried,
         "collapse_fraction": COLLAPSE_FRACTION, "window": window, "kinds": kinds, "control": control,
-        "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": "resid", "col_axis": "token",
+        "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": RESID.name, "col_axis": RESID.axis,
     })
     result = Result(
         kind="trace", tokens=tokens, columns=list(tokens), layers=layer_labels(backend), metric=metric,
