@@ -51,6 +51,10 @@ class Metric:
     are computed from them.
 
     * ``prob`` / ``logprob``: P(answer sequence) / its log.
+    * ``rank``: how many tokens the model ranks above the answer's (0: the answer is its top
+      token); a multi-token answer's worst rank over its teacher-forced tokens, so 0 means
+      greedy decoding writes the whole answer. It counts logits, so it reads them all
+      (:attr:`needs_vocab`).
     * ``logit_diff``: answer − foil logits when both are one token (two rows of the
       unembedding suffice); otherwise the **log-probability difference** of the two sequences
       (:attr:`label` ``"logprob_diff"``). ``logprob_diff`` asks for that difference whatever
@@ -130,6 +134,12 @@ class Metric:
         return [next(i for i, c in enumerate(conts) if c[: len(s) - 1] == s[:-1]) for s in self.sequences]
 
     @property
+    def needs_vocab(self) -> bool:
+        """The metric compares each read token's logit with every other (``rank``): no
+        log-sum-exp shortcut, the backend hands :meth:`pieces` the whole vocabulary's logits."""
+        return self.name == "rank"
+
+    @property
     def token_ids(self) -> list[int] | None:
         """Vocabulary rows the metric reads, or ``None`` for all of them (a softmax needs all)."""
         return [self.answer[0], self.foil[0]] if self.name == "logit_diff" and self.single else None
@@ -149,8 +159,8 @@ class Metric:
                lse: torch.Tensor | None = None) -> torch.Tensor:
         """Input ``index``'s logits ``[..., n_read, vocab]`` → what :meth:`combine` needs of them,
         ``[..., n_read, n_sequences]``: per read position, each sequence's token log-probability
-        (raw logits for a one-token ``logit_diff``; with ``subset`` the logits are already just
-        :attr:`token_ids`' columns).
+        (raw logits for a one-token ``logit_diff``; for ``rank``, how many logits exceed the
+        token's; with ``subset`` the logits are already just :attr:`token_ids`' columns).
 
         With ``lse`` (``[..., n_read]``, the log-sum-exp of every logit at each position), the
         logits are just :attr:`read_ids`' columns: a token's log-probability is its logit minus
@@ -165,13 +175,21 @@ class Metric:
             table = [[local.get(token, 0) for token in row] for row in table]
         table = torch.tensor(table, device=logits.device).expand(*logits.shape[:-1], len(self.sequences))
         if lse is not None:
+            if self.needs_vocab:
+                raise ValueError("a rank needs every logit, not their log-sum-exp")
             return logits.gather(-1, table) - lse.float()[..., None]
+        if self.needs_vocab:
+            chosen = logits.gather(-1, table)  # [..., n_read, n_sequences]
+            return (logits[..., None, :] > chosen[..., None]).sum(-1).float()
         if self.token_ids is not None:
             return logits.gather(-1, table)
         return torch.log_softmax(logits, dim=-1).gather(-1, table)
 
     def combine(self, pieces: torch.Tensor) -> torch.Tensor:
         """``[batch, n_inputs, n_read, n_sequences]`` pieces → the metric, [batch] float32."""
+        if self.needs_vocab:  # the worst rank over the answer's tokens
+            (seq,), (i,) = self.sequences, self._where()
+            return pieces[:, i, : len(seq), 0].amax(-1)
         values = [pieces[:, i, : len(s), k].sum(-1) for k, (s, i) in enumerate(zip(self.sequences, self._where()))]
         if self.is_difference:
             return values[0] - values[1]

@@ -47,12 +47,14 @@ _METRIC_DOC = {
     "logprob": "log P(answer) at the last position",
     "logit_diff": "logit(answer) − logit(foil) at the last position",
     "logprob_diff": "log P(answer) − log P(foil) at the last position",
+    "rank": "how many tokens rank above the answer at the last position (0: the top token)",
 }
 _METRIC_BODY = {
     "prob": "return logits.float().log_softmax(-1)[answer].exp()",
     "logprob": "return logits.float().log_softmax(-1)[answer]",
     "logit_diff": "logits = logits.float()\n    return logits[answer] - logits[foil]",
     "logprob_diff": "logprobs = logits.float().log_softmax(-1)\n    return logprobs[answer] - logprobs[foil]",
+    "rank": "logits = logits.float()\n    return (logits > logits[answer]).sum().float()",
 }
 
 # --------------------------------------------------------------------------------------------

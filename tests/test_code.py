@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "dataset trace": ("trace", {"prompt": [PARIS, "The Colosseum is in"], "subject": ["Paris", "Colosseum"],
                                 "answer": [" France", " Rome"], "seeds": 1, "scale": 3.0}),
     "lens": ("lens", {"prompt": EIFFEL, "answer": " Paris"}),
+    "lens rank": ("lens", {"prompt": EIFFEL, "answer": " Paris", "metric": "rank"}),
     "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
                                 "foil": " Rome", "positions": [1, 3, -2, -1]}),
 }
@@ -111,6 +112,8 @@ def tolerance(result: pipatch.Result) -> float:
     cell alone, pipatch in batches, so their float32 rounding differs; a probability of 0.002
     ("Paris is in" → " France", noised at 3σ) then differs by a few 1e-7 after 18 layers, which
     a seed whose clean and corrupt probabilities are 6e-4 apart turns into 7e-4 of recovery."""
+    if result.metric == "rank":  # a count: a near-tie with the answer's logit may flip a place or few
+        return 8
     if not result.normalized:  # the logit lens: the metric itself, no baselines to divide by
         return 1e-4
     spread = float((result.clean - result.corrupt.float()).abs().min())

@@ -31,7 +31,8 @@ def final_norm(hf):
 def reference_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch.Tensor:
     """[layers, positions]: each block's output at each position through the final norm and the
     unembedding, by hand; P(answer's first token) there, times the model's own P of the answer's
-    later tokens (teacher-forced), or its log."""
+    later tokens (teacher-forced), or its log; or (``rank``) how many logits beat the first
+    token's there, or the later tokens' at the model's output, whichever is more."""
     hf, adapter = model._module, adapter_for(model)
     tokenizer = model.tokenizer
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -43,9 +44,11 @@ def reference_lens(model, prompt: str, answer: str, metric: str = "prob") -> tor
     run_ids = torch.cat([ids, torch.tensor([answer_ids[:-1]], dtype=ids.dtype)], 1) if len(answer_ids) > 1 else ids
     logits = hooked(hooks, lambda: hf(run_ids).logits)
     T = ids.shape[1]
-    later = 0.0  # the answer's later tokens, at the model's output
+    later, later_rank = 0.0, 0  # the answer's later tokens, at the model's output
     for j in range(1, len(answer_ids)):
-        later += float(torch.log_softmax(logits[0, T - 1 + j].double(), -1)[answer_ids[j]])
+        row = logits[0, T - 1 + j].float()
+        later += float(torch.log_softmax(row.double(), -1)[answer_ids[j]])
+        later_rank = max(later_rank, int((row > row[answer_ids[j]]).sum()))
     norm, unembed = final_norm(hf), _get(hf, adapter.unembed)
     cap = getattr(getattr(hf.config, "text_config", None) or hf.config, "final_logit_softcapping", None)
     grid = torch.empty(len(blocks), T)
@@ -54,6 +57,11 @@ def reference_lens(model, prompt: str, answer: str, metric: str = "prob") -> tor
             lens_logits = unembed(norm(states[layer][0, :T])).double()  # [T, vocab]
             if cap:
                 lens_logits = torch.tanh(lens_logits / cap) * cap
+            if metric == "rank":
+                single = lens_logits.float()
+                above = (single > single[:, answer_ids[0] : answer_ids[0] + 1]).sum(-1)
+                grid[layer] = above.clamp(min=later_rank).float()
+                continue
             logprob = torch.log_softmax(lens_logits, -1)[:, answer_ids[0]] + later
             grid[layer] = logprob.exp() if metric == "prob" else logprob
     return grid
@@ -69,15 +77,40 @@ def test_the_lens_equals_the_hand_reference_on_the_embedded_model(model):
     assert abs(r.meta["output"] - 0.497) < 0.01
 
 
+def assert_ranks_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Ranks agree but for near-ties: a float32 rounding (~1e-6) flips a token whose logit is that
+    close to the answer's, so a cell may differ by a few places (out of 262k)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    diff = (got - want).abs()
+    assert float(diff.max()) <= 8, f"ranks differ by up to {float(diff.max())}"
+    assert float((diff == 0).float().mean()) >= 0.8, "most cells must rank exactly alike"
+
+
+def test_the_rank_lens_counts_the_tokens_above_the_answer(model):
+    r = pipatch.lens(model, EIFFEL, answer=" Paris", metric="rank")
+    want = reference_lens(model, EIFFEL, " Paris", "rank")
+    assert r.metric == "rank" and float(r.grid[-1, -1]) == 0.0  # " Paris" is the model's top token
+    assert float(r.grid[0].min()) > 100  # the embedding-level state names nothing like Paris
+    assert_ranks_close(r.grid, want)
+    two = pipatch.lens(model, "The Statue of Liberty is in the city of", answer=" New York", metric="rank")
+    assert_ranks_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York", "rank"))
+    with pytest.raises(pipatch.PipatchError, match="metric for the lens.*prob, logprob, rank"):
+        pipatch.lens(model, EIFFEL, answer=" Paris", metric="logit_diff")
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
-@pytest.mark.parametrize("metric", ["prob", "logprob"])
+@pytest.mark.parametrize("metric", ["prob", "logprob", "rank"])
 def test_the_lens_equals_the_hand_reference_on_tiny_families(family, metric):
     """Three layouts (Llama's ``model.norm``, GPT-2's ``transformer.ln_f`` and tied unembedding,
     Gemma 2's soft-capped logits)."""
     tiny = tiny_model(family)
     r = pipatch.lens(tiny, EIFFEL, answer=" Paris", metric=metric)
-    torch.testing.assert_close(r.grid, reference_lens(tiny, EIFFEL, " Paris", metric), atol=1e-5, rtol=0)
     slow = pipatch.lens(tiny, EIFFEL, answer=" Paris", metric=metric, fast=False)
+    if metric == "rank":
+        assert_ranks_close(r.grid, reference_lens(tiny, EIFFEL, " Paris", metric))
+        assert_ranks_close(slow.grid, r.grid)
+        return
+    torch.testing.assert_close(r.grid, reference_lens(tiny, EIFFEL, " Paris", metric), atol=1e-5, rtol=0)
     torch.testing.assert_close(slow.grid, r.grid, atol=1e-5, rtol=0)
 
 

@@ -140,6 +140,11 @@ def test_the_logit_lens_equals_the_hand_reference(served, model):
     # the transformers modules the reference runs: ~2e-5 at P ~ 0.5 (the transformers backend: 1e-5).
     assert_close(got.grid, want, atol=3e-5)
     assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"), backend="served")
+    from tests.test_lens import assert_ranks_close
+
+    rank = pipatch.lens(served, EIFFEL, answer=" Paris", metric="rank")
+    assert rank.metric == "rank" and float(rank.grid[-1, -1]) == 0.0
+    assert_ranks_close(rank.grid, reference_lens(model, EIFFEL, " Paris", "rank"))
 
 
 def test_attribution_is_refused_in_one_line(served):

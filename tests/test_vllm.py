@@ -185,6 +185,11 @@ def test_the_logit_lens_equals_the_hand_reference(vllm_model, model):
     assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"))
     two = pipatch.lens(vllm_model, "The Statue of Liberty is in the city of", answer=" New York")
     assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=3e-5)
+    from tests.test_lens import assert_ranks_close
+
+    rank = pipatch.lens(vllm_model, EIFFEL, answer=" Paris", metric="rank")
+    assert rank.metric == "rank" and float(rank.grid[-1, -1]) == 0.0
+    assert_ranks_close(rank.grid, reference_lens(model, EIFFEL, " Paris", "rank"))
 
 
 def test_attribution_is_refused_in_one_line(vllm_model):

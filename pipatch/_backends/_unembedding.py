@@ -43,10 +43,13 @@ class Unembedding:
         A logit difference reads two rows of the unembedding. A probability needs every
         logit's share of the softmax, but not the logits themselves: the read tokens' logits
         and the log-sum-exp of all of them (:meth:`logsumexp`) — one pass over the
-        unembedding, never the whole vocabulary's logits in memory at once.
+        unembedding, never the whole vocabulary's logits in memory at once. A rank
+        (:attr:`~pipatch._cells.Metric.needs_vocab`) does need them.
         """
         if metric.token_ids is not None:
             return metric.score(self.logits(hidden, metric.token_ids), subset=True)
+        if metric.needs_vocab:  # a rank counts the logits above the answer's: all of them
+            return metric.score(self.logits(hidden))
         lse = self.logsumexp(hidden)
         picked = self.logits(hidden, metric.read_ids)
         return metric.combine(metric.pieces(picked, lse=lse))

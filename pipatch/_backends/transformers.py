@@ -333,7 +333,7 @@ class TransformersBackend(Described):
         """A probability reads every row of the unembedding (:meth:`logsumexp`), a pass that
         costs about as much for 210 positions as for 70 on this CPU; a logit difference reads
         two rows."""
-        return metric.token_ids is None
+        return metric.token_ids is None and not metric.needs_vocab
 
     def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
                  fast: bool = True) -> list[torch.Tensor]:

@@ -14,7 +14,8 @@ every backend the way patching does, and the engine's shortcuts apply: blocks be
 are the base run's, and only the last position is unembedded. Cell ``(last layer, last
 position)`` writes back what is already there: it is the model's own output.
 
-Metrics: ``prob`` (P(answer)), ``logprob``. A multi-token answer (" New York") is read
+Metrics: ``prob`` (P(answer)), ``logprob``, ``rank`` (how many tokens the lens reads above the
+answer: 0 where it is the top token; a multi-token answer's worst over its tokens). A multi-token answer (" New York") is read
 teacher-forced, as everywhere in pipatch: its first token through the lens at ``(l, p)``, its
 later tokens at the model's output after the prompt and the answer's earlier tokens.
 
@@ -51,7 +52,7 @@ from ._inputs import (
 
 __all__ = ["plan_lens", "LensSweep", "DECLARATION", "LENS_METRICS"]
 
-LENS_METRICS = ("prob", "logprob")
+LENS_METRICS = ("prob", "logprob", "rank")
 
 
 @dataclass
@@ -165,7 +166,7 @@ DECLARATION = Experiment(
     params=(
         Param("answer", help="the continuation to score, e.g. ' Paris' (several tokens: the first read through the "
               "lens, the rest teacher-forced at the output)", annotation="str | Sequence[str]", per_prompt=True),
-        Param("metric", "prob", "prob or logprob of the answer", "str"),
+        Param("metric", "prob", "prob or logprob of the answer, or its rank (0: the top token)", "str"),
         Param("subject", None, "the subject's text (or token indices): with a list of prompts, the named positions "
               "are built around it", "str | Sequence[int] | None", per_prompt=True),
         BATCH_SIZE, FAST,
