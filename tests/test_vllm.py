@@ -58,7 +58,7 @@ def vllm_model():
 
 def test_the_backend_describes_the_engine(vllm_model, model):
     backend = backend_for(vllm_model)
-    assert backend.kind == "vllm" and backend_for(vllm_model) is backend  # cached on the model
+    assert backend.backend_name == "vllm" and backend_for(vllm_model) is backend  # cached on the model
     assert backend.meta() == {"model": "gemma-3-270m (embedded)", "family": "gemma3_text", "backend": "vllm",
                               "dtype": "float32", "device": "cpu"}
     reference = backend_for(model).adapter

@@ -72,15 +72,15 @@ def backend_for(model: Any) -> Any:
 
         return served_backend(model)  # kept apart: nnsight ships the model's attributes
     if is_vllm_model(model):
-        kind: type = VLLMBackend
+        cls: type = VLLMBackend
     else:
         from .transformers import TransformersBackend
 
-        kind = TransformersBackend
+        cls = TransformersBackend
     cached = getattr(model, "_pipatch_backend", None)
-    if isinstance(cached, kind):
+    if isinstance(cached, cls):
         return cached
-    backend = kind(model)
+    backend = cls(model)
     try:
         model._pipatch_backend = backend
     except Exception:  # noqa: BLE001 - caching is an optimisation only

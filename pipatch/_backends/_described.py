@@ -11,7 +11,7 @@ __all__ = ["Described"]
 class _Describable(Protocol):
     """What :class:`Described`'s members read of the backend they are mixed into."""
 
-    kind: str
+    backend_name: str
 
     @property
     def name(self) -> str: ...
@@ -28,14 +28,14 @@ class _Describable(Protocol):
 
 class Described:
     """The shared implementation of three core members (:class:`~._contract.Backend`):
-    ``meta``, ``captures`` and ``decode``, for a backend with ``name``, ``adapter``, ``kind``,
+    ``meta``, ``captures`` and ``decode``, for a backend with ``name``, ``adapter``, ``backend_name``,
     ``dtype``, ``tokenizer`` and ``runs_on`` (where the forward passes run: ``"cpu"``,
     ``"cuda:0"``, ...) and a ``capture``. It takes no shortcut: the engine's scheduling hints
     are :class:`~._contract.Hints`, apart."""
 
     def meta(self: _Describable) -> dict[str, Any]:
         """What a result records about the model."""
-        return {"model": self.name, "family": self.adapter.family, "backend": self.kind,
+        return {"model": self.name, "family": self.adapter.family, "backend": self.backend_name,
                 "dtype": str(self.dtype).replace("torch.", ""), "device": self.runs_on}
 
     def captures(self: _Describable, prompts: Sequence[Any], metric: Any, sites: Sequence[Any] = ()) -> list[Any]:

@@ -180,7 +180,7 @@ def served_backend(model: Any) -> ServedBackend:
 class ServedBackend(VLLMBackend):
     """The vLLM backend with its invokes sent to a server (see the module docstring)."""
 
-    kind = "served"
+    backend_name = "served"
 
     def __init__(self, model: Any, server: Server):  # no engine here: not VLLMBackend.__init__
         self.model = model

@@ -70,7 +70,7 @@ class TransformersBackend(Described):
     adapter: Adapter
     model: Any
 
-    kind = "transformers"
+    backend_name = "transformers"
 
     def __init__(self, model: Any, *, reuse_prefix: bool = True, pack: bool = True):
         """``reuse_prefix=False`` switches prefix reuse off (every run starts at position 0),

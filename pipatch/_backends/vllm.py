@@ -64,7 +64,7 @@ class VLLMBackend(Described):
     adapter: Adapter
     model: Any
 
-    kind = "vllm"
+    backend_name = "vllm"
 
     def __init__(self, model: Any):
         self.model = dispatched(model)
