@@ -56,7 +56,7 @@ chromium:
 test: $(STAMP) chromium install-vllm
 	npm test
 	$(PY) -m mypy pipatch/_backends pipatch/_engine.py
-	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
+	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
 		--ignore=tests/test_served.py
 	$(MAKE) test-vllm
 
@@ -69,10 +69,11 @@ test-vllm: export PIPATCH_REQUIRE_VLLM := 1
 test-vllm: install-vllm
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm.py
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py
+	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_tp.py
 	$(VPY) -m pytest -q -ra -m vllm tests/test_served.py
 
 test-py: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py \
+	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
 		--ignore=tests/test_served.py
 
 test-js:

@@ -184,6 +184,9 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     if Path(path).expanduser().is_dir():
         path = str(Path(path).expanduser())
     args = {**VLLM_DEFAULTS, "dtype": str(torch_dtype).replace("torch.", ""), **(engine_args or {})}
+    ranks = int(args.get("tensor_parallel_size") or 1)
+    if device.type == "cpu" and ranks > 1:
+        bind_cpu_threads(ranks)
     if mode != "sync":
         args["mode"] = mode
     previous = VLLM._WORKER_CLS
@@ -203,6 +206,28 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         torch.random.set_rng_state(rng)
     model._pipatch_name = label
     return model
+
+
+def bind_cpu_threads(ranks: int) -> str:
+    """Give each of ``ranks`` tensor-parallel CPU workers its own cores, unless the user chose.
+
+    vLLM's CPU workers bind their OpenMP threads to the cores ``VLLM_CPU_OMP_THREADS_BIND``
+    lists, one list per rank separated by ``|``. Its default, ``auto``, wants a NUMA node per
+    rank, so on a one-node machine (a laptop, this CI box) TP=2 stops with "Not enough allowed
+    NUMA nodes". pipatch splits the cores this process may use into ``ranks`` contiguous lists
+    (``"0|1"`` on two cores; with fewer cores than ranks, ranks share them round-robin) and
+    sets the variable before the engine starts. Returns the binding in force."""
+    chosen = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if chosen:
+        return chosen
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) >= ranks:
+        per = len(cores) // ranks
+        lists = [cores[r * per : (r + 1) * per] for r in range(ranks)]
+    else:
+        lists = [[cores[r % len(cores)]] for r in range(ranks)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding = "|".join(",".join(map(str, cpus)) for cpus in lists)
+    return binding
 
 
 def _model_path(name: str | os.PathLike | None) -> tuple[str, str]:
@@ -303,8 +328,10 @@ class Adapter:
     qkv, qkv_layout
         The query/key/value projection(s) under ``attn``: ``("q_proj", "k_proj", "v_proj")``
         with layout ``"separate"``, or one fused module and how its output columns are laid
-        out (``"stacked"``, ``"per_head"``, ``"per_group"``; see :meth:`qkv_columns`).
-        ``qkv_layout`` is ``None`` where pipatch does not know the layout.
+        out (``"stacked"``, ``"per_head"``, ``"per_group"``, ``"stacked_by_rank"``; see
+        :meth:`qkv_columns`). ``qkv_layout`` is ``None`` where pipatch does not know the layout.
+    tp_ranks
+        Tensor-parallel ranks the fused projection's output is gathered from (vLLM; 1 elsewhere).
     last_logits_only
         Whether the forward takes ``logits_to_keep`` (see :meth:`trace_kwargs`).
     cache_kwarg
@@ -333,6 +360,7 @@ class Adapter:
     sublayers_are_contributions: bool
     qkv: tuple[str, ...] = ()
     qkv_layout: str | None = None
+    tp_ranks: int = 1
     last_logits_only: bool = False
     cache_kwarg: str | None = None
 
@@ -354,6 +382,20 @@ class Adapter:
     def unembedding(self, model):
         return _get(model, self.unembed)
 
+    def qkv_copies(self, which: str, head: int) -> list[tuple[int, int]]:
+        """Every ``(lo, hi)`` of the fused projection's output that holds what
+        :meth:`qkv_columns` reads: one range, except for a key or value head that
+        ``stacked_by_rank`` copies onto several ranks (fewer key/value heads than ranks). A
+        write must reach each copy, as it reaches every query head of the group in one piece."""
+        module, lo, hi = self.qkv_columns(which, head)
+        if self.qkv_layout != "stacked_by_rank" or which == "q" or self.n_kv_heads >= self.tp_ranks:
+            return [(lo, hi)]
+        kv = head // (self.n_heads // max(1, self.n_kv_heads))
+        q_per = self.n_heads // self.tp_ranks
+        holders = [rank for rank in range(self.tp_ranks) if rank * self.n_kv_heads // self.tp_ranks == kv]
+        return [(lo + (rank - head // q_per) * (q_per + 2) * self.head_dim,
+                 hi + (rank - head // q_per) * (q_per + 2) * self.head_dim) for rank in holders]
+
     def qkv_columns(self, which: str, head: int) -> tuple[str, int, int]:
         """``(module, lo, hi)``: the output columns of module ``attn.<module>`` that hold the
         query (``which="q"``), key or value that query head ``head`` reads.
@@ -367,7 +409,12 @@ class Adapter:
         * ``stacked`` — ``[q × n_heads | k × n_kv | v × n_kv]`` (GPT-2's ``c_attn``, Phi-3's
           ``qkv_proj``, multi-query Falcon-7B);
         * ``per_head`` — ``[(q, k, v) × n_heads]`` (GPT-NeoX, Falcon without multi-query);
-        * ``per_group`` — ``[(q × group, k, v) × n_kv]`` (Falcon's new decoder architecture).
+        * ``per_group`` — ``[(q × group, k, v) × n_kv]`` (Falcon's new decoder architecture);
+        * ``stacked_by_rank`` — ``stacked`` per tensor-parallel rank, the ranks one after the
+          other: ``[q₀ k₀ v₀ | q₁ k₁ v₁ | …]`` (vLLM's fused ``qkv_proj`` under TP > 1, as
+          nnsight gathers it). Rank ``r`` holds query heads ``r·n_heads/tp …`` and their
+          key/value heads; with fewer key/value heads than ranks, each rank holds a copy of
+          the one its query heads read, so a write there reaches exactly those heads.
         """
         if self.qkv_layout is None:
             raise PipatchError(
@@ -381,6 +428,13 @@ class Adapter:
             module, start = self.qkv[index], (head, kv, kv)[index]
         elif self.qkv_layout == "stacked":
             module, start = self.qkv[0], (head, self.n_heads + kv, self.n_heads + self.n_kv_heads + kv)[index]
+        elif self.qkv_layout == "stacked_by_rank":
+            q_per = self.n_heads // self.tp_ranks
+            kv_per = max(1, self.n_kv_heads // self.tp_ranks)
+            rank, local = divmod(head, q_per)
+            local_kv = kv % kv_per if self.n_kv_heads >= self.tp_ranks else 0
+            start = rank * (q_per + 2 * kv_per) + (local, q_per + local_kv, q_per + kv_per + local_kv)[index]
+            module = self.qkv[0]
         elif self.qkv_layout == "per_head":
             module, start = self.qkv[0], 3 * head + index
         else:  # per_group

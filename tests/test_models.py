@@ -107,3 +107,31 @@ def test_hub_check_honours_offline_mode_and_proxies(tmp_path):
         assert len(seen) == before  # offline: nothing was sent
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("n_heads, n_kv, ranks", [(4, 1, 2), (8, 2, 2), (8, 8, 2), (8, 2, 4), (16, 4, 2)])
+def test_qkv_columns_of_a_projection_gathered_rank_by_rank(model, n_heads, n_kv, ranks):
+    """vLLM's fused qkv_proj under tensor parallelism, as nnsight gathers it: each rank's
+    ``[q | k | v]`` shard, rank after rank, its key/value heads copied onto every rank when
+    there are fewer than ranks. Label every column with what it holds and ask the adapter."""
+    import dataclasses
+
+    q_per, kv_per = n_heads // ranks, max(1, n_kv // ranks)
+    labels: list[tuple[str, int]] = []
+    for rank in range(ranks):
+        kv_heads = range(rank * kv_per, (rank + 1) * kv_per) if n_kv >= ranks else [rank * n_kv // ranks]
+        labels += [("q", h) for h in range(rank * q_per, (rank + 1) * q_per)]
+        labels += [("k", h) for h in kv_heads] + [("v", h) for h in kv_heads]
+    adapter = dataclasses.replace(adapter_for(model), n_heads=n_heads, n_kv_heads=n_kv, head_dim=1,
+                                  qkv=("qkv_proj",), qkv_layout="stacked_by_rank", tp_ranks=ranks)
+    group = n_heads // n_kv
+    for head in range(n_heads):
+        for which in "qkv":
+            module, lo, hi = adapter.qkv_columns(which, head)
+            assert module == "qkv_proj" and hi == lo + 1
+            # The column is the head's own query, or its group's key/value on the head's own rank.
+            assert labels[lo] == (which, head if which == "q" else head // group)
+            assert lo // (q_per + 2 * kv_per) == head // q_per
+            # A write reaches every column that holds the same thing: each rank's copy of a key/value.
+            held = labels[lo]
+            assert adapter.qkv_copies(which, head) == [(i, i + 1) for i, label in enumerate(labels) if label == held]

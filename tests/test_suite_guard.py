@@ -95,11 +95,15 @@ def test_make_test_runs_every_suite_and_requires_the_vllm_ones():
     assert "npm test" in test
     assert any("-m pytest" in line and '-m "not vllm"' in line for line in test), test
     assert "$(MAKE) test-vllm" in test
-    # The three vLLM suites, each in a pytest of its own, under the variable the plugin reads.
+    # The four vLLM suites, each in a pytest of its own, under the variable the plugin reads.
     assert re.search(rf"^test-vllm: export {REQUIRE} := 1$", makefile, re.M)
     vllm = recipe(makefile, "test-vllm")
-    for suite in ("tests/test_vllm.py", "tests/test_vllm_kernel.py", "tests/test_served.py"):
+    suites = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")
+                    if re.search(r"^pytestmark = pytest\.mark\.vllm$", p.read_text(encoding="utf-8"), re.M))
+    assert {"tests/test_vllm.py", "tests/test_vllm_kernel.py", "tests/test_vllm_tp.py", "tests/test_served.py"} <= set(suites)
+    for suite in suites:
         assert any(line.startswith("$(VPY) -m pytest") and line.endswith(suite) for line in vllm), (suite, vllm)
+        assert f"--ignore={suite}" in " ".join(test), f"the plain pytest run must --ignore {suite}"
 
 
 def test_conftest_loads_the_plugin():

@@ -185,7 +185,7 @@ class ServedBackend(VLLMBackend):
     def __init__(self, model: Any, server: Server):  # no engine here: not VLLMBackend.__init__
         self.model = model
         self.server = server
-        self.adapter = _vllm_adapter(model)
+        self.adapter = _vllm_adapter(model, int(server.info.get("tensor_parallel_size") or 1))
 
     @property
     def dtype(self) -> torch.dtype:

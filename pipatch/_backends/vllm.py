@@ -415,15 +415,27 @@ def _per_invoke(saved: Any, n: int) -> list:
     return saved
 
 
-def _vllm_adapter(model: Any) -> Adapter:
+def _tp_ranks(model: Any) -> int:
+    """The engine's tensor-parallel size (1 for a model without an engine config)."""
+    engine = getattr(getattr(model, "vllm_entrypoint", None), "llm_engine", None)
+    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+
+def _vllm_adapter(model: Any, ranks: int | None = None) -> Adapter:
     """The family adapter over vLLM's module tree.
 
     vLLM keeps transformers' module names for most families (``model.layers``, ``self_attn``,
     ``mlp``, ``o_proj``), so the transformers adapter's lookup finds them; what differs is the
     query/key/value projection: vLLM fuses it into ``qkv_proj``, always laid out
-    ``[q × n_heads | k × n_kv | v × n_kv]`` (``QKVParallelLinear``).
+    ``[q × n_heads | k × n_kv | v × n_kv]`` (``QKVParallelLinear``) on each tensor-parallel
+    rank, which nnsight gathers rank after rank (``"stacked_by_rank"`` from TP = 2 up).
+    ``ranks``: the engine's tensor-parallel size where ``model`` has no engine (a served
+    client's module tree; the server says its size).
     """
     adapter = adapter_for(model)
     if adapter.qkv == ("qkv_proj",):
-        adapter = dataclasses.replace(adapter, qkv_layout="stacked")
+        ranks = _tp_ranks(model) if ranks is None else ranks
+        adapter = dataclasses.replace(adapter, qkv_layout="stacked" if ranks == 1 else "stacked_by_rank",
+                                      tp_ranks=ranks)
     return dataclasses.replace(adapter, last_logits_only=False)

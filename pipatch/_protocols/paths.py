@@ -110,16 +110,24 @@ class _Sender:
 
 @dataclass
 class _Receiver:
-    """One receiver: the output columns ``lo:hi`` of projection ``site`` at ``layer``."""
+    """One receiver: the output columns ``lo:hi`` of projection ``site`` at ``layer``, read
+    there and written to each of ``copies`` (``lo:hi`` itself, and where tensor parallelism
+    keeps copies of a key/value head, theirs: :meth:`Adapter.qkv_copies`)."""
 
     layer: int
     site: Site
     lo: int
     hi: int
+    copies: tuple[tuple[int, int], ...] = ()
 
-    def index(self, prompt: slice) -> tuple:
-        """Columns ``lo:hi`` at the prompt's positions."""
-        return self.site.index(prompt, width=slice(self.lo, self.hi))
+    def index(self, prompt: slice, columns: tuple[int, int] | None = None) -> tuple:
+        """Columns ``lo:hi`` (or ``columns``) at the prompt's positions."""
+        lo, hi = columns or (self.lo, self.hi)
+        return self.site.index(prompt, width=slice(lo, hi))
+
+    def writes(self, prompt: slice, value: torch.Tensor) -> list[Op]:
+        """The ops that write ``value`` (what ``lo:hi`` held in run 2) into every copy."""
+        return [Op(self.site, self.layer, self.index(prompt, columns), value) for columns in self.copies or [None]]
 
 
 @dataclass
@@ -162,7 +170,7 @@ class _PathSweep(Sweep):
             def then(recorded: list[torch.Tensor], row=row, col=col, seed=seed) -> Cell:
                 ordered = sorted(receivers, key=lambda r: (r.layer, r.site.order))
                 return Cell(row, col, seed, start=start,
-                            ops=[Op(r.site, r.layer, r.index(prompt), value) for r, value in zip(ordered, recorded)])
+                            ops=[op for r, value in zip(ordered, recorded) for op in r.writes(prompt, value)])
 
         return Cell(row, col, seed, start=sender.site.start_layer(layer), ops=ops, then=then)
 
@@ -236,7 +244,8 @@ def _receivers(receiver_list: list[tuple], adapter: Adapter) -> list[_Receiver]:
     out = []
     for _, layer, head, which in receiver_list:
         module, lo, hi = adapter.qkv_columns(which, head)
-        out.append(_Receiver(layer, projection(module, adapter.qkv.index(module)), lo, hi))
+        out.append(_Receiver(layer, projection(module, adapter.qkv.index(module)), lo, hi,
+                             tuple(adapter.qkv_copies(which, head))))
     return out
 
 

@@ -1,0 +1,72 @@
+"""Tensor parallelism on vLLM's CPU build: the embedded model split over two ranks.
+
+One TP=2 engine for the module (two spawned CPU workers, gloo and shared-memory collectives,
+about 8 GB with its workers), run apart from the other vLLM suites (``make test-vllm``).
+pipatch gives each rank its own cores (``VLLM_CPU_OMP_THREADS_BIND``, which vLLM's default
+``auto`` would set per NUMA node, and this machine has one), and reads the fused ``qkv_proj``
+output, gathered rank after rank, with the ``stacked_by_rank`` layout: the grids equal the
+transformers backend's, path patching into q/k/v receivers included (which reading it as
+one stacked projection got wrong by up to 0.065, silently).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM backend needs pip install 'pipatch[vllm]' (make install-vllm)")
+
+import pipatch  # noqa: E402
+from pipatch._backends import backend_for  # noqa: E402
+from tests._equal import assert_same  # noqa: E402
+from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
+
+
+@pytest.fixture(scope="module")
+def tp_model():
+    """The embedded model on an in-process TP=2 vLLM engine, shut down after the module."""
+    was = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # pipatch chooses (the test checks it)
+    started = time.perf_counter()
+    model = pipatch.load_model(backend="vllm", engine_args={"tensor_parallel_size": 2})
+    print(f"TP=2 vLLM engine started in {time.perf_counter() - started:.1f} s, "
+          f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')!r}")
+    yield model
+    model.vllm_entrypoint.llm_engine.engine_core.shutdown()
+    if was is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = was
+
+
+def test_each_rank_gets_its_own_cores_and_the_adapter_knows_the_ranks(tp_model):
+    cores = sorted(os.sched_getaffinity(0))
+    binding = os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    assert len(binding) == 2 and all(binding)
+    if len(cores) >= 2:
+        used = [int(c) for part in binding for c in part.split(",")]
+        assert sorted(used) == sorted(set(used)) and set(used) <= set(cores)  # no core shared
+    adapter = backend_for(tp_model).adapter
+    assert adapter.tp_ranks == 2 and adapter.qkv_layout == "stacked_by_rank"
+
+
+def test_the_resid_and_head_grids_equal_transformers(tp_model, model):
+    assert_same(pipatch.patch(tp_model, **PAIR, positions=[-1]), pipatch.patch(model, **PAIR, positions=[-1]))
+    assert_same(pipatch.patch(tp_model, **PAIR, site="head", positions=[-1]),
+                pipatch.patch(model, **PAIR, site="head", positions=[-1]))
+
+
+def test_path_patching_into_q_k_v_receivers_equals_transformers(tp_model, model):
+    """The receivers read and write the fused projection's columns: a query head on each rank,
+    and the key/value head that each rank holds a copy of (the model has one)."""
+    kwargs = {"sender": "mlp", "receivers": [("head", 14, 0, "q"), ("head", 15, 1, "v"), ("head", 15, 2, "k"),
+                                             ("head", 13, 3, "q")]}
+    got, want = pipatch.path_patch(tp_model, **PAIR, **kwargs), pipatch.path_patch(model, **PAIR, **kwargs)
+    print(f"path grid: max |value| {float(want.grid.nan_to_num().abs().max()):.3f}, "
+          f"max |Δ| {float((got.grid - want.grid).nan_to_num().abs().max()):.2g}")
+    assert_same(got, want)
