@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ._checks import whole_number
 from ._models import (
     PipatchError,
     _check_backend,
@@ -124,15 +125,25 @@ _SHARED: dict[tuple, Any] = {}
 
 
 def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None,
-                 backend: str = "transformers", serve: str | None = None, api_key: str | None = None):
-    """:func:`load_model`, but each (name, dtype, device, backend or server) is loaded once per
-    process.
+                 backend: str = "transformers", serve: str | None = None, api_key: str | None = None,
+                 tensor_parallel_size: int | None = None):
+    """:func:`load_model`, but each (name, dtype, device, backend or server, tensor-parallel
+    size) is loaded once per process.
 
     The magics and the CLI use this so a notebook kernel loads the embedded model once (and
     starts at most one vLLM engine, or one client per server, per model).
+    ``tensor_parallel_size`` (``--tensor-parallel-size``) is the vLLM engine's; a served model's
+    is the server's (``pipatch serve ... --tensor-parallel-size``).
     """
-    where = ("serve", serve, api_key) if serve else (str(_resolve_device(device)), _check_backend(backend))
+    ranks = None if tensor_parallel_size is None else whole_number(tensor_parallel_size, "--tensor-parallel-size",
+                                                                     minimum=1)
+    if ranks is not None and (serve or _check_backend(backend) != "vllm"):
+        raise PipatchError("--tensor-parallel-size splits a vLLM engine: add --backend vllm, or (with --serve) "
+                           "start the server with pipatch serve ... --tensor-parallel-size N")
+    where = ("serve", serve, api_key) if serve else (str(_resolve_device(device)), ranks or 1, _check_backend(backend))
     key = (None if name is None else str(name), str(_resolve_dtype(dtype)), *where)
     if key not in _SHARED:
-        _SHARED[key] = load_model(name, dtype=dtype, device=device, backend=backend, serve=serve, api_key=api_key)
+        engine_args = {"tensor_parallel_size": ranks} if ranks and ranks > 1 else None
+        _SHARED[key] = load_model(name, dtype=dtype, device=device, backend=backend, serve=serve, api_key=api_key,
+                                  engine_args=engine_args)
     return _SHARED[key]

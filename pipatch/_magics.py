@@ -108,6 +108,8 @@ def magic_parser(entry: Experiment) -> argparse.ArgumentParser:
                              "(default: the embedded Gemma 3 270M)")
     parser.add_argument("--backend", default=None, choices=BACKENDS,
                         help="what runs the model pipatch loads: transformers (default) or vllm")
+    parser.add_argument("--tensor-parallel-size", metavar="N", default=None,
+                        help="split the vLLM engine pipatch loads over N ranks (with --backend vllm)")
     parser.add_argument("--serve", metavar="URL", default=None,
                         help="run on a `pipatch serve` server (http://host:port); the model it serves")
     parser.add_argument("--api-key", default=None,
@@ -133,7 +135,7 @@ def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
 
 
 def _model(shell: Any, name: str | None, backend: str | None = None, serve: str | None = None,
-           api_key: str | None = None) -> Any:
+           api_key: str | None = None, ranks: str | None = None) -> Any:
     """``--model``: a variable holding a loaded model, else a hub id / local folder (loaded
     through ``--backend``, or a client of the ``--serve`` server)."""
     if serve is not None and backend is not None:
@@ -141,7 +143,7 @@ def _model(shell: Any, name: str | None, backend: str | None = None, serve: str 
     if serve is not None:
         backend = "served"
     if name is None:
-        return _load(None, backend, serve, api_key)
+        return _load(None, backend, serve, api_key, ranks)
     user_ns = shell.user_ns if shell is not None else {}
     if name.isidentifier() and name in user_ns:
         model = user_ns[name]
@@ -152,18 +154,23 @@ def _model(shell: Any, name: str | None, backend: str | None = None, serve: str 
             raise UsageError(f"--model {name} runs on the {backend_for(model).backend_name} backend, not {backend}: "
                              "drop --backend / --serve, or load the model with pipatch.load_model(..., "
                              "backend= or serve=)")
+        if ranks is not None:
+            raise UsageError(f"--model {name} is loaded already, its engine split as it was: drop "
+                             "--tensor-parallel-size, or load it with engine_args={'tensor_parallel_size': N}")
         return model
-    return _load(name, backend, serve, api_key)
+    return _load(name, backend, serve, api_key, ranks)
 
 
-def _load(name: str | None, backend: str | None = None, serve: str | None = None, api_key: str | None = None) -> Any:
+def _load(name: str | None, backend: str | None = None, serve: str | None = None, api_key: str | None = None,
+          ranks: str | None = None) -> Any:
     # transformers' progress bars (the first load's GGUF conversion too) are tqdm *widgets* in a
     # notebook: once the kernel is gone the saved cell would show "Error displaying widget".
     try:
         with no_progress_bar():
             if serve is not None:
-                return shared_model(name, serve=serve, api_key=api_key or os.environ.get("PIPATCH_API_KEY"))
-            return shared_model(name, backend=backend or "transformers")
+                return shared_model(name, serve=serve, api_key=api_key or os.environ.get("PIPATCH_API_KEY"),
+                                    tensor_parallel_size=ranks)
+            return shared_model(name, backend=backend or "transformers", tensor_parallel_size=ranks)
     except PipatchError as error:
         raise UsageError(str(error)) from None
 
@@ -182,7 +189,7 @@ def _run(shell: Any, entry: Experiment, name: str, args: argparse.Namespace, key
     """Load the model, plan (baselines), run live, bind the result to ``name``."""
     placeholder = _placeholder(shell)
     try:
-        model = _model(shell, args.model, args.backend, args.serve, args.api_key)
+        model = _model(shell, args.model, args.backend, args.serve, args.api_key, args.tensor_parallel_size)
         try:
             plan = plan_experiment(entry, model, **keywords)
         except PipatchError as error:

@@ -73,6 +73,8 @@ def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
     common.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     common.add_argument("--backend", default="transformers", choices=BACKENDS,
                         help="what runs the model: transformers (default) or vllm (pip install 'pipatch[vllm]')")
+    common.add_argument("--tensor-parallel-size", metavar="N", default=None,
+                        help="split the vLLM engine over N ranks (with --backend vllm)")
     common.add_argument("--serve", metavar="URL", default=None,
                         help="run on a `pipatch serve` server (http://host:port) instead of in this process")
     common.add_argument("--api-key", default=None, help="the server's key (with --serve; default: $PIPATCH_API_KEY)")
@@ -177,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     keywords = entry.keywords(given_options(args, entry), prompts)
     api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
-                         serve=args.serve, api_key=api_key)
+                         serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size)
     plan = plan_experiment(entry, model, **keywords)
     # Closed on the way out too: an interrupted or failed sweep ends its bar's line.
     with _progress(plan.total_rows, not args.quiet) as bar:

@@ -250,3 +250,15 @@ def test_a_usage_error_names_the_command_once():
     assert out.returncode == 2
     assert out.stderr == ("pipatch patch: error: argument --site: expected one argument "
                           "(see pipatch patch --help)\n")
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--tensor-parallel-size", "2"], "splits a vLLM engine: add --backend vllm"),
+    (["--tensor-parallel-size", "2", "--serve", "http://127.0.0.1:9"], "start the server with pipatch serve"),
+    (["--backend", "vllm", "--tensor-parallel-size", "two"], "--tensor-parallel-size must be a whole number ≥ 1"),
+])
+def test_tensor_parallel_size_is_checked_before_any_model_loads(argv, match, capsys):
+    """A vLLM-only flag: refused in one line on another backend, before any model loads."""
+    assert cli.main(["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1 and err.startswith("pipatch trace: error: ")

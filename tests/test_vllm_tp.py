@@ -11,15 +11,19 @@ one stacked projection got wrong by up to 0.065, silently).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="the vLLM backend needs pip install 'pipatch[vllm]' (make install-vllm)")
 
 import pipatch  # noqa: E402
+from pipatch import cli  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
+from pipatch._load import _SHARED, shared_model  # noqa: E402
 from tests._equal import assert_same  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
@@ -30,13 +34,16 @@ PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rom
 
 @pytest.fixture(scope="module")
 def tp_model():
-    """The embedded model on an in-process TP=2 vLLM engine, shut down after the module."""
+    """The embedded model on an in-process TP=2 vLLM engine, shut down after the module: the
+    engine ``--backend vllm --tensor-parallel-size 2`` loads (the CLI test reuses it)."""
     was = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # pipatch chooses (the test checks it)
     started = time.perf_counter()
-    model = pipatch.load_model(backend="vllm", engine_args={"tensor_parallel_size": 2})
+    model = shared_model(backend="vllm", tensor_parallel_size=2)
     print(f"TP=2 vLLM engine started in {time.perf_counter() - started:.1f} s, "
           f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')!r}")
     yield model
+    for key in [k for k, v in _SHARED.items() if v is model]:
+        del _SHARED[key]
     model.vllm_entrypoint.llm_engine.engine_core.shutdown()
     if was is None:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -70,3 +77,16 @@ def test_path_patching_into_q_k_v_receivers_equals_transformers(tp_model, model)
     print(f"path grid: max |value| {float(want.grid.nan_to_num().abs().max()):.3f}, "
           f"max |Δ| {float((got.grid - want.grid).nan_to_num().abs().max()):.2g}")
     assert_same(got, want)
+
+
+def test_the_cli_runs_on_the_split_engine(tp_model, tmp_path):
+    """``pipatch patch ... --backend vllm --tensor-parallel-size 2``: the same engine, the same grid."""
+    out = tmp_path / "heads.json"
+    argv = ["patch", "--clean", EIFFEL, "--corrupt", COLOSSEUM, "--answer", " Paris", "--foil", " Rome",
+            "--site", "head", "--positions=-1", "--backend", "vllm", "--tensor-parallel-size", "2", "--quiet",
+            "--json", str(out)]
+    assert cli.main(argv) == 0
+    assert sum(1 for key in _SHARED if key[-1] == "vllm") == 1  # no second engine
+    data = json.loads(out.read_text(encoding="utf-8"))
+    want = pipatch.patch(tp_model, **PAIR, site="head", positions=[-1])
+    assert torch.allclose(torch.tensor(data["grid"], dtype=torch.float32), want.grid, atol=1e-6)
