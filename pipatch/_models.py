@@ -388,7 +388,8 @@ class Adapter:
         ``stacked_by_rank`` copies onto several ranks (fewer key/value heads than ranks). A
         write must reach each copy, as it reaches every query head of the group in one piece."""
         module, lo, hi = self.qkv_columns(which, head)
-        if self.qkv_layout != "stacked_by_rank" or which == "q" or self.n_kv_heads >= self.tp_ranks:
+        query = "qkv".index(which) == 0
+        if self.qkv_layout != "stacked_by_rank" or query or self.n_kv_heads >= self.tp_ranks:
             return [(lo, hi)]
         kv = head // (self.n_heads // max(1, self.n_kv_heads))
         q_per = self.n_heads // self.tp_ranks
