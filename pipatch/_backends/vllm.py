@@ -143,8 +143,9 @@ class VLLMBackend(Described):
         Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
         last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
         its recording ops read (in op order). A cell is ``metric.n_inputs`` requests (the prompt
-        and each answer continuation), combined here. ``fast`` changes nothing (see the module
-        docstring): every cell runs its whole forward.
+        and each answer continuation), combined here. With ``fast``, cells that run no block
+        (the logit lens) go through the model's head only (:meth:`_head_only`); every other
+        cell runs its whole forward (see the module docstring).
         """
         if fast and not full_logits and (head := self._head_only(base, cells, metric)) is not None:
             return head, [[] for _ in cells]
