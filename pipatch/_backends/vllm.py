@@ -411,20 +411,26 @@ def _head_run(model: Any, adapter: Adapter, metric: Metric, states: torch.Tensor
     included) → the metric's pieces, [cells, n_read, n_sequences]."""
     assert adapter.final_norm is not None  # every family vLLM runs has one
     module = model._module
-    param = next(module.parameters())
     cells, n_read, d = states.shape
-    normed = first(_get(module, adapter.final_norm)(states.reshape(-1, d).to(param.device, param.dtype)))
-    logits = module.compute_logits(normed).float()
-    return metric.pieces(logits.reshape(cells, n_read, -1)).cpu()
+    normed = first(_get(module, adapter.final_norm)(_on_engine(module, states.reshape(-1, d))))
+    return metric.pieces(_own_logits(module, normed).reshape(cells, n_read, -1)).cpu()
 
 
 def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Run on the engine's worker (``collective_rpc``): the model's own logits of ``hidden``."""
-    runner = worker.model_runner
-    module = runner.get_model()
-    param = next(module.parameters())
     with torch.no_grad():
-        return module.compute_logits(hidden.to(param.device, param.dtype)).float().cpu()
+        return _own_logits(worker.model_runner.get_model(), hidden).cpu()
+
+
+def _on_engine(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` on the engine module's device, in its dtype."""
+    param = next(module.parameters())
+    return hidden.to(param.device, param.dtype)
+
+
+def _own_logits(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The engine module's own logits (soft-capping included) of final-normed ``hidden``, float32."""
+    return module.compute_logits(_on_engine(module, hidden)).float()
 
 
 # --------------------------------------------------------------------------------------------
