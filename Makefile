@@ -85,6 +85,7 @@ test-e2e: $(STAMP) chromium
 
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
+	$(PY) bench/ndif.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
 

@@ -589,7 +589,7 @@ def script(result: Any) -> str:
 
 def _script(result: Any) -> str:
     meta = result.meta
-    if meta.get("backend", "transformers") != "transformers":
+    if meta.get("backend", "transformers") not in ("transformers", "ndif"):  # NDIF runs transformers modules
         raise PipatchError(f"code() writes transformers code; this result ran on the {meta.get('backend')} "
                            "backend, whose modules differ: rerun it with backend='transformers'")
     if not meta.get("model_path"):

@@ -30,7 +30,8 @@ __all__ = ["load_model", "shared_model"]
 
 def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
                backend: str = "transformers", engine_args: dict[str, Any] | None = None,
-               serve: str | None = None, api_key: str | None = None, timeout: float = 600.0):
+               serve: str | None = None, api_key: str | None = None, timeout: float = 600.0,
+               remote: bool | str = False):
     """Load a causal language model as an nnsight ``TransformersModel`` (or ``VLLM``).
 
     Parameters
@@ -63,6 +64,13 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         With ``serve``: the key the server was started with (``--api-key``).
     timeout
         With ``serve``: seconds to wait for one batch's answer before giving up.
+    remote
+        ``True``: every experiment runs on NDIF, nnsight's remote service, as requests through
+        nnsight's own remote path (:mod:`pipatch._backends.ndif`); ``name`` is the hub id NDIF
+        hosts, this process holds its module tree without weights, and the key comes from
+        ``NDIF_API_KEY`` or nnsight's config. ``"local"``: the same requests through
+        nnsight's offline simulation of NDIF, on the weights loaded here (any model pipatch
+        loads). Attribution's gradients run remotely too.
 
     Returns
     -------
@@ -70,6 +78,9 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         Dispatched and ready; ``model.tokenizer`` is its tokenizer.
     """
     _check_backend(backend)
+    if remote is not False:
+        return _load_remote(name, remote, dtype=dtype, device=device, backend=backend, serve=serve,
+                            engine_args=engine_args, api_key=api_key)
     if serve is None and api_key is not None:
         raise PipatchError("api_key is for a server: pass it with serve='http://host:port'")
     if serve is not None and (backend != "transformers" or engine_args is not None or device is not None):
@@ -121,20 +132,64 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     return model
 
 
+def _load_remote(name: Any, remote: Any, **others: Any) -> Any:
+    """:func:`load_model` with ``remote=``: the checks (one line each), then the model, marked
+    for the NDIF backend."""
+    from ._backends.ndif import REMOTES, check_service
+
+    if remote not in REMOTES:
+        raise PipatchError(f"remote={remote!r}: pass remote=True (NDIF) or remote='local' (nnsight's offline "
+                           "simulation of NDIF)")
+    given = [key for key in ("serve", "engine_args", "api_key") if others[key] is not None]
+    if others["backend"] != "transformers" or given:
+        raise PipatchError(f"remote= runs the model through nnsight's remote path: drop {', '.join(given) or 'backend'}= "
+                           "(the key comes from NDIF_API_KEY)")
+    if remote == "local":
+        model = load_model(name, dtype=others["dtype"], device=others["device"])
+    else:
+        if name is None or Path(str(name)).expanduser().exists():
+            raise PipatchError("remote=True runs a model NDIF hosts: pass its hub id (print(nnsight.status()) lists "
+                               "them), or remote='local' for the embedded or a local model")
+        if others["device"] is not None:
+            raise PipatchError("remote=True runs on NDIF's devices: drop device=")
+        check_service(str(name))
+        from nnsight import LanguageModel
+
+        model = LanguageModel(str(name), dtype=_resolve_dtype(others["dtype"]))  # the module tree, no weights
+        model._pipatch_name = str(name)
+    model._pipatch_remote = remote
+    return model
+
+
 _SHARED: dict[tuple, Any] = {}
+
+#: ``--remote``'s values (the magics and the CLI) → ``load_model``'s ``remote=``.
+REMOTE_FLAGS: dict[str, bool | str] = {"ndif": True, "local": "local"}
 
 
 def shared_model(name: str | None = None, *, dtype: Any = None, device: Any = None,
                  backend: str = "transformers", serve: str | None = None, api_key: str | None = None,
-                 tensor_parallel_size: int | None = None):
+                 tensor_parallel_size: int | None = None, remote: str | None = None):
     """:func:`load_model`, but each (name, dtype, device, backend or server, tensor-parallel
     size) is loaded once per process.
 
     The magics and the CLI use this so a notebook kernel loads the embedded model once (and
     starts at most one vLLM engine, or one client per server, per model).
     ``tensor_parallel_size`` (``--tensor-parallel-size``) is the vLLM engine's; a served model's
-    is the server's (``pipatch serve ... --tensor-parallel-size``).
+    is the server's (``pipatch serve ... --tensor-parallel-size``). ``remote`` is ``--remote``:
+    ``"ndif"`` (``remote=True``) or ``"local"`` (nnsight's simulation of NDIF).
     """
+    if remote is not None:
+        if remote not in REMOTE_FLAGS:
+            raise PipatchError(f"--remote {remote}: pass --remote (NDIF) or --remote local (nnsight's offline "
+                               "simulation of NDIF)")
+        if serve or tensor_parallel_size is not None or backend != "transformers":
+            raise PipatchError("--remote runs the model through nnsight's remote path: drop --serve, --backend "
+                               "and --tensor-parallel-size")
+        key = ("remote", None if name is None else str(name), str(_resolve_dtype(dtype)), remote)
+        if key not in _SHARED:
+            _SHARED[key] = load_model(name, dtype=dtype, device=device, remote=REMOTE_FLAGS[remote])
+        return _SHARED[key]
     ranks = None if tensor_parallel_size is None else whole_number(tensor_parallel_size, "--tensor-parallel-size",
                                                                      minimum=1)
     if ranks is not None and (serve or _check_backend(backend) != "vllm"):

@@ -114,6 +114,9 @@ def magic_parser(entry: Experiment) -> argparse.ArgumentParser:
                         help="run on a `pipatch serve` server (http://host:port); the model it serves")
     parser.add_argument("--api-key", default=None,
                         help="the server's key (with --serve; default: $PIPATCH_API_KEY)")
+    parser.add_argument("--remote", nargs="?", const="ndif", default=None, metavar="local",
+                        help="run as requests on NDIF (key: $NDIF_API_KEY); --remote local: nnsight's offline "
+                             "simulation of it")
     parser.add_argument("-o", "--out", default=default_name(entry),
                         help=f"variable to bind the Result to (default {default_name(entry)})")
     return parser
@@ -135,7 +138,7 @@ def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
 
 
 def _model(shell: Any, name: str | None, backend: str | None = None, serve: str | None = None,
-           api_key: str | None = None, ranks: str | None = None) -> Any:
+           api_key: str | None = None, ranks: str | None = None, remote: str | None = None) -> Any:
     """``--model``: a variable holding a loaded model, else a hub id / local folder (loaded
     through ``--backend``, or a client of the ``--serve`` server)."""
     if serve is not None and backend is not None:
@@ -143,7 +146,7 @@ def _model(shell: Any, name: str | None, backend: str | None = None, serve: str 
     if serve is not None:
         backend = "served"
     if name is None:
-        return _load(None, backend, serve, api_key, ranks)
+        return _load(None, backend, serve, api_key, ranks, remote)
     user_ns = shell.user_ns if shell is not None else {}
     if name.isidentifier() and name in user_ns:
         model = user_ns[name]
@@ -157,20 +160,23 @@ def _model(shell: Any, name: str | None, backend: str | None = None, serve: str 
         if ranks is not None:
             raise UsageError(f"--model {name} is loaded already, its engine split as it was: drop "
                              "--tensor-parallel-size, or load it with engine_args={'tensor_parallel_size': N}")
+        if remote is not None:
+            raise UsageError(f"--model {name} is loaded already: drop --remote, or load it with "
+                             "pipatch.load_model(..., remote=True)")
         return model
-    return _load(name, backend, serve, api_key, ranks)
+    return _load(name, backend, serve, api_key, ranks, remote)
 
 
 def _load(name: str | None, backend: str | None = None, serve: str | None = None, api_key: str | None = None,
-          ranks: str | None = None) -> Any:
+          ranks: str | None = None, remote: str | None = None) -> Any:
     # transformers' progress bars (the first load's GGUF conversion too) are tqdm *widgets* in a
     # notebook: once the kernel is gone the saved cell would show "Error displaying widget".
     try:
         with no_progress_bar():
             if serve is not None:
                 return shared_model(name, serve=serve, api_key=api_key or os.environ.get("PIPATCH_API_KEY"),
-                                    tensor_parallel_size=ranks)
-            return shared_model(name, backend=backend or "transformers", tensor_parallel_size=ranks)
+                                    tensor_parallel_size=ranks, remote=remote)
+            return shared_model(name, backend=backend or "transformers", tensor_parallel_size=ranks, remote=remote)
     except PipatchError as error:
         raise UsageError(str(error)) from None
 
@@ -189,7 +195,8 @@ def _run(shell: Any, entry: Experiment, name: str, args: argparse.Namespace, key
     """Load the model, plan (baselines), run live, bind the result to ``name``."""
     placeholder = _placeholder(shell)
     try:
-        model = _model(shell, args.model, args.backend, args.serve, args.api_key, args.tensor_parallel_size)
+        model = _model(shell, args.model, args.backend, args.serve, args.api_key, args.tensor_parallel_size,
+                       args.remote)
         try:
             plan = plan_experiment(entry, model, **keywords)
         except PipatchError as error:

@@ -78,6 +78,9 @@ def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
     common.add_argument("--serve", metavar="URL", default=None,
                         help="run on a `pipatch serve` server (http://host:port) instead of in this process")
     common.add_argument("--api-key", default=None, help="the server's key (with --serve; default: $PIPATCH_API_KEY)")
+    common.add_argument("--remote", nargs="?", const="ndif", default=None, metavar="local",
+                        help="run as requests on NDIF (key: $NDIF_API_KEY); --remote local: nnsight's offline "
+                             "simulation of it")
     common.add_argument("--code", metavar="FILE",
                         help="write a plain nnsight + transformers script that recomputes the grid (Result.code())")
     common.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -179,7 +182,8 @@ def _run(args: argparse.Namespace) -> int:
     keywords = entry.keywords(given_options(args, entry), prompts)
     api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
-                         serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size)
+                         serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size,
+                         remote=args.remote)
     plan = plan_experiment(entry, model, **keywords)
     # Closed on the way out too: an interrupted or failed sweep ends its bar's line.
     with _progress(plan.total_rows, not args.quiet) as bar:

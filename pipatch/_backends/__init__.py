@@ -46,8 +46,9 @@ hint                                   what the engine does with it
 
 A new way of running models (a server, say) is one module here with those members, and a
 line in :func:`backend_for`. Today: :mod:`.transformers` (the default), :mod:`.vllm`
-(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._vllm_cpu_worker`)
-and :mod:`.served` (the vLLM backend's invokes sent to a ``pipatch serve`` server).
+(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._vllm_cpu_worker`),
+:mod:`.served` (the vLLM backend's invokes sent to a ``pipatch serve`` server) and :mod:`.ndif`
+(requests through nnsight's remote path: NDIF, or its offline simulation).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ __all__ = ["backend_for"]
 
 def backend_for(model: Any) -> Any:
     """The backend that runs ``model``: a backend as is; a ``serve=`` client → the served backend;
+    a ``remote=`` model → the NDIF backend;
     nnsight's ``VLLM`` → the vLLM backend;
     any other nnsight model (built by pipatch or by the caller, lazily dispatched or not) or a
     plain transformers model → the transformers backend. Cached on the model so every call
@@ -71,6 +73,11 @@ def backend_for(model: Any) -> Any:
         from .served import served_backend
 
         return served_backend(model)  # kept apart: nnsight ships the model's attributes
+    remote = getattr(model, "_pipatch_remote", None)
+    if remote is not None:
+        from .ndif import ndif_backend
+
+        return ndif_backend(model, remote)
     if is_vllm_model(model):
         cls: type = VLLMBackend
     else:

@@ -1,0 +1,282 @@
+"""The NDIF backend through nnsight's own offline simulation of NDIF (``remote="local"``).
+
+nnsight's simulation serialises every request exactly as for NDIF, then rebuilds it with every
+module but torch, numpy, transformers, accelerate, diffusers, einops, peft and nnsight hidden
+(pipatch included: this checkout's path is taken off ``sys.path`` too), and runs it on the
+weights here. So each passing experiment is one whose requests NDIF could rebuild: pipatch's
+invoke code travelled by value. The numbers must be the transformers backend's: the same
+batches with the same forward (``fast=False`` on both) to 1e-6, the default fast paths within
+1e-4 as for every backend. Then what the live grid sees (one request per batch, Stop between
+requests), the magics and the CLI, ``code()``, and the checks before any request, one line
+each: no key, an unreachable service (a closed loopback port stands in for it), a model it does
+not host and version drift (a loopback stand-in answers NDIF's ``/status`` and ``/env``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import pipatch
+from pipatch import cli
+from pipatch._backends import backend_for
+from pipatch._backends.ndif import NDIFBackend, version_drift
+from pipatch._models import PipatchError
+from tests._equal import assert_close
+from tests._experiments import EMBEDDED, TINY, python_result
+from tests._tiny import tiny_model
+from tests.conftest import EIFFEL
+
+#: The options each experiment takes for ``fast`` (attribution has none: it runs no sweep of
+#: patched runs but its verification, which has no shortcut to take).
+SLOW = {name: ({} if name == "attribute" else {"fast": False}) for name in EMBEDDED}
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return pipatch.load_model(remote="local")
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    text = str(error.value)
+    assert "\n" not in text and text, text
+    return text
+
+
+def assert_equal_results(got, want, atol: float) -> None:
+    assert got.status == want.status == "done"
+    assert (got.kind, got.tokens, got.columns, got.layers, got.views) == (
+        want.kind, want.tokens, want.columns, want.layers, want.views)
+    assert_close(got.corrupt, want.corrupt, atol)
+    for view in want.views:
+        assert_close(got.raw[view], want.raw[view], atol)
+    assert got.meta["backend"] == "ndif" and got.meta["remote"] == "local"
+
+
+# --------------------------------------------------------------------------------------------
+# The numbers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(EMBEDDED))
+def test_every_experiment_equals_the_local_backend_on_the_embedded_model(simulated, model, name):
+    kwargs = {**EMBEDDED[name]["kwargs"], **SLOW[name]}
+    backend = backend_for(simulated)
+    before = backend.requests
+    got = python_result(simulated, name, kwargs)
+    assert backend.requests > before  # it ran as requests, not in this process's trace
+    assert_equal_results(got, python_result(model, name, kwargs), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["trace", "patch", "lens"])
+def test_the_fast_paths_equal_the_local_backend_within_the_backends_tolerance(simulated, model, name):
+    kwargs = EMBEDDED[name]["kwargs"]
+    assert_equal_results(python_result(simulated, name, kwargs), python_result(model, name, kwargs), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_every_experiment_equals_the_local_backend_on_a_tiny_family(name):
+    local, remote = tiny_model("qwen2"), tiny_model("qwen2")  # grouped-query attention
+    remote._pipatch_remote = "local"
+    kwargs = {**TINY[name], **SLOW[name]}
+    assert_equal_results(python_result(remote, name, kwargs), python_result(local, name, kwargs), atol=1e-6)
+
+
+def test_attribution_runs_its_gradients_as_a_request(simulated, model):
+    backend = backend_for(simulated)
+    ids = simulated.tokenizer(EIFFEL, return_tensors="pt").input_ids
+    from pipatch._cells import Metric
+    from pipatch._sites import site as site_named
+
+    metric = Metric("logit_diff", simulated.tokenizer(" Paris").input_ids[-1:], simulated.tokenizer(" Rome").input_ids[-1:])
+    before = backend.requests
+    got_values, got_grads, got_score = backend.gradients(ids, metric, site_named("mlp"))
+    assert backend.requests == before + 1
+    want_values, want_grads, want_score = backend_for(model).gradients(ids, metric, site_named("mlp"))
+    assert got_score == pytest.approx(want_score, abs=1e-6)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert_close(got, want, 1e-6)
+    assert float(torch.stack([g.abs().sum() for g in got_grads]).sum()) > 0  # gradients, not zeros
+
+
+# --------------------------------------------------------------------------------------------
+# Requests, the live grid, Stop
+# --------------------------------------------------------------------------------------------
+
+
+def test_one_request_per_batch_and_the_grid_fills_per_request(simulated, model):
+    kwargs = {**EMBEDDED["patch"]["kwargs"], "batch_size": 4}
+    backend = backend_for(simulated)
+    backend.count_bytes = True
+    try:
+        before, sent = backend.requests, backend.bytes_sent
+        rows: list[int] = []
+        result = pipatch.patch(simulated, **kwargs, on_row=lambda r, v, layer: rows.append(layer))
+    finally:
+        backend.count_bytes = False
+    # The baselines, then one request per batch: each row's 2 cells (2 positions) are one batch.
+    assert result.raw["resid"].shape == (1, len(result.layers), 2)
+    assert backend.requests - before == 1 + len(result.layers)
+    assert 10_000 < (backend.bytes_sent - sent) / (backend.requests - before) < 2_000_000
+    assert rows == list(range(len(result.layers)))
+
+
+def test_stop_lands_between_requests_and_keeps_the_rows(simulated):
+    kwargs = {**EMBEDDED["patch"]["kwargs"], "batch_size": 1}
+    reference = pipatch.patch(simulated, **kwargs)
+    rows: list[int] = []
+    backend = backend_for(simulated)
+    before = backend.requests
+    stopped = pipatch.patch(simulated, **kwargs, stop=lambda: len(rows) >= 3,
+                            on_row=lambda r, v, layer: rows.append(layer))
+    assert stopped.status == "stopped" and stopped.rows_done["resid"] == 3
+    assert torch.equal(stopped.raw["resid"][:, :3], reference.raw["resid"][:, :3])
+    assert backend.requests - before == 1 + 3 * reference.raw["resid"].shape[-1]  # no request after the Stop
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_magic_and_the_cli_take_remote_local(simulated, tmp_path):
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "pipatch")
+    case = EMBEDDED["patch"]
+    ip.run_cell_magic("patch", f"--remote local {case['line']} -o remote_patch", case["body"])
+    got = ip.user_ns["remote_patch"]
+    want = python_result(simulated, "patch", case["kwargs"])
+    assert got.meta["backend"] == "ndif"
+    assert_equal_results(got, want, atol=0.0)
+    out = tmp_path / "patch.json"
+    assert cli.main([*case["argv"], "--remote", "local", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["grid"] == json.loads(json.dumps(want.grid.tolist()).replace("NaN", "null"))
+
+
+def test_code_writes_the_transformers_script_for_an_ndif_result(simulated):
+    result = python_result(simulated, "patch", EMBEDDED["patch"]["kwargs"])
+    script = result.code()
+    assert "nnsight" in script and "remote" not in script.split("import")[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The checks before any request: one line each
+# --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StandIn:
+    """A loopback stand-in for NDIF's ``GET /status`` and ``GET /env`` (their JSON shapes)."""
+
+    def __init__(self, hosted: list[str], env: dict):
+        answers = {"/status": {"deployments": {name: {"repo_id": name, "deployment_level": "HOT",
+                                                      "application_state": "RUNNING"} for name in hosted}},
+                   "/env": env}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                body = json.dumps(answers.get(self.path, {})).encode()
+                self.send_response(200 if self.path in answers else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def ndif_config(monkeypatch):
+    """nnsight's config as a fresh kernel reads it: no key, NDIF's host; restored after."""
+    from nnsight import CONFIG
+
+    monkeypatch.setattr(CONFIG.API, "APIKEY", None)
+    monkeypatch.setattr(CONFIG.API, "HOST", CONFIG.API.HOST)
+    monkeypatch.delenv("NDIF_API_KEY", raising=False)
+    monkeypatch.delenv("NDIF_HOST", raising=False)
+    return monkeypatch
+
+
+def local_env() -> dict:
+    from nnsight import ndif
+
+    return ndif.get_local_env()
+
+
+def test_no_key_is_one_line(ndif_config):
+    with pytest.raises(PipatchError) as error:
+        pipatch.load_model("openai-community/gpt2", remote=True)
+    assert "NDIF_API_KEY" in one_line(error)
+
+
+def test_an_unreachable_service_is_one_line(ndif_config):
+    ndif_config.setenv("NDIF_API_KEY", "a-key")
+    ndif_config.setenv("NDIF_HOST", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    with pytest.raises(PipatchError) as error:
+        pipatch.load_model("openai-community/gpt2", remote=True)
+    assert "cannot reach NDIF at http://127.0.0.1:" in one_line(error)
+
+
+def test_a_model_ndif_does_not_host_is_one_line(ndif_config):
+    stand_in = StandIn(["meta-llama/Llama-3.1-8B"], local_env())
+    try:
+        ndif_config.setenv("NDIF_API_KEY", "a-key")
+        ndif_config.setenv("NDIF_HOST", stand_in.url)
+        with pytest.raises(PipatchError) as error:
+            pipatch.load_model("openai-community/gpt2", remote=True)
+    finally:
+        stand_in.close()
+    assert "does not host 'openai-community/gpt2'" in one_line(error)
+
+
+def test_version_drift_that_matters_is_one_line(ndif_config):
+    here = local_env()
+    other_nnsight = {**here, "packages": {**here["packages"], "nnsight": "0.7.0"}}
+    stand_in = StandIn(["openai-community/gpt2"], other_nnsight)
+    try:
+        ndif_config.setenv("NDIF_API_KEY", "a-key")
+        ndif_config.setenv("NDIF_HOST", stand_in.url)
+        with pytest.raises(PipatchError) as error:
+            pipatch.load_model("openai-community/gpt2", remote=True)
+    finally:
+        stand_in.close()
+    assert "NDIF runs nnsight 0.7.0" in one_line(error) and "pip install nnsight==0.7.0" in str(error.value)
+    other_python = {**here, "python_version": "3.12.1 (main)"}
+    assert "Python 3.12" in version_drift(here, other_python)
+    torch_only = {**here, "packages": {**here["packages"], "torch": "0.0.1"}}
+    assert version_drift(here, torch_only) is None  # nnsight.compare() shows it; requests still run
+    assert version_drift(here, here) is None
+
+
+def test_bad_remote_arguments_are_one_line():
+    for kwargs, said in [({"remote": "ndif.example"}, "remote='ndif.example'"),
+                         ({"remote": "local", "backend": "vllm"}, "drop backend"),
+                         ({"remote": True}, "pass its hub id")]:
+        with pytest.raises(PipatchError) as error:
+            pipatch.load_model(**kwargs)
+        assert said in one_line(error), kwargs
+    with pytest.raises(PipatchError) as error:
+        NDIFBackend(tiny_model("llama"), remote="elsewhere")
+    assert "remote='local'" in one_line(error)
+    assert cli.main(["lens", EIFFEL, "--answer", " Paris", "--remote", "elsewhere"]) == 2
