@@ -54,11 +54,12 @@ def _has(cls: type, name: str) -> bool:
 def test_every_backend_class_has_the_core():
     """Checked on the classes: no vLLM engine built, and the vLLM and served modules import
     without vLLM installed."""
+    from pipatch._backends.ndif import NDIFBackend
     from pipatch._backends.served import ServedBackend
     from pipatch._backends.transformers import TransformersBackend
     from pipatch._backends.vllm import VLLMBackend
 
-    for cls in (TransformersBackend, VLLMBackend, ServedBackend):
+    for cls in (TransformersBackend, VLLMBackend, ServedBackend, NDIFBackend):
         missing = [name for name in CORE if not _has(cls, name)]
         assert not missing, (cls.__name__, missing)
 
