@@ -33,6 +33,7 @@ bytecode of this one).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator, Sequence
@@ -95,7 +96,7 @@ class NDIFBackend(TransformersBackend):
         writes: dict[tuple[str, int], list[tuple[Op, int]]] = {}
         for i, run in enumerate(ops or []):
             for op in sorted(run, key=lambda op: op.key):
-                writes.setdefault((op.site.name, op.layer), []).append((op, i))
+                writes.setdefault((op.site.name, op.layer), []).append((_compact(op), i))
         batch = torch.cat([metric.inputs(prompt) for prompt in prompts]).cpu()
         blocks, values, score, prob, embedded = self._request(
             batch, _capture_body, (self.adapter, metric, keep, writes, len(prompts), T), metric.n_read)
@@ -109,8 +110,8 @@ class NDIFBackend(TransformersBackend):
         :meth:`TransformersBackend.run` does."""
         if not cells:
             return torch.zeros(0), []
-        ops = sorted(((op, i) for i, cell in enumerate(cells) for op in base.ops_of(cell.seed) + cell.sorted_ops()),
-                     key=lambda item: item[0].key)
+        ops = sorted(((_compact(op), i) for i, cell in enumerate(cells)
+                      for op in base.ops_of(cell.seed) + cell.sorted_ops()), key=lambda item: item[0].key)
         batch = metric.inputs(base.input_ids).repeat(len(cells), 1).cpu()
         out, reads = self._request(batch, _run_body, (self.adapter, metric, ops, len(cells), full_logits, fast),
                                    metric.n_read, keyword=True)
@@ -232,6 +233,14 @@ def _remote_errors() -> Iterator[None]:
             raise
         raise PipatchError(f"cannot reach NDIF at {_host()} ({type(error).__name__}: {_first_line(error)}): "
                            "check the connection, or NDIF_HOST") from None
+
+
+def _compact(op: Op) -> Op:
+    """``op`` with its value in storage of its own: a donor slice is a view of its whole run's
+    states, and a view pickles with all of its storage."""
+    if op.value is None:
+        return op
+    return dataclasses.replace(op, value=op.value.detach().cpu().clone())
 
 
 def _first_line(error: BaseException) -> str:

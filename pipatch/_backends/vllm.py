@@ -440,8 +440,9 @@ def _own_logits(module: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 def _shipped(ops: Sequence[Op]) -> list[tuple]:
     """Ops as an invoke takes them, sorted in forward order: ``(site, layer, index, value,
-    add)`` with the value on the CPU (the engine moves each request's tensors)."""
-    return [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu(), op.add)
+    add)`` with the value on the CPU (the engine moves each request's tensors), in storage of its
+    own (a donor slice is a view of its run's states, which would travel whole with it)."""
+    return [(op.site, op.layer, op.index, None if op.value is None else op.value.detach().cpu().clone(), op.add)
             for op in sorted(ops, key=lambda op: op.key)]
 
 
