@@ -62,6 +62,14 @@ def test_each_rank_gets_its_own_cores_and_the_adapter_knows_the_ranks(tp_model):
     assert adapter.tp_ranks == 2 and adapter.qkv_layout == "stacked_by_rank"
 
 
+def test_each_rank_reports_its_own_memory(tp_model):
+    ranks = backend_for(tp_model).rank_memory()
+    print("memory per rank:", ", ".join(f"rank {r['rank']} (pid {r['pid']}): {r['rss_gb']} GB" for r in ranks))
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert len({r["pid"] for r in ranks} | {os.getpid()}) == 3  # a worker process per rank
+    assert all(0.3 < r["rss_gb"] < 8 for r in ranks)  # its weight shard and its own KV cache
+
+
 def test_the_resid_and_head_grids_equal_transformers(tp_model, model):
     assert_same(pipatch.patch(tp_model, **PAIR, positions=[-1]), pipatch.patch(model, **PAIR, positions=[-1]))
     assert_same(pipatch.patch(tp_model, **PAIR, site="head", positions=[-1]),

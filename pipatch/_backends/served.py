@@ -224,6 +224,9 @@ class ServedBackend(VLLMBackend):
     def logits(self, hidden: torch.Tensor, token_ids: Sequence[int] | None = None) -> torch.Tensor:
         raise PipatchError("logits of given states need the engine in this process: load the model without serve=")
 
+    def rank_memory(self) -> list[dict[str, Any]]:
+        raise PipatchError("the ranks run on the server: read their memory there (pipatch serve's processes)")
+
     def abort_unfinished(self) -> int:
         return 0  # requests in flight finish on the server; their answers are discarded
 

@@ -192,6 +192,12 @@ class VLLMBackend(Described):
         out = rows[0].float()
         return out if token_ids is None else out[:, token_ids]
 
+    def rank_memory(self) -> list[dict[str, Any]]:
+        """Each tensor-parallel rank's resident memory, asked of its worker (``collective_rpc``):
+        ``[{"rank": 0, "pid": ..., "rss_gb": ...}, ...]`` in rank order. On the CPU a rank holds
+        its shard of the weights and its own KV cache (pipatch sets 1 GiB)."""
+        return list(self.model.vllm_entrypoint.collective_rpc(_worker_memory))
+
     def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
         raise PipatchError("attribution needs gradients, which vLLM does not compute: load the model with "
                            "backend='transformers' (the default) for attribute")
@@ -420,6 +426,15 @@ def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Run on the engine's worker (``collective_rpc``): the model's own logits of ``hidden``."""
     with torch.no_grad():
         return _own_logits(worker.model_runner.get_model(), hidden).cpu()
+
+
+def _worker_memory(worker: Any) -> dict[str, Any]:
+    """Run on each rank's worker (``collective_rpc``): its rank, process id and resident memory."""
+    import os
+
+    with open("/proc/self/statm") as statm:  # Linux: the resident pages are the second field
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid(), "rss_gb": round(rss / 2**30, 2)}
 
 
 def _on_engine(module: Any, hidden: torch.Tensor) -> torch.Tensor:
