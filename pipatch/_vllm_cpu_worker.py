@@ -76,3 +76,23 @@ class NNsightCPUWorker(NNsightGPUWorker, CPUWorker):
         # NNsightGPUModelRunner adds methods and no constructor state, so swapping the class
         # of the built runner is what nnsight's own GPU worker does too.
         runner.__class__ = NNsightCPUModelRunner
+        _ignore_interrupts_in_a_rank_process()
+
+
+def _ignore_interrupts_in_a_rank_process() -> None:
+    """In a worker process of its own (a tensor-parallel rank), ignore SIGINT.
+
+    Jupyter's Kernel ▸ Interrupt (and Ctrl-C in a terminal) sends SIGINT to the kernel's whole
+    process group, which holds the rank processes the kernel's engine spawned; vLLM's worker
+    exits on it, and the engine is dead ("RuntimeError: cancelled" on the next sweep). The
+    process that owns the engine gets the interrupt and stops its sweep; the ranks stop when
+    the engine shuts down (SIGTERM and their death pipe, both still handled). A worker in the
+    engine's own process (one rank, in process) keeps Python's handler: the interrupt is the
+    user's, for the sweep.
+    """
+    import multiprocessing
+    import signal
+    import threading
+
+    if multiprocessing.parent_process() is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

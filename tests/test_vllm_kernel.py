@@ -7,8 +7,13 @@ live grid has drawn two rows. Then: the partial result is bound, the engine (in 
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) holds no request, and a third sweep in the same
 kernel finishes with the numbers of the first, on the same engine.
 
-The kernel starts its own vLLM engine (about 5 GB): run this module in a pytest process of its
-own, not after ``test_vllm.py`` (``make test-vllm`` does).
+Then the same with a TP=2 engine in a fresh kernel: the interrupt keeps both rank processes
+(Jupyter signals the kernel's whole process group, and vLLM's workers exit on SIGINT: before
+pipatch's CPU worker ignored it in rank processes, the next sweep failed with "RuntimeError:
+cancelled"), and Kernel ▸ Restart leaves no rank process behind.
+
+Each kernel starts its own vLLM engine (about 5 GB; 8 GB split): run this module in a pytest
+process of its own, not after ``test_vllm.py`` (``make test-vllm`` does).
 """
 
 from __future__ import annotations
@@ -75,9 +80,9 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = Kernel(str(tmp_path_factory.mktemp("kernel")))
+@pytest.fixture
+def kernel(tmp_path):
+    k = Kernel(str(tmp_path))  # closed after its test: the next test's kernel starts an engine of its own
     yield k
     k.close()
 
@@ -130,3 +135,65 @@ def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
                       "      bool(torch.allclose(big.raw['resid'][0, :done, -1], small.raw['resid'][0, :done, 0],"
                       " atol=1e-4)))")
     assert same["stdout"].split() == ["done", "1", "True", "True", "True"], same
+
+
+def _alive_after(pids: list[int], timeout: float) -> list[int]:
+    """The processes of ``pids`` still alive once all have ended or ``timeout`` s have passed
+    (zombies count as ended)."""
+    psutil = pytest.importorskip("psutil")
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def test_a_split_engine_in_a_kernel_survives_an_interrupt_and_a_restart_leaves_no_worker(tmp_path):
+    """TP=2 in a kernel: Kernel ▸ Interrupt mid-sweep keeps the rows and both ranks (the next
+    sweep runs on them); Kernel ▸ Restart then leaves no worker process behind."""
+    kernel = Kernel(str(tmp_path))
+    try:
+        flags = f"{FLAGS} --tensor-parallel-size 2"
+        assert kernel.run("%load_ext pipatch")["error"] is None
+        first = kernel.run(f"%%patch {flags} --positions -1 -o small\n{PAIR_BODY}", timeout=900)
+        assert first["error"] is None, first
+        ranks = kernel.run("from pipatch._backends import backend_for\n"
+                           "import pipatch._load as m\n"
+                           "engine = [v for k, v in m._SHARED.items() if k[-1] == 'vllm'][0]\n"
+                           "print(*[r['pid'] for r in backend_for(engine).rank_memory()])")
+        workers = [int(pid) for pid in ranks["stdout"].split()]
+        assert len(workers) == 2 and _alive_after(workers, 0) == workers, ranks
+
+        seen = {"rows": 0, "interrupted": False}
+
+        def interrupt_after_two_rows(msg):
+            if msg["msg_type"] != "comm_msg":
+                return
+            state = (msg["content"].get("data") or {}).get("state") or {}
+            seen["rows"] = max(seen["rows"], int((state.get("rows_done") or {}).get("resid", 0)))
+            if seen["rows"] >= 2 and not seen["interrupted"]:
+                seen["interrupted"] = True
+                kernel.manager.interrupt_kernel()
+
+        swept = kernel.collect(kernel.send(f"%%patch {flags} --site resid -o big\n{PAIR_BODY}"), 600,
+                               interrupt_after_two_rows)
+        assert seen["interrupted"] and swept["error"] is None and "interrupted" in swept["stderr"], swept
+        assert _alive_after(workers, 0) == workers, "an interrupt took a rank down"
+        again = kernel.run(f"%%patch {flags} --positions -1 -o again\n{PAIR_BODY}", timeout=600)
+        assert again["error"] is None, again
+        same = kernel.run("import torch; print(again.status, bool(torch.equal(again.raw['resid'], small.raw['resid'])))")
+        assert same["stdout"].split() == ["done", "True"], same
+
+        kernel.manager.restart_kernel(now=True)
+        kernel.client.wait_for_ready(timeout=120)
+        left = _alive_after(workers, 60)
+        assert not left, f"rank processes {left} outlived the kernel restart"
+    finally:
+        kernel.close()
