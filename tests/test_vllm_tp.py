@@ -70,6 +70,16 @@ def test_each_rank_reports_its_own_memory(tp_model):
     assert all(0.3 < r["rss_gb"] < 8 for r in ranks)  # its weight shard and its own KV cache
 
 
+def test_stop_keeps_the_rows_and_the_ranks_run_the_next_sweep(tp_model):
+    kwargs = {**PAIR, "positions": [-1], "batch_size": 3}
+    rows: list[int] = []
+    stopped = pipatch.patch(tp_model, **kwargs, stop=lambda: len(rows) >= 2, on_row=lambda r, v, layer: rows.append(layer))
+    assert stopped.status == "stopped" and stopped.rows_done["resid"] == 2
+    whole = pipatch.patch(tp_model, **kwargs)
+    assert whole.status == "done" and torch.equal(stopped.raw["resid"][:, :2], whole.raw["resid"][:, :2])
+    assert len(backend_for(tp_model).rank_memory()) == 2  # both ranks still answer
+
+
 def test_the_resid_and_head_grids_equal_transformers(tp_model, model):
     assert_same(pipatch.patch(tp_model, **PAIR, positions=[-1]), pipatch.patch(model, **PAIR, positions=[-1]))
     assert_same(pipatch.patch(tp_model, **PAIR, site="head", positions=[-1]),
