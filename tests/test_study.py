@@ -1,0 +1,407 @@
+"""Studies (#32): one experiment over many facts, into a durable SQLite store, averaged.
+
+Real model, real nnsight, ROME's own ``known_1000.json``. Kept cheap: short known facts, the
+residual kind, one or two seeds at a fixed noise scale (no scale search).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._registry import experiment
+from pipatch._study._facts import read_facts
+
+KNOWN_1000 = Path("/work/shared/data/known_1000.json")
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Short facts of known_1000.json the embedded model knows (top-1 = the answer's first token).
+KNOWN = [3, 21, 25, 32, 101, 81, 34, 6, 8, 49, 86, 102, 106, 109, 112, 116, 74, 10, 28, 33]
+#: Facts it gets wrong (top-1 is something else).
+UNKNOWN = [0, 1, 2]
+#: A cheap trace: one residual grid, a fixed scale.
+CHEAP = {"sites": "resid", "seeds": 1, "scale": 3.0}
+
+pytestmark = pytest.mark.skipif(not KNOWN_1000.exists(), reason="ROME's known_1000.json is not on this machine")
+
+
+def records(indices):
+    data = json.loads(KNOWN_1000.read_text())
+    return [data[i] for i in indices]
+
+
+@pytest.fixture(scope="module")
+def twenty(model, tmp_path_factory):
+    """A 20-fact study of known facts (resid, one seed) and its store path."""
+    store = tmp_path_factory.mktemp("study") / "twenty.sqlite"
+    seen = []
+    found = pipatch.study(model, records(KNOWN), store=store, progress=lambda i, r, res: seen.append((i, res)), **CHEAP)
+    return found, seen
+
+
+# --------------------------------------------------------------------------------------------
+# The aggregate is the list-form dataset trace
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_studys_aggregate_equals_the_list_form_dataset_trace(model, twenty):
+    found, seen = twenty
+    assert found.counts()["done"] == 20 and [i for i, _ in seen] == list(range(20))
+    assert all(result is not None for _, result in seen)
+    facts = records(KNOWN)
+    dataset = pipatch.trace(model, [f["prompt"] for f in facts], subject=[f["subject"] for f in facts],
+                            answer=[" " + f["attribute"] for f in facts], **CHEAP)
+    assert found.aggregate()["group"].unique().tolist() == dataset.columns
+    mine = found.grid("resid")
+    assert mine.shape == dataset.grid.shape
+    assert torch.allclose(mine, dataset.grid, atol=1e-6, rtol=0, equal_nan=True), (mine - dataset.grid).abs().nanmax()
+    # ROME's raw effect: P(restored) − P(corrupted), averaged the same way.
+    raw = dataset.raw["resid"] - dataset.corrupt.reshape(-1, 1, 1)
+    assert torch.allclose(found.grid("resid", "raw_effect"), torch.nanmean(raw, 0), atol=1e-6, equal_nan=True)
+
+
+def test_the_aggregate_has_95_percent_t_intervals_and_a_relation_breakdown(twenty):
+    found, _ = twenty
+    table = found.aggregate()
+    last = table[(table.group == "last") & (table.layer == 17) & (table.metric == "recovery")].iloc[0]
+    assert last.n == 20 and last.low < last["mean"] < last.high
+    # mean ± t(0.975, 19) · sd / √20, t(0.975, 19) = 2.093
+    assert last.high - last["mean"] == pytest.approx(2.0930 * last.sd / 20 ** 0.5, rel=1e-3)
+    by = found.aggregate(by="relation_id")
+    assert set(by.relation_id) == {f["relation_id"] for f in records(KNOWN)}
+    p36 = by[(by.relation_id == "P36") & (by.metric == "recovery") & (by.kind == "resid")]
+    assert p36.n.max() == sum(f["relation_id"] == "P36" for f in records(KNOWN))
+    assert torch.allclose(torch.tensor(p36["mean"].to_numpy()).reshape(18, 7).float(),
+                          found.grid("resid", relation="P36"), equal_nan=True)
+
+
+def test_frame_is_tidy_and_each_fact_is_its_own_result(twenty, tmp_path):
+    found, _ = twenty
+    frame = found.frame()
+    assert list(frame.columns) == ["fact", "fact_id", "relation", "subject", "kind", "layer", "group", "metric", "value"]
+    assert len(frame) == 20 * 2 * 1 * 18 * 7  # facts × metrics × kinds × layers × groups
+    assert frame.fact_id.iloc[0] == str(KNOWN[0]) and frame.relation.iloc[0] == records(KNOWN)[0]["relation_id"]
+    one = found[0]
+    assert isinstance(one, pipatch.Result) and one.meta["prompt"] == records(KNOWN)[0]["prompt"]
+    mine = frame[(frame.fact == 0) & (frame.metric == "recovery") & (frame.group == "last")].value.to_numpy()
+    assert torch.allclose(torch.tensor(mine).float(), one.grid[:, -1], atol=1e-6)
+    path = found.to_csv(tmp_path / "frame.csv")
+    with open(path, newline="") as handle:
+        assert sum(1 for _ in csv.DictReader(handle)) == len(frame)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        with pytest.raises(pipatch.PipatchError, match="pip install pyarrow"):
+            found.to_parquet(tmp_path / "frame.parquet")
+
+
+def test_plots_and_heatmap_draw(twenty):
+    found, _ = twenty
+    fig = found.plot()
+    assert [ax.get_title() for ax in fig.axes] == ["last subject", "last"]
+    assert len(fig.axes[0].lines) == 1 + 1  # one kind, and the zero line
+    heat = found.heatmap()
+    assert heat.axes[0].images[0].get_array().shape == (18, 7)
+    assert "20 of 20 known" in repr(found)
+    assert torch.allclose(found.as_result().grid, found.grid(), equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The store: resume, refuse another configuration, read a half-finished one
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_rerun_resumes_and_another_configuration_is_refused_in_one_line(model, twenty, tmp_path):
+    found, _ = twenty
+    ran = []
+    again = pipatch.study(model, records(KNOWN), store=found.path, progress=lambda i, r, res: ran.append(res), **CHEAP)
+    assert again.counts()["done"] == 20 and ran == [None] * 20  # nothing ran twice
+    with pytest.raises(pipatch.PipatchError) as error:
+        pipatch.study(model, records(KNOWN), store=found.path, **{**CHEAP, "seeds": 2})
+    message = str(error.value)
+    assert "\n" not in message and "options.seeds" in message and "new store path" in message
+    with pytest.raises(pipatch.PipatchError, match="another record 0"):
+        pipatch.study(model, records(KNOWN[::-1]), store=found.path, **CHEAP)
+
+
+def test_load_study_reads_a_half_finished_store_without_a_model(model, tmp_path):
+    store = tmp_path / "half.sqlite"
+    done = []
+
+    def stop():
+        return len(done) >= 2
+
+    pipatch.study(model, records(KNOWN[:5]), store=store, progress=lambda i, r, res: done.append(i), stop=stop, **CHEAP)
+    half = pipatch.load_study(store)
+    assert half.counts() == {"total": 5, "done": 2, "unknown": 0, "error": 0, "pending": 3, "checked": 2}
+    assert "2 done, 0 errors, 3 pending" in half.summary()
+    assert half.grid().shape == (18, 7) and half[1].meta["subject"] == records(KNOWN)[1]["subject"]
+    with pytest.raises(pipatch.PipatchError, match="fact 3 is not in the store"):
+        half[3]
+    with pytest.raises(pipatch.PipatchError, match="no study store"):
+        pipatch.load_study(tmp_path / "missing.sqlite")
+
+
+def test_the_known_filter_keeps_filtered_facts_with_the_models_top_token(model, tmp_path):
+    from pipatch._api import backend_of
+
+    facts = records(UNKNOWN + KNOWN[:1])
+    found = pipatch.study(model, facts, store=tmp_path / "known.sqlite", **CHEAP)
+    rows = found.facts()
+    assert [r["status"] for r in rows] == ["unknown"] * 3 + ["done"]
+    hf = backend_of(model)._hf
+    for row, fact in zip(rows, facts):
+        ids = backend_of(model).tokenizer(fact["prompt"], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            top = int(hf(ids).logits[0, -1].argmax())
+        assert row["top1"] == backend_of(model).tokenizer.decode([top]), (fact["prompt"], row["top1"])
+        first = backend_of(model).tokenizer(" " + fact["attribute"], add_special_tokens=False)["input_ids"][0]
+        assert (top == first) == (row["status"] == "done"), fact["prompt"]
+    assert "1 of 4 known" in found.summary()
+    every = pipatch.study(model, facts[:1], store=tmp_path / "all.sqlite", known_only=False, **CHEAP)
+    assert every.facts()[0]["status"] == "done" and every.facts()[0]["known"] == 0
+
+
+def test_a_malformed_record_is_one_line_and_the_others_run(model, tmp_path):
+    good = records(KNOWN[:2])
+    bad = {k: v for k, v in records([KNOWN[2]])[0].items() if k != "subject"}
+    facts = [good[0], bad, "not a record", {**good[1], "prompt": 7}, good[1]]
+    found = pipatch.study(model, facts, store=tmp_path / "bad.sqlite", **CHEAP)
+    rows = found.facts()
+    assert [r["status"] for r in rows] == ["done", "error", "error", "error", "done"]
+    assert rows[1]["message"] == f"record 1 (id {KNOWN[2]}): no 'subject' field (columns={{'subject': ...}} reads another name)"
+    assert rows[2]["message"] == "record 2 is a str, not a dict of fields"
+    assert rows[3]["message"] == f"record 3 (id {KNOWN[1]}): the 'prompt' field is a int, not text"
+    assert all("\n" not in r["message"] for r in rows[1:4])
+    # A record the planner refuses (its subject is not in its prompt) fails alone too.
+    odd = {**good[0], "subject": "Nowhere Land"}
+    also = pipatch.study(model, [odd], store=tmp_path / "odd.sqlite", known_only=False, **CHEAP)
+    assert also.facts()[0]["status"] == "error" and "not in the prompt" in also.facts()[0]["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs: every container gives the same facts
+# --------------------------------------------------------------------------------------------
+
+
+class DuckDataset:
+    """What a ``datasets.Dataset`` offers a reader: ``column_names``, ``to_list()``, iteration."""
+
+    def __init__(self, rows):
+        self._rows = rows
+        self.column_names = list(rows[0])
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __len__(self):
+        return len(self._rows)
+
+    def to_list(self):
+        return [dict(r) for r in self._rows]
+
+
+def test_every_input_format_gives_the_same_facts(tmp_path):
+    import pandas as pd
+
+    facts = records(KNOWN[:4] + UNKNOWN[:1])
+    entry = experiment("trace")
+    as_json = tmp_path / "facts.json"
+    as_json.write_text(json.dumps(facts))
+    as_jsonl = tmp_path / "facts.jsonl"
+    as_jsonl.write_text("\n".join(json.dumps(f) for f in facts) + "\n")
+    as_csv = tmp_path / "facts.csv"
+    with open(as_csv, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(facts[0]))
+        writer.writeheader()
+        writer.writerows(facts)
+    sources = {"list": facts, "json": as_json, "jsonl": str(as_jsonl), "csv": as_csv, "dataframe": pd.DataFrame(facts),
+               "dataset": DuckDataset(facts), "known_1000": KNOWN_1000}
+
+    def read(source):
+        out = read_facts(source, entry)
+        if source is KNOWN_1000:  # the file itself: the same records, at their places in it
+            out = [out[i] for i in KNOWN[:4] + UNKNOWN[:1]]
+        return [(f.id, f.relation, f.inputs, f.subject, f.error, f.key) for f in out]
+
+    want = read(facts)
+    assert want[0][2] == {"prompt": facts[0]["prompt"], "subject": facts[0]["subject"], "answer": " " + facts[0]["attribute"]}
+    assert [w[0] for w in want] == [str(i) for i in KNOWN[:4] + UNKNOWN[:1]]
+    for name, source in sources.items():
+        assert read(source) == want, name
+    # columns= reads other names; an explicit answer wins over the attribute.
+    renamed = [{"text": f["prompt"], "who": f["subject"], "answer": " X", "relation_id": "r"} for f in facts[:1]]
+    (fact,) = read_facts(renamed, entry, columns={"prompt": "text", "subject": "who"})
+    assert fact.inputs == {"prompt": facts[0]["prompt"], "subject": facts[0]["subject"], "answer": " X"}
+    assert fact.relation == "r" and fact.error is None
+    with pytest.raises(pipatch.PipatchError, match="unknown field"):
+        read_facts(renamed, entry, columns={"prompt_text": "text"})
+    if not _has("pyarrow"):
+        (tmp_path / "f.parquet").write_bytes(b"PAR1")
+        with pytest.raises(pipatch.PipatchError, match="pip install pyarrow"):
+            read_facts(tmp_path / "f.parquet", entry)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Other experiments
+# --------------------------------------------------------------------------------------------
+
+PAIRS = [
+    {"clean": "The Eiffel Tower is in the city of", "corrupt": "The Colosseum is in the city of",
+     "answer": " Paris", "foil": " Rome", "relation_id": "city"},
+    {"clean": "The Colosseum is in the city of", "corrupt": "The Eiffel Tower is in the city of",
+     "answer": " Rome", "foil": " Paris", "relation_id": "city"},
+    {"clean": "The Louvre is in the city of", "corrupt": "The Vatican is in the city of",
+     "answer": " Paris", "foil": " Rome", "id": "louvre"},
+]
+
+
+def test_the_patch_experiment_runs_as_a_study_of_pairs(model, tmp_path):
+    found = pipatch.study(model, PAIRS, "patch", store=tmp_path / "pairs.sqlite", known_only=False)
+    rows = found.facts()
+    assert [r["status"] for r in rows] == ["done"] * 3, [r["message"] for r in rows]
+    singles = [pipatch.patch(model, clean=p["clean"], corrupt=p["corrupt"], answer=p["answer"], foil=p["foil"])
+               for p in PAIRS]
+    for i, single in enumerate(singles):
+        assert torch.equal(found[i].raw["resid"], single.raw["resid"])
+    names = found.aggregate()["group"].unique().tolist()
+    assert "first changed" in names and "last" in names
+    dataset = pipatch.patch(model, clean=[p["clean"] for p in PAIRS], corrupt=[p["corrupt"] for p in PAIRS],
+                            answer=[p["answer"] for p in PAIRS], foil=[p["foil"] for p in PAIRS])
+    assert torch.allclose(found.grid("resid"), dataset.grid, atol=1e-6, equal_nan=True)
+    assert rows[2]["fact_id"] == "louvre"
+
+
+def test_the_lens_runs_as_a_study_grouped_around_the_records_subject(model, tmp_path):
+    found = pipatch.study(model, records(KNOWN[:2]), "lens", store=tmp_path / "lens.sqlite")
+    assert [r["status"] for r in found.facts()] == ["done", "done"]
+    assert found.aggregate()["group"].unique().tolist()[-1] == "last"
+    single = pipatch.lens(model, records(KNOWN[:1])[0]["prompt"], answer=" " + records(KNOWN[:1])[0]["attribute"])
+    assert torch.equal(found[0].raw["resid"], single.raw["resid"])
+
+
+def test_options_are_checked_by_the_experiments_declaration(model, tmp_path):
+    with pytest.raises(pipatch.PipatchError, match="unexpected argument 'sedes'"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "x.sqlite", sedes=2)
+    with pytest.raises(pipatch.PipatchError, match="seeds=0"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "y.sqlite", seeds=0)
+    with pytest.raises(pipatch.PipatchError, match="come from the facts"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "z.sqlite", prompt="x")
+
+
+# --------------------------------------------------------------------------------------------
+# The command: SIGKILL at random moments, then the same store as an uninterrupted run
+# --------------------------------------------------------------------------------------------
+
+
+def _study_command(facts: Path, store: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipatch.cli", "study", str(facts), "--store", str(store), "--kind", "resid",
+            "--seeds", "2", "--scale", "3", "--quiet", *extra]
+
+
+def _rows(store: Path) -> dict[int, tuple]:
+    db = sqlite3.connect(str(store))
+    try:
+        return {row[0]: row[1:] for row in db.execute("SELECT idx, status, fact_key, top1, tensors FROM facts")}
+    finally:
+        db.close()
+
+
+def test_sigkill_at_random_moments_loses_at_most_the_fact_in_flight(tmp_path):
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("\n".join(json.dumps(f) for f in records(KNOWN[:4])) + "\n")
+    reference = tmp_path / "reference.sqlite"
+    started = time.perf_counter()
+    done = subprocess.run(_study_command(facts, reference), capture_output=True, text=True, timeout=900)
+    full = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr
+    assert "4 of 4 known; 4 done, 0 errors, 0 pending" in done.stdout
+    want = _rows(reference)
+    assert len(want) == 4
+
+    store = tmp_path / "killed.sqlite"
+    rng = random.Random(32)
+    kills, runs, finished_counts = 0, 0, []
+    while kills < 10 and runs < 30:
+        runs += 1
+        process = subprocess.Popen(_study_command(facts, store), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=rng.uniform(0.5, full))
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            kills += 1
+        if store.exists():
+            db = sqlite3.connect(str(store))
+            try:
+                assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            finally:
+                db.close()
+            rows = _rows(store)
+            finished_counts.append(len(rows))
+            for index, row in rows.items():  # whatever is stored is a whole fact, the reference's
+                assert row == want[index], index
+            if len(rows) == 4 and kills < 10:
+                store.unlink()  # start over: every kill should land while facts are still running
+                for suffix in ("-wal", "-shm"):
+                    Path(str(store) + suffix).unlink(missing_ok=True)
+    assert kills == 10, (kills, runs)
+    finish = subprocess.run(_study_command(facts, store), capture_output=True, text=True, timeout=900)
+    assert finish.returncode == 0, finish.stderr
+    assert _rows(store) == want  # every fact bit for bit: raw values of every seed, baselines, tokens
+    assert any(0 < n < 4 for n in finished_counts), finished_counts  # some kills landed between facts
+    assert pipatch.load_study(store).summary() == pipatch.load_study(reference).summary()
+
+
+def test_the_command_refuses_another_configuration_in_one_line(tmp_path, model):
+    facts = tmp_path / "one.json"
+    facts.write_text(json.dumps(records(KNOWN[:1])))
+    store = tmp_path / "one.sqlite"
+    pipatch.study(model, facts, store=store, sites="resid", seeds=2, scale=3.0)
+    out = subprocess.run(_study_command(facts, store, "--seeds", "1"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipatch study: error:") and "options.seeds" in lines[0], out.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The magics
+# --------------------------------------------------------------------------------------------
+
+
+def test_study_magics_bind_the_study(model, tmp_path):
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "pipatch")
+    shell.user_ns["m"] = model
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps(records(KNOWN[:1])))
+    store = tmp_path / "magic.sqlite"
+    shell.run_line_magic("study", f"{facts} --store {store} --model m --kind resid --seeds 1 --scale 3 -o known")
+    assert isinstance(shell.user_ns["known"], pipatch.Study) and len(shell.user_ns["known"]) == 1
+    body = "\n".join(json.dumps(f) for f in records(KNOWN[:2]))
+    shell.run_cell_magic("study", f"--store {store} --model m --kind resid --seeds 1 --scale 3 -o again", body)
+    assert shell.user_ns["again"].counts()["done"] == 2
+    with pytest.raises(UsageError, match="options.seeds"):
+        shell.run_cell_magic("study", f"--store {store} --model m --seeds 2 --scale 3", body)
+    with pytest.raises(UsageError, match="--store"):
+        shell.run_line_magic("study", f"{facts}")
