@@ -84,6 +84,7 @@ test-e2e: $(STAMP) chromium
 
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
+	$(PY) bench/study.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
 
