@@ -57,7 +57,7 @@ test: $(STAMP) chromium install-vllm
 	npm test
 	$(PY) -m mypy pipatch/_backends pipatch/_engine.py
 	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
-		--ignore=tests/test_served.py
+		--ignore=tests/test_served.py --ignore=tests/test_served_tp.py
 	$(MAKE) test-vllm
 
 # One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
@@ -71,10 +71,11 @@ test-vllm: install-vllm
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py
 	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_tp.py
 	$(VPY) -m pytest -q -ra -m vllm tests/test_served.py
+	$(VPY) -m pytest -q -ra -m vllm tests/test_served_tp.py
 
 test-py: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
-		--ignore=tests/test_served.py
+		--ignore=tests/test_served.py --ignore=tests/test_served_tp.py
 
 test-js:
 	npm test

@@ -6,7 +6,8 @@ on a vLLM engine, CPU worker, 1 GiB KV cache), and clients in this process:
 * start-up: the server's seconds to its ready line and its resident memory (all processes);
   a client's seconds to connect (weightless module tree);
 * the resid grid (18 × 9) served vs the transformers backend in this process: time, max |Δ|
-  (must be ≤ 1e-4 before any time is printed);
+  (must be ≤ 1e-4 before any time is printed), requests and bytes per request; after the
+  server stops, the same grid on an in-process vLLM engine, and served ÷ in-process;
 * four clients at once, each its own sweep, vs the same four one after another; every grid
   equal to its sweep run alone;
 * 200 small sweeps (last position, every layer: 20 requests each) from four clients at once:
@@ -67,14 +68,25 @@ def main() -> int:
         local = pipatch.load_model(device="cpu")
 
         pipatch.patch(served, **PAIRS[0])  # warm-up
-        got, seconds = timed(lambda: pipatch.patch(served, **PAIRS[0]))
+        sent: list[int] = []
+        send = Server.generate
+
+        def counted(self, blob):
+            sent.append(len(blob))
+            return send(self, blob)
+
+        Server.generate = counted
+        try:
+            got, seconds = timed(lambda: pipatch.patch(served, **PAIRS[0]))
+        finally:
+            Server.generate = send
         want, local_s = timed(lambda: pipatch.patch(local, **PAIRS[0]))
         diff = float((got.raw["resid"] - want.raw["resid"]).nan_to_num().abs().max())
         if diff > 1e-4:
             print(f"served and transformers disagree (max |Δ| {diff:.3g} > 1e-4); no times shown", file=sys.stderr)
             return 1
         figures["resid_grid"] = {"served_s": round(seconds, 2), "transformers_s": round(local_s, 2),
-                                 "requests": got.meta["engine"]["cells"] - got.meta["engine"]["noop_cells"] + 2,
+                                 "requests": len(sent), "bytes_per_request": round(sum(sent) / len(sent)),
                                  "max_abs_diff": diff}
 
         clients = [ServedBackend(served, Server(server.url, KEY)) for _ in PAIRS]
@@ -108,11 +120,23 @@ def main() -> int:
         figures["stop"] = {"exit": code, "seconds": round(seconds, 1), "processes_left": len(server.alive())}
         server.kill()
 
+    # The same grid on the same engine in this process, once the server's memory is back.
+    from pipatch._load import shared_model
+
+    engine = shared_model(device="cpu", backend="vllm")
+    pipatch.patch(engine, **PAIRS[0])  # warm-up
+    inproc, inproc_s = timed(lambda: pipatch.patch(engine, **PAIRS[0]))
+    figures["resid_grid"]["in_process_vllm_s"] = round(inproc_s, 2)
+    figures["resid_grid"]["served_over_in_process"] = round(figures["resid_grid"]["served_s"] / inproc_s, 2)
+    engine.vllm_entrypoint.llm_engine.engine_core.shutdown()
+
     grid, four, load = figures["resid_grid"], figures["four_clients"], figures["sweeps_200"]
     print(f"server: ready in {figures['server_start_s']} s, {figures['server_rss_gb_idle']} GB idle "
           f"({figures['server_processes']} processes); client connects in {figures['client_connect_s']} s")
-    print(f"resid grid 18×9: served {grid['served_s']} s ({grid['requests']} requests), "
-          f"transformers here {grid['transformers_s']} s, max |Δ| {grid['max_abs_diff']:.2g}")
+    print(f"resid grid 18×9: served {grid['served_s']} s ({grid['requests']} requests, "
+          f"{grid['bytes_per_request'] / 1024:.0f} KB each), in-process vLLM {grid['in_process_vllm_s']} s "
+          f"(served ÷ in-process {grid['served_over_in_process']}), transformers here {grid['transformers_s']} s, "
+          f"max |Δ| {grid['max_abs_diff']:.2g}")
     print(f"4 clients: {four['one_after_another_s']} s one after another, {four['at_once_s']} s at once, "
           f"grids equal alone: {four['grids_equal_alone']}")
     print(f"200 sweeps (4 clients): {load['seconds']} s ({load['sweeps_per_s']}/s), server memory "

@@ -183,7 +183,10 @@ class Metric:
             return (logits[..., None, :] > chosen[..., None]).sum(-1).float()
         if self.token_ids is not None:
             return logits.gather(-1, table)
-        return torch.log_softmax(logits, dim=-1).gather(-1, table)
+        # The log-sum-exp in float64: in float32 over a 262k vocabulary it is off by up to
+        # 4e-5 (measured on vLLM's logits at P ≈ 0.5), the sliced one of the unembedding by 1e-6.
+        wide = logits.double()
+        return (wide.gather(-1, table) - torch.logsumexp(wide, dim=-1, keepdim=True)).float()
 
     def combine(self, pieces: torch.Tensor) -> torch.Tensor:
         """``[batch, n_inputs, n_read, n_sequences]`` pieces → the metric, [batch] float32."""

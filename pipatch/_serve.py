@@ -70,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._models import PipatchError
 
     parser = build_parser()
-    args, engine_words = parser.parse_known_args(argv)
+    words, engine_words = _split_engine_words(parser, list(sys.argv[1:] if argv is None else argv))
+    args, stray = parser.parse_known_args(words)
+    engine_words += stray
     try:
         # Checked here, not by argparse's int: its error would not name the range.
         args.port = whole_number(args.port, "--port", minimum=1, maximum=65535)
@@ -82,6 +84,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipatchError as error:
         sys.stderr.write(f"pipatch serve: error: {error}\n")
         return 2
+
+
+def _split_engine_words(parser: argparse.ArgumentParser, words: list[str]) -> tuple[list[str], list[str]]:
+    """``words`` → (pipatch's, the engine's): a ``--flag`` pipatch does not know goes to the
+    engine with the value after it, so that ``pipatch serve --tensor-parallel-size 2`` does not
+    read ``2`` as the model (argparse alone would)."""
+    ours, engine, i = [], [], 0
+    while i < len(words):
+        word = words[i]
+        name = word.split("=", 1)[0]
+        if word.startswith("--") and name not in parser._option_string_actions:
+            takes = "=" not in word and i + 1 < len(words) and not words[i + 1].startswith("-")
+            engine += words[i : i + 1 + takes]
+            i += 1 + takes
+            continue
+        ours.append(word)
+        i += 1
+    return ours, engine
 
 
 def _engine_args(words: list[str]) -> dict[str, Any]:

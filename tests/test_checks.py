@@ -171,3 +171,14 @@ def test_serve_refuses_a_port_out_of_range(capsys):
 
     assert main(["--port", "70000"]) == 2
     assert capsys.readouterr().err == "pipatch serve: error: --port 70000 is out of range: use 1..65535\n"
+
+
+def test_serve_hands_unknown_flags_and_their_values_to_the_engine():
+    from pipatch._serve import _split_engine_words, build_parser
+
+    parser = build_parser()
+    ours, engine = _split_engine_words(parser, ["--api-key", "k", "--tensor-parallel-size", "2", "--port", "1"])
+    assert parser.parse_args(ours).model is None  # "2" is the ranks, not a model named "2"
+    assert engine == ["--tensor-parallel-size", "2"]
+    ours, engine = _split_engine_words(parser, ["gpt2", "--max-model-len=512", "--dtype", "bfloat16"])
+    assert parser.parse_args(ours).model == "gpt2" and engine == ["--max-model-len=512"]

@@ -46,7 +46,7 @@ def ids_of(model, text: str, special: bool = True) -> torch.Tensor:
 def seq_logprob(model, prompt_ids: torch.Tensor, tokens: list[int], hooks=()) -> float:
     """log P(tokens | prompt) teacher-forced: one forward of prompt + tokens[:-1] under ``hooks``."""
     run = torch.cat([prompt_ids, torch.tensor([tokens[:-1]], dtype=prompt_ids.dtype)], dim=1)
-    logp = hooked(list(hooks), lambda: logits_of(model, run))[0].float().log_softmax(-1)
+    logp = hooked(list(hooks), lambda: logits_of(model, run))[0].double().log_softmax(-1)  # float64: the true value to 1e-12
     T = prompt_ids.shape[1]
     return sum(float(logp[T - 1 + j, t]) for j, t in enumerate(tokens))
 
@@ -91,8 +91,10 @@ def test_one_token_answers_read_exactly_as_before():
     logits = torch.randn(3, 1, 1, 50)
     flat = logits[:, 0, 0]
     assert torch.equal(Metric("logit_diff", 4, 9).score(logits), flat[:, 4] - flat[:, 9])
-    assert torch.equal(Metric("logprob", 4).score(logits), torch.log_softmax(flat, -1)[:, 4])
-    assert torch.equal(Metric("prob", 4).score(logits), torch.log_softmax(flat, -1)[:, 4].exp())
+    # A log-softmax taken in float64 (over a 262k vocabulary float32's is off by 2e-5), read as float32.
+    logprob = torch.log_softmax(flat.double(), -1)[:, 4].float()
+    assert torch.equal(Metric("logprob", 4).score(logits), logprob)
+    assert torch.equal(Metric("prob", 4).score(logits), logprob.exp())
     assert torch.equal(Metric("prob", 4).answer_prob(logits), flat.softmax(-1)[:, 4])
     ids = torch.tensor([[2, 3, 5]])
     assert Metric("logit_diff", 4, 9).inputs(ids) is ids and Metric("logit_diff", 4, 9).label == "logit_diff"

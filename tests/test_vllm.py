@@ -172,19 +172,19 @@ def test_multi_token_answers_equal_transformers(vllm_model, model):
 
 def test_the_logit_lens_equals_the_hand_reference(vllm_model, model):
     """Every layer's state read through vLLM's own head: the hooks-and-by-hand reference on the
-    transformers model (tests/test_lens.py), and the transformers backend's lens; a multi-token answer too."""
+    transformers model (tests/test_lens.py) within 1e-5, and the transformers backend's lens; a
+    multi-token answer too. The head-only shortcut (cells that run no block) changes no bit."""
     from tests.test_lens import reference_lens
 
     got = pipatch.lens(vllm_model, EIFFEL, answer=" Paris")
     want = reference_lens(model, EIFFEL, " Paris")
     print(f"lens: max |Δ| vs the reference {float((got.grid - want).abs().max()):.2g}")
     assert got.meta["backend"] == "vllm" and got.kind == "lens"
-    # vLLM's own float32 kernels (its RMSNorm, its unembedding product) round differently from
-    # the transformers modules the reference runs: ~2e-5 at P ~ 0.5 (the transformers backend: 1e-5).
-    assert_close(got.grid, want, atol=3e-5)
+    assert_close(got.grid, want, atol=1e-5)  # measured 2.4e-6
+    assert torch.equal(got.grid, pipatch.lens(vllm_model, EIFFEL, answer=" Paris", fast=False).grid)
     assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"))
     two = pipatch.lens(vllm_model, "The Statue of Liberty is in the city of", answer=" New York")
-    assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=3e-5)
+    assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=1e-5)
     from tests.test_lens import assert_ranks_close
 
     rank = pipatch.lens(vllm_model, EIFFEL, answer=" Paris", metric="rank")

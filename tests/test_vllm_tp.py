@@ -79,6 +79,19 @@ def test_path_patching_into_q_k_v_receivers_equals_transformers(tp_model, model)
     assert_same(got, want)
 
 
+def test_the_logit_lens_reads_the_split_head(tp_model, model):
+    """Each rank holds a slice of the vocabulary: the head-only shortcut's logits are gathered
+    ones, and a multi-token answer (a forward per cell) agrees too."""
+    from tests.test_lens import reference_lens
+
+    got = pipatch.lens(tp_model, EIFFEL, answer=" Paris")
+    want = reference_lens(model, EIFFEL, " Paris")
+    print(f"lens: max |Δ| vs the reference {float((got.grid - want).abs().max()):.2g}")
+    torch.testing.assert_close(got.grid, want, atol=1e-5, rtol=0)
+    two = pipatch.lens(tp_model, "The Statue of Liberty is in the city of", answer=" New York")
+    assert_same(two, pipatch.lens(model, "The Statue of Liberty is in the city of", answer=" New York"))
+
+
 def test_the_cli_runs_on_the_split_engine(tp_model, tmp_path):
     """``pipatch patch ... --backend vllm --tensor-parallel-size 2``: the same engine, the same grid."""
     out = tmp_path / "heads.json"

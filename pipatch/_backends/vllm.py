@@ -23,9 +23,13 @@ and is handled here and nowhere else:
   another invoke: every cell's donor values and noise draw are tensors shipped with its
   request (they are small: a position's or a head's slice). Saved values come back one per
   invoke; a name saved in several invokes comes back as a list.
-* **No shortcuts needed.** vLLM computes logits at the last position only, so the "unembed one
-  position" shortcut is built in; blocks below a patch are recomputed rather than skipped
-  (``fast`` is accepted and changes nothing), and the metric is read off ``model.logits``.
+* **One shortcut.** vLLM computes logits at the last position only, so the "unembed one
+  position" shortcut is built in; blocks below a patch are recomputed rather than skipped,
+  and the metric is read off ``model.logits``. A cell that starts past the last block (the
+  logit lens: it writes the last block's output) runs no block at all: with ``fast`` its
+  states, the base run's with its writes, go through the model's own final norm and
+  ``compute_logits`` in one request for the whole batch (:func:`_head_run`), instead of one
+  forward each. The numbers are the engine's own head on the same states.
 * **No gradients.** vLLM runs inference only: attribution is refused in one line.
 * **Interrupts.** Kernel ▸ Interrupt can land while the engine still holds this trace's
   requests; they are aborted before the ``KeyboardInterrupt`` propagates, so the engine is idle
@@ -139,9 +143,12 @@ class VLLMBackend(Described):
         Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
         last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
         its recording ops read (in op order). A cell is ``metric.n_inputs`` requests (the prompt
-        and each answer continuation), combined here. ``fast`` changes nothing (see the module
-        docstring): every cell runs its whole forward.
+        and each answer continuation), combined here. With ``fast``, cells that run no block
+        (the logit lens) go through the model's head only (:meth:`_head_only`); every other
+        cell runs its whole forward (see the module docstring).
         """
+        if fast and not full_logits and (head := self._head_only(base, cells, metric)) is not None:
+            return head, [[] for _ in cells]
         inputs = _inputs(metric, base.input_ids)[: 1 if full_logits else None]
         jobs = []
         for cell in cells:
@@ -156,6 +163,27 @@ class VLLMBackend(Described):
         if full_logits:
             return torch.cat([o[0] for o in outs]).float(), reads
         return metric.combine(_by_run([o[0] for o in outs], n)), reads
+
+    def _head_only(self, base: Base, cells: list[Cell], metric: Metric) -> torch.Tensor | None:
+        """The metric of ``cells`` that run no block (each starts past the last one and only
+        writes the last block's output), from the model's head on the base run's last states
+        with the cells' writes: [len(cells)]; ``None`` where any cell does more, or the metric
+        reads more than the prompt's last position (the capture keeps the prompt's states only)."""
+        last = self.adapter.n_layers - 1
+        if metric.n_inputs != 1 or metric.n_read != 1 or not cells or not all(
+                cell.start > last and all(op.site.is_block_output and op.layer == last and op.value is not None
+                                          for op in cell.ops) for cell in cells):
+            return None
+        states = []
+        for cell in cells:
+            state = base.capture.block_for(last, cell.seed).clone()  # [1, T, d]
+            for op in cell.sorted_ops():
+                op.apply(state)
+            states.append(state[0, -metric.n_read :])
+        jobs = [(base.input_ids[0, :1].tolist(), (self.adapter, metric, torch.stack(states[i : i + _HEAD_CELLS]).cpu()))
+                for i in range(0, len(states), _HEAD_CELLS)]
+        pieces = torch.cat(self._invokes(_head_run, jobs))  # [cells, n_read, n_sequences]
+        return metric.combine(pieces.unsqueeze(1))
 
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Logits from the unembedding's input (final-normed states), [batch, d] → [batch, vocab or
@@ -372,13 +400,37 @@ def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple],
     return out.cpu(), reads
 
 
+#: Cells per head-only request: their logits, [cells · n_read, vocab] float32, are what it holds
+#: (64 cells of Gemma 3's 262,144-token vocabulary: 64 MiB).
+_HEAD_CELLS = 64
+
+
+def _head_run(model: Any, adapter: Adapter, metric: Metric, states: torch.Tensor) -> torch.Tensor:
+    """One request's body that runs no block of its own: ``states`` ([cells, n_read, d], last
+    block outputs) through the model's final norm and ``compute_logits`` (soft-capping
+    included) → the metric's pieces, [cells, n_read, n_sequences]."""
+    assert adapter.final_norm is not None  # every family vLLM runs has one
+    module = model._module
+    cells, n_read, d = states.shape
+    normed = first(_get(module, adapter.final_norm)(_on_engine(module, states.reshape(-1, d))))
+    return metric.pieces(_own_logits(module, normed).reshape(cells, n_read, -1)).cpu()
+
+
 def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Run on the engine's worker (``collective_rpc``): the model's own logits of ``hidden``."""
-    runner = worker.model_runner
-    module = runner.get_model()
-    param = next(module.parameters())
     with torch.no_grad():
-        return module.compute_logits(hidden.to(param.device, param.dtype)).float().cpu()
+        return _own_logits(worker.model_runner.get_model(), hidden).cpu()
+
+
+def _on_engine(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` on the engine module's device, in its dtype."""
+    param = next(module.parameters())
+    return hidden.to(param.device, param.dtype)
+
+
+def _own_logits(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The engine module's own logits (soft-capping included) of final-normed ``hidden``, float32."""
+    return module.compute_logits(_on_engine(module, hidden)).float()
 
 
 # --------------------------------------------------------------------------------------------
