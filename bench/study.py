@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
 
-KNOWN_1000 = Path("/work/shared/data/known_1000.json")
+KNOWN_1000 = pipatch.known_facts()
 #: Short facts of known_1000.json the embedded model knows.
 KNOWN = [3, 21, 25, 32, 101, 81, 34, 6, 8, 49, 86, 102, 106, 109, 112, 116, 74, 10, 28, 33]
 REPEAT = 2

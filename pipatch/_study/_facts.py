@@ -43,7 +43,25 @@ from .._declare import Experiment
 from .._models import PipatchError
 from .._views import json_safe
 
-__all__ = ["Fact", "read_facts", "read_records", "records_from_text", "FIELDS"]
+__all__ = ["Fact", "read_facts", "read_records", "records_from_text", "FIELDS", "known_facts"]
+
+#: ROME's known-facts set, shipped with pipatch (MIT, its licence beside it in ``pipatch/data``).
+KNOWN_FACTS = Path(__file__).resolve().parent.parent / "data" / "known_1000.json"
+
+
+def known_facts() -> Path:
+    """The path of ROME's ``known_1000.json`` as pipatch ships it: 1,209 records with
+    ``known_id``, ``subject``, ``attribute``, ``prompt``, ``relation_id`` (Meng et al., 2022;
+    taken unchanged from kmeng01/rome, MIT licence in ``known_1000.LICENSE`` beside it).
+
+    A path, so it goes wherever a file of facts does: ``pipatch.study(model,
+    pipatch.known_facts(), store=...)``, ``pipatch study "$(python -c ...)"``, or
+    ``json.loads(pipatch.known_facts().read_text())`` for the records themselves. Its
+    ``prediction`` field is GPT-2 XL's continuation, not your model's: which facts a model knows
+    is what the study's known-fact check measures."""
+    if not KNOWN_FACTS.exists():
+        raise PipatchError(f"ROME's known facts are missing from this install ({KNOWN_FACTS}): reinstall pipatch")
+    return KNOWN_FACTS
 
 #: Every field name a study reads (before ``columns`` maps them).
 FIELDS = ("prompt", "subject", "attribute", "answer", "clean", "corrupt", "foil", "relation_id", "known_id", "id")

@@ -10,15 +10,17 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
    token after the prompt must be the first token of the answer. Facts that fail are kept
    in the store with the model's actual top-1, and (``known_only=True``, the default) not run;
 3. each known fact runs through the experiment's own planner and the engine, exactly as
-   ``pipatch.trace(model, prompt, ...)`` would run it alone, and is committed to the store
+   ``pipatch.trace(model, prompt, ...)`` would run it alone (so its result is that single
+   trace's, bit for bit, fast paths and all), and is committed to the store
    (:mod:`._store`, SQLite WAL, one transaction per fact) before the next starts. Running
    again on the same store resumes; a different configuration is refused in one line;
 4. :class:`Study` reads the store back (finished or not, without a model): each fact's
    :class:`~pipatch.Result`, averages by named position group × layer with 95 % intervals
    (:mod:`._aggregate`), a tidy table, ROME-style line plots and a heatmap.
 
-A study costs what its facts cost one by one, plus one forward per fact for the known-fact
-check (``bench/study.py`` measures both).
+A study costs what its facts cost one by one: the known-fact check is read off the clean run
+each planner starts with (an unknown fact costs that one forward and nothing more), and a
+commit per fact costs milliseconds (``bench/study.py`` measures the ratio).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         "model_fingerprint": model_fingerprint(meta.get("model_path")), "family": meta.get("family"),
         "backend": meta.get("backend"), "dtype": meta.get("dtype"), "known_only": bool(known_only),
         "pipatch_version": library_versions().get("pipatch"),
-        **{f"options.{k}": _plain(v) for k, v in sorted(bound.items())},
+        **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
     target = Store(store)
     try:
@@ -130,27 +132,44 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             if status in ("done", "unknown"):  # finished in an earlier run (an error is tried again)
                 _tell(progress, fact, None)
                 continue
-            result = _run_fact(target, entry, backend, model, plan, fact, bound, known_only, stop)
+            result = _run_fact(target, entry, backend, plan, fact, bound, known_only, stop)
             _tell(progress, fact, result)
     finally:
         target.close()
     return Study(store)
 
 
-def _run_fact(target: Store, entry: Experiment, backend: Any, model: Any, plan: Callable, fact: Fact,
+def _run_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact,
               bound: dict[str, Any], known_only: bool, stop: Any) -> Result | None:
-    """Check, run and commit one fact; ``None`` unless it ran to the end."""
+    """Check, run and commit one fact; ``None`` unless it ran to the end.
+
+    The fact is planned and run exactly as ``pipatch.<experiment>(model, **its inputs)`` would
+    run it alone (same planner, same engine, the fast paths as the options say), so its
+    stored result equals that single run's bit for bit. The known-fact check rides on the
+    planner's own clean run (:class:`_KnownCheck`): no extra forward for a known fact, and an
+    unknown one stops at that run.
+    """
     if fact.error is not None:
         target.put(fact, "error", message=fact.error)
         return None
     inputs = {**bound, **fact.inputs}
+    prompt, answer = inputs[entry.prompts.fields[0]], inputs.get("answer")
     started = time.perf_counter()
     try:
-        known, top1 = known_fact(backend, inputs[entry.prompts.fields[0]], inputs.get("answer"))
+        first = None if answer is None else answer_ids(backend, answer, "answer")[0]
+        checked = _KnownCheck(backend, first, stop_unknown=known_only)
+        try:
+            fact_plan = plan(entry, checked, **inputs)
+        except _Unknown as unknown:
+            target.put(fact, "unknown", known=False, top1=backend.decode([unknown.top1])[0])
+            return None
+        if checked.top1 is None:  # the planner read no logits (a logit difference): one forward more
+            known, top1 = known_fact(backend, prompt, answer)
+        else:
+            known, top1 = (None if first is None else checked.top1 == first), backend.decode([checked.top1])[0]
         if known_only and known is False:
             target.put(fact, "unknown", known=False, top1=top1)
             return None
-        fact_plan = plan(entry, model, **inputs)
         result = fact_plan.run(stop=stop)
         if result.status != "done":  # stopped mid-fact: not stored, the next run does it again
             return None
@@ -166,18 +185,69 @@ def _run_fact(target: Store, entry: Experiment, backend: Any, model: Any, plan: 
     return result
 
 
+class _Unknown(Exception):
+    """Raised out of a planner by :class:`_KnownCheck`: the clean run's top-1 is not the answer."""
+
+    def __init__(self, top1: int):
+        super().__init__(top1)
+        self.top1 = top1
+
+
+class _KnownCheck:
+    """The backend as one fact's planner sees it: its first capture, the clean run every
+    planner starts with, is also ROME's known-fact check.
+
+    Everything is the backend's own (attributes are looked up on it), so the plan and its
+    result are what the planner makes on the backend itself. The first capture's ``top1``
+    (the model's top next token after the clean prompt, where the backend read the logits) is
+    kept in :attr:`top1`; with ``stop_unknown`` a top-1 other than ``first`` (the answer's
+    first token) raises :class:`_Unknown` there, before the corrupted runs.
+    """
+
+    def __init__(self, backend: Any, first: int | None, *, stop_unknown: bool):
+        self._backend, self._first, self._stop_unknown = backend, first, stop_unknown
+        self._seen = False
+        self.top1: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def capture(self, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Any] = (), *, ops: Any = None) -> Any:
+        run = self._backend.capture(input_ids, metric, sites, ops=ops)
+        self._check(run if ops is None else None)
+        return run
+
+    def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Any] = ()) -> Any:
+        runs = self._backend.captures(prompts, metric, sites)
+        self._check(runs[0])  # the clean prompt comes first
+        return runs
+
+    def _check(self, run: Any) -> None:
+        if self._seen:
+            return
+        self._seen = True
+        if run is None or getattr(run, "top1", None) is None:
+            return
+        self.top1 = int(run.top1[0])
+        if self._stop_unknown and self._first is not None and self.top1 != self._first:
+            raise _Unknown(self.top1)
+
+
 def known_fact(backend: Any, prompt: str, answer: str | None) -> tuple[bool | None, str]:
     """ROME's rule: whether the model's top-1 next token after ``prompt`` is the first token of
     ``answer``, and that top-1 token's text (``None``, unknown, without an answer).
 
-    One forward reads the answer's rank (0: no token above it); a fact it fails costs a second,
-    which reads every logit for the top-1's text.
+    One forward, which reads the top-1 off the logits where the backend reports it
+    (``Capture.top1``); elsewhere it reads the answer's rank (0: no token above it), and a
+    fact it fails costs a second, which reads every logit for the top-1's text. A study calls
+    this only when the experiment's own clean run read no logits (:class:`_KnownCheck`).
     """
     ids, _, _ = encode(backend, prompt)
-    if answer is None:
-        first = 0
-    else:
-        first = answer_ids(backend, answer, "answer")[0]
+    first = 0 if answer is None else answer_ids(backend, answer, "answer")[0]
+    capture = backend.capture(ids, Metric("prob", (first,)))
+    if getattr(capture, "top1", None) is not None:
+        top = int(capture.top1[0])
+        return (None if answer is None else top == first), backend.decode([top])[0]
     metric = Metric("rank", (first,))
     capture = backend.capture(ids, metric)
     if answer is not None and float(capture.metric[0]) == 0:
@@ -251,7 +321,15 @@ def model_fingerprint(path: Any) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def _plain(value: Any) -> Any:
+def _canonical(value: Any) -> Any:
+    """An option as the stored configuration records it: one spelling per meaning, so a resume
+    is not refused for spelling. A list of names and its comma-separated text are one value
+    (``["resid", "mlp"]``, ``"resid, mlp"`` → ``"resid,mlp"``: what the flag would say); any
+    other tuple is a list (JSON's)."""
+    if isinstance(value, str) and "," in value:
+        return ",".join(part.strip() for part in value.split(","))
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return ",".join(v.strip() for v in value)
     return list(value) if isinstance(value, tuple) else value
 
 
