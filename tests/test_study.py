@@ -1,7 +1,10 @@
 """Studies (#32): one experiment over many facts, into a durable SQLite store, averaged.
 
-Real model, real nnsight, ROME's own ``known_1000.json``. Kept cheap: short known facts, the
-residual kind, one or two seeds at a fixed noise scale (no scale search).
+Real nnsight, ROME's own ``known_1000.json`` as pipatch ships it (:func:`pipatch.known_facts`),
+the embedded model, and a tiny random-weight model (:mod:`tests._tiny`) where a check needs
+many cells. Kept cheap: short known facts, the residual kind, one or two seeds at a fixed
+noise scale (no scale search), the fast paths on (a study runs each fact as the single trace
+does, so it equals that trace bit for bit).
 """
 
 from __future__ import annotations
@@ -22,21 +25,19 @@ import torch
 import pipatch
 from pipatch._registry import experiment
 from pipatch._study._facts import read_facts
+from tests._tiny import save_tiny, tiny_model
 
 KNOWN_1000 = pipatch.known_facts()
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Short facts of known_1000.json the embedded model knows (top-1 = the answer's first token).
 KNOWN = [3, 21, 25, 32, 101, 81, 34, 6, 8, 49, 86, 102, 106, 109, 112, 116, 74, 10, 28, 33]
+#: The facts of the study the aggregate tests read: two relations (P36 twice).
+SIX = KNOWN[:6]
 #: Facts it gets wrong (top-1 is something else).
 UNKNOWN = [0, 1, 2]
 #: A cheap trace: one residual grid, a fixed scale.
 CHEAP = {"sites": "resid", "seeds": 1, "scale": 3.0}
-#: The same, each cell run in full (``fast=False``). The fast path packs cells into traces by
-#: what they share, so a fact alone and the same fact inside a list-form dataset are summed in
-#: other orders (they agree to ~1e-5); run in full they agree to ~1e-7, which the 1e-6 check needs.
-EXACT = {**CHEAP, "fast": False}
-
 
 
 def records(indices):
@@ -45,58 +46,96 @@ def records(indices):
 
 
 @pytest.fixture(scope="module")
-def twenty(model, tmp_path_factory):
-    """A 20-fact study of known facts (resid, one seed) and its store path."""
-    store = tmp_path_factory.mktemp("study") / "twenty.sqlite"
+def six(model, tmp_path_factory):
+    """A 6-fact study of known facts (resid, one seed), and what its progress hook saw."""
+    store = tmp_path_factory.mktemp("study") / "six.sqlite"
     seen = []
-    found = pipatch.study(model, records(KNOWN), store=store, progress=lambda i, r, res: seen.append((i, res)), **EXACT)
+    found = pipatch.study(model, records(SIX), store=store, progress=lambda i, r, res: seen.append((i, res)), **CHEAP)
     return found, seen
 
 
 # --------------------------------------------------------------------------------------------
-# The aggregate is the list-form dataset trace
+# Each fact is its single trace; the aggregate is the list-form dataset trace
 # --------------------------------------------------------------------------------------------
 
 
-def test_a_studys_aggregate_equals_the_list_form_dataset_trace(model, twenty):
-    found, seen = twenty
-    assert found.counts()["done"] == 20 and [i for i, _ in seen] == list(range(20))
+def test_each_fact_of_a_study_is_its_single_trace_bit_for_bit(model, six):
+    found, seen = six
+    assert found.counts()["done"] == 6 and [i for i, _ in seen] == list(range(6))
     assert all(result is not None for _, result in seen)
-    facts = records(KNOWN)
-    dataset = pipatch.trace(model, [f["prompt"] for f in facts], subject=[f["subject"] for f in facts],
-                            answer=[" " + f["attribute"] for f in facts], **EXACT)
+    for i, fact in list(enumerate(records(SIX)))[:2]:
+        single = pipatch.trace(model, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **CHEAP)
+        assert single.meta["engine"]["fast"] is True
+        assert torch.equal(found[i].raw["resid"], single.raw["resid"]), i
+        assert torch.equal(found[i].corrupt, single.corrupt) and found[i].clean == single.clean
+        assert found[i].tokens == single.tokens
+
+
+#: Twenty facts the tiny model's word-level tokenizer reads one token a word (4 relations).
+TINY_SUBJECTS = ["Eiffel Tower", "Colosseum", "Big Ben", "Brandenburg Gate", "Kremlin"]
+TINY_TEMPLATES = {"city": ("The {} is located in the city of", " Paris"),
+                  "country": ("The {} is in the country of", " France"),
+                  "famous": ("The {} is famous for the", " king"),
+                  "people": ("The people who lived at the {} speak", " French")}
+
+
+def tiny_facts():
+    return [{"prompt": template.format(subject), "subject": subject, "attribute": answer.strip(),
+             "relation_id": relation, "known_id": 100 * r + s}
+            for r, (relation, (template, answer)) in enumerate(TINY_TEMPLATES.items())
+            for s, subject in enumerate(TINY_SUBJECTS)]
+
+
+def test_a_twenty_fact_studys_aggregate_equals_the_list_form_dataset_trace(tmp_path):
+    # A random model knows no fact: known_only=False runs them all. Each cell run in full
+    # (fast=False) on both sides: the list form packs the cells of all its prompts together,
+    # a fact alone packs its own, and the sums then differ in the last bits (~1e-5 on Gemma).
+    # One seed: with several, a study averages each fact's seeds first (ROME's order), the
+    # list form every (prompt, seed) row at once; they differ where a seed cannot be normalised.
+    tiny = tiny_model("gemma3")
+    facts = tiny_facts()
+    exact = {"sites": "resid,mlp", "seeds": 1, "scale": 3.0, "window": 2, "fast": False}
+    found = pipatch.study(tiny, facts, store=tmp_path / "tiny.sqlite", known_only=False, **exact)
+    assert found.counts()["done"] == 20, [r["message"] for r in found.facts()]
+    dataset = pipatch.trace(tiny, [f["prompt"] for f in facts], subject=[f["subject"] for f in facts],
+                            answer=[" " + f["attribute"] for f in facts], **exact)
     assert found.aggregate()["group"].unique().tolist() == dataset.columns
-    mine = found.grid("resid")
-    assert mine.shape == dataset.grid.shape
-    assert torch.allclose(mine, dataset.grid, atol=1e-6, rtol=0, equal_nan=True), (mine - dataset.grid).abs().nan_to_num(0).max()
+    for view in ("resid", "mlp"):
+        mine, want = found.grid(view), dataset.mean(view)
+        assert mine.shape == want.shape == (3, 7)
+        assert torch.allclose(mine, want, atol=1e-6, rtol=0, equal_nan=True), (mine - want).abs().nan_to_num(0).max()
     # ROME's raw effect: P(restored) − P(corrupted), averaged the same way.
     raw = dataset.raw["resid"] - dataset.corrupt.reshape(-1, 1, 1)
     assert torch.allclose(found.grid("resid", "raw_effect"), torch.nanmean(raw, 0), atol=1e-6, equal_nan=True)
+    # The same facts spelled another way resume (a list of sites is the comma-separated text).
+    again = pipatch.study(tiny, facts, store=tmp_path / "tiny.sqlite", known_only=False,
+                          **{**exact, "sites": ["resid", " mlp"]})
+    assert again.counts()["done"] == 20
 
 
-def test_the_aggregate_has_95_percent_t_intervals_and_a_relation_breakdown(twenty):
-    found, _ = twenty
+def test_the_aggregate_has_95_percent_t_intervals_and_a_relation_breakdown(six):
+    found, _ = six
     table = found.aggregate()
     last = table[(table.group == "last") & (table.layer == 17) & (table.metric == "recovery")].iloc[0]
-    assert last.n == 20 and last.low < last["mean"] < last.high
-    # mean ± t(0.975, 19) · sd / √20, t(0.975, 19) = 2.093
-    assert last.high - last["mean"] == pytest.approx(2.0930 * last.sd / 20 ** 0.5, rel=1e-3)
+    assert last.n == 6 and last.low < last["mean"] < last.high
+    # mean ± t(0.975, 5) · sd / √6, t(0.975, 5) = 2.5706
+    assert last.high - last["mean"] == pytest.approx(2.5706 * last.sd / 6 ** 0.5, rel=1e-3)
     by = found.aggregate(by="relation_id")
-    assert set(by.relation_id) == {f["relation_id"] for f in records(KNOWN)}
+    assert set(by.relation_id) == {f["relation_id"] for f in records(SIX)}
     p36 = by[(by.relation_id == "P36") & (by.metric == "recovery") & (by.kind == "resid")]
-    assert p36.n.max() == sum(f["relation_id"] == "P36" for f in records(KNOWN))
+    assert p36.n.max() == sum(f["relation_id"] == "P36" for f in records(SIX)) >= 2
     assert torch.allclose(torch.tensor(p36["mean"].to_numpy()).reshape(18, 7).float(),
                           found.grid("resid", relation="P36"), equal_nan=True)
 
 
-def test_frame_is_tidy_and_each_fact_is_its_own_result(twenty, tmp_path):
-    found, _ = twenty
+def test_frame_is_tidy_and_each_fact_is_its_own_result(six, tmp_path):
+    found, _ = six
     frame = found.frame()
     assert list(frame.columns) == ["fact", "fact_id", "relation", "subject", "kind", "layer", "group", "metric", "value"]
-    assert len(frame) == 20 * 2 * 1 * 18 * 7  # facts × metrics × kinds × layers × groups
-    assert frame.fact_id.iloc[0] == str(KNOWN[0]) and frame.relation.iloc[0] == records(KNOWN)[0]["relation_id"]
+    assert len(frame) == 6 * 2 * 1 * 18 * 7  # facts × metrics × kinds × layers × groups
+    assert frame.fact_id.iloc[0] == str(SIX[0]) and frame.relation.iloc[0] == records(SIX)[0]["relation_id"]
     one = found[0]
-    assert isinstance(one, pipatch.Result) and one.meta["prompt"] == records(KNOWN)[0]["prompt"]
+    assert isinstance(one, pipatch.Result) and one.meta["prompt"] == records(SIX)[0]["prompt"]
     mine = frame[(frame.fact == 0) & (frame.metric == "recovery") & (frame.group == "last")].value.to_numpy()
     assert torch.allclose(torch.tensor(mine).float(), one.grid[:, -1], atol=1e-6)
     path = found.to_csv(tmp_path / "frame.csv")
@@ -109,14 +148,14 @@ def test_frame_is_tidy_and_each_fact_is_its_own_result(twenty, tmp_path):
             found.to_parquet(tmp_path / "frame.parquet")
 
 
-def test_plots_and_heatmap_draw(twenty):
-    found, _ = twenty
+def test_plots_and_heatmap_draw(six):
+    found, _ = six
     fig = found.plot()
     assert [ax.get_title() for ax in fig.axes] == ["last subject", "last"]
     assert len(fig.axes[0].lines) == 1 + 1  # one kind, and the zero line
     heat = found.heatmap()
     assert heat.axes[0].images[0].get_array().shape == (18, 7)
-    assert "20 of 20 known" in repr(found)
+    assert "6 of 6 known" in repr(found)
     assert torch.allclose(found.as_result().grid, found.grid(), equal_nan=True)
 
 
@@ -125,17 +164,18 @@ def test_plots_and_heatmap_draw(twenty):
 # --------------------------------------------------------------------------------------------
 
 
-def test_a_rerun_resumes_and_another_configuration_is_refused_in_one_line(model, twenty, tmp_path):
-    found, _ = twenty
+def test_a_rerun_resumes_and_another_configuration_is_refused_in_one_line(model, six, tmp_path):
+    found, _ = six
     ran = []
-    again = pipatch.study(model, records(KNOWN), store=found.path, progress=lambda i, r, res: ran.append(res), **EXACT)
-    assert again.counts()["done"] == 20 and ran == [None] * 20  # nothing ran twice
+    again = pipatch.study(model, records(SIX), store=found.path, progress=lambda i, r, res: ran.append(res),
+                          **{**CHEAP, "sites": ["resid"]})  # the same configuration, spelled as a list
+    assert again.counts()["done"] == 6 and ran == [None] * 6  # nothing ran twice
     with pytest.raises(pipatch.PipatchError) as error:
-        pipatch.study(model, records(KNOWN), store=found.path, **{**EXACT, "seeds": 2})
+        pipatch.study(model, records(SIX), store=found.path, **{**CHEAP, "seeds": 2})
     message = str(error.value)
     assert "\n" not in message and "options.seeds" in message and "new store path" in message
     with pytest.raises(pipatch.PipatchError, match="another record 0"):
-        pipatch.study(model, records(KNOWN[::-1]), store=found.path, **EXACT)
+        pipatch.study(model, records(SIX[::-1]), store=found.path, **CHEAP)
 
 
 def test_load_study_reads_a_half_finished_store_without_a_model(model, tmp_path):
@@ -145,13 +185,13 @@ def test_load_study_reads_a_half_finished_store_without_a_model(model, tmp_path)
     def stop():
         return len(done) >= 2
 
-    pipatch.study(model, records(KNOWN[:5]), store=store, progress=lambda i, r, res: done.append(i), stop=stop, **CHEAP)
+    pipatch.study(model, records(KNOWN[:3]), store=store, progress=lambda i, r, res: done.append(i), stop=stop, **CHEAP)
     half = pipatch.load_study(store)
-    assert half.counts() == {"total": 5, "done": 2, "unknown": 0, "error": 0, "pending": 3, "checked": 2}
-    assert "2 done, 0 errors, 3 pending" in half.summary()
+    assert half.counts() == {"total": 3, "done": 2, "unknown": 0, "error": 0, "pending": 1, "checked": 2}
+    assert "2 done, 0 errors, 1 pending" in half.summary()
     assert half.grid().shape == (18, 7) and half[1].meta["subject"] == records(KNOWN)[1]["subject"]
-    with pytest.raises(pipatch.PipatchError, match="fact 3 is not in the store"):
-        half[3]
+    with pytest.raises(pipatch.PipatchError, match="fact 2 is not in the store"):
+        half[2]
     with pytest.raises(pipatch.PipatchError, match="no study store"):
         pipatch.load_study(tmp_path / "missing.sqlite")
 
@@ -314,9 +354,10 @@ def test_options_are_checked_by_the_experiments_declaration(model, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _study_command(facts: Path, store: Path, *extra: str) -> list[str]:
+def _study_command(facts: Path, store: Path, *extra: str, model: Path | None = None) -> list[str]:
     return [sys.executable, "-m", "pipatch.cli", "study", str(facts), "--store", str(store), "--kind", "resid",
-            "--seeds", "2", "--scale", "3", "--quiet", *extra]
+            "--seeds", "2", "--scale", "3", *(["--model", str(model), "--all-facts"] if model else []),
+            *extra]
 
 
 def _rows(store: Path) -> dict[int, tuple]:
@@ -327,58 +368,78 @@ def _rows(store: Path) -> dict[int, tuple]:
         db.close()
 
 
-def test_sigkill_at_random_moments_loses_at_most_the_fact_in_flight(tmp_path):
+def _started(process: subprocess.Popen) -> float:
+    """Block until ``process`` (a ``pipatch study``) shows its progress bar, i.e. the model is
+    loaded and the facts are read: the study's loop starts now. Its time."""
+    process.stderr.read(1)  # tqdm's first frame (b"" if it died first)
+    return time.perf_counter()
+
+
+def test_sigkill_at_random_moments_loses_at_most_the_facts_in_flight(tmp_path):
+    # A real ``pipatch study`` process, on a tiny model saved to a folder (its facts take
+    # milliseconds, so the ten kills cost the processes' start-ups, not the model).
+    model = save_tiny("gemma3", tmp_path / "tiny")
     facts = tmp_path / "facts.jsonl"
-    facts.write_text("\n".join(json.dumps(f) for f in records(KNOWN[:4])) + "\n")
+    facts.write_text("\n".join(json.dumps(f) for f in tiny_facts()[:6]) + "\n")
     reference = tmp_path / "reference.sqlite"
-    started = time.perf_counter()
-    done = subprocess.run(_study_command(facts, reference), capture_output=True, text=True, timeout=900)
-    full = time.perf_counter() - started
-    assert done.returncode == 0, done.stderr
-    assert "4 of 4 known; 4 done, 0 errors, 0 pending" in done.stdout
+    process = subprocess.Popen(_study_command(facts, reference, model=model), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    began = _started(process)
+    out, err = process.communicate(timeout=600)
+    work = time.perf_counter() - began  # the study loop's time, start-up excluded
+    assert process.returncode == 0, err
+    assert b"6 done, 0 errors, 0 pending" in out
     want = _rows(reference)
-    assert len(want) == 4
+    assert len(want) == 6
 
     store = tmp_path / "killed.sqlite"
     rng = random.Random(32)
     kills, runs, finished_counts = 0, 0, []
     while kills < 10 and runs < 30:
         runs += 1
-        process = subprocess.Popen(_study_command(facts, store), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(_study_command(facts, store, model=model), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE)
+        _started(process)
         try:
-            process.wait(timeout=rng.uniform(0.5, full))
+            process.wait(timeout=rng.uniform(0, work))  # a random moment of the loop: a fact, a commit
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGKILL)
-            process.wait()
             kills += 1
-        if store.exists():
-            db = sqlite3.connect(str(store))
-            try:
-                assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-            finally:
-                db.close()
-            rows = _rows(store)
-            finished_counts.append(len(rows))
-            for index, row in rows.items():  # whatever is stored is a whole fact, the reference's
-                assert row == want[index], index
-            if len(rows) == 4 and kills < 10:
-                store.unlink()  # start over: every kill should land while facts are still running
-                for suffix in ("-wal", "-shm"):
-                    Path(str(store) + suffix).unlink(missing_ok=True)
+        process.wait()
+        process.stderr.close()
+        db = sqlite3.connect(str(store))
+        try:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        finally:
+            db.close()
+        rows = _rows(store)
+        finished_counts.append(len(rows))
+        for index, row in rows.items():  # whatever is stored is a whole fact, the reference's
+            assert row == want[index], index
+        if len(rows) == 6 and kills < 10:
+            store.unlink()  # start over: every kill should land while facts are still running
+            for suffix in ("-wal", "-shm"):
+                Path(str(store) + suffix).unlink(missing_ok=True)
     assert kills == 10, (kills, runs)
-    finish = subprocess.run(_study_command(facts, store), capture_output=True, text=True, timeout=900)
+    finish = subprocess.run(_study_command(facts, store, model=model), capture_output=True, timeout=600)
     assert finish.returncode == 0, finish.stderr
     assert _rows(store) == want  # every fact bit for bit: raw values of every seed, baselines, tokens
-    assert any(0 < n < 4 for n in finished_counts), finished_counts  # some kills landed between facts
+    assert any(0 < n < 6 for n in finished_counts), finished_counts  # some kills landed between facts
     assert pipatch.load_study(store).summary() == pipatch.load_study(reference).summary()
 
 
-def test_the_command_refuses_another_configuration_in_one_line(tmp_path, model):
+def test_the_command_refuses_another_configuration_in_one_line(tmp_path):
+    folder = save_tiny("gemma3", tmp_path / "tiny")
     facts = tmp_path / "one.json"
-    facts.write_text(json.dumps(records(KNOWN[:1])))
+    facts.write_text(json.dumps(tiny_facts()[:1]))
     store = tmp_path / "one.sqlite"
-    pipatch.study(model, facts, store=store, sites="resid", seeds=2, scale=3.0)
-    out = subprocess.run(_study_command(facts, store, "--seeds", "1"), capture_output=True, text=True, timeout=600)
+    pipatch.study(pipatch.load_model(str(folder)), facts, store=store, known_only=False, sites="resid", seeds=2,
+                  scale=3.0)
+    same = subprocess.run(_study_command(facts, store, "--quiet", model=folder), capture_output=True, text=True,
+                          timeout=600)
+    assert same.returncode == 0 and "1 done" in same.stdout, same.stderr  # the same study, resumed
+    out = subprocess.run(_study_command(facts, store, "--seeds", "1", "--quiet", model=folder), capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pipatch study: error:") and "options.seeds" in lines[0], out.stderr
