@@ -327,7 +327,7 @@ def make_study_magic(shell: Any) -> Callable[..., None]:
             raise UsageError(f"%study: {error}") from None
         model = _model(shell, args.model, args.backend)
         try:
-            found = study(model, facts, entry, **keywords)
+            found = study(model, facts, entry, show=getattr(shell, "kernel", None) is not None, **keywords)
         except PipatchError as error:
             raise UsageError(f"%study: {error}") from None
         shell.user_ns[args.out] = found

@@ -469,3 +469,74 @@ def test_study_magics_bind_the_study(model, tmp_path):
         shell.run_cell_magic("study", f"--store {store} --model m --seeds 2 --scale 3", body)
     with pytest.raises(UsageError, match="--store"):
         shell.run_line_magic("study", f"{facts}")
+
+
+# --------------------------------------------------------------------------------------------
+# The live view (the browser's side: tests/e2e/test_study_browser.py)
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_path):
+    from pipatch._study._view import AGGREGATE, StudyView
+
+    tiny = tiny_model("gemma3")
+    facts = tiny_facts()[:4]
+    store = tmp_path / "live.sqlite"
+    views = []
+
+    def spy(index, record, result):  # what the browser would see after each fact
+        view = views[0] if views else None
+        if view is not None:
+            view.grid.flush()
+            snapshots.append((view.grid.message, list(view.grid.seed_labels), len(view.facts.options)))
+
+    snapshots: list = []
+    original = StudyView.__init__
+
+    def remember(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        views.append(self)
+
+    StudyView.__init__ = remember
+    try:
+        found = pipatch.study(tiny, facts, store=store, known_only=False, show=True, progress=spy, **CHEAP)
+    finally:
+        StudyView.__init__ = original
+    view = views[0]
+    # Facts stream into the aggregate: after fact i, i+1 done, i+1 rows (facts) under the average.
+    assert [s[0].split(" · ")[0] for s in snapshots] == ["1 done", "2 done", "3 done", "4 done"]
+    assert all(" · 4 total · " in s[0] and "facts/min" in s[0] for s in snapshots)
+    assert [len(s[1]) for s in snapshots] == [1, 2, 3, 4] and [s[2] for s in snapshots] == [2, 3, 4, 5]
+    assert view.grid.status == "done" and not view.grid.stoppable
+    assert torch.allclose(_grid_of(view.grid), found.grid().nan_to_num(-9), atol=1e-6)
+    # A click on a fact draws its own grid; the aggregate comes back from the list's first entry.
+    view.facts.value = 2
+    assert view.grid.kind == "trace" and torch.allclose(_grid_of(view.grid), found[2].grid.nan_to_num(-9), atol=1e-6)
+    assert view.facts.options[3][0] == f"fact 2 ({facts[2]['known_id']}): {facts[2]['subject']}"
+    view.facts.value = AGGREGATE
+    assert view.grid.kind == "study"
+    # Stop keeps what finished: the study ends after the fact in flight, the rest pending.
+    stop_after = []
+
+    def press_stop(index, record, result):
+        stop_after.append(index)
+        if len(stop_after) == 2:
+            views[-1].grid.stop_requested = True
+
+    StudyView.__init__ = remember
+    try:
+        half = pipatch.study(tiny, facts, store=tmp_path / "stopped.sqlite", known_only=False, show=True,
+                             progress=press_stop, **CHEAP)
+    finally:
+        StudyView.__init__ = original
+    assert half.counts()["done"] == 2 and half.counts()["pending"] == 2
+    assert views[-1].grid.status == "stopped" and "run again to resume" in views[-1].grid.message
+
+
+def _grid_of(widget) -> torch.Tensor:
+    """The mean grid a widget draws (its first view), NaN as -9: what ``selectMatrix`` reads."""
+    from pipatch._views.schema import select_matrix
+
+    matrix = select_matrix(widget.get_state_dict(), widget.views[0])
+    assert matrix is not None
+    return torch.from_numpy(matrix.astype("float32")).nan_to_num(-9)

@@ -61,7 +61,7 @@ Progress = Callable[[int, dict, Result | None], None]
 
 def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, store: str | os.PathLike,
           known_only: bool = True, columns: Mapping[str, str] | None = None, progress: Progress | None = None,
-          limit: int | None = None, stop: Any = None, **options: Any) -> Study:
+          limit: int | None = None, stop: Any = None, show: bool = False, **options: Any) -> Study:
     """Run ``experiment`` on every fact of ``facts`` into the SQLite file ``store``; return the :class:`Study`.
 
     Parameters
@@ -89,6 +89,10 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
     stop
         A ``threading.Event`` or function: when set, the study stops after the current fact
         (the fact in flight stops after its batch and is not stored).
+    show
+        Show the live view in the notebook (:mod:`._view`): the aggregate grid re-drawn as
+        facts finish, done / known / total, facts per minute, time left, Stop, and a fact
+        list that draws one fact's own grid; its saved copy renders without a kernel.
     **options
         The experiment's own options (``seeds=``, ``sites=``, ``site=``, ...), checked by its
         declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact.
@@ -113,7 +117,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         "pipatch_version": library_versions().get("pipatch"),
         **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
-    target = Store(store)
+    target, view = Store(store), None
     try:
         target.check_config(config)
         records = read_facts(facts, entry, columns=columns, given=given)
@@ -125,6 +129,12 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
                 raise PipatchError(f"the store {str(target.path)!r} holds another {fact.name} than the one given "
                                    "(the facts changed): give a new store path, or the facts it was made from")
         target.set_info("n_facts", len(records))
+        if show:
+            from ._view import StudyView
+
+            view = StudyView(target.path, len(records))
+            view.display()
+            progress, stop = _both(view.progress, progress), _either(stop, view.stop)
         for fact in records:
             if _stopped(stop):
                 break
@@ -136,6 +146,8 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             _tell(progress, fact, result)
     finally:
         target.close()
+        if view is not None:
+            view.finish(show=True)
     return Study(store)
 
 
@@ -337,6 +349,18 @@ def _stopped(stop: Any) -> bool:
     if stop is None:
         return False
     return bool(stop.is_set() if hasattr(stop, "is_set") else stop())
+
+
+def _both(first: Progress, second: Progress | None) -> Progress:
+    def both(index: int, record: dict, result: Result | None) -> None:
+        first(index, record, result)
+        if second is not None:
+            second(index, record, result)
+    return both
+
+
+def _either(first: Any, second: Any) -> Callable[[], bool]:
+    return lambda: _stopped(first) or _stopped(second)
 
 
 def _tell(progress: Progress | None, fact: Fact, result: Result | None) -> None:
