@@ -23,6 +23,7 @@ seconds of compute, so FULL is the choice.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping
@@ -80,7 +81,7 @@ class StoredFact(dict):
 class Store:
     """The SQLite file of one study (see the module docstring)."""
 
-    def __init__(self, path: str | Path, *, create: bool = True):
+    def __init__(self, path: str | os.PathLike, *, create: bool = True):
         self.path = Path(path)
         if not create and not self.path.exists():
             raise PipatchError(f"no study store at {str(self.path)!r}: check the path (pipatch.study(..., store=PATH) "

@@ -134,8 +134,10 @@ class StudyView:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _aggregate_state(self, study: Any) -> dict[str, Any]:
-        state = study.as_result().to_state()
+        result = study.as_result()
+        state = result.to_state()
         state["title"] = f"{study.experiment} study · mean over {study.counts()['done']} facts"
+        state["rows_done"] = {view: len(result.layers) for view in result.views}  # every row drawn, running or not
         for key in ("status", "message", "eta", "elapsed", "stoppable"):
             state.pop(key, None)
         return state
