@@ -46,6 +46,7 @@ class StudyView:
         import ipywidgets
 
         from .._live import PatchGrid
+        from .._widget import _prefer_frontend_subshell
 
         self.store, self.total = store, int(total)
         self.stop = threading.Event()
@@ -55,6 +56,7 @@ class StudyView:
         self.facts = ipywidgets.Select(options=[("average over the finished facts", AGGREGATE)], value=AGGREGATE,
                                        rows=8, description="facts", layout=ipywidgets.Layout(width="auto"))
         self.facts.observe(lambda change: self.show_fact(change["new"]), names="value")
+        _prefer_frontend_subshell(getattr(self.facts, "comm", None))  # a click is heard while the study runs
         self.box = ipywidgets.VBox([self.grid, self.facts])
         self._lock = threading.RLock()
         self._started, self._since = time.perf_counter(), time.time()  # the rate counts this run's facts only
