@@ -476,59 +476,53 @@ def test_study_magics_bind_the_study(model, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_path):
+def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_path, monkeypatch):
     from pipatch._study._view import AGGREGATE, StudyView
 
     tiny = tiny_model("gemma3")
     facts = tiny_facts()[:4]
-    store = tmp_path / "live.sqlite"
-    views = []
-
-    def spy(index, record, result):  # what the browser would see after each fact
-        view = views[0] if views else None
-        if view is not None:
-            view.grid.flush()
-            snapshots.append((view.grid.message, list(view.grid.seed_labels), len(view.facts.options)))
-
-    snapshots: list = []
+    views: list = []
     original = StudyView.__init__
 
     def remember(self, *args, **kwargs):
         original(self, *args, **kwargs)
         views.append(self)
 
-    StudyView.__init__ = remember
-    try:
-        found = pipatch.study(tiny, facts, store=store, known_only=False, show=True, progress=spy, **CHEAP)
-    finally:
-        StudyView.__init__ = original
-    view = views[0]
+    monkeypatch.setattr(StudyView, "__init__", remember)
+    snapshots: list = []
+    clicks: list = []
+
+    def watch(index, record, result):  # what the browser sees after each fact (the view's hook ran first)
+        view = views[-1]
+        view.grid.flush()
+        snapshots.append((view.grid.message, list(view.grid.seed_labels), len(view.facts.options),
+                          _grid_of(view.grid)))
+        if index == 2:  # a click on fact 1 while the study runs draws its own grid; the average comes back
+            view.facts.value = 1
+            clicks.append((view.grid.kind, _grid_of(view.grid)))
+            view.facts.value = AGGREGATE
+            clicks.append((view.grid.kind, _grid_of(view.grid)))
+
+    found = pipatch.study(tiny, facts, store=tmp_path / "live.sqlite", known_only=False, show=True, progress=watch,
+                          **CHEAP)
     # Facts stream into the aggregate: after fact i, i+1 done, i+1 rows (facts) under the average.
     assert [s[0].split(" · ")[0] for s in snapshots] == ["1 done", "2 done", "3 done", "4 done"]
     assert all(" · 4 total · " in s[0] and "facts/min" in s[0] for s in snapshots)
     assert [len(s[1]) for s in snapshots] == [1, 2, 3, 4] and [s[2] for s in snapshots] == [2, 3, 4, 5]
-    assert view.grid.status == "done" and not view.grid.stoppable
-    assert torch.allclose(_grid_of(view.grid), found.grid().nan_to_num(-9), atol=1e-6)
-    # A click on a fact draws its own grid; the aggregate comes back from the list's first entry.
-    view.facts.value = 2
-    assert view.grid.kind == "trace" and torch.allclose(_grid_of(view.grid), found[2].grid.nan_to_num(-9), atol=1e-6)
-    assert view.facts.options[3][0] == f"fact 2 ({facts[2]['known_id']}): {facts[2]['subject']}"
-    view.facts.value = AGGREGATE
-    assert view.grid.kind == "study"
+    assert torch.allclose(snapshots[-1][3], found.grid().nan_to_num(-9), atol=1e-6)
+    assert clicks[0][0] == "trace" and torch.allclose(clicks[0][1], found[1].grid.nan_to_num(-9), atol=1e-6)
+    assert clicks[1][0] == "study" and torch.allclose(clicks[1][1], snapshots[2][3])
+    assert views[-1].grid.status == "done" and not views[-1].grid.stoppable
     # Stop keeps what finished: the study ends after the fact in flight, the rest pending.
-    stop_after = []
+    pressed: list = []
 
     def press_stop(index, record, result):
-        stop_after.append(index)
-        if len(stop_after) == 2:
+        pressed.append(index)
+        if len(pressed) == 2:
             views[-1].grid.stop_requested = True
 
-    StudyView.__init__ = remember
-    try:
-        half = pipatch.study(tiny, facts, store=tmp_path / "stopped.sqlite", known_only=False, show=True,
-                             progress=press_stop, **CHEAP)
-    finally:
-        StudyView.__init__ = original
+    half = pipatch.study(tiny, facts, store=tmp_path / "stopped.sqlite", known_only=False, show=True,
+                         progress=press_stop, **CHEAP)
     assert half.counts()["done"] == 2 and half.counts()["pending"] == 2
     assert views[-1].grid.status == "stopped" and "run again to resume" in views[-1].grid.message
 
