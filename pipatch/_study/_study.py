@@ -132,7 +132,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         if show:
             from ._view import StudyView
 
-            view = StudyView(target.path, len(records))
+            view = StudyView(lambda: Study(target.path), len(records))
             view.display()
             progress, stop = _both(view.progress, progress), _either(stop, view.stop)
         for fact in records:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._models import PipatchError
@@ -36,19 +37,21 @@ AGGREGATE = -1
 class StudyView:
     """The live view of one study run: a :class:`pipatch.PatchGrid` and a fact list.
 
+    ``read()`` returns the :class:`~pipatch.Study` of the store being filled (read afresh).
+
     ``progress(index, record, result)`` (hand it to :func:`pipatch.study`) re-sends the
     aggregate after each fact; :attr:`stop` is set by the grid's Stop button; :meth:`finish`
     shows the saved copy. :meth:`show_fact` (what a click on the list calls) draws one
     fact's grid, ``AGGREGATE`` the average again.
     """
 
-    def __init__(self, store: Any, total: int) -> None:
+    def __init__(self, read: Callable[[], Any], total: int) -> None:
         import ipywidgets
 
         from .._live import PatchGrid
         from .._widget import _prefer_frontend_subshell
 
-        self.store, self.total = store, int(total)
+        self.read, self.total = read, int(total)  # read(): the Study, as the store holds it now
         self.stop = threading.Event()
         self.grid = PatchGrid({"title": "study: waiting for the first fact", "status": "running",
                                "stoppable": True, "message": self._line(0, 0, 0, 0.0)})
@@ -70,9 +73,7 @@ class StudyView:
 
     def progress(self, index: int, record: dict, result: Any) -> None:
         """After each fact: the fact list, the status line and (if shown) the aggregate."""
-        from . import load_study
-
-        study = load_study(self.store)
+        study = self.read()
         counts, every = study.counts(), study.facts()
         rows = [row for row in every if row["status"] == "done"]
         options = [("average over the finished facts", AGGREGATE)] + [(_label(row), int(row["idx"])) for row in rows]
@@ -92,10 +93,8 @@ class StudyView:
 
     def finish(self, show: bool) -> None:
         """End the live run: the aggregate, not stoppable, and its saved copy after the view."""
-        from . import load_study
-
         self._unsubscribe()
-        study = load_study(self.store)
+        study = self.read()
         counts = study.counts()
         stopped = self.stop.is_set() and counts["pending"] > 0
         with self._lock:
@@ -116,9 +115,7 @@ class StudyView:
     # -- what a click calls --------------------------------------------------------------------
     def show_fact(self, index: int) -> None:
         """Draw fact ``index``'s own grid (``AGGREGATE``: the average)."""
-        from . import load_study
-
-        study = load_study(self.store)
+        study = self.read()
         with self._lock:
             if index == AGGREGATE:
                 if study.counts()["done"]:
