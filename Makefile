@@ -86,6 +86,7 @@ test-e2e: $(STAMP) chromium
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(PY) bench/ndif.py
+	$(PY) bench/study.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
 

@@ -240,7 +240,7 @@ export function statusText(state: GridState): string {
   const { done, total } = progress(state);
   const parts: string[] = [];
   const st = state.status || 'done';
-  if (st === 'running') parts.push('running');
+  if (st === 'running') parts.push(state.message ? `running: ${state.message}` : 'running');
   else if (st === 'failed') parts.push(state.message ? `failed: ${state.message}` : 'failed');
   else parts.push(state.message ? `${st}: ${state.message}` : st);
   parts.push(`${done} / ${total} rows`);

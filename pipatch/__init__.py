@@ -10,7 +10,9 @@
 In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...`` (also
 ``%%patch``, ``%%attribute``, ``%%path_patch``, ``%%lens``, and ``%%compare a b``); in a shell:
 ``pipatch trace | patch | attribute | path-patch | lens | compare``; live without magics:
-``pipatch.PatchGrid.run(model, "patch", ...)``.
+``pipatch.PatchGrid.run(model, "patch", ...)``. Many facts at once, into a durable store:
+``pipatch.study(model, pipatch.known_facts(), store="known.sqlite")`` (``pipatch study``, ``%study``;
+``known_facts()`` is ROME's ``known_1000.json``, shipped).
 
 The experiment functions (``trace``, ``patch``, ``attribute``, ``path_patch``, ``lens``, and any
 an installed package registers) are derived from their declarations
@@ -22,6 +24,7 @@ from ._compare import compare
 from ._load import load_model
 from ._models import PipatchError
 from ._result import Result, load_result
+from ._study import Study, known_facts, load_study, study
 
 __version__ = "0.1.0"
 
@@ -29,6 +32,7 @@ globals().update(_api.functions())
 
 __all__ = [
     "load_model", *_api.functions(), "compare", "Result", "load_result", "PipatchError",
+    "study", "load_study", "Study", "known_facts",
     "PatchGrid", "load_ipython_extension", "__version__",
 ]  # fmt: skip
 

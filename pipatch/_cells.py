@@ -221,7 +221,9 @@ class Capture:
     :attr:`~Metric.n_inputs`), at every position of the run's input. ``sites[name][l]`` is a
     site value at the prompt's positions, [n, T, width] (``"resid"`` always). ``metric`` and
     ``prob`` (of the answer; ``None`` where a backend did not read the softmax: a logit
-    difference's run) are [n]; ``embedded`` is the embedding output, [n, T, d].
+    difference's run) are [n]; ``embedded`` is the embedding output, [n, T, d]. ``top1``
+    (where the backend read the logits: a softmax metric) is each run's top next token after
+    the prompt, [n] token ids: what a study's known-fact check reads off the clean run.
     ``keys`` (a backend that reuses prefixes) holds each layer's attention keys and values
     at the prompt's positions, ``(k, v)`` each [n, kv_heads, T, head_dim]: what a patched run
     that starts at a later position attends to for the positions before it.
@@ -234,6 +236,7 @@ class Capture:
     prob: torch.Tensor | None
     inputs: int = 1
     keys: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    top1: torch.Tensor | None = None
 
     def block_for(self, layer: int, row: int, start: int = 0) -> Any:
         """Block ``layer``'s output for run ``row`` only (its ``inputs`` batch rows), from
@@ -257,6 +260,7 @@ class Capture:
             metric=self.metric[row : row + 1], embedded=self.embedded[row : row + 1], prob=None if self.prob is None else self.prob[row : row + 1],
             inputs=self.inputs,
             keys=None if self.keys is None else [(k[row : row + 1], v[row : row + 1]) for k, v in self.keys],
+            top1=None if self.top1 is None else self.top1[row : row + 1],
         )
 
     def site(self, name: str, layer: int, row: int) -> torch.Tensor | None:

@@ -282,8 +282,72 @@ def _result_named(shell: Any, name: str) -> Result | str:
     return value
 
 
+def study_magic_parser(entry: Experiment) -> argparse.ArgumentParser:
+    """The parser of ``%study`` / ``%%study`` for ``entry`` (``--experiment``): the study's
+    flags (:mod:`pipatch._study._front`), ``--model`` / ``--backend`` and ``-o``."""
+    from ._study._front import add_study_arguments
+
+    parser = _MagicParser(
+        prog="%study", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run an experiment over many facts into a durable SQLite store (pipatch.study); rerun to "
+                    "resume.\n\nExamples::\n\n    %study known_1000.json --store known.sqlite --sites resid,mlp,attn "
+                    "-o known\n\n    %%study --store mine.sqlite -o mine\n    {\"prompt\": \"The Eiffel Tower is in "
+                    "the city of\", \"subject\": \"Eiffel Tower\", \"attribute\": \"Paris\"}\n\n"
+                    "The cell body of %%study is a facts file's path, or the facts as JSON lines (or a JSON list). "
+                    f"The options shown are {entry.name}'s.",
+    )
+    add_study_arguments(parser, entry, facts_required=False)
+    parser.add_argument("--model", default=None, help="a variable holding a loaded model, or a hub id / local folder")
+    parser.add_argument("--backend", default=None, choices=BACKENDS, help="what runs the model pipatch loads")
+    parser.add_argument("-o", "--out", default="_study", help="variable to bind the Study to (default _study)")
+    return parser
+
+
+def make_study_magic(shell: Any) -> Callable[..., None]:
+    """``%study FILE --store PATH ... -o NAME`` and ``%%study --store PATH -o NAME`` (the body:
+    a path, or JSON lines): run :func:`pipatch.study` and bind the :class:`~pipatch.Study`."""
+    from ._study import study
+    from ._study._facts import records_from_text
+    from ._study._front import probe_experiment, study_keywords
+
+    def magic(line: str, cell: str | None = None) -> None:
+        try:
+            argv = arg_split(line, posix=True)
+            entry = probe_experiment(argv)
+        except (ValueError, PipatchError) as error:
+            raise UsageError(f"%study: {error}") from None
+        args = _parse(study_magic_parser(entry), line)
+        try:
+            keywords = study_keywords(args, entry)
+            body = (cell or "").strip()
+            if args.facts is not None and body:
+                raise PipatchError("give the facts once: a FILE on the line, or the cell body")
+            if args.facts is not None:
+                facts: Any = args.facts
+            elif body and "\n" not in body and not body.startswith(("{", "[")):
+                facts = body  # a path
+            elif body:
+                facts = records_from_text(body, "the cell body")
+            else:
+                raise PipatchError("no facts: name a file (%study FILE --store PATH) or put them in the %%study cell")
+        except PipatchError as error:
+            raise UsageError(f"%study: {error}") from None
+        model = _model(shell, args.model, args.backend)
+        try:
+            found = study(model, facts, entry, show=getattr(shell, "kernel", None) is not None, **keywords)
+        except PipatchError as error:
+            raise UsageError(f"%study: {error}") from None
+        shell.user_ns[args.out] = found
+        print(f"{found.summary()} — bound to {args.out}")
+
+    magic.__name__ = magic.__qualname__ = "study"
+    magic.__doc__ = study_magic_parser(probe_experiment([])).format_help()
+    return magic
+
+
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext pipatch``: register one cell magic per experiment, and ``%%compare``."""
+    """``%load_ext pipatch``: register one cell magic per experiment, ``%%compare`` and ``%study``."""
     for entry in EXPERIMENTS.values():
         ipython.register_magic_function(make_magic(ipython, entry), "cell", entry.name)
     ipython.register_magic_function(make_compare_magic(ipython), "line_cell", "compare")
+    ipython.register_magic_function(make_study_magic(ipython), "line_cell", "study")

@@ -65,9 +65,17 @@ def _load_entry_points() -> None:
 _load_entry_points()
 
 
-def add_options(parser: argparse.ArgumentParser, entry: Experiment) -> None:
-    """Add ``entry``'s options to ``parser``; an option not given is absent from the namespace."""
+def add_options(parser: argparse.ArgumentParser, entry: Experiment, *, per_fact: bool = False) -> None:
+    """Add ``entry``'s options to ``parser``; an option not given is absent from the namespace.
+
+    ``per_fact`` (a study, :mod:`pipatch._study`): the per-prompt options come from each fact,
+    so none is required, and one given holds for every fact (a single value)."""
     for option in entry.options:
+        if per_fact and option.per_prompt:
+            parser.add_argument(*[option.flag, *option.alias_flags], dest=option.keyword, type=option.argparse_type(),
+                                default=argparse.SUPPRESS, metavar=option.keyword.upper(),
+                                help=f"{option.help} (default: each fact's own)")
+            continue
         flags = [option.flag, *option.alias_flags]
         if option.switch:
             parser.add_argument(*flags, dest=option.keyword, action="store_true", default=argparse.SUPPRESS,

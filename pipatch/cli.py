@@ -65,7 +65,7 @@ def _outputs() -> argparse.ArgumentParser:
     return outputs
 
 
-def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def _common(outputs: argparse.ArgumentParser, code: bool = True) -> argparse.ArgumentParser:
     common = _Parser(add_help=False, parents=[outputs])
     common.add_argument("--model", default=None, help="HF id or local folder (default: embedded Gemma 3 270M)")
     common.add_argument("--device", default=None,
@@ -81,8 +81,9 @@ def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
     common.add_argument("--remote", nargs="?", const="ndif", default=None, metavar="local",
                         help="run as requests on NDIF (key: $NDIF_API_KEY); --remote local: nnsight's offline "
                              "simulation of it")
-    common.add_argument("--code", metavar="FILE",
-                        help="write a plain nnsight + transformers script that recomputes the grid (Result.code())")
+    if code:
+        common.add_argument("--code", metavar="FILE",
+                            help="write a plain nnsight + transformers script that recomputes the grid (Result.code())")
     common.add_argument("--quiet", action="store_true", help="no progress bar")
     return common
 
@@ -90,7 +91,8 @@ def _common(outputs: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     """``pipatch COMMAND ...``, one command per experiment of the registry, and ``compare``."""
     parser = _Parser(prog="pipatch", description="Causal tracing and activation patching for language models. "
-                     "`pipatch serve [MODEL]` starts a server for --serve (see pipatch serve --help).")
+                     "`pipatch serve [MODEL]` starts a server for --serve (see pipatch serve --help); "
+                     "`pipatch study FILE --store PATH` runs an experiment over many facts (pipatch study --help).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     outputs = _outputs()
     common = _common(outputs)
@@ -158,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._serve import main as serve
 
         return serve(argv[1:])
+    if argv[:1] == ["study"]:
+        return study_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     prog = f"{parser.prog} {args.command}"
@@ -224,6 +228,68 @@ def _write(result: Any, args: argparse.Namespace) -> None:
         with open(args.code, "w", encoding="utf-8") as handle:
             handle.write(text)
         print(f"wrote {args.code}")
+
+
+# --------------------------------------------------------------------------------------------
+# pipatch study
+# --------------------------------------------------------------------------------------------
+
+
+def study_parser(entry: Experiment) -> argparse.ArgumentParser:
+    """``pipatch study FILE --store PATH [--experiment NAME] ...``: the study's own flags, then
+    ``entry``'s options (its per-prompt ones optional: each fact gives its own)."""
+    from ._study._front import add_study_arguments
+
+    parser = _Parser(prog="pipatch study", parents=[_common(_Parser(add_help=False), code=False)],
+                     description="Run an experiment over many facts (ROME's known_1000.json, .jsonl, .csv) into a "
+                                 "durable SQLite store; rerun to resume. The options below are "
+                                 f"{entry.name}'s: --experiment NAME --help lists another's.")
+    parser.add_argument("--csv", metavar="FILE", help="write the tidy table (Study.frame()) as CSV")
+    add_study_arguments(parser, entry)
+    return parser
+
+
+def study_main(argv: Sequence[str]) -> int:
+    """``pipatch study``: prints a progress bar (one step per fact) and the summary line. 0 when
+    every fact is stored, 130 when interrupted (the store keeps the finished facts: run it again
+    to resume), 2 for bad input (one line)."""
+    from ._load import shared_model
+    from ._study import study
+    from ._study._facts import read_records
+    from ._study._front import probe_experiment, study_keywords
+
+    prog = "pipatch study"
+    try:
+        entry = probe_experiment(list(argv))
+    except PipatchError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        return 2
+    args = study_parser(entry).parse_args(list(argv))
+    try:
+        keywords = study_keywords(args, entry)
+        total = len(read_records(args.facts))
+        total = total if args.limit is None else min(total, args.limit)
+        api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
+        model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                             serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size,
+                             remote=args.remote)
+        with tqdm(file=sys.stderr, unit="fact", dynamic_ncols=True, disable=args.quiet, total=total) as bar:
+            try:
+                found = study(model, args.facts, entry, progress=lambda index, record, result: bar.update(1),
+                              **keywords)
+            except KeyboardInterrupt:
+                sys.stderr.write(f"{prog}: interrupted; the finished facts are in {args.store}: run again to resume\n")
+                return 130
+    except PipatchError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        return 2
+    for row in [row for row in found.facts() if row["status"] == "error"][:3]:
+        sys.stderr.write(f"{prog}: {row['message']}\n")
+    print(found.summary())
+    if args.csv:
+        found.to_csv(args.csv)
+        print(f"wrote {args.csv}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-__all__ = ["FAMILIES", "SUBLAYER_REFUSED", "VARIANTS", "VOCAB_SIZE", "WORDS", "tiny_model", "tiny_tokenizer"]
+__all__ = ["FAMILIES", "SUBLAYER_REFUSED", "VARIANTS", "VOCAB_SIZE", "WORDS", "save_tiny", "tiny_model", "tiny_tokenizer"]
 
 VOCAB_SIZE = 1000
 D_MODEL = 64
@@ -298,3 +298,11 @@ def tiny_model(family: str, seed: int = 0):
     model = TransformersModel(hf, tokenizer=tokenizer)
     model._pipatch_name = f"tiny-{family}"
     return model
+
+
+def save_tiny(family: str, path):
+    """Save the tiny ``family`` checkpoint (weights and tokenizer files) into the folder ``path``:
+    what ``pipatch.load_model(path)`` and ``--model PATH`` read, in another process too."""
+    tiny_hf_model(family).save_pretrained(path)
+    tiny_tokenizer(add_bos=family in _ADDS_BOS).save_pretrained(path)
+    return path

@@ -22,7 +22,7 @@ import torch
 import pipatch
 from pipatch._protocols.tracing import noise_draws
 from tests._reference import patch_grid, reference_path, trace_grid
-from tests._tiny import _ADDS_BOS, tiny_hf_model, tiny_model, tiny_tokenizer
+from tests._tiny import save_tiny, tiny_model, tiny_tokenizer
 
 DEVICE = torch.device(os.environ.get("PIPATCH_TEST_DEVICE", "cpu"))
 CLEAN = "The Eiffel Tower is in the city of"
@@ -43,10 +43,7 @@ def folder(tmp_path_factory):
     """``folder(family)``: a saved tiny checkpoint (weights + tokenizer files) of that family."""
     @functools.cache
     def save(family: str):
-        path = tmp_path_factory.mktemp(family)
-        tiny_hf_model(family).save_pretrained(path)
-        tiny_tokenizer(add_bos=family in _ADDS_BOS).save_pretrained(path)
-        return path
+        return save_tiny(family, tmp_path_factory.mktemp(family))
     return save
 
 

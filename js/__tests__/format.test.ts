@@ -144,6 +144,9 @@ describe('formatting', () => {
   it('builds status lines', () => {
     const s = normalizeState({ views: ['resid'], rows_done: { resid: 3 }, total_rows: 12, status: 'running', elapsed: 2.5, eta: 7.5 });
     expect(statusText(s)).toBe('running · 3 / 12 rows · 2.5 s elapsed · ~7.5 s left');
+    // A running grid's message (a study's facts done / known / total) is part of its status line.
+    expect(statusText({ ...s, message: '3 done · 5 known · 12 total' })).toBe(
+      'running: 3 done · 5 known · 12 total · 3 / 12 rows · 2.5 s elapsed · ~7.5 s left');
     const f = normalizeState({ views: ['resid'], rows_done: { resid: 3 }, total_rows: 12, status: 'failed', message: 'CUDA OOM' });
     expect(statusText(f)).toContain('failed: CUDA OOM');
     const u = normalizeState({ views: ['resid'], rows_done: { resid: 0 }, total_rows: 12, status: 'running', eta: -1 });

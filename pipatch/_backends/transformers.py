@@ -221,11 +221,14 @@ class TransformersBackend(Described):
             # One row per run (the inputs share the prompt), prompt positions only.
             keys = [(layer.keys[::k, :, :T], layer.values[::k, :, :T]) for layer in cache.layers]
         read = read.reshape(n, k, m, -1)  # [runs, inputs, n_read, vocab] (softmax) or [..., d]
+        top1 = None
         if softmax:
             score, prob = metric.score(read), metric.answer_prob(read)
+            top1 = read[:, 0, 0].argmax(-1)  # first input, first read position: the last prompt token
         else:
             score, prob = self.metric_from_hidden(metric, read), None
-        return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k, keys=keys)
+        return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k, keys=keys,
+                       top1=top1)
 
     def _new_cache(self) -> Any:
         """An empty key/value cache for a base run, or ``None`` where the model takes none.

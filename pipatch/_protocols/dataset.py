@@ -37,7 +37,7 @@ from .._models import PipatchError
 from .._result import Result
 from ._inputs import model_meta
 
-__all__ = ["plan_dataset", "named_groups", "per_prompt"]
+__all__ = ["plan_dataset", "named_groups", "per_prompt", "prompt_groups", "group_means", "position_axis"]
 
 GROUPS = ("before", "first {s}", "middle {s}", "last {s}", "first after", "further", "last")
 
@@ -58,7 +58,7 @@ def named_groups(span: list[int], T: int, noun: str = "subject") -> tuple[list[s
     return [g.format(s=noun) for g in GROUPS], groups
 
 
-def _grouped(raw: torch.Tensor, groups: list[list[int]] | None) -> torch.Tensor:
+def group_means(raw: torch.Tensor, groups: list[list[int]] | None) -> torch.Tensor:
     """[S, L, C] → [S, L, len(groups)]: mean over each group's columns (NaN when empty).
     ``groups=None`` (a head or sender grid): the columns as they are."""
     if groups is None:
@@ -103,7 +103,9 @@ def prompt_groups(result: Result) -> tuple[list[str], list[list[int]], list[list
     return names, groups, [[where[p] for p in group] for group in groups]
 
 
-def _position_axis(plan: Plan) -> bool:
+def position_axis(plan: Plan) -> bool:
+    """Whether ``plan``'s columns are token positions (a dataset then averages named groups of
+    them), not heads or senders."""
     sweep = plan.sweeps[0]
     return isinstance(sweep, SiteSweep) and sweep.site.per_position
 
@@ -133,7 +135,7 @@ class DatasetPlan(Plan):
         self._group_columns: list[list[list[int]] | None] = []
         columns = first.result.columns
         for plan in plans:
-            if _position_axis(plan):
+            if position_axis(plan):
                 columns, groups, group_columns = prompt_groups(plan.result)
                 self.groups.append(groups)
                 self._group_columns.append(group_columns)
@@ -160,7 +162,7 @@ class DatasetPlan(Plan):
         result = Result(
             kind=first.result.kind, tokens=list(columns), columns=list(columns), layers=first.result.layers,
             metric=first.result.metric,
-            raw={view: torch.cat([_grouped(p.result.raw[view], g) for p, g in zip(plans, self._group_columns)])
+            raw={view: torch.cat([group_means(p.result.raw[view], g) for p, g in zip(plans, self._group_columns)])
                  for view in views},
             clean=torch.cat([torch.full((r.n_seeds,), float(r.clean)) for r in results]),
             corrupt=torch.cat([r.corrupt.float() for r in results]), meta=meta,
@@ -188,7 +190,7 @@ class DatasetPlan(Plan):
         plan = self.plans[i]
         plan.row_done(sweep, row)
         lo, hi = self.offsets[i], self.offsets[i + 1]
-        self.result.raw[sweep.view][lo:hi, row] = _grouped(plan.result.raw[sweep.view][:, row : row + 1],
+        self.result.raw[sweep.view][lo:hi, row] = group_means(plan.result.raw[sweep.view][:, row : row + 1],
                                                            self._group_columns[i])[:, 0]
         if i == len(self.plans) - 1 and sweep.tracks_rows:
             self.result.rows_done[sweep.view] += 1

@@ -1,0 +1,91 @@
+"""A study's throughput: facts per minute, and its time over the sum of the same traces run alone.
+
+An N-fact, 3-kind (resid, mlp, attn) causal-trace study of known facts from ROME's
+``known_1000.json`` on the embedded default (transformers backend, float32, CPU), into a fresh
+SQLite store, against ``pipatch.trace`` on each of those facts one by one. The study must cost
+no more than its facts (ratio ≤ 1.0): it runs each fact through the same planner and engine,
+reads the known-fact check off the planner's own clean run (no extra forward), and adds one
+committed transaction per fact (milliseconds). Both sides run :data:`REPEAT` times, in turns
+that swap, the best of each counting (this machine's speed drifts by a third within minutes,
+and more while another process shares its two cores). The stored grids are checked equal to the
+single traces' (to the last bit) before any time is shown. Figures go to
+``bench/results/study.json``.
+
+Run: ``make bench`` (or ``.venv/bin/python bench/study.py [--facts N] [--seeds S]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pipatch  # noqa: E402
+
+KNOWN_1000 = pipatch.known_facts()
+#: Short facts of known_1000.json the embedded model knows.
+KNOWN = [3, 21, 25, 32, 101, 81, 34, 6, 8, 49, 86, 102, 106, 109, 112, 116, 74, 10, 28, 33]
+REPEAT = 2
+OUT = Path(__file__).resolve().parent / "results" / "study.json"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--facts", type=int, default=8, help="facts in the study (default 8)")
+    parser.add_argument("--seeds", type=int, default=3, help="noise seeds per fact (default 3)")
+    parser.add_argument("--facts-file", default=str(KNOWN_1000))
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    data = json.loads(Path(args.facts_file).read_text())
+    facts = [data[i] for i in KNOWN[: args.facts]]
+    options = {"sites": "resid,mlp,attn", "seeds": args.seeds, "scale": 3.0}
+    model = pipatch.load_model()
+    torch.set_grad_enabled(False)
+    pipatch.trace(model, facts[0]["prompt"], subject=facts[0]["subject"], answer=" " + facts[0]["attribute"],
+                  **options)  # warm-up: first-call costs belong to neither side
+
+    best_study, best_single = float("inf"), float("inf")
+    for repeat in range(REPEAT):
+        # Each repeat runs both sides, in turns that swap (the machine's speed drifts): the
+        # better time of each side counts.
+        for side in ("singles", "study") if repeat % 2 == 0 else ("study", "singles"):
+            if side == "singles":
+                started = time.perf_counter()
+                singles = [pipatch.trace(model, f["prompt"], subject=f["subject"], answer=" " + f["attribute"],
+                                         **options) for f in facts]
+                best_single = min(best_single, time.perf_counter() - started)
+                continue
+            with tempfile.TemporaryDirectory() as folder:
+                started = time.perf_counter()
+                study = pipatch.study(model, facts, store=Path(folder) / "bench.sqlite", **options)
+                best_study = min(best_study, time.perf_counter() - started)
+                assert study.counts()["done"] == len(facts), study.summary()
+                stored = [study[i] for i in range(len(facts))]
+        for single, mine in zip(singles, stored):  # the same grids, to the last bit, before any time counts
+            for view in single.views:
+                assert torch.equal(mine.raw[view], single.raw[view]), view
+        print(f"repeat {repeat + 1}: study {best_study:.1f} s, singles {best_single:.1f} s (best so far)", flush=True)
+
+    ratio = best_study / best_single
+    row = {"facts": len(facts), "kinds": 3, "seeds": args.seeds, "backend": "transformers",
+           "study_s": round(best_study, 2), "singles_s": round(best_single, 2),
+           "facts_per_minute": round(60 * len(facts) / best_study, 2), "ratio": round(ratio, 3),
+           "machine": platform.processor() or platform.machine()}
+    print(f"study of {len(facts)} facts × 3 kinds × {args.seeds} seeds: {row['facts_per_minute']} facts/min "
+          f"({best_study:.1f} s); the same traces one by one {best_single:.1f} s; ratio {ratio:.3f} "
+          f"({'≤' if ratio <= 1.0 else '>'} 1.0)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(row, indent=1))
+    return 0 if ratio <= 1.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,536 @@
+"""Studies (#32): one experiment over many facts, into a durable SQLite store, averaged.
+
+Real nnsight, ROME's own ``known_1000.json`` as pipatch ships it (:func:`pipatch.known_facts`),
+the embedded model, and a tiny random-weight model (:mod:`tests._tiny`) where a check needs
+many cells. Kept cheap: short known facts, the residual kind, one or two seeds at a fixed
+noise scale (no scale search), the fast paths on (a study runs each fact as the single trace
+does, so it equals that trace bit for bit).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipatch
+from pipatch._registry import experiment
+from pipatch._study._facts import read_facts
+from tests._tiny import save_tiny, tiny_model
+
+KNOWN_1000 = pipatch.known_facts()
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Short facts of known_1000.json the embedded model knows (top-1 = the answer's first token).
+KNOWN = [3, 21, 25, 32, 101, 81, 34, 6, 8, 49, 86, 102, 106, 109, 112, 116, 74, 10, 28, 33]
+#: The facts of the study the aggregate tests read: two relations (P36 twice).
+SIX = KNOWN[:6]
+#: Facts it gets wrong (top-1 is something else).
+UNKNOWN = [0, 1, 2]
+#: A cheap trace: one residual grid, a fixed scale.
+CHEAP = {"sites": "resid", "seeds": 1, "scale": 3.0}
+
+
+def records(indices):
+    data = json.loads(KNOWN_1000.read_text())
+    return [data[i] for i in indices]
+
+
+@pytest.fixture(scope="module")
+def six(model, tmp_path_factory):
+    """A 6-fact study of known facts (resid, one seed), and what its progress hook saw."""
+    store = tmp_path_factory.mktemp("study") / "six.sqlite"
+    seen = []
+    found = pipatch.study(model, records(SIX), store=store, progress=lambda i, r, res: seen.append((i, res)), **CHEAP)
+    return found, seen
+
+
+# --------------------------------------------------------------------------------------------
+# Each fact is its single trace; the aggregate is the list-form dataset trace
+# --------------------------------------------------------------------------------------------
+
+
+def test_each_fact_of_a_study_is_its_single_trace_bit_for_bit(model, six):
+    found, seen = six
+    assert found.counts()["done"] == 6 and [i for i, _ in seen] == list(range(6))
+    assert all(result is not None for _, result in seen)
+    for i, fact in list(enumerate(records(SIX)))[:2]:
+        single = pipatch.trace(model, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **CHEAP)
+        assert single.meta["engine"]["fast"] is True
+        assert torch.equal(found[i].raw["resid"], single.raw["resid"]), i
+        assert torch.equal(found[i].corrupt, single.corrupt) and found[i].clean == single.clean
+        assert found[i].tokens == single.tokens
+
+
+#: Twenty facts the tiny model's word-level tokenizer reads one token a word (4 relations).
+TINY_SUBJECTS = ["Eiffel Tower", "Colosseum", "Big Ben", "Brandenburg Gate", "Kremlin"]
+TINY_TEMPLATES = {"city": ("The {} is located in the city of", " Paris"),
+                  "country": ("The {} is in the country of", " France"),
+                  "famous": ("The {} is famous for the", " king"),
+                  "people": ("The people who lived at the {} speak", " French")}
+
+
+def tiny_facts():
+    return [{"prompt": template.format(subject), "subject": subject, "attribute": answer.strip(),
+             "relation_id": relation, "known_id": 100 * r + s}
+            for r, (relation, (template, answer)) in enumerate(TINY_TEMPLATES.items())
+            for s, subject in enumerate(TINY_SUBJECTS)]
+
+
+def test_a_twenty_fact_studys_aggregate_equals_the_list_form_dataset_trace(tmp_path):
+    # A random model knows no fact: known_only=False runs them all. Each cell run in full
+    # (fast=False) on both sides: the list form packs the cells of all its prompts together,
+    # a fact alone packs its own, and the sums then differ in the last bits (~1e-5 on Gemma).
+    # One seed: with several, a study averages each fact's seeds first (ROME's order), the
+    # list form every (prompt, seed) row at once; they differ where a seed cannot be normalised.
+    tiny = tiny_model("gemma3")
+    facts = tiny_facts()
+    exact = {"sites": "resid,mlp", "seeds": 1, "scale": 3.0, "window": 2, "fast": False}
+    found = pipatch.study(tiny, facts, store=tmp_path / "tiny.sqlite", known_only=False, **exact)
+    assert found.counts()["done"] == 20, [r["message"] for r in found.facts()]
+    dataset = pipatch.trace(tiny, [f["prompt"] for f in facts], subject=[f["subject"] for f in facts],
+                            answer=[" " + f["attribute"] for f in facts], **exact)
+    assert found.aggregate()["group"].unique().tolist() == dataset.columns
+    for view in ("resid", "mlp"):
+        mine, want = found.grid(view), dataset.mean(view)
+        assert mine.shape == want.shape == (3, 7)
+        assert torch.allclose(mine, want, atol=1e-6, rtol=0, equal_nan=True), (mine - want).abs().nan_to_num(0).max()
+    # ROME's raw effect: P(restored) − P(corrupted), averaged the same way.
+    raw = dataset.raw["resid"] - dataset.corrupt.reshape(-1, 1, 1)
+    assert torch.allclose(found.grid("resid", "raw_effect"), torch.nanmean(raw, 0), atol=1e-6, equal_nan=True)
+    # The same facts spelled another way resume (a list of sites is the comma-separated text).
+    again = pipatch.study(tiny, facts, store=tmp_path / "tiny.sqlite", known_only=False,
+                          **{**exact, "sites": ["resid", " mlp"]})
+    assert again.counts()["done"] == 20
+
+
+def test_the_aggregate_has_95_percent_t_intervals_and_a_relation_breakdown(six):
+    found, _ = six
+    table = found.aggregate()
+    last = table[(table.group == "last") & (table.layer == 17) & (table.metric == "recovery")].iloc[0]
+    assert last.n == 6 and last.low < last["mean"] < last.high
+    # mean ± t(0.975, 5) · sd / √6, t(0.975, 5) = 2.5706
+    assert last.high - last["mean"] == pytest.approx(2.5706 * last.sd / 6 ** 0.5, rel=1e-3)
+    by = found.aggregate(by="relation_id")
+    assert set(by.relation_id) == {f["relation_id"] for f in records(SIX)}
+    p36 = by[(by.relation_id == "P36") & (by.metric == "recovery") & (by.kind == "resid")]
+    assert p36.n.max() == sum(f["relation_id"] == "P36" for f in records(SIX)) >= 2
+    assert torch.allclose(torch.tensor(p36["mean"].to_numpy()).reshape(18, 7).float(),
+                          found.grid("resid", relation="P36"), equal_nan=True)
+
+
+def test_frame_is_tidy_and_each_fact_is_its_own_result(six, tmp_path):
+    found, _ = six
+    frame = found.frame()
+    assert list(frame.columns) == ["fact", "fact_id", "relation", "subject", "kind", "layer", "group", "metric", "value"]
+    assert len(frame) == 6 * 2 * 1 * 18 * 7  # facts × metrics × kinds × layers × groups
+    assert frame.fact_id.iloc[0] == str(SIX[0]) and frame.relation.iloc[0] == records(SIX)[0]["relation_id"]
+    one = found[0]
+    assert isinstance(one, pipatch.Result) and one.meta["prompt"] == records(SIX)[0]["prompt"]
+    mine = frame[(frame.fact == 0) & (frame.metric == "recovery") & (frame.group == "last")].value.to_numpy()
+    assert torch.allclose(torch.tensor(mine).float(), one.grid[:, -1], atol=1e-6)
+    path = found.to_csv(tmp_path / "frame.csv")
+    with open(path, newline="") as handle:
+        assert sum(1 for _ in csv.DictReader(handle)) == len(frame)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        with pytest.raises(pipatch.PipatchError, match="pip install pyarrow"):
+            found.to_parquet(tmp_path / "frame.parquet")
+
+
+def test_plots_and_heatmap_draw(six):
+    found, _ = six
+    fig = found.plot()
+    assert [ax.get_title() for ax in fig.axes] == ["last subject", "last"]
+    assert len(fig.axes[0].lines) == 1 + 1  # one kind, and the zero line
+    heat = found.heatmap()
+    assert heat.axes[0].images[0].get_array().shape == (18, 7)
+    assert "6 of 6 known" in repr(found)
+    assert torch.allclose(found.as_result().grid, found.grid(), equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The store: resume, refuse another configuration, read a half-finished one
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_rerun_resumes_and_another_configuration_is_refused_in_one_line(model, six, tmp_path):
+    found, _ = six
+    ran = []
+    again = pipatch.study(model, records(SIX), store=found.path, progress=lambda i, r, res: ran.append(res),
+                          **{**CHEAP, "sites": ["resid"]})  # the same configuration, spelled as a list
+    assert again.counts()["done"] == 6 and ran == [None] * 6  # nothing ran twice
+    with pytest.raises(pipatch.PipatchError) as error:
+        pipatch.study(model, records(SIX), store=found.path, **{**CHEAP, "seeds": 2})
+    message = str(error.value)
+    assert "\n" not in message and "options.seeds" in message and "new store path" in message
+    with pytest.raises(pipatch.PipatchError, match="another record 0"):
+        pipatch.study(model, records(SIX[::-1]), store=found.path, **CHEAP)
+
+
+def test_load_study_reads_a_half_finished_store_without_a_model(model, tmp_path):
+    store = tmp_path / "half.sqlite"
+    done = []
+
+    def stop():
+        return len(done) >= 2
+
+    pipatch.study(model, records(KNOWN[:3]), store=store, progress=lambda i, r, res: done.append(i), stop=stop, **CHEAP)
+    half = pipatch.load_study(store)
+    assert half.counts() == {"total": 3, "done": 2, "unknown": 0, "error": 0, "pending": 1, "checked": 2}
+    assert "2 done, 0 errors, 1 pending" in half.summary()
+    assert half.grid().shape == (18, 7) and half[1].meta["subject"] == records(KNOWN)[1]["subject"]
+    with pytest.raises(pipatch.PipatchError, match="fact 2 is not in the store"):
+        half[2]
+    with pytest.raises(pipatch.PipatchError, match="no study store"):
+        pipatch.load_study(tmp_path / "missing.sqlite")
+
+
+def test_the_known_filter_keeps_filtered_facts_with_the_models_top_token(model, tmp_path):
+    from pipatch._api import backend_of
+
+    facts = records(UNKNOWN + KNOWN[:1])
+    found = pipatch.study(model, facts, store=tmp_path / "known.sqlite", **CHEAP)
+    rows = found.facts()
+    assert [r["status"] for r in rows] == ["unknown"] * 3 + ["done"]
+    hf = backend_of(model)._hf
+    for row, fact in zip(rows, facts):
+        ids = backend_of(model).tokenizer(fact["prompt"], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            top = int(hf(ids).logits[0, -1].argmax())
+        assert row["top1"] == backend_of(model).tokenizer.decode([top]), (fact["prompt"], row["top1"])
+        first = backend_of(model).tokenizer(" " + fact["attribute"], add_special_tokens=False)["input_ids"][0]
+        assert (top == first) == (row["status"] == "done"), fact["prompt"]
+    assert "1 of 4 known" in found.summary()
+    every = pipatch.study(model, facts[:1], store=tmp_path / "all.sqlite", known_only=False, **CHEAP)
+    assert every.facts()[0]["status"] == "done" and every.facts()[0]["known"] == 0
+
+
+def test_a_malformed_record_is_one_line_and_the_others_run(model, tmp_path):
+    good = records(KNOWN[:2])
+    bad = {k: v for k, v in records([KNOWN[2]])[0].items() if k != "subject"}
+    facts = [good[0], bad, "not a record", {**good[1], "prompt": 7}, good[1]]
+    found = pipatch.study(model, facts, store=tmp_path / "bad.sqlite", **CHEAP)
+    rows = found.facts()
+    assert [r["status"] for r in rows] == ["done", "error", "error", "error", "done"]
+    assert rows[1]["message"] == f"record 1 (id {KNOWN[2]}): no 'subject' field (columns={{'subject': ...}} reads another name)"
+    assert rows[2]["message"] == "record 2 is a str, not a dict of fields"
+    assert rows[3]["message"] == f"record 3 (id {KNOWN[1]}): the 'prompt' field is a int, not text"
+    assert all("\n" not in r["message"] for r in rows[1:4])
+    # A record the planner refuses (its subject is not in its prompt) fails alone too.
+    odd = {**good[0], "subject": "Nowhere Land"}
+    also = pipatch.study(model, [odd], store=tmp_path / "odd.sqlite", known_only=False, **CHEAP)
+    assert also.facts()[0]["status"] == "error" and "not in the prompt" in also.facts()[0]["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs: every container gives the same facts
+# --------------------------------------------------------------------------------------------
+
+
+class DuckDataset:
+    """What a ``datasets.Dataset`` offers a reader: ``column_names``, ``to_list()``, iteration."""
+
+    def __init__(self, rows):
+        self._rows = rows
+        self.column_names = list(rows[0])
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __len__(self):
+        return len(self._rows)
+
+    def to_list(self):
+        return [dict(r) for r in self._rows]
+
+
+def test_every_input_format_gives_the_same_facts(tmp_path):
+    import pandas as pd
+
+    facts = records(KNOWN[:4] + UNKNOWN[:1])
+    entry = experiment("trace")
+    as_json = tmp_path / "facts.json"
+    as_json.write_text(json.dumps(facts))
+    as_jsonl = tmp_path / "facts.jsonl"
+    as_jsonl.write_text("\n".join(json.dumps(f) for f in facts) + "\n")
+    as_csv = tmp_path / "facts.csv"
+    with open(as_csv, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(facts[0]))
+        writer.writeheader()
+        writer.writerows(facts)
+    sources = {"list": facts, "json": as_json, "jsonl": str(as_jsonl), "csv": as_csv, "dataframe": pd.DataFrame(facts),
+               "dataset": DuckDataset(facts), "known_1000": KNOWN_1000}
+
+    def read(source):
+        out = read_facts(source, entry)
+        if source is KNOWN_1000:  # the file itself: the same records, at their places in it
+            out = [out[i] for i in KNOWN[:4] + UNKNOWN[:1]]
+        return [(f.id, f.relation, f.inputs, f.subject, f.error, f.key) for f in out]
+
+    want = read(facts)
+    assert want[0][2] == {"prompt": facts[0]["prompt"], "subject": facts[0]["subject"], "answer": " " + facts[0]["attribute"]}
+    assert [w[0] for w in want] == [str(i) for i in KNOWN[:4] + UNKNOWN[:1]]
+    for name, source in sources.items():
+        assert read(source) == want, name
+    # columns= reads other names; an explicit answer wins over the attribute.
+    renamed = [{"text": f["prompt"], "who": f["subject"], "answer": " X", "relation_id": "r"} for f in facts[:1]]
+    (fact,) = read_facts(renamed, entry, columns={"prompt": "text", "subject": "who"})
+    assert fact.inputs == {"prompt": facts[0]["prompt"], "subject": facts[0]["subject"], "answer": " X"}
+    assert fact.relation == "r" and fact.error is None
+    with pytest.raises(pipatch.PipatchError, match="unknown field"):
+        read_facts(renamed, entry, columns={"prompt_text": "text"})
+    if not _has("pyarrow"):
+        (tmp_path / "f.parquet").write_bytes(b"PAR1")
+        with pytest.raises(pipatch.PipatchError, match="pip install pyarrow"):
+            read_facts(tmp_path / "f.parquet", entry)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Other experiments
+# --------------------------------------------------------------------------------------------
+
+PAIRS = [
+    {"clean": "The Eiffel Tower is in the city of", "corrupt": "The Colosseum is in the city of",
+     "answer": " Paris", "foil": " Rome", "relation_id": "city"},
+    {"clean": "The Colosseum is in the city of", "corrupt": "The Eiffel Tower is in the city of",
+     "answer": " Rome", "foil": " Paris", "relation_id": "city"},
+    {"clean": "The Louvre is in the city of", "corrupt": "The Vatican is in the city of",
+     "answer": " Paris", "foil": " Rome", "id": "louvre"},
+]
+
+
+def test_the_patch_experiment_runs_as_a_study_of_pairs(model, tmp_path):
+    found = pipatch.study(model, PAIRS, "patch", store=tmp_path / "pairs.sqlite", known_only=False)
+    rows = found.facts()
+    assert [r["status"] for r in rows] == ["done"] * 3, [r["message"] for r in rows]
+    singles = [pipatch.patch(model, clean=p["clean"], corrupt=p["corrupt"], answer=p["answer"], foil=p["foil"])
+               for p in PAIRS]
+    for i, single in enumerate(singles):
+        assert torch.equal(found[i].raw["resid"], single.raw["resid"])
+    names = found.aggregate()["group"].unique().tolist()
+    assert "first changed" in names and "last" in names
+    dataset = pipatch.patch(model, clean=[p["clean"] for p in PAIRS], corrupt=[p["corrupt"] for p in PAIRS],
+                            answer=[p["answer"] for p in PAIRS], foil=[p["foil"] for p in PAIRS])
+    assert torch.allclose(found.grid("resid"), dataset.grid, atol=1e-6, equal_nan=True)
+    assert rows[2]["fact_id"] == "louvre"
+
+
+def test_the_lens_runs_as_a_study_grouped_around_the_records_subject(model, tmp_path):
+    found = pipatch.study(model, records(KNOWN[:2]), "lens", store=tmp_path / "lens.sqlite")
+    assert [r["status"] for r in found.facts()] == ["done", "done"]
+    assert found.aggregate()["group"].unique().tolist()[-1] == "last"
+    single = pipatch.lens(model, records(KNOWN[:1])[0]["prompt"], answer=" " + records(KNOWN[:1])[0]["attribute"])
+    assert torch.equal(found[0].raw["resid"], single.raw["resid"])
+
+
+def test_options_are_checked_by_the_experiments_declaration(model, tmp_path):
+    with pytest.raises(pipatch.PipatchError, match="unexpected argument 'sedes'"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "x.sqlite", sedes=2)
+    with pytest.raises(pipatch.PipatchError, match="seeds=0"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "y.sqlite", seeds=0)
+    with pytest.raises(pipatch.PipatchError, match="come from the facts"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "z.sqlite", prompt="x")
+
+
+# --------------------------------------------------------------------------------------------
+# The command: SIGKILL at random moments, then the same store as an uninterrupted run
+# --------------------------------------------------------------------------------------------
+
+
+def _study_command(facts: Path, store: Path, *extra: str, model: Path | None = None) -> list[str]:
+    return [sys.executable, "-m", "pipatch.cli", "study", str(facts), "--store", str(store), "--kind", "resid",
+            "--seeds", "2", "--scale", "3", *(["--model", str(model), "--all-facts"] if model else []),
+            *extra]
+
+
+def _rows(store: Path) -> dict[int, tuple]:
+    db = sqlite3.connect(str(store))
+    try:
+        return {row[0]: row[1:] for row in db.execute("SELECT idx, status, fact_key, top1, tensors FROM facts")}
+    finally:
+        db.close()
+
+
+def _started(process: subprocess.Popen) -> float:
+    """Block until ``process`` (a ``pipatch study``) shows its progress bar, i.e. the model is
+    loaded and the facts are read: the study's loop starts now. Its time."""
+    process.stderr.read(1)  # tqdm's first frame (b"" if it died first)
+    return time.perf_counter()
+
+
+def test_sigkill_at_random_moments_loses_at_most_the_facts_in_flight(tmp_path):
+    # A real ``pipatch study`` process, on a tiny model saved to a folder (its facts take
+    # milliseconds, so the ten kills cost the processes' start-ups, not the model).
+    model = save_tiny("gemma3", tmp_path / "tiny")
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("\n".join(json.dumps(f) for f in tiny_facts()[:6]) + "\n")
+    reference = tmp_path / "reference.sqlite"
+    process = subprocess.Popen(_study_command(facts, reference, model=model), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    began = _started(process)
+    out, err = process.communicate(timeout=600)
+    work = time.perf_counter() - began  # the study loop's time, start-up excluded
+    assert process.returncode == 0, err
+    assert b"6 done, 0 errors, 0 pending" in out
+    want = _rows(reference)
+    assert len(want) == 6
+
+    store = tmp_path / "killed.sqlite"
+    rng = random.Random(32)
+    kills, runs, finished_counts = 0, 0, []
+    while kills < 10 and runs < 30:
+        runs += 1
+        process = subprocess.Popen(_study_command(facts, store, model=model), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE)
+        _started(process)
+        try:
+            process.wait(timeout=rng.uniform(0, work))  # a random moment of the loop: a fact, a commit
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            kills += 1
+        process.wait()
+        process.stderr.close()
+        db = sqlite3.connect(str(store))
+        try:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        finally:
+            db.close()
+        rows = _rows(store)
+        finished_counts.append(len(rows))
+        for index, row in rows.items():  # whatever is stored is a whole fact, the reference's
+            assert row == want[index], index
+        if len(rows) == 6 and kills < 10:
+            store.unlink()  # start over: every kill should land while facts are still running
+            for suffix in ("-wal", "-shm"):
+                Path(str(store) + suffix).unlink(missing_ok=True)
+    assert kills == 10, (kills, runs)
+    finish = subprocess.run(_study_command(facts, store, model=model), capture_output=True, timeout=600)
+    assert finish.returncode == 0, finish.stderr
+    assert _rows(store) == want  # every fact bit for bit: raw values of every seed, baselines, tokens
+    assert any(0 < n < 6 for n in finished_counts), finished_counts  # some kills landed between facts
+    assert pipatch.load_study(store).summary() == pipatch.load_study(reference).summary()
+
+
+def test_the_command_refuses_another_configuration_in_one_line(tmp_path):
+    folder = save_tiny("gemma3", tmp_path / "tiny")
+    facts = tmp_path / "one.json"
+    facts.write_text(json.dumps(tiny_facts()[:1]))
+    store = tmp_path / "one.sqlite"
+    pipatch.study(pipatch.load_model(str(folder)), facts, store=store, known_only=False, sites="resid", seeds=2,
+                  scale=3.0)
+    same = subprocess.run(_study_command(facts, store, "--quiet", model=folder), capture_output=True, text=True,
+                          timeout=600)
+    assert same.returncode == 0 and "1 done" in same.stdout, same.stderr  # the same study, resumed
+    out = subprocess.run(_study_command(facts, store, "--seeds", "1", "--quiet", model=folder), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipatch study: error:") and "options.seeds" in lines[0], out.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The magics
+# --------------------------------------------------------------------------------------------
+
+
+def test_study_magics_bind_the_study(model, tmp_path):
+    from IPython.core.error import UsageError
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "pipatch")
+    shell.user_ns["m"] = model
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps(records(KNOWN[:1])))
+    store = tmp_path / "magic.sqlite"
+    shell.run_line_magic("study", f"{facts} --store {store} --model m --kind resid --seeds 1 --scale 3 -o known")
+    assert isinstance(shell.user_ns["known"], pipatch.Study) and len(shell.user_ns["known"]) == 1
+    body = "\n".join(json.dumps(f) for f in records(KNOWN[:2]))
+    shell.run_cell_magic("study", f"--store {store} --model m --kind resid --seeds 1 --scale 3 -o again", body)
+    assert shell.user_ns["again"].counts()["done"] == 2
+    with pytest.raises(UsageError, match="options.seeds"):
+        shell.run_cell_magic("study", f"--store {store} --model m --seeds 2 --scale 3", body)
+    with pytest.raises(UsageError, match="--store"):
+        shell.run_line_magic("study", f"{facts}")
+
+
+# --------------------------------------------------------------------------------------------
+# The live view (the browser's side: tests/e2e/test_study_browser.py)
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_path, monkeypatch):
+    from pipatch._study._view import AGGREGATE, StudyView
+
+    tiny = tiny_model("gemma3")
+    facts = tiny_facts()[:4]
+    views: list = []
+    original = StudyView.__init__
+
+    def remember(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        views.append(self)
+
+    monkeypatch.setattr(StudyView, "__init__", remember)
+    snapshots: list = []
+    clicks: list = []
+
+    def watch(index, record, result):  # what the browser sees after each fact (the view's hook ran first)
+        view = views[-1]
+        view.grid.flush()
+        snapshots.append((view.grid.message, list(view.grid.seed_labels), len(view.facts.options),
+                          _grid_of(view.grid)))
+        if index == 2:  # a click on fact 1 while the study runs draws its own grid; the average comes back
+            view.facts.value = 1
+            clicks.append((view.grid.kind, _grid_of(view.grid)))
+            view.facts.value = AGGREGATE
+            clicks.append((view.grid.kind, _grid_of(view.grid)))
+
+    found = pipatch.study(tiny, facts, store=tmp_path / "live.sqlite", known_only=False, show=True, progress=watch,
+                          **CHEAP)
+    # Facts stream into the aggregate: after fact i, i+1 done, i+1 rows (facts) under the average.
+    assert [s[0].split(" · ")[0] for s in snapshots] == ["1 done", "2 done", "3 done", "4 done"]
+    assert all(" · 4 total · " in s[0] and "facts/min" in s[0] for s in snapshots)
+    assert [len(s[1]) for s in snapshots] == [1, 2, 3, 4] and [s[2] for s in snapshots] == [2, 3, 4, 5]
+    assert torch.allclose(snapshots[-1][3], found.grid().nan_to_num(-9), atol=1e-6)
+    assert clicks[0][0] == "trace" and torch.allclose(clicks[0][1], found[1].grid.nan_to_num(-9), atol=1e-6)
+    assert clicks[1][0] == "study" and torch.allclose(clicks[1][1], snapshots[2][3])
+    assert views[-1].grid.status == "done" and not views[-1].grid.stoppable
+    # Stop keeps what finished: the study ends after the fact in flight, the rest pending.
+    pressed: list = []
+
+    def press_stop(index, record, result):
+        pressed.append(index)
+        if len(pressed) == 2:
+            views[-1].grid.stop_requested = True
+
+    half = pipatch.study(tiny, facts, store=tmp_path / "stopped.sqlite", known_only=False, show=True,
+                         progress=press_stop, **CHEAP)
+    assert half.counts()["done"] == 2 and half.counts()["pending"] == 2
+    assert views[-1].grid.status == "stopped" and "run again to resume" in views[-1].grid.message
+
+
+def _grid_of(widget) -> torch.Tensor:
+    """The mean grid a widget draws (its first view), NaN as -9: what ``selectMatrix`` reads."""
+    from pipatch._views.schema import select_matrix
+
+    matrix = select_matrix(widget.get_state_dict(), widget.views[0])
+    assert matrix is not None
+    return torch.from_numpy(matrix.astype("float32")).nan_to_num(-9)
