@@ -238,8 +238,9 @@ def test_an_unreachable_service_is_one_line(ndif_config):
     assert "cannot reach NDIF at http://127.0.0.1:" in one_line(error)
 
 
-def test_a_model_ndif_does_not_host_is_one_line(ndif_config):
-    stand_in = StandIn(["meta-llama/Llama-3.1-8B"], local_env())
+def load_against(ndif_config, hosted: list[str], env: dict) -> pytest.ExceptionInfo:
+    """``load_model("openai-community/gpt2", remote=True)`` against a stand-in; its error."""
+    stand_in = StandIn(hosted, env)
     try:
         ndif_config.setenv("NDIF_API_KEY", "a-key")
         ndif_config.setenv("NDIF_HOST", stand_in.url)
@@ -247,20 +248,18 @@ def test_a_model_ndif_does_not_host_is_one_line(ndif_config):
             pipatch.load_model("openai-community/gpt2", remote=True)
     finally:
         stand_in.close()
+    return error
+
+
+def test_a_model_ndif_does_not_host_is_one_line(ndif_config):
+    error = load_against(ndif_config, ["meta-llama/Llama-3.1-8B"], local_env())
     assert "does not host 'openai-community/gpt2'" in one_line(error)
 
 
 def test_version_drift_that_matters_is_one_line(ndif_config):
     here = local_env()
     other_nnsight = {**here, "packages": {**here["packages"], "nnsight": "0.7.0"}}
-    stand_in = StandIn(["openai-community/gpt2"], other_nnsight)
-    try:
-        ndif_config.setenv("NDIF_API_KEY", "a-key")
-        ndif_config.setenv("NDIF_HOST", stand_in.url)
-        with pytest.raises(PipatchError) as error:
-            pipatch.load_model("openai-community/gpt2", remote=True)
-    finally:
-        stand_in.close()
+    error = load_against(ndif_config, ["openai-community/gpt2"], other_nnsight)
     assert "NDIF runs nnsight 0.7.0" in one_line(error) and "pip install nnsight==0.7.0" in str(error.value)
     other_python = {**here, "python_version": "3.12.1 (main)"}
     assert "Python 3.12" in version_drift(here, other_python)

@@ -80,6 +80,23 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
 
 
+def _interrupter(kernel: Kernel):
+    """What Kernel ▸ Interrupt does once the live grid has drawn two rows: ``(seen, on_message)``
+    for :meth:`Kernel.collect`; ``seen["interrupted"]`` says whether it fired."""
+    seen = {"rows": 0, "interrupted": False}
+
+    def interrupt_after_two_rows(msg):
+        if msg["msg_type"] != "comm_msg":
+            return
+        state = (msg["content"].get("data") or {}).get("state") or {}
+        seen["rows"] = max(seen["rows"], int((state.get("rows_done") or {}).get("resid", 0)))
+        if seen["rows"] >= 2 and not seen["interrupted"]:
+            seen["interrupted"] = True
+            kernel.manager.interrupt_kernel()
+
+    return seen, interrupt_after_two_rows
+
+
 @pytest.fixture
 def kernel(tmp_path):
     k = Kernel(str(tmp_path))  # closed after its test: the next test's kernel starts an engine of its own
@@ -100,16 +117,7 @@ def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
     assert check["stdout"].split() == ["done", "vllm", "1"], check
 
     # 2. A full grid, interrupted once the live grid has drawn two rows.
-    seen = {"rows": 0, "interrupted": False}
-
-    def interrupt_after_two_rows(msg):
-        if msg["msg_type"] != "comm_msg":
-            return
-        state = (msg["content"].get("data") or {}).get("state") or {}
-        seen["rows"] = max(seen["rows"], int((state.get("rows_done") or {}).get("resid", 0)))
-        if seen["rows"] >= 2 and not seen["interrupted"]:
-            seen["interrupted"] = True
-            kernel.manager.interrupt_kernel()
+    seen, interrupt_after_two_rows = _interrupter(kernel)
 
     started = time.monotonic()
     swept = kernel.collect(kernel.send(f"%%patch {FLAGS} --site resid -o big\n{PAIR_BODY}"), 600,
@@ -171,16 +179,7 @@ def test_a_split_engine_in_a_kernel_survives_an_interrupt_and_a_restart_leaves_n
         workers = [int(pid) for pid in ranks["stdout"].split()]
         assert len(workers) == 2 and _alive_after(workers, 0) == workers, ranks
 
-        seen = {"rows": 0, "interrupted": False}
-
-        def interrupt_after_two_rows(msg):
-            if msg["msg_type"] != "comm_msg":
-                return
-            state = (msg["content"].get("data") or {}).get("state") or {}
-            seen["rows"] = max(seen["rows"], int((state.get("rows_done") or {}).get("resid", 0)))
-            if seen["rows"] >= 2 and not seen["interrupted"]:
-                seen["interrupted"] = True
-                kernel.manager.interrupt_kernel()
+        seen, interrupt_after_two_rows = _interrupter(kernel)
 
         swept = kernel.collect(kernel.send(f"%%patch {flags} --site resid -o big\n{PAIR_BODY}"), 600,
                                interrupt_after_two_rows)
