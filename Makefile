@@ -87,6 +87,7 @@ bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(PY) bench/ndif.py
 	$(PY) bench/study.py
+	$(PY) bench/circuit.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
 

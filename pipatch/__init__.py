@@ -19,7 +19,7 @@ an installed package registers) are derived from their declarations
 (:mod:`pipatch._declare`): one per registered experiment of :mod:`pipatch._registry`.
 """
 
-from . import _api
+from . import _api, tasks
 from ._compare import compare
 from ._load import load_model
 from ._models import PipatchError
@@ -32,7 +32,7 @@ globals().update(_api.functions())
 
 __all__ = [
     "load_model", *_api.functions(), "compare", "Result", "load_result", "PipatchError",
-    "study", "load_study", "Study", "known_facts",
+    "study", "load_study", "Study", "known_facts", "tasks",
     "PatchGrid", "load_ipython_extension", "__version__",
 ]  # fmt: skip
 

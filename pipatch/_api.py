@@ -69,7 +69,7 @@ def plan(declaration: Experiment | str, model: Any, /, *args: Any, **kwargs: Any
     keywords = entry.bind(kwargs)
     backend = backend_of(model)
     examples = entry.examples(keywords)
-    if examples is None:
+    if examples is None or entry.whole_dataset:
         return entry.planner(backend, **keywords)
     return plan_dataset(backend, entry.planner, examples)
 

@@ -310,6 +310,9 @@ class Experiment:
         experiment's part of :meth:`pipatch.Result.code`'s script (:mod:`pipatch._code`).
     code_inputs
         ``code_inputs(meta) -> dict``: one example's inputs to the script's function.
+    whole_dataset
+        The planner takes a dataset's lists itself (a circuit averages edge scores over pairs),
+        instead of one example at a time averaged over named positions.
     """
 
     name: str
@@ -325,6 +328,7 @@ class Experiment:
     command: str = ""
     code: Callable[..., tuple[str, str, list[str], str]] | None = None
     code_inputs: Callable[[dict], dict[str, Any]] | None = None
+    whole_dataset: bool = False
     _by_keyword: dict[str, Param] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -103,6 +103,15 @@ def magic_parser(entry: Experiment) -> argparse.ArgumentParser:
                     + "\n".join(f"    {line}" for line in entry.example.splitlines()),
     )
     add_options(parser, entry)
+    _add_model_arguments(parser)
+    parser.add_argument("-o", "--out", default=default_name(entry),
+                        help=f"variable to bind the Result to (default {default_name(entry)})")
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model a magic runs on, and where: ``--model``, ``--backend``, ``--tensor-parallel-size``,
+    ``--serve`` / ``--api-key`` and ``--remote`` (read back by :func:`_model_of`)."""
     parser.add_argument("--model", default=None,
                         help="a variable holding a loaded model, or a hub id / local folder "
                              "(default: the embedded Gemma 3 270M)")
@@ -117,9 +126,11 @@ def magic_parser(entry: Experiment) -> argparse.ArgumentParser:
     parser.add_argument("--remote", nargs="?", const="ndif", default=None, metavar="local",
                         help="run as requests on NDIF (key: $NDIF_API_KEY); --remote local: nnsight's offline "
                              "simulation of it")
-    parser.add_argument("-o", "--out", default=default_name(entry),
-                        help=f"variable to bind the Result to (default {default_name(entry)})")
-    return parser
+
+
+def _model_of(shell: Any, args: argparse.Namespace) -> Any:
+    """The model :func:`_add_model_arguments`' flags name."""
+    return _model(shell, args.model, args.backend, args.serve, args.api_key, args.tensor_parallel_size, args.remote)
 
 
 def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
@@ -195,8 +206,7 @@ def _run(shell: Any, entry: Experiment, name: str, args: argparse.Namespace, key
     """Load the model, plan (baselines), run live, bind the result to ``name``."""
     placeholder = _placeholder(shell)
     try:
-        model = _model(shell, args.model, args.backend, args.serve, args.api_key, args.tensor_parallel_size,
-                       args.remote)
+        model = _model_of(shell, args)
         try:
             plan = plan_experiment(entry, model, **keywords)
         except PipatchError as error:
@@ -297,8 +307,7 @@ def study_magic_parser(entry: Experiment) -> argparse.ArgumentParser:
                     f"The options shown are {entry.name}'s.",
     )
     add_study_arguments(parser, entry, facts_required=False)
-    parser.add_argument("--model", default=None, help="a variable holding a loaded model, or a hub id / local folder")
-    parser.add_argument("--backend", default=None, choices=BACKENDS, help="what runs the model pipatch loads")
+    _add_model_arguments(parser)
     parser.add_argument("-o", "--out", default="_study", help="variable to bind the Study to (default _study)")
     return parser
 
@@ -332,7 +341,7 @@ def make_study_magic(shell: Any) -> Callable[..., None]:
                 raise PipatchError("no facts: name a file (%study FILE --store PATH) or put them in the %%study cell")
         except PipatchError as error:
             raise UsageError(f"%study: {error}") from None
-        model = _model(shell, args.model, args.backend)
+        model = _model_of(shell, args)
         try:
             found = study(model, facts, entry, show=getattr(shell, "kernel", None) is not None, **keywords)
         except PipatchError as error:

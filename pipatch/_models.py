@@ -282,6 +282,11 @@ _OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
 _FINAL_NORM = ("model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
                "model.language_model.norm")
 _UNEMBED = ("lm_head", "embed_out")
+# The norms a block's sublayers read through, relative to the block (see Adapter.attn_norm).
+# Gemma's MLP norm is pre_feedforward_layernorm (its post_attention_layernorm follows the
+# attention), so it is looked for first.
+_ATTN_NORM = ("input_layernorm", "ln_1", "ln_attn")
+_MLP_NORM = ("pre_feedforward_layernorm", "ln_2", "ln_mlp", "post_attention_layernorm")
 # Query/key/value projections, relative to the attention module: three separate ones, or one
 # fused module whose output columns are laid out as ``_FUSED_QKV_LAYOUT`` says (see
 # :meth:`Adapter.qkv_columns`).
@@ -334,6 +339,19 @@ class Adapter:
         Tensor-parallel ranks the fused projection's output is gathered from (vLLM; 1 elsewhere).
     last_logits_only
         Whether the forward takes ``logits_to_keep`` (see :meth:`trace_kwargs`).
+    attn_norm, mlp_norm
+        The norm each sublayer reads the residual stream through, under a block
+        (``input_layernorm`` / ``post_attention_layernorm`` in Llama, ``ln_1`` / ``ln_2`` in
+        GPT-2, ``pre_feedforward_layernorm`` for Gemma's MLP). A circuit's receiver reads the
+        residual through its norm (:mod:`pipatch._protocols.circuits`). ``mlp_norm`` is ``None``
+        where the MLP reads the attention's own normed input (GPT-J, Falcon-7B): there the MLP's
+        path cannot be told from the attention's by where it reads.
+    attn_post_norm, mlp_post_norm
+        The norm a sublayer's output passes through before it is added to the residual (Gemma 2
+        and 3: ``post_attention_layernorm``, ``post_feedforward_layernorm``); ``None`` elsewhere.
+    parallel
+        Whether attention and MLP read the same residual (GPT-NeoX with
+        ``use_parallel_residual``, Falcon, GPT-J): a layer's heads then do not feed its MLP.
     cache_kwarg
         The forward's key/value-cache argument (``cache``; ``past_key_values`` in older
         transformers), through which a run can start at a later position and attend to the
@@ -363,6 +381,11 @@ class Adapter:
     tp_ranks: int = 1
     last_logits_only: bool = False
     cache_kwarg: str | None = None
+    attn_norm: str | None = None
+    mlp_norm: str | None = None
+    attn_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+    parallel: bool = False
 
     def trace_kwargs(self, n_read: int = 1) -> dict[str, Any]:
         """Keyword arguments for ``model.trace()`` when only the last ``n_read`` positions'
@@ -535,6 +558,13 @@ def adapter_for(model) -> Adapter:
     if family == "falcon" and not getattr(config, "new_decoder_architecture", False) and getattr(config, "multi_query", False):
         n_kv = 1
     qkv, qkv_layout = _qkv_layout(_get(block0, attn), family, config)
+    attn_norm, mlp_norm = _find(block0, ("ln_attn",)) or _find(block0, _ATTN_NORM), _find(block0, _MLP_NORM)
+    gemma_norms = _find(block0, ("pre_feedforward_layernorm",)) is not None
+    parallel = (family in ("gptj", "falcon") and (getattr(config, "parallel_attn", True)
+                                                    or getattr(config, "new_decoder_architecture", False))
+                or (family == "gpt_neox" and getattr(config, "use_parallel_residual", True)))
+    if family == "falcon" and parallel and mlp_norm == "post_attention_layernorm":
+        mlp_norm = None
     parameters = inspect.signature(hf.forward).parameters
     adapter = Adapter(
         family=family,
@@ -556,6 +586,11 @@ def adapter_for(model) -> Adapter:
         qkv_layout=qkv_layout,
         last_logits_only="logits_to_keep" in parameters,
         cache_kwarg=next((name for name in ("cache", "past_key_values") if name in parameters), None),
+        attn_norm=attn_norm,
+        mlp_norm=mlp_norm if mlp_norm != attn_norm else None,
+        attn_post_norm="post_attention_layernorm" if gemma_norms else None,
+        mlp_post_norm=_find(block0, ("post_feedforward_layernorm",)) if gemma_norms else None,
+        parallel=parallel,
     )
     try:
         hf._pipatch_adapter = adapter

@@ -42,6 +42,10 @@ from ._views import (
 __all__ = ["Result", "load_result", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE"]
 
 
+#: A circuit's one grid: receivers × senders (:mod:`pipatch._protocols.circuits`).
+VIEW_EDGES = "edges"
+
+
 def recovery_undefined(clean: float, corrupt: float) -> bool:
     """Whether clean − corrupt is too close to zero for recovery to mean anything."""
     return abs(clean - corrupt) <= 1e-6 + 1e-3 * max(abs(clean), abs(corrupt))
@@ -266,6 +270,24 @@ class Result:
                         "raw": float(raw[layer, col]),
                     })
         return pd.DataFrame(rows)
+
+    def edges(self):
+        """A circuit's edges (``kind="circuit"``), one row each, largest ``|score|`` first: ``sender``,
+        ``receiver``, ``score`` (the estimated change of the metric when that edge alone carries
+        the clean value, in the metric's units; a dataset's mean over pairs) and ``exact`` (the
+        exact edge patch's change; NaN where not checked)."""
+        import pandas as pd
+
+        if VIEW_EDGES not in self.raw:
+            raise PipatchError(f"edges() is a circuit's table; this is a {self.kind} result: run pipatch.circuit")
+        change = (self.raw[VIEW_EDGES][0] - float(self.corrupt.mean())).double()
+        exact = {(c["sender"], c["receiver"]): c["exact"] for c in self.meta.get("checked", [])}
+        rows = [{"sender": sender, "receiver": receiver, "score": float(change[r, s]),
+                 "exact": float("nan") if exact.get((sender, receiver)) is None else float(exact[(sender, receiver)])}
+                for r, receiver in enumerate(self.layers) for s, sender in enumerate(self.columns)
+                if not math.isnan(float(change[r, s]))]
+        table = pd.DataFrame(rows, columns=["sender", "receiver", "score", "exact"])
+        return table.reindex(table["score"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
 
     def code(self) -> str:
         """A short Python script, using nnsight and transformers only (no pipatch), that recomputes

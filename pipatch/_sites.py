@@ -25,8 +25,9 @@ name        value                                                axis        ord
 ``q/k/v``   a query / key / value projection's output columns    token       0 / 1 / 2
 ``head``    ``z``: the attention output projection's *input*     head        3
 ``attn``    the attention sublayer's output (its contribution)   token       4
-``mlp``     the MLP sublayer's output (its contribution)         token       5
-``resid``   the block's output: the residual stream after it     token       6
+``mlp_in``  the MLP's *input* (its normed residual; circuits)     —           5
+``mlp``     the MLP sublayer's output (its contribution)         token       6
+``resid``   the block's output: the residual stream after it     token       7
 ==========  ===================================================  ==========  =========
 
 A head ``h`` is the slice ``[h·head_dim, (h+1)·head_dim)`` of ``z``'s width; a GQA model's ``z``
@@ -51,7 +52,7 @@ from typing import Any
 
 from ._models import Adapter, PipatchError, _get, first
 
-__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "QKV", "projection", "axis_of",
+__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "MLP_IN", "QKV", "projection", "axis_of",
            "TOKEN_AXIS", "HEAD_AXIS", "BATCH", "POSITION", "WIDTH", "HEADS", "KEY"]
 
 #: Column axes: what one grid column over a site is. A result records its own as ``col_axis``.
@@ -66,6 +67,7 @@ QKV = ("q", "k", "v")
 
 # The modules that can hold a site (:attr:`Site.holder`).
 _BLOCK, _ATTN, _MLP, _OUT_PROJ, _PROJ, _EMBEDDING = "block", "attn", "mlp", "out_proj", "proj", "embed"
+_MLP_IN = "mlp_in"
 _ALL = slice(None)  # an index part that takes the whole dimension
 
 
@@ -84,7 +86,8 @@ class Site:
         Position in the forward pass within one block (see the module docstring).
     holder
         Which module holds it: ``"block"`` (its output), ``"attn"`` / ``"mlp"`` (the sublayer's
-        output), ``"out_proj"`` (the attention output projection's *input*), or ``"proj"``
+        output), ``"out_proj"`` (the attention output projection's *input*), ``"mlp_in"`` (the
+        MLP's *input*), or ``"proj"``
         (the output of the projection module under the attention called :attr:`name`).
     axis
         :data:`TOKEN_AXIS` or :data:`HEAD_AXIS`: what one grid column over this site is (a
@@ -191,8 +194,8 @@ class Site:
     @property
     def reads_input(self) -> bool:
         """Whether the value is its module's *input* (``z``, read before the output
-        projection) rather than its output."""
-        return self.holder == _OUT_PROJ
+        projection; the MLP's normed input) rather than its output."""
+        return self.holder in (_OUT_PROJ, _MLP_IN)
 
     def start_layer(self, layer: int) -> int:
         """The first layer whose input a write at ``layer`` can change: a block output's write
@@ -224,6 +227,7 @@ class Site:
             _BLOCK: "",
             _ATTN: adapter.attn,
             _MLP: adapter.mlp,
+            _MLP_IN: adapter.mlp,
             _OUT_PROJ: f"{adapter.attn}.{adapter.out_proj}",
             _PROJ: f"{adapter.attn}.{self.name}",
         }[self.holder]  # the embedding (no block's) overrides module(): see _Embedding
@@ -243,10 +247,15 @@ class Site:
         return f"<site {self.name}>"
 
 
-RESID = Site("resid", order=6, holder=_BLOCK, sublayer=False, about="the block's output: the residual stream")
+RESID = Site("resid", order=7, holder=_BLOCK, sublayer=False, about="the block's output: the residual stream")
 ATTN = Site("attn", order=4, holder=_ATTN, about="what the attention sublayer adds")
-MLP = Site("mlp", order=5, holder=_MLP, about="what the MLP sublayer adds")
+MLP = Site("mlp", order=6, holder=_MLP, about="what the MLP sublayer adds")
 HEAD = Site("head", order=3, holder=_OUT_PROJ, axis=HEAD_AXIS, about="z: every head's output, side by side")
+
+#: The MLP's input: the normed residual its first projection reads. Not a grid's site: what a
+#: circuit's MLP receiver reads (:mod:`pipatch._protocols.circuits`), recorded and written by
+#: exact edge patches.
+MLP_IN = Site("mlp_in", order=5, holder=_MLP_IN, about="the MLP's input (the normed residual it reads)")
 
 #: The sites a grid can sweep, by name.
 SITES: dict[str, Site] = {s.name: s for s in (RESID, ATTN, MLP, HEAD)}

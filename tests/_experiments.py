@@ -53,6 +53,12 @@ EMBEDDED: dict[str, dict] = {
         "body": EIFFEL,
         "argv": ["lens", EIFFEL, "--answer", " Paris"],
     },
+    "circuit": {
+        "kwargs": {**PAIR_KWARGS, "method": "eap", "verify": 2},
+        "line": '--answer " Paris" --foil " Rome" --method eap --verify 2',
+        "body": PAIR,
+        "argv": ["circuit", *PAIR_ARGV, "--method", "eap", "--verify", "2"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -62,6 +68,7 @@ TINY: dict[str, dict] = {
     "attribute": {**TINY_PAIR, "site": "head"},
     "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
     "lens": {"prompt": EIFFEL, "answer": " Paris", "metric": "logprob"},
+    "circuit": {**TINY_PAIR, "steps": 2, "verify": 3},
 }
 
 

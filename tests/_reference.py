@@ -7,7 +7,9 @@ candidate names are what the family tests check); everything else is spelled out
 * :func:`patch_grid` — activation patching, one (layer, position or head) cell per forward;
 * :func:`trace_grid` — ROME causal tracing (noise on the subject's embeddings, one clean
   residual state restored per forward);
-* :func:`reference_path` — IOI-style three-run path patching.
+* :func:`reference_path` — IOI-style three-run path patching;
+* :func:`reference_edge_scores` — a circuit's EAP / EAP-IG scores, one edge (and one backward) at
+  a time; :func:`reference_edge_patch` — one exact edge patch.
 
 All run on the CPU model they are given; the inputs are moved to its device.
 """
@@ -225,3 +227,245 @@ def reference_path(model, *, base_text, donor_text, answer, foil, sender, receiv
         return hook
     hooks = [(span(r)[0], "post", put(n, span(r)[1])) for n, r in enumerate(receivers)]
     return hooked(hooks, lambda: metric(logits_of(model, base_ids)))
+
+
+# --------------------------------------------------------------------------------------------
+# Circuits: edge scores one edge at a time, and exact edge patches
+# --------------------------------------------------------------------------------------------
+
+
+class _Parts:
+    """A model's modules and sizes for the circuit references (looked up through the adapter)."""
+
+    def __init__(self, model):
+        self.model, self.hf, self.tok = model, model._module, model.tokenizer
+        a = self.a = adapter_for(model)
+        self.layers = _get(self.hf, a.blocks)
+        self.attn = [_get(layer, a.attn) for layer in self.layers]
+        self.mlp = [_get(layer, a.mlp) for layer in self.layers]
+        self.o = [_get(at, a.out_proj) for at in self.attn]
+        self.attn_norm = [_get(layer, a.attn_norm) for layer in self.layers]
+        self.mlp_norm = [_get(layer, a.mlp_norm) for layer in self.layers]
+        self.attn_post = [_get(layer, a.attn_post_norm) if a.attn_post_norm else None for layer in self.layers]
+        self.mlp_post = [_get(layer, a.mlp_post_norm) if a.mlp_post_norm else None for layer in self.layers]
+        self.final = _get(self.hf, a.final_norm)
+        self.embed = a.embedding(self.hf)
+        self.group = a.n_heads // a.n_kv_heads
+
+    def ids(self, text):
+        return self.tok(text, return_tensors="pt").input_ids
+
+    def token(self, text):
+        return self.tok(text, add_special_tokens=False).input_ids[0]
+
+    def cache(self, ids):
+        """Every site of one plain run: embeddings, z, attention and MLP outputs, their writes."""
+        c = {"emb": None, "z": {}, "attn": {}, "mlp": {}, "attn_write": {}, "mlp_write": {}}
+        hooks = [(self.embed, "post", lambda m, args, out: c.__setitem__("emb", out.clone()))]
+        for i in range(len(self.layers)):
+            hooks.append((self.o[i], "pre", lambda m, args, i=i: c["z"].__setitem__(i, args[0].clone())))
+            hooks.append((self.attn[i], "post", lambda m, args, out, i=i: c["attn"].__setitem__(i, first(out).clone())))
+            hooks.append((self.mlp[i], "post", lambda m, args, out, i=i: c["mlp"].__setitem__(i, first(out).clone())))
+            aw = self.attn_post[i] or self.attn[i]
+            mw = self.mlp_post[i] or self.mlp[i]
+            hooks.append((aw, "post", lambda m, args, out, i=i: c["attn_write"].__setitem__(i, first(out).clone())))
+            hooks.append((mw, "post", lambda m, args, out, i=i: c["mlp_write"].__setitem__(i, first(out).clone())))
+        hooked(hooks, lambda: self.hf(ids))
+        return c
+
+    def head_write(self, ids, layer, head, z_donor):
+        """The attention write at ``layer`` with only ``head``'s z slice swapped for ``z_donor``'s."""
+        hd, out = self.a.head_dim, {}
+
+        def swap(m, args):
+            z = args[0].clone()
+            z[:, :, head * hd:(head + 1) * hd] = z_donor[:, :, head * hd:(head + 1) * hd]
+            return (z,) + tuple(args[1:])
+        aw = self.attn_post[layer] or self.attn[layer]
+        hooked([(self.o[layer], "pre", swap), (aw, "post", lambda m, args, o: out.__setitem__("w", first(o).clone()))],
+               lambda: self.hf(ids))
+        return out["w"]
+
+
+def reference_edge_scores(model, *, clean, corrupt, answer, foil, alphas=(0.0,)):
+    """EAP / EAP-IG edge scores with plain hooks, one edge at a time: ``{(sender, receiver): score}``.
+
+    Each edge's score is ``d/dε`` of the metric of a run whose receiver (alone) reads the
+    residual plus ``ε ×`` the sender's write difference (clean − corrupt), at ε = 0, averaged
+    over runs on input embeddings ``corrupt + α (clean − corrupt)``. A grouped-query key or
+    value receiver: only its query head reads the perturbed keys / values (the group's other
+    heads keep the unperturbed run's z)."""
+    p = _Parts(model)
+    a, L, H = p.a, p.a.n_layers, p.a.n_heads
+    clean_ids, corrupt_ids = p.ids(clean), p.ids(corrupt)
+    ans, fo = p.token(answer), p.token(foil)
+    cc, kc = p.cache(clean_ids), p.cache(corrupt_ids)
+    writes = {"emb": (cc["emb"] - kc["emb"])[0]}
+    for layer in range(L):
+        for head in range(H):
+            writes[f"{layer}.{head}"] = (p.head_write(corrupt_ids, layer, head, cc["z"][layer]) - kc["attn_write"][layer])[0]
+        writes[f"mlp{layer}"] = (cc["mlp_write"][layer] - kc["mlp_write"][layer])[0]
+
+    def layer_of(name):
+        return -1 if name == "emb" else int(name[3:]) if name.startswith("mlp") else int(name.split(".")[0])
+
+    receivers = [f"{layer}.{h}.{w}" for layer in range(L) for h in range(H) for w in "qkv"]
+    receivers = [r for layer in range(L) for r in [*(x for x in receivers if x.startswith(f"{layer}.")), f"mlp{layer}"]]
+    receivers.append("logits")
+    scores = {}
+    for alpha in alphas:
+        start = kc["emb"] + alpha * (cc["emb"] - kc["emb"])
+        base_z = {}
+        hooked([(p.embed, "post", lambda m, args, out: start.clone())]
+               + [(p.o[i], "pre", lambda m, args, i=i: base_z.__setitem__(i, args[0].clone())) for i in range(L)],
+               lambda: p.hf(corrupt_ids))
+        for receiver in receivers:
+            r_layer = L if receiver == "logits" else layer_of(receiver)
+            for sender, delta in writes.items():
+                s_layer = layer_of(sender)
+                ok = s_layer < r_layer or (s_layer == r_layer and receiver.startswith("mlp") and "." in sender
+                                           and not a.parallel)
+                if not ok:
+                    continue
+                with torch.enable_grad():
+                    eps = torch.zeros((), requires_grad=True)
+                    hooks = [(p.embed, "post", lambda m, args, out: start.clone())]
+                    hooks += _perturbed_receiver(p, receiver, eps * delta[None], base_z)
+                    handles = [(m.register_forward_pre_hook(fn) if k == "pre" else m.register_forward_hook(fn))
+                               for m, k, fn in hooks]
+                    try:
+                        logits = p.hf(corrupt_ids).logits
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    value = logits[0, -1, ans] - logits[0, -1, fo]
+                    (grad,) = torch.autograd.grad(value, eps)
+                scores[(sender, receiver)] = scores.get((sender, receiver), 0.0) + float(grad) / len(alphas)
+    return scores
+
+
+def _perturbed_receiver(p, receiver, delta, base_z):
+    """Hooks making ``receiver`` alone read its residual plus ``delta`` ([1, T, d])."""
+    a, hd = p.a, p.a.head_dim
+    busy = []
+    if receiver == "logits":
+        return [(p.final, "pre", lambda m, args: (args[0] + delta,) + tuple(args[1:]))]
+    if receiver.startswith("mlp"):
+        layer = int(receiver[3:])
+        seen = {}
+
+        def keep(m, args):
+            if not busy:
+                seen["x"] = args[0]
+
+        def feed(m, args):
+            busy.append(1)
+            try:
+                return (p.mlp_norm[layer](seen["x"] + delta),) + tuple(args[1:])
+            finally:
+                busy.pop()
+        return [(p.mlp_norm[layer], "pre", keep), (p.mlp[layer], "pre", feed)]
+    layer, head, which = receiver.split(".")
+    layer, head = int(layer), int(head)
+    name, lo, hi = a.qkv_columns(which, head)
+    proj = _get(p.attn[layer], name)
+    seen = {}
+
+    def keep(m, args):
+        if not busy:
+            seen["x"] = args[0]
+
+    def swap(m, args, out):
+        if busy:
+            return None
+        busy.append(1)
+        try:
+            alt = first(m(p.attn_norm[layer](seen["x"] + delta)))
+        finally:
+            busy.pop()
+        out = out.clone()
+        out[:, :, lo:hi] = alt[:, :, lo:hi]
+        return out
+    hooks = [(p.attn_norm[layer], "pre", keep), (proj, "post", swap)]
+    if which != "q" and p.group > 1:
+        group = range(head // p.group * p.group, head // p.group * p.group + p.group)
+
+        def others(m, args):
+            z = args[0].clone()
+            for h in group:
+                if h != head:
+                    z[:, :, h * hd:(h + 1) * hd] = base_z[layer][:, :, h * hd:(h + 1) * hd]
+            return (z,) + tuple(args[1:])
+        hooks.append((p.o[layer], "pre", others))
+    return hooks
+
+
+def reference_edge_patch(model, *, clean, corrupt, answer, foil, sender, receiver):
+    """One exact edge patch (denoising: base corrupt, donor clean) with hooks: the metric.
+
+    Run 2: the sender's clean value, every later attention / MLP output frozen to the corrupt
+    run's, the receiver's input recorded; run 3: the corrupt run with only the receiver given
+    that input (a grouped-query key / value: the group's other heads keep the corrupt z)."""
+    p = _Parts(model)
+    a, hd, L = p.a, p.a.head_dim, p.a.n_layers
+    clean_ids, corrupt_ids = p.ids(clean), p.ids(corrupt)
+    ans, fo = p.token(answer), p.token(foil)
+    cc, kc = p.cache(clean_ids), p.cache(corrupt_ids)
+
+    def metric(ids, hooks):
+        logits = hooked(hooks, lambda: p.hf(ids).logits)
+        return float(logits[0, -1, ans] - logits[0, -1, fo])
+
+    def put(value):
+        return lambda m, args, out: (value.clone(),) + tuple(out[1:]) if isinstance(out, tuple) else value.clone()
+
+    s_layer = -1 if sender == "emb" else int(sender[3:]) if sender.startswith("mlp") else int(sender.split(".")[0])
+    hooks = []
+    if sender == "emb":
+        hooks.append((p.embed, "post", put(cc["emb"])))
+    elif sender.startswith("mlp"):
+        hooks.append((p.mlp[s_layer], "post", put(cc["mlp"][s_layer])))
+    else:
+        s_head = int(sender.split(".")[1])
+
+        def swap(m, args):
+            z = args[0].clone()
+            z[:, :, s_head * hd:(s_head + 1) * hd] = cc["z"][s_layer][:, :, s_head * hd:(s_head + 1) * hd]
+            return (z,) + tuple(args[1:])
+        hooks.append((p.o[s_layer], "pre", swap))
+    for i in range(max(s_layer, 0), L):
+        if i > s_layer:
+            hooks.append((p.attn[i], "post", put(kc["attn"][i])))
+        if not (i == s_layer and sender.startswith("mlp")):
+            hooks.append((p.mlp[i], "post", put(kc["mlp"][i])))
+    if receiver == "logits":
+        return metric(corrupt_ids, hooks)
+    recorded = {}
+    if receiver.startswith("mlp"):
+        layer = int(receiver[3:])
+        hooks.append((p.mlp[layer], "pre", lambda m, args: recorded.__setitem__("x", args[0].clone())))
+        metric(corrupt_ids, hooks)
+        return metric(corrupt_ids, [(p.mlp[layer], "pre", lambda m, args: (recorded["x"].clone(),) + tuple(args[1:]))])
+    layer, head, which = receiver.split(".")
+    layer, head = int(layer), int(head)
+    name, lo, hi = a.qkv_columns(which, head)
+    proj = _get(p.attn[layer], name)
+    hooks.append((proj, "post", lambda m, args, out: recorded.__setitem__("x", out[:, :, lo:hi].clone())))
+    metric(corrupt_ids, hooks)
+
+    def write(m, args, out):
+        out = out.clone()
+        out[:, :, lo:hi] = recorded["x"]
+        return out
+    hooks = [(proj, "post", write)]
+    if which != "q" and p.group > 1:
+        group = range(head // p.group * p.group, head // p.group * p.group + p.group)
+
+        def others(m, args):
+            z = args[0].clone()
+            for h in group:
+                if h != head:
+                    z[:, :, h * hd:(h + 1) * hd] = kc["z"][layer][:, :, h * hd:(h + 1) * hd]
+            return (z,) + tuple(args[1:])
+        hooks.append((p.o[layer], "pre", others))
+    return metric(corrupt_ids, hooks)

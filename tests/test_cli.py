@@ -23,8 +23,8 @@ from tests.conftest import COLOSSEUM, EIFFEL
 
 
 def test_the_registry_lists_every_experiment_once_in_order():
-    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens"]
-    assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens"]
+    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens", "circuit"]
+    assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens", "circuit"]
     assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
     for entry in EXPERIMENTS.values():
         flags = [o.flag for o in entry.options] + [f for o in entry.options for f in o.alias_flags]
@@ -105,7 +105,7 @@ def test_prompt_forms_read_cell_bodies():
 
 def test_unknown_experiment_kind_lists_the_names():
     assert _registry.experiment("path-patch") is EXPERIMENTS["path_patch"]
-    with pytest.raises(PipatchError, match="unknown experiment kind 'ablate': use trace, patch, attribute, path_patch, lens"):
+    with pytest.raises(PipatchError, match="unknown experiment kind 'ablate': use trace, patch, attribute, path_patch, lens, circuit"):
         _registry.experiment("ablate")
 
 
@@ -125,7 +125,8 @@ def test_every_command_writes_the_python_api_result(model, name, tmp_path, capsy
     assert f"wrote {path}" in captured.out
     for view in want.views:
         assert want.text(view) in captured.out  # the text heatmap
-    total = len(want.layers) * len(want.views)
+    # A circuit's grid is complete when planned; its bar counts the exact edge patches.
+    total = len(want.meta["checked"]) if name == "circuit" else len(want.layers) * len(want.views)
     # The progress bar (tqdm redraws it after "\r"): one line as a terminal shows it, ending at the
     # total, once (an attribution's verification rows after the last neither redraw nor exceed it).
     bars = [line.rsplit("\r", 1)[-1] for line in captured.err.split("\n") if " rows" in line]

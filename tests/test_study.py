@@ -469,6 +469,11 @@ def test_study_magics_bind_the_study(model, tmp_path):
         shell.run_cell_magic("study", f"--store {store} --model m --seeds 2 --scale 3", body)
     with pytest.raises(UsageError, match="--store"):
         shell.run_line_magic("study", f"{facts}")
+    # Where the model runs is a study's flag too: --serve / --remote reach the model's loader.
+    with pytest.raises(UsageError, match="--model m is loaded already: drop --remote"):
+        shell.run_line_magic("study", f"{facts} --store {store} --model m --remote local")
+    with pytest.raises(UsageError, match="--serve runs the model on the server"):
+        shell.run_line_magic("study", f"{facts} --store {store} --backend transformers --serve http://127.0.0.1:9")
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,6 +80,11 @@ class Backend(Protocol):
     def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site) -> tuple[list[Any], list[Any], float]:
         """d metric / d site at every layer: (values, gradients, metric)."""
 
+    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
+                   corrupt: Capture, steps: int) -> tuple[Any, Any]:
+        """A circuit's two factors: each sender's write and each receiver's gradient
+        (:mod:`pipatch._backends._edges`), or one line refusing them."""
+
 
 class Hints:
     """A backend's scheduling hints, with the defaults a new backend starts from: none of the

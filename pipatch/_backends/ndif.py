@@ -143,6 +143,11 @@ class NDIFBackend(TransformersBackend):
                     grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
         return list(values), list(reversed(list(grads))), float(value)
 
+    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
+                   corrupt: Capture, steps: int) -> tuple[Any, Any]:
+        raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a remote "
+                           "model does not offer: run circuit on a local model (pipatch.load_model(name))")
+
     # -- the requests -------------------------------------------------------------------------
     def _request(self, ids: torch.Tensor, body: Any, args: tuple, n_read: int, *, keyword: bool = False) -> Any:
         """``body(model, *args)`` in one request on the batch ``ids``; what it returned.

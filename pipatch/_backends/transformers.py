@@ -55,6 +55,7 @@ from .._models import Adapter, _get, adapter_for, dispatched, first
 from .._sites import EMBED, RESID, Site
 from ._contract import Hints
 from ._described import Described
+from ._edges import ReceiverGradients, SenderWrites, check_circuit_family, receiver_gradients, sender_writes
 from ._packing import NO_BOUND, PACK_TOKENS, ROW_TOKENS, Packed, layout, with_hidden
 from ._unembedding import Unembedding, unembedding_input
 
@@ -539,6 +540,24 @@ class TransformersBackend(Described):
                     for act in reversed(acts):
                         grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
         return list(values), list(reversed(list(grads))), float(value)
+
+
+    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
+                   corrupt: Capture, steps: int) -> tuple[SenderWrites, ReceiverGradients]:
+        """The two factors of every circuit edge's score (:mod:`pipatch._backends._edges`):
+        each sender's write, clean minus corrupt, from the captures ``clean`` and ``corrupt``
+        (sites ``head`` and ``mlp``), and each receiver's gradient, averaged over ``steps``
+        points from the corrupt input embeddings towards the clean ones (EAP-IG; ``steps=1``:
+        the corrupt run alone, EAP)."""
+        adapter, hf = self.adapter, self._hf
+        check_circuit_family(adapter)
+        embedding = adapter.embedding(hf)
+        with torch.no_grad():
+            e_clean = embedding(metric.inputs(clean_ids).to(self.device))
+            e_corrupt = embedding(metric.inputs(corrupt_ids).to(self.device))
+        points = [e_corrupt + (k / steps) * (e_clean - e_corrupt) for k in range(steps)]
+        return (sender_writes(hf, adapter, clean, corrupt),
+                receiver_gradients(self.model, hf, adapter, metric, points, corrupt_ids.to(self.device)))
 
 
 def _cat(parts: list[Any]) -> Any:

@@ -202,6 +202,11 @@ class VLLMBackend(Described):
         raise PipatchError("attribution needs gradients, which vLLM does not compute: load the model with "
                            "backend='transformers' (the default) for attribute")
 
+    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
+                   corrupt: Capture, steps: int) -> tuple[Any, Any]:
+        raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: load the model with "
+                           "backend='transformers' (the default) for circuit")
+
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> list:
         """``body(model, *args)`` for each job ``(ids, args)``, each in its own invoke (request)

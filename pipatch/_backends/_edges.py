@@ -1,0 +1,236 @@
+"""The two factors of every edge score of a circuit, computed on a transformers model.
+
+Edge attribution patching (EAP; Syed, Rager & Conmy 2023) scores an edge from a **sender**
+(the embeddings, one head, one MLP) to a **receiver** (one head's query, key or value input,
+one MLP's input, the logits) as
+
+.. math::
+
+    \\Delta_s \\cdot u_r, \\qquad \\Delta_s = w_s^{clean} - w_s^{corrupt}, \\qquad
+    u_r = \\partial M / \\partial x_r \\big|_{corrupt}
+
+where ``w_s`` is what the sender adds to the residual stream (:func:`sender_writes`) and
+``x_r`` is the residual stream *as receiver r alone reads it* (:func:`receiver_gradients`):
+a copy of the residual that only ``r`` sees. The dot product runs over the prompt's
+positions and the model width. This module computes the two factors; the protocol
+(:mod:`pipatch._protocols.circuits`) multiplies them.
+
+**What a sender writes.** The embeddings: the embedding output (Gemma's ``× √d`` included).
+A head: the attention sublayer's write with only that head's ``z`` swapped for the clean one,
+minus the corrupt write — ``W_O[:, h] (z_clean − z_corrupt)`` in most families, and Gemma's
+``post_attention_layernorm`` of the whole output recomputed where it normalizes the
+attention's output before adding it (exactly the contribution path patching swaps:
+:mod:`pipatch._protocols.paths`). An MLP: its output (after Gemma's post-norm), clean minus
+corrupt.
+
+**What a receiver reads, and its gradient.** One forward and one backward on the corrupt
+prompt give ``∂M`` at every query/key/value projection output, every ``z`` and every MLP
+input. A query column block belongs to one head, so its gradient is that head's. A
+grouped-query model's keys and values are read by a group of query heads: the key/value
+gradient of query head ``h`` alone is a second, local backward from ``z_h`` only (the other
+heads' ``∂M/∂z`` set to zero) through that layer's attention, which reaches the projections
+through ``h``'s scores and values only — each query head's share kept apart. Every gradient
+then goes back through the receiver's own projection columns and its norm, re-run on the
+captured residual (``attn_norm`` → q/k/v, ``mlp_norm`` → MLP, the final norm → logits), so
+``u_r`` is the gradient with respect to the residual as only ``r`` reads it. Those local
+re-runs take ``chunk`` receivers at a time, which bounds their memory.
+
+**EAP-IG** (Hanna, Pezzelle & Belinkov 2024) averages ``u_r`` over points on the straight line
+from the corrupt to the clean input embeddings: :func:`receiver_gradients` takes the
+``alphas`` (``k / steps`` for ``k = 0 … steps − 1``, a left Riemann sum from the corrupt end,
+so ``steps=1`` is EAP itself).
+
+The gradients are taken with respect to activations only (``torch.autograd.grad``), never the
+weights: no ``.grad`` is left on the model, and a frozen model works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._cells import Capture, Metric
+from .._models import Adapter, PipatchError, _get, first
+from .._sites import HEAD, MLP
+
+__all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family"]
+
+#: Receivers re-run through their norm and projection together (memory: ``chunk × T × d``).
+CHUNK = 48
+
+
+@dataclass
+class SenderWrites:
+    """What each sender adds to the residual stream, clean minus corrupt, at the prompt's
+    positions: ``emb`` [T, d], ``heads`` [L, H, T, d], ``mlps`` [L, T, d]."""
+
+    emb: torch.Tensor
+    heads: torch.Tensor
+    mlps: torch.Tensor
+
+
+@dataclass
+class ReceiverGradients:
+    """``∂M / ∂x_r`` for each receiver at the prompt's positions, averaged over the
+    interpolation points: ``qkv`` [L, H, 3, T, d] (query, key, value of each query head),
+    ``mlps`` [L, T, d], ``logits`` [T, d]; ``metric`` is the metric at each point."""
+
+    qkv: torch.Tensor
+    mlps: torch.Tensor
+    logits: torch.Tensor
+    metric: list[float]
+
+
+def check_circuit_family(adapter: Adapter) -> None:
+    """Refuse, in one line, a family whose receivers pipatch cannot tell apart."""
+    HEAD.check(adapter)
+    if adapter.qkv_layout is None or adapter.attn_norm is None or adapter.final_norm is None:
+        raise PipatchError(f"circuits are not supported for {adapter.family}: pipatch does not know its q/k/v layout "
+                           "or its norms (pipatch/_models.py); use path_patch or attribute")
+    if adapter.mlp_norm is None:
+        raise PipatchError(f"circuits are not supported for {adapter.family}: its MLP reads the attention's own normed "
+                           "input, so an MLP's input cannot be told from the heads'; use path_patch or attribute")
+
+
+def _module(hf: Any, adapter: Adapter, layer: int, path: str | None) -> Any:
+    """Block ``layer``'s module at ``path`` (a torch module: called outside any trace)."""
+    return _get(_get(hf, adapter.blocks)[layer], path) if path else None
+
+
+def sender_writes(hf: Any, adapter: Adapter, clean: Capture, corrupt: Capture) -> SenderWrites:
+    """Each sender's write, clean minus corrupt (module docstring), from two captures of
+    :data:`~pipatch._sites.HEAD` and :data:`~pipatch._sites.MLP`; ``hf`` is the torch model."""
+    H, L = adapter.n_heads, adapter.n_layers
+    heads, mlps = [], []
+    with torch.no_grad():
+        for layer in range(L):
+            attn = _module(hf, adapter, layer, adapter.attn)
+            out_proj = _get(attn, adapter.out_proj)
+            post = _module(hf, adapter, layer, adapter.attn_post_norm)
+            z_clean, z_corrupt = clean.sites[HEAD.name][layer][0].float(), corrupt.sites[HEAD.name][layer][0].float()
+            swapped = z_corrupt.expand(H, *z_corrupt.shape).clone()  # [H, T, H·head_dim]
+            for head in range(H):
+                cut = HEAD.head_slice(adapter, head)
+                swapped[head, :, cut] = z_clean[:, cut]
+            both = first(out_proj(torch.cat([swapped, z_corrupt[None]]).to(_dtype(out_proj))))
+            if post is not None:
+                both = post(both)
+            both = both.float()
+            heads.append(both[:H] - both[H:])
+            mlp_post = _module(hf, adapter, layer, adapter.mlp_post_norm)
+            pair = torch.stack([clean.sites[MLP.name][layer][0], corrupt.sites[MLP.name][layer][0]])
+            if mlp_post is not None:
+                pair = mlp_post(pair)
+            pair = pair.float()
+            mlps.append(pair[0] - pair[1])
+    emb = clean.embedded[0].float() - corrupt.embedded[0].float()
+    return SenderWrites(emb=emb, heads=torch.stack(heads), mlps=torch.stack(mlps))
+
+
+def _dtype(module: Any) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _through(norm: Any, projections: Sequence[Any], x: torch.Tensor, cotangents: Sequence[torch.Tensor | None],
+             n: int) -> torch.Tensor:
+    """``n`` gradients with respect to ``x`` ([k, T', d]): cotangent ``i`` (``[n, k, T', width]``
+    per projection, ``None`` where none reaches it) pulled back through ``projection(norm(x))``;
+    no projections: through the norm alone (one cotangent). Returns [n, k, T', d]."""
+    with torch.enable_grad():
+        xs = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * x.shape[0], *x.shape[1:]).clone()
+        xs.requires_grad_(True)
+        normed = first(norm(xs))
+        outs = [first(p(normed)) for p in projections] if projections else [normed]
+        total = sum((out.float() * c.reshape(out.shape)).sum() for out, c in zip(outs, cotangents) if c is not None)
+        (grad,) = torch.autograd.grad(total, xs)
+    return grad.reshape(n, *x.shape).float().cpu()
+
+
+def receiver_gradients(model: Any, hf: Any, adapter: Adapter, metric: Metric, embedded: Sequence[torch.Tensor],
+                       input_ids: torch.Tensor, *, chunk: int = CHUNK) -> ReceiverGradients:
+    """``∂M/∂x_r`` for every receiver (module docstring), averaged over the runs whose input
+    embeddings are ``embedded`` (each [n_inputs, T', d]: the corrupt prompt's, or a point on the
+    line to the clean one's). ``model`` is the nnsight model, ``hf`` its torch model,
+    ``input_ids`` the prompt [1, T] the runs read the metric after."""
+    T, H, L = input_ids.shape[1], adapter.n_heads, adapter.n_layers
+    group = H // max(1, adapter.n_kv_heads)
+    qkv_total = torch.zeros(L, H, 3, T, adapter.d_model)
+    mlp_total = torch.zeros(L, T, adapter.d_model)
+    logit_total = torch.zeros(T, adapter.d_model)
+    values = []
+    for leaf in embedded:
+        q, m, lg, value = _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
+        qkv_total += q
+        mlp_total += m
+        logit_total += lg
+        values.append(value)
+    n = len(embedded)
+    return ReceiverGradients(qkv=qkv_total / n, mlps=mlp_total / n, logits=logit_total / n, metric=values)
+
+
+def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk):
+    """One forward on embeddings ``leaf``, one backward, then the local pull-backs."""
+    m = metric.n_read
+    inputs = metric.inputs(input_ids)
+    with torch.enable_grad(), model.trace(inputs, **adapter.trace_kwargs(m)):
+        embedding = adapter.embedding(model)
+        embedding.output = leaf.detach().clone().requires_grad_(True)
+        saved = list().save()  # type: ignore[attr-defined]  # nnsight's
+        for layer in range(L):
+            block = adapter.block(model, layer)
+            attn = _get(block, adapter.attn)
+            x = _get(block, adapter.attn_norm).input
+            projections = [first(_get(attn, name).output) for name in adapter.qkv]
+            z = _get(attn, adapter.out_proj).input
+            x_mid = _get(block, adapter.mlp_norm).input
+            mlp_in = _get(block, adapter.mlp).input
+            saved.append((x, projections, z, x_mid, mlp_in))
+        final = _get(model, adapter.final_norm)
+        x_final, y_final = final.input, first(final.output)
+        score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
+        saved.append((x_final, y_final, score))
+    *layers, (x_final, y_final, score) = list(saved)
+    targets = [t for (_, projections, z, _, mlp_in) in layers for t in (*projections, z, mlp_in)] + [y_final]
+    grads = list(torch.autograd.grad(score, targets, retain_graph=group > 1, allow_unused=True))
+    per = len(adapter.qkv) + 2
+    qkv = torch.zeros(L, H, 3, T, adapter.d_model)
+    mlps = torch.zeros(L, T, adapter.d_model)
+    for layer, (x, projections, z, x_mid, _) in enumerate(layers):
+        g = grads[layer * per : (layer + 1) * per]
+        g_proj, g_z, g_mlp = g[: len(projections)], g[-2], g[-1]
+        g_proj = [torch.zeros_like(p) if gp is None else gp for p, gp in zip(projections, g_proj)]
+        # Each receiver's cotangent on the projection output(s): its own columns, filled with
+        # the gradient of its head alone.
+        receivers = [(head, which) for head in range(H) for which in range(3)]
+        cots = [torch.zeros(len(receivers), *p.shape, device=p.device) for p in projections]
+        for head in range(H):
+            if group > 1 and g_z is not None:
+                mask = torch.zeros_like(g_z)
+                cut = HEAD.head_slice(adapter, head)
+                mask[..., cut] = g_z[..., cut]
+                share = torch.autograd.grad(z, projections, grad_outputs=mask, retain_graph=True, allow_unused=True)
+                share = [torch.zeros_like(p) if s is None else s for p, s in zip(projections, share)]
+            else:
+                share = g_proj
+            for which in range(3):
+                module, lo, hi = adapter.qkv_columns("qkv"[which], head)
+                i = adapter.qkv.index(module)
+                cots[i][head * 3 + which, ..., lo:hi] = share[i][..., lo:hi].float()
+        block = _get(hf, adapter.blocks)[layer]
+        attn = _get(block, adapter.attn)
+        norm = _get(block, adapter.attn_norm)
+        modules = [_get(attn, name) for name in adapter.qkv]
+        pulled = []
+        for lo in range(0, len(receivers), chunk):
+            part = [c[lo : lo + chunk] for c in cots]
+            pulled.append(_through(norm, modules, x, part, part[0].shape[0]))
+        qkv[layer] = torch.cat(pulled).sum(1)[:, :T].reshape(H, 3, T, -1)
+        if g_mlp is not None:
+            mlp_norm = _get(block, adapter.mlp_norm)
+            mlps[layer] = _through(mlp_norm, [], x_mid, [g_mlp.unsqueeze(0)], 1)[0].sum(0)[:T]
+    g_final = grads[-1]
+    logits = _through(_get(hf, adapter.final_norm), [], x_final, [g_final.unsqueeze(0)], 1)[0].sum(0)[:T]
+    return qkv, mlps, logits, float(score.detach())

@@ -1,0 +1,370 @@
+"""Circuits: which edges between components carry a behaviour, scored by EAP or EAP-IG and
+checked by exact edge patches.
+
+A grid says *where* something is carried (a head, an MLP). A circuit says *which edges* carry
+it: which sender's write reaches which receiver. The graph (as in Hanna et al.'s EAP-IG):
+
+* **senders**: the embeddings (``emb``), each attention head's write (``12.2``: layer 12,
+  head 2) and each MLP's write (``mlp12``);
+* **receivers**: each later head's query, key and value inputs, separately (``14.0.q``), each
+  later MLP's input (``mlp14``) and the logits (``logits``). A layer's heads feed its own MLP
+  (not where attention and MLP read the same residual: GPT-NeoX, Falcon).
+
+**Scores.** Edge attribution patching (EAP) estimates, for every edge at once, how far the
+metric moves when that edge alone carries the clean value into the corrupt run: the sender's
+write difference (clean − corrupt) dotted with the gradient of the metric at the receiver's
+own copy of the residual, from one clean run, one corrupt run and one backward
+(:mod:`pipatch._backends._edges` computes both factors). EAP-IG averages the gradients over
+``steps`` points between the corrupt and the clean input embeddings (``steps=1`` is EAP).
+A grouped-query model's key and value gradients are each query head's own share.
+
+**Checked.** The ``verify`` edges with the largest estimated effect are patched exactly: path
+patching (:mod:`pipatch._protocols.paths`) of that one sender into that one receiver — run 2
+swaps in the sender's clean value with every later attention and MLP output frozen to the
+corrupt run's and records what the receiver reads; run 3 gives the receiver alone that input.
+A grouped-query key or value receiver of query head ``h`` patches the shared key/value head
+and keeps the group's other query heads at their corrupt outputs, so only ``h`` reads the
+patched keys. The result keeps both numbers and their rank correlation.
+
+**Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
+exact changes are in its own metric units, and their means are the dataset's.
+
+The result is a :class:`~pipatch.Result` (``kind="circuit"``): one grid ``raw["edges"]``,
+receivers × senders, of ``corrupt metric + estimated change`` (NaN where no edge exists), so
+its normalized recovery reads on the patching scale; :meth:`pipatch.Result.edges` is the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .._cells import Base, Capture, Cell, Op
+from .._checks import whole_number
+from .._declare import PAIR, Experiment, Param, count, positive_int
+from .._engine import Plan, Predictor, Sweep, check_batch_size
+from .._models import Adapter, PipatchError
+from .._result import VIEW_EDGES, Result
+from .._sites import ATTN, EMBED, HEAD, MLP, MLP_IN, QKV, projection
+from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
+from .attribution import spearman
+from .patching import pair_inputs
+
+__all__ = ["plan_circuit", "graph", "METHODS", "DECLARATION"]
+
+METHODS = ("eap-ig", "eap")
+#: The one grid a circuit result holds.
+VIEW = VIEW_EDGES
+
+
+# --------------------------------------------------------------------------------------------
+# The graph
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """A sender or a receiver. ``kind``: ``emb`` / ``head_out`` / ``mlp_out`` (senders),
+    ``qkv`` / ``mlp_in`` / ``logits`` (receivers; ``which`` says a ``qkv`` receiver's input:
+    one of :data:`~pipatch._sites.QKV`); ``layer`` (``-1`` for the embeddings, ``L`` for the
+    logits) and ``head`` where it is a head's."""
+
+    name: str
+    kind: str
+    layer: int
+    head: int | None = None
+    which: str | None = None
+
+
+def graph(adapter: Adapter) -> tuple[list[Node], list[Node], torch.Tensor]:
+    """``(senders, receivers, edges)``: the nodes in forward order, and ``edges[r, s]`` True
+    where sender ``s`` writes to the residual stream before receiver ``r`` reads it."""
+    L, H = adapter.n_layers, adapter.n_heads
+    senders = [Node("emb", "emb", -1)]
+    receivers = []
+    for layer in range(L):
+        senders += [Node(f"{layer}.{h}", "head_out", layer, h) for h in range(H)] + [
+            Node(f"mlp{layer}", "mlp_out", layer)]
+        receivers += [Node(f"{layer}.{h}.{w}", "qkv", layer, h, w) for h in range(H) for w in QKV] + [
+            Node(f"mlp{layer}", "mlp_in", layer)]
+    receivers.append(Node("logits", "logits", L))
+    edges = torch.zeros(len(receivers), len(senders), dtype=torch.bool)
+    for r, receiver in enumerate(receivers):
+        for s, sender in enumerate(senders):
+            same_layer_ok = sender.kind == "head_out" and receiver.kind == "mlp_in" and not adapter.parallel
+            edges[r, s] = sender.layer < receiver.layer or (sender.layer == receiver.layer and same_layer_ok)
+    return senders, receivers, edges
+
+
+def _writes(terms: Any, adapter: Adapter) -> torch.Tensor:
+    """Every sender's write difference in :func:`graph` order: [senders, T, d]."""
+    rows = [terms.emb[None]]
+    for layer in range(adapter.n_layers):
+        rows += [terms.heads[layer], terms.mlps[layer][None]]
+    return torch.cat(rows)
+
+
+def _gradients(terms: Any, adapter: Adapter) -> torch.Tensor:
+    """Every receiver's gradient in :func:`graph` order: [receivers, T, d]."""
+    rows = []
+    for layer in range(adapter.n_layers):
+        rows += [terms.qkv[layer].flatten(0, 1), terms.mlps[layer][None]]
+    return torch.cat(rows + [terms.logits[None]])
+
+
+# --------------------------------------------------------------------------------------------
+# Exact edge patches
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _EdgeSweep(Sweep):
+    """Row ``i``: the exact patch of edge ``edges[i]`` (a sender, a receiver) in one pair."""
+
+    adapter: Adapter | None = None
+    donor: Capture | None = None
+    edges: list[tuple[Node, Node]] | None = None
+    pair: int = 0
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False
+
+    def store(self, result: Any, cell: Cell, value: float) -> None:
+        result.meta["checked"][cell.row]["exact_runs"][self.pair] = value
+
+    def cell(self, row: int, col: int, seed: int) -> Cell:
+        sender, receiver = self.edges[row]
+        adapter, donor, base = self.adapter, self.donor, self.base.capture
+        prompt = slice(0, self.base.input_ids.shape[1])
+        ops = []
+        if sender.kind == "emb":
+            ops.append(Op(EMBED, 0, EMBED.index(prompt), donor.embedded[:1]))
+        elif sender.kind == "head_out":
+            index = HEAD.head_index(adapter, sender.head, prompt)
+            ops.append(Op(HEAD, sender.layer, index, donor.sites[HEAD.name][sender.layer][index]))
+        # Every later attention and MLP output is frozen to the base run's (the sender's own
+        # layer keeps a head sender's attention output, and an MLP sender's MLP is the donor's).
+        for later in range(max(sender.layer, 0), adapter.n_layers):
+            if later > sender.layer:
+                ops.append(Op(ATTN, later, ATTN.index(prompt), base.sites[ATTN.name][later]))
+            mlp = donor if (later == sender.layer and sender.kind == "mlp_out") else base
+            ops.append(Op(MLP, later, MLP.index(prompt), mlp.sites[MLP.name][later]))
+        start = max(sender.layer, 0)
+        if receiver.kind == "logits":
+            return Cell(row, col, seed, start=start, ops=ops)
+        site, index, writes = self._receiver(receiver, prompt)
+        ops.append(Op(site, receiver.layer, index))
+
+        def then(recorded: list[torch.Tensor], row=row, col=col, seed=seed) -> Cell:
+            return Cell(row, col, seed, start=receiver.layer,
+                        ops=[Op(site, receiver.layer, index, recorded[0]), *writes])
+
+        return Cell(row, col, seed, start=start, ops=ops, then=then)
+
+    def _receiver(self, receiver: Node, prompt: slice) -> tuple[Any, tuple, list[Op]]:
+        """``(site, index, other writes)`` of a receiver's exact patch: where it reads, and for a
+        grouped-query key or value the group's other query heads kept at the base run's ``z``."""
+        adapter, base = self.adapter, self.base.capture
+        if receiver.kind == "mlp_in":
+            return MLP_IN, MLP_IN.index(prompt), []
+        module, lo, hi = adapter.qkv_columns(receiver.which, receiver.head)
+        site = projection(module, adapter.qkv.index(module))
+        index = site.index(prompt, width=slice(lo, hi))
+        group = adapter.n_heads // max(1, adapter.n_kv_heads)
+        others = []
+        if receiver.which != QKV[0] and group > 1:  # a key or a value, shared by the group
+            first_head = receiver.head // group * group
+            for head in range(first_head, first_head + group):
+                if head != receiver.head:
+                    at = HEAD.head_index(adapter, head, prompt)
+                    others.append(Op(HEAD, receiver.layer, at, base.sites[HEAD.name][receiver.layer][at]))
+        return site, index, others
+
+
+class _CircuitPlan(Plan):
+    """The exact patches run like any sweep; their means and agreement are summarised at the end.
+    A click on grid cell (receiver, sender) runs that edge's exact patch on the first pair."""
+
+    def __init__(self, *args: Any, click: _EdgeSweep, senders: list[Node], receivers: list[Node],
+                 valid: torch.Tensor, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._click, self._senders, self._receivers, self._valid = click, senders, receivers, valid
+
+    def predictor(self) -> Predictor:
+        click, senders, receivers, valid = self._click, self._senders, self._receivers, self._valid
+
+        def locate(view: str, row: int, col: int, seed: int) -> tuple[Sweep, Cell]:
+            if not valid[row, col]:
+                raise PipatchError(f"there is no edge from {senders[col].name} to {receivers[row].name}: a receiver "
+                                   "reads only what is written before it")
+            sweep = replace(click, edges=[(senders[col], receivers[row])], n_rows=1)
+            return sweep, sweep.cell(0, 0, 0)
+
+        return Predictor(self.backend, {}, locate)
+
+    def finish(self) -> None:
+        result = self.result
+        checked = result.meta.get("checked", [])
+        corrupt = result.meta["corrupt_runs"]
+        for entry in checked:
+            runs = entry["exact_runs"]
+            done = [value - corrupt[i] for i, value in enumerate(runs) if value is not None]
+            entry["exact"] = sum(done) / len(done) if len(done) == len(runs) else None
+        rows = [e for e in checked if e["exact"] is not None]
+        if len(rows) >= 2:
+            estimates = torch.tensor([e["estimate"] for e in rows], dtype=torch.float64)
+            exact = torch.tensor([e["exact"] for e in rows], dtype=torch.float64)
+            result.meta["agreement"] = {"spearman": spearman(estimates, exact),
+                                        "max_abs_error": float((estimates - exact).abs().max()), "n": len(rows)}
+
+
+# --------------------------------------------------------------------------------------------
+# The planner
+# --------------------------------------------------------------------------------------------
+
+
+def _pairs(clean: Any, corrupt: Any, answer: Any, foil: Any) -> list[tuple[str, str, Any, Any]]:
+    """One pair, or a dataset's (lists of equal length; an answer or foil given once holds for all)."""
+    if not isinstance(clean, (list, tuple)):
+        return [(clean, corrupt, answer, foil)]
+    n = len(clean)
+    if not isinstance(corrupt, (list, tuple)) or len(corrupt) != n or n == 0:
+        raise PipatchError("for many pairs pass clean and corrupt as lists of the same length (pairs in order)")
+
+    def each(value: Any, what: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise PipatchError(f"{len(value)} {what}s for {n} pairs: pass one {what} per pair, or one for all")
+            return list(value)
+        return [value] * n
+
+    return list(zip(clean, corrupt, each(answer, "answer"), each(foil, "foil")))
+
+
+def plan_circuit(
+    backend,
+    *,
+    clean: str | Sequence[str],
+    corrupt: str | Sequence[str],
+    answer: str | Sequence[str],
+    foil: str | Sequence[str] | None,
+    method: str,
+    steps: int,
+    verify: int,
+    metric: str,
+    batch_size: int | None,
+) -> Plan:
+    """Score every edge (the gradient passes run here); plan the exact patches of the top ones.
+
+    ``backend`` runs the model; the other parameters are :func:`pipatch.circuit`'s.
+    """
+    check_choice(method, METHODS, "method")
+    steps = whole_number(steps, "steps (interpolation points of EAP-IG)", minimum=1)
+    verify = whole_number(verify, "verify (the edges to check with exact patches)", minimum=0)
+    adapter = backend.adapter
+    pairs = [pair_inputs(backend, *one, metric) for one in _pairs(clean, corrupt, answer, foil)]
+    senders, receivers, valid = graph(adapter)
+    batch = check_batch_size(batch_size, max(p.clean_ids.shape[1] for p in pairs), backend)
+
+    total = torch.zeros(valid.shape, dtype=torch.float64)
+    runs: list[tuple[Any, Capture, Capture]] = []
+    cleans, corrupts = [], []
+    for pair in pairs:
+        clean_run, corrupt_run = backend.captures([pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
+        writes, grads = backend.edge_terms(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run, corrupt_run,
+                                           steps if method == "eap-ig" else 1)
+        total += torch.einsum("rtd,std->rs", _gradients(grads, adapter).double(), _writes(writes, adapter).double())
+        runs.append((pair, clean_run, corrupt_run))
+        cleans.append(float(clean_run.metric[0]))
+        corrupts.append(float(corrupt_run.metric[0]))
+    scores = (total / len(pairs)).float()
+    scores[~valid] = float("nan")
+    clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
+
+    first = pairs[0]
+    meta = model_meta(backend)
+    meta.update({
+        **first.meta(backend), "site": VIEW, "col_axis": "sender", "direction": "denoise", "method": method,
+        "steps": steps if method == "eap-ig" else 1, "n_pairs": len(pairs),
+        "senders": [s.name for s in senders], "receivers": [r.name for r in receivers],
+        "corrupt_runs": corrupts, "clean_runs": cleans,
+        "estimate": "EAP: (clean − corrupt) sender write · d metric / d receiver input, at the corrupt run"
+                    + (f", averaged over {steps} points towards the clean input (EAP-IG)" if method == "eap-ig" else ""),
+    })
+    if len(pairs) > 1:
+        meta["pairs"] = [{"clean": p.clean, "corrupt": p.corrupt, "answer": p.answer, "foil": p.foil} for p in pairs]
+    result = Result(
+        kind="circuit", tokens=first.clean_tokens, columns=[s.name for s in senders],
+        layers=[r.name for r in receivers], metric=first.metric.label,
+        raw={VIEW: (corrupt_value + scores).unsqueeze(0)}, clean=clean_value,
+        corrupt=torch.tensor([corrupt_value]), meta=meta,
+        warnings=undefined_recovery_warning(first.metric.label, clean_value, corrupt_value),
+        rows_done={VIEW: len(receivers)},
+    )
+    flat = scores.abs().nan_to_num(-1.0).flatten()
+    order = flat.argsort(descending=True, stable=True)[: min(verify, int(valid.sum()))].tolist()
+    chosen = [(receivers[i // len(senders)], senders[i % len(senders)]) for i in order]
+    meta["checked"] = [{"sender": s.name, "receiver": r.name, "estimate": float(scores[receivers.index(r),
+                        senders.index(s)]), "exact": None, "exact_runs": [None] * len(pairs)} for r, s in chosen]
+    edges = [(s, r) for r, s in chosen]
+    sweeps: list[Sweep] = [
+        _EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=len(edges),
+                   n_cols=1, adapter=adapter, donor=clean_run, edges=edges, pair=i)
+        for i, (pair, clean_run, corrupt_run) in enumerate(runs)
+    ] if edges else []
+    pair, clean_run, corrupt_run = runs[0]
+    click = _EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=0, n_cols=1,
+                       adapter=adapter, donor=clean_run, edges=[], pair=0)
+    return _CircuitPlan(backend, result, sweeps, batch, True, click=click, senders=senders, receivers=receivers,
+                        valid=valid)
+
+
+# --------------------------------------------------------------------------------------------
+# The declaration
+# --------------------------------------------------------------------------------------------
+
+
+def _title(meta: dict) -> str:
+    how = f"{meta.get('method', 'eap-ig')}" + (f", {meta['n_pairs']} pairs" if meta.get("n_pairs", 1) > 1 else "")
+    return pair_title("Circuit", meta, how)
+
+
+DECLARATION = Experiment(
+    name="circuit", kind="circuit", noun="circuit",
+    summary="Circuits: every edge scored by EAP / EAP-IG, the top ones checked by exact edge patches.",
+    planner=plan_circuit, prompts=PAIR, title=_title, whole_dataset=True,
+    params=(
+        *PAIR_PARAMS,
+        Param("method", "eap-ig", "eap-ig (gradients averaged over steps points between corrupt and clean) or eap "
+              "(the corrupt run's gradient)", "str"),
+        Param("steps", 5, "EAP-IG's interpolation points (1: EAP)", "int", parse=positive_int),
+        Param("verify", 20, "check the N edges with the largest |estimate| with exact edge patches (0: none)", "int",
+              parse=count),
+        METRIC, BATCH_SIZE,
+    ),
+    example='%%circuit --answer " Mary" --foil " John" --verify 10 -o circ\n'
+            "clean: When Mary and John went to the store, John gave a drink to\n"
+            "corrupt: When Mary and John went to the store, Mary gave a drink to",
+    doc="""
+    See :mod:`pipatch._protocols.circuits` for the graph, the scores and the checks.
+
+    Returns
+    -------
+    Result
+        ``kind="circuit"``; ``raw["edges"]`` ([1, receivers, senders]) holds
+        ``corrupt metric + estimated change`` (NaN where there is no edge) and ``result.grid``
+        its normalized recovery; ``result.edges()`` is the table (``sender``, ``receiver``,
+        ``score``, ``exact``). ``meta["checked"]`` lists the exactly patched edges and
+        ``meta["agreement"]`` their rank correlation with the estimates.
+
+    Examples
+    --------
+    >>> task = pipatch.tasks.ioi(8, seed=0)
+    >>> r = pipatch.circuit(model, **task, verify=20)
+    >>> r.edges().head()
+    """,
+)

@@ -1,0 +1,151 @@
+"""Circuits (pipatch.circuit): EAP / EAP-IG edge scores against a hand-written reference that
+takes one edge (and one backward) at a time with plain PyTorch hooks, and the exact edge checks
+against a hook-reference edge patch, on tiny random-weight models of three families: GPT-2
+(fused q/k/v, LayerNorm), Llama (grouped-query attention) and Gemma 3 (grouped-query
+attention, norms after each sublayer, q/k norms)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from _reference import reference_edge_patch, reference_edge_scores
+from _tiny import tiny_model
+
+import pipatch
+from pipatch import PipatchError
+from pipatch._models import adapter_for
+from pipatch._protocols.circuits import graph
+
+FAMILIES = ["gpt2", "llama", "gemma3"]
+PAIR = dict(clean="When Mary and John went to the store, John gave a book to",
+            corrupt="When Mary and John went to the store, Mary gave a book to", answer=" Mary", foil=" John")
+PAIR2 = dict(clean="When Tom and Anna went to the park, Anna gave a ball to",
+             corrupt="When Tom and Anna went to the park, Tom gave a ball to", answer=" Tom", foil=" Anna")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param, tiny_model(request.param)
+
+
+def _scores(result):
+    return {(row.sender, row.receiver): row.score for row in result.edges().itertuples()}
+
+
+def test_eap_scores_equal_the_one_edge_at_a_time_reference(family):
+    name, model = family
+    result = pipatch.circuit(model, **PAIR, method="eap", verify=0)
+    ours = _scores(result)
+    reference = reference_edge_scores(model, **PAIR)
+    assert set(ours) == set(reference), "the graph's edges differ from the reference's"
+    worst = max(abs(ours[e] - reference[e]) for e in reference)
+    assert worst < 1e-4, f"{name}: max |EAP − reference| = {worst}"
+    assert max(abs(v) for v in reference.values()) > 1e-3  # the scores are not all ~0
+
+
+def test_eap_ig_equals_its_reference_and_steps_1_is_eap(family):
+    name, model = family
+    ig = _scores(pipatch.circuit(model, **PAIR, method="eap-ig", steps=2, verify=0))
+    reference = reference_edge_scores(model, **PAIR, alphas=(0.0, 0.5))
+    assert max(abs(ig[e] - reference[e]) for e in reference) < 1e-4
+    one = _scores(pipatch.circuit(model, **PAIR, method="eap-ig", steps=1, verify=0))
+    eap = _scores(pipatch.circuit(model, **PAIR, method="eap", verify=0))
+    assert one == eap
+    assert max(abs(ig[e] - eap[e]) for e in eap) > 1e-6  # two points are not the corrupt run alone
+
+
+def test_checked_edges_equal_the_hook_reference_edge_patch(family):
+    name, model = family
+    result = pipatch.circuit(model, **PAIR, method="eap", verify=40)
+    checked = result.meta["checked"]
+    assert len(checked) == 40
+    kinds = {c["receiver"].split(".")[-1] if "." in c["receiver"] else c["receiver"].rstrip("0123456789")
+             for c in checked} | {c["sender"].rstrip("0123456789") for c in checked}
+    corrupt = float(result.corrupt[0])
+    for c in checked:
+        exact = reference_edge_patch(model, **PAIR, sender=c["sender"], receiver=c["receiver"])
+        assert abs((c["exact"] + corrupt) - exact) < 1e-4, (name, c)
+    table = result.edges()
+    assert table["exact"].notna().sum() == 40
+    assert {"logits", "mlp"} <= kinds and kinds & {"k", "v", "q"}, kinds  # several receiver kinds were checked
+    assert -1 <= result.meta["agreement"]["spearman"] <= 1 and result.meta["agreement"]["n"] == 40
+
+
+def test_the_graph():
+    model = tiny_model("llama")
+    a = adapter_for(model)
+    senders, receivers, edges = graph(a)
+    assert [s.name for s in senders[:6]] == ["emb", "0.0", "0.1", "0.2", "0.3", "mlp0"]
+    assert [r.name for r in receivers[:3]] == ["0.0.q", "0.0.k", "0.0.v"] and receivers[-1].name == "logits"
+    assert len(senders) == 1 + a.n_layers * (a.n_heads + 1)
+    assert len(receivers) == a.n_layers * (3 * a.n_heads + 1) + 1
+    r = [x.name for x in receivers].index("mlp1")
+    fed = {senders[s].name for s in range(len(senders)) if edges[r, s]}
+    assert fed == {"emb", "0.0", "0.1", "0.2", "0.3", "mlp0", "1.0", "1.1", "1.2", "1.3"}
+    q = [x.name for x in receivers].index("1.2.q")
+    assert {senders[s].name for s in range(len(senders)) if edges[q, s]} == {"emb", "0.0", "0.1", "0.2", "0.3", "mlp0"}
+    assert edges[-1].all()  # everything writes to the logits
+    # Parallel attention and MLP (GPT-NeoX): a layer's heads do not feed its own MLP.
+    _, receivers_p, edges_p = graph(adapter_for(tiny_model("gpt_neox")))
+    r = [x.name for x in receivers_p].index("mlp1")
+    assert not edges_p[r, [s.name for s in senders].index("1.0")]
+
+
+def test_a_dataset_averages_its_pairs():
+    model = tiny_model("llama")
+    both = pipatch.circuit(model, clean=[PAIR["clean"], PAIR2["clean"]], corrupt=[PAIR["corrupt"], PAIR2["corrupt"]],
+                           answer=[PAIR["answer"], PAIR2["answer"]], foil=[PAIR["foil"], PAIR2["foil"]],
+                           method="eap", verify=3)
+    one, two = (_scores(pipatch.circuit(model, **p, method="eap", verify=3)) for p in (PAIR, PAIR2))
+    mean = _scores(both)
+    assert max(abs(mean[e] - (one[e] + two[e]) / 2) for e in mean) < 1e-6
+    assert both.meta["n_pairs"] == 2 and both.clean == pytest.approx(
+        (pipatch.circuit(model, **PAIR, verify=0).clean + pipatch.circuit(model, **PAIR2, verify=0).clean) / 2)
+    for c in both.meta["checked"]:
+        exact = [reference_edge_patch(model, **p, sender=c["sender"], receiver=c["receiver"]) for p in (PAIR, PAIR2)]
+        corrupts = both.meta["corrupt_runs"]
+        assert c["exact"] == pytest.approx(sum(e - k for e, k in zip(exact, corrupts)) / 2, abs=1e-4)
+
+
+def test_a_task_set_splats_into_circuit():
+    model = tiny_model("gpt2")
+    task = pipatch.tasks.ioi(4, seed=1, tokenizer=model.tokenizer)
+    result = pipatch.circuit(model, **task, steps=2, verify=5)
+    assert result.meta["n_pairs"] == 4 and result.kind == "circuit"
+    table = result.edges()
+    assert list(table.columns) == ["sender", "receiver", "score", "exact"]
+    assert table["score"].abs().is_monotonic_decreasing and table["exact"].notna().sum() == 5
+    assert result.grid.shape == (len(result.layers), len(result.columns))
+    assert "Circuit" in result.title
+
+
+def test_a_saved_circuit_reads_back(tmp_path):
+    result = pipatch.circuit(tiny_model("gpt2"), **PAIR, verify=4)
+    back = pipatch.load_result(result.save(tmp_path / "c.safetensors"))
+    assert back.edges().equals(result.edges())
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(method="acdc"), "method"),
+    (dict(steps=0), "steps"),
+    (dict(verify=-1), "verify"),
+    (dict(corrupt="When Mary went to the store, Mary gave a book to"), "same length"),
+])
+def test_bad_input_is_one_line(bad, message):
+    with pytest.raises(PipatchError) as error:
+        pipatch.circuit(tiny_model("gpt2"), **{**PAIR, **bad})
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_families_it_cannot_score_are_refused_in_one_line():
+    with pytest.raises(PipatchError) as error:
+        pipatch.circuit(tiny_model("falcon"), **PAIR)
+    assert "circuits are not supported for falcon" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_edges_is_a_circuits_table():
+    result = pipatch.patch(tiny_model("gpt2"), **PAIR, site="resid")
+    with pytest.raises(PipatchError, match="circuit"):
+        result.edges()
+    assert not math.isnan(float(result.grid.nanmean()))
