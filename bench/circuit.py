@@ -9,6 +9,9 @@ On the embedded default (Gemma 3 270M, float32, CPU), a 32-pair IOI dataset
    runs per edge and pair), which gives the cost of one exact edge patch over the dataset and
    the rank correlation (Spearman) between estimate and exact over those 50.
 
+3. the faithfulness curve (``curve=16``): the top-n edges kept, every other edge given its
+   corrupt value, normalized recovery as n grows, and the smallest circuit reaching 80 %.
+
 Exact patching of *every* edge is the per-edge cost times the number of edges (measured on
 the 50, extrapolated to all: running all of them would take hours on this CPU). Also printed:
 the top heads (sum of |score| over their outgoing edges) and peak resident memory. Figures go
@@ -38,11 +41,14 @@ def main() -> None:
     model = pipatch.load_model()
     task = pipatch.tasks.ioi(args.pairs, seed=0, tokenizer=model.tokenizer)
     start = time.perf_counter()
-    scored = pipatch.circuit(model, **task, method="eap-ig", steps=args.steps, verify=0)
+    scored = pipatch.circuit(model, **task, method="eap-ig", steps=args.steps, verify=0, curve=0)
     t_scores = time.perf_counter() - start
     start = time.perf_counter()
-    checked = pipatch.circuit(model, **task, method="eap-ig", steps=args.steps, verify=args.verify)
+    checked = pipatch.circuit(model, **task, method="eap-ig", steps=args.steps, verify=args.verify, curve=0)
     t_checked = time.perf_counter() - start
+    start = time.perf_counter()
+    faithful = pipatch.circuit(model, **task, method="eap-ig", steps=args.steps, verify=0, curve=16).meta["faithfulness"]
+    t_curve = time.perf_counter() - start - t_scores
     edges = scored.edges()
     ours = edges.set_index(["sender", "receiver"])["score"]
     again = checked.edges().set_index(["sender", "receiver"])["score"].reindex(ours.index)
@@ -61,6 +67,7 @@ def main() -> None:
         "spearman_top": agreement["spearman"], "checked": agreement["n"],
         "top_heads": {h: round(float(v), 3) for h, v in top_heads.head(8).items()},
         "top_heads_to_logits": {h: round(float(to_logits[h]), 3) for h in top_heads.head(8).index if h in to_logits},
+        "faithfulness": faithful, "curve_s": t_curve,
         "peak_rss_gb": peak_gb,
     }
     print(f"IOI circuit, {model._pipatch_name if hasattr(model, '_pipatch_name') else 'embedded'}: "
@@ -73,6 +80,10 @@ def main() -> None:
     print(f"  Spearman(EAP-IG, exact) over the top {agreement['n']} edges: {agreement['spearman']:.3f}")
     print("  top heads (sum |score| of their edges; score into the logits): "
           + ", ".join(f"{h} {v:.1f} ({float(to_logits.get(h, float('nan'))):+.1f})" for h, v in top_heads.head(6).items()))
+    curve = ", ".join(f"{n}: {v:.2f}" for n, v in zip(faithful["sizes"], faithful["recovery"]))
+    print(f"  faithfulness (top-n edges kept, the rest corrupt; normalized recovery): {curve}")
+    print(f"  smallest circuit reaching {faithful['share']:.0%}: {faithful['size']} of {faithful['edges']} edges "
+          f"(curve: {t_curve:.1f} s)")
     print(f"  peak resident memory: {peak_gb:.2f} GB")
     out = Path(__file__).parent / "results" / "circuit.json"
     out.parent.mkdir(exist_ok=True)

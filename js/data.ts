@@ -11,7 +11,11 @@
 import {
   ARRAY_DTYPE,
   ARRAY_SCHEMA,
+  CHECK_SCHEMA,
+  CIRCUIT_SCHEMA,
   DETAIL_SCHEMA,
+  FAITHFULNESS_SCHEMA,
+  NODE_SCHEMA,
   STATE_SCHEMA,
   TOP_SCHEMA,
 } from './schema';
@@ -39,16 +43,33 @@ interface FieldTypes {
   str: string;
   'str[]': string[];
   int: number;
+  'int[]': number[];
+  'int?': number; // NaN where the kernel sent null
   float: number;
+  'float[]': number[];
   'float?': number; // NaN where the kernel sent null
+  'float?[]': number[];
   bool: boolean;
   '{str: int}': Record<string, number>;
   '{str: float?}': Record<string, number>;
   arrays: Record<string, DecodedArray>;
   detail: Detail;
   'top[]': TopToken[];
+  circuit: Circuit;
+  'node[]': GraphNode[];
+  'check[]': Check[];
+  faithfulness: Faithfulness;
 }
 type FromSchema<S extends Record<string, keyof FieldTypes>> = { -readonly [K in keyof S]: FieldTypes[S[K]] };
+
+/** A node of a circuit's graph (`NODE_SCHEMA`). */
+export type GraphNode = FromSchema<typeof NODE_SCHEMA>;
+/** An edge patched exactly (`CHECK_SCHEMA`): at grid cell (row, col). */
+export type Check = FromSchema<typeof CHECK_SCHEMA>;
+/** A circuit's faithfulness curve (`FAITHFULNESS_SCHEMA`). */
+export type Faithfulness = FromSchema<typeof FAITHFULNESS_SCHEMA>;
+/** A circuit's graph (`CIRCUIT_SCHEMA`); every field optional, `{}` for any other result. */
+export type Circuit = Partial<FromSchema<typeof CIRCUIT_SCHEMA>>;
 
 /** The kernel's answer to a click (`DETAIL_SCHEMA`); every field optional. */
 export type Detail = Partial<FromSchema<typeof DETAIL_SCHEMA>>;
@@ -191,10 +212,18 @@ function readField(type: keyof FieldTypes, x: unknown, fallback: unknown, errors
       return asStringList(x);
     case 'int':
       return Math.floor(asNumber(x, (fallback as number) ?? 0));
+    case 'int?':
+      return Math.floor(asNumber(x, NaN));
+    case 'int[]':
+      return Array.isArray(x) ? x.map((v) => Math.floor(asNumber(v, 0))) : [];
     case 'float':
       return asNumber(x, (fallback as number) ?? 0);
+    case 'float[]':
+      return Array.isArray(x) ? x.map((v) => asNumber(v, 0)) : [];
     case 'float?':
       return asNumber(x, NaN);
+    case 'float?[]':
+      return Array.isArray(x) ? x.map((v) => asNumber(v, NaN)) : [];
     case 'bool':
       return x === true;
     case '{str: int}':
@@ -218,14 +247,23 @@ function readField(type: keyof FieldTypes, x: unknown, fallback: unknown, errors
       return readObject(DETAIL_SCHEMA, x, errors);
     case 'top[]':
       return Array.isArray(x) ? x.map((t) => readObject(TOP_SCHEMA, t, errors)) : [];
+    case 'circuit':
+      return readObject(CIRCUIT_SCHEMA, x, errors);
+    case 'node[]':
+      return Array.isArray(x) ? x.map((n) => readObject(NODE_SCHEMA, n, errors, true)) : [];
+    case 'check[]':
+      return Array.isArray(x) ? x.map((c) => readObject(CHECK_SCHEMA, c, errors, true)) : [];
+    case 'faithfulness':
+      return readObject(FAITHFULNESS_SCHEMA, x, errors, true);
   }
 }
 
-/** The fields of `x` that `schema` names, each read as its type; absent fields stay absent. */
-function readObject(schema: Record<string, keyof FieldTypes>, x: unknown, errors: string[]): Record<string, unknown> {
+/** The fields of `x` that `schema` names, each read as its type; absent fields stay absent
+ * (`whole`: they take their type's empty value, for an object whose every field is drawn). */
+function readObject(schema: Record<string, keyof FieldTypes>, x: unknown, errors: string[], whole = false): Record<string, unknown> {
   const raw = asRecord(x);
   const out: Record<string, unknown> = {};
-  for (const [key, type] of Object.entries(schema)) if (key in raw) out[key] = readField(type, raw[key], undefined, errors);
+  for (const [key, type] of Object.entries(schema)) if (whole || key in raw) out[key] = readField(type, raw[key], undefined, errors);
   return out;
 }
 

@@ -40,7 +40,7 @@ export interface GridCallbacks {
 
 const ROW_LABEL_WIDTH = 96;
 
-function h<K extends keyof HTMLElementTagNameMap>(tag: K, cls?: string, text?: string): HTMLElementTagNameMap[K] {
+export function h<K extends keyof HTMLElementTagNameMap>(tag: K, cls?: string, text?: string): HTMLElementTagNameMap[K] {
   const e = document.createElement(tag);
   if (cls) e.className = cls;
   if (text !== undefined) e.textContent = text;
@@ -48,7 +48,7 @@ function h<K extends keyof HTMLElementTagNameMap>(tag: K, cls?: string, text?: s
 }
 
 let styleInstalled = false;
-function ensureStyle(el: HTMLElement): void {
+export function ensureStyle(el: HTMLElement): void {
   // One stylesheet per document; the CSS is a constant, set as text.
   const doc = el.ownerDocument || document;
   if (styleInstalled && doc.getElementById('pipatch-grid-style')) return;
@@ -61,7 +61,7 @@ function ensureStyle(el: HTMLElement): void {
   styleInstalled = true;
 }
 
-function cssVar(el: Element, name: string, fallback: string): string {
+export function cssVar(el: Element, name: string, fallback: string): string {
   try {
     const v = getComputedStyle(el).getPropertyValue(name).trim();
     return v || fallback;
@@ -70,11 +70,114 @@ function cssVar(el: Element, name: string, fallback: string): string {
   }
 }
 
-function ctx2d(c: HTMLCanvasElement): CanvasRenderingContext2D | null {
+export function ctx2d(c: HTMLCanvasElement): CanvasRenderingContext2D | null {
   try {
     return c.getContext('2d');
   } catch {
     return null;
+  }
+}
+
+/** Save `blob` as file `name` (a click on a hidden link inside `root`). */
+export function downloadBlob(root: HTMLElement, blob: Blob, name: string): void {
+  const url = URL.createObjectURL(blob);
+  const a = document.createElement('a');
+  a.href = url;
+  a.download = name;
+  a.style.display = 'none';
+  root.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+}
+
+/** The 160 × 10 colour bar of the diverging map from −vmax to vmax. */
+export function drawColorBar(canvas: HTMLCanvasElement, vmax: number): void {
+  const W = 160;
+  const H = 10;
+  if (canvas.width !== W) canvas.width = W;
+  if (canvas.height !== H) canvas.height = H;
+  const ctx = ctx2d(canvas);
+  if (!ctx) return;
+  for (let x = 0; x < W; x++) {
+    const [r, g, b] = divergingColor(((x + 0.5) / W) * 2 * vmax - vmax, vmax);
+    ctx.fillStyle = `rgb(${r},${g},${b})`;
+    ctx.fillRect(x, 0, 1, H);
+  }
+  canvas.title = `colour scale symmetric around 0: ${formatValue(-vmax)} … ${formatValue(vmax)}`;
+}
+
+/**
+ * The detail pane's answer for a clicked cell `sel`: the kernel's error, or its top-5 table
+ * when `s.detail` answers that cell; otherwise a line saying it is being asked (`live`) or
+ * needs a live kernel. Everything as text.
+ */
+export function detailBody(s: GridState, sel: Selection, live: boolean): HTMLElement[] {
+  const d = s.detail || {};
+  const matches = d.row === sel.row && d.col === sel.col && (d.view === undefined || d.view === sel.view) && (d.seed === undefined || d.seed === sel.seed);
+  if (matches && d.error) return [h('div', 'pipatch-detail-error', tooltipLabel(d.error))];
+  if (matches && Array.isArray(d.top)) {
+    const table = h('table', 'pipatch-top');
+    const head = h('tr');
+    head.append(h('th', undefined, 'next token'), h('th', undefined, 'probability'));
+    table.append(head);
+    for (const t of d.top.slice(0, 5)) {
+      const tr = h('tr');
+      tr.append(h('td', 'pipatch-top-token', tooltipLabel(t?.token ?? '', 60)), h('td', 'pipatch-top-prob', formatValue(Number(t?.prob), 4)));
+      table.append(tr);
+    }
+    return [table];
+  }
+  if (live) return [h('div', 'pipatch-detail-hint', 'asking the kernel for the top-5 next tokens…')];
+  return [h('div', 'pipatch-detail-hint', 'Top-5 next tokens need a live kernel (re-run the cell).')];
+}
+
+/** `Result.code()`: a Code button that shows a <pre> whose text is the script (never parsed
+ * as HTML), with a Copy button; hidden when the state has no script. */
+export class CodePanel {
+  readonly button = h('button', 'pipatch-code-toggle', 'Code');
+  readonly panel = h('div', 'pipatch-code');
+  private copyBtn = h('button', 'pipatch-code-copy', 'Copy');
+  private text = h('pre', 'pipatch-code-text');
+
+  constructor(what: string) {
+    this.button.title = `show a plain nnsight script that recomputes this ${what}`;
+    this.copyBtn.title = 'copy the script to the clipboard';
+    this.button.type = 'button';
+    this.copyBtn.type = 'button';
+    this.panel.append(this.copyBtn, this.text);
+    this.panel.style.display = 'none';
+    this.button.addEventListener('click', () => {
+      this.panel.style.display = this.panel.style.display === 'none' ? '' : 'none';
+    });
+    this.copyBtn.addEventListener('click', () => this.copy());
+  }
+
+  update(code: string): void {
+    this.button.style.display = code ? '' : 'none';
+    if (!code) this.panel.style.display = 'none';
+    if (this.text.textContent !== code) this.text.textContent = code;
+  }
+
+  /** Copy the script as text: the clipboard API where the page may use it, else select it for Ctrl-C. */
+  copy(): void {
+    const text = this.text.textContent ?? '';
+    const done = () => {
+      this.copyBtn.textContent = 'Copied';
+      setTimeout(() => (this.copyBtn.textContent = 'Copy'), 1500);
+    };
+    const doc = this.panel.ownerDocument;
+    const select = () => {
+      const sel = doc.getSelection?.();
+      if (!sel) return;
+      const range = doc.createRange();
+      range.selectNodeContents(this.text);
+      sel.removeAllRanges();
+      sel.addRange(range);
+    };
+    const clip = typeof navigator !== 'undefined' ? navigator.clipboard : undefined;
+    if (clip?.writeText) clip.writeText(text).then(done, select);
+    else select();
   }
 }
 
@@ -94,11 +197,8 @@ export class GridView {
   private pngBtn = h('button', 'pipatch-png', 'PNG');
   private csvBtn = h('button', 'pipatch-csv', 'CSV');
   private stopBtn = h('button', 'pipatch-stop', 'Stop');
-  private codeBtn = h('button', 'pipatch-code-toggle', 'Code');
   /** Result.code(): a <pre> whose text is the script (never parsed as HTML), and a Copy button. */
-  private codePanel = h('div', 'pipatch-code');
-  private codeCopy = h('button', 'pipatch-code-copy', 'Copy');
-  private codeText = h('pre', 'pipatch-code-text');
+  private code = new CodePanel('grid');
   private statusEl = h('div', 'pipatch-status');
   private warningsEl = h('ul', 'pipatch-warnings');
   private body = h('div', 'pipatch-body');
@@ -140,12 +240,8 @@ export class GridView {
     this.pngBtn.title = 'download the heatmap as PNG';
     this.csvBtn.title = 'download the values as CSV';
     this.stopBtn.title = 'stop the sweep after the current chunk (keeps the partial grid)';
-    this.codeBtn.title = 'show a plain nnsight script that recomputes this grid';
-    this.codeCopy.title = 'copy the script to the clipboard';
-    for (const b of [this.pngBtn, this.csvBtn, this.codeBtn, this.codeCopy, this.stopBtn]) b.type = 'button';
-    this.toolbar.append(this.viewSel, this.seedSel, this.modeSel, this.pngBtn, this.csvBtn, this.codeBtn, this.stopBtn);
-    this.codePanel.append(this.codeCopy, this.codeText);
-    this.codePanel.style.display = 'none';
+    for (const b of [this.pngBtn, this.csvBtn, this.stopBtn]) b.type = 'button';
+    this.toolbar.append(this.viewSel, this.seedSel, this.modeSel, this.pngBtn, this.csvBtn, this.code.button, this.stopBtn);
 
     this.plot.append(this.canvas, this.overlay, this.colLabels);
     this.scroll.append(this.plot);
@@ -167,7 +263,7 @@ export class GridView {
       this.statusEl,
       this.warningsEl,
       this.errorsEl,
-      this.codePanel,
+      this.code.panel,
       this.body,
       this.legend,
       this.detailEl,
@@ -181,10 +277,6 @@ export class GridView {
     this.modeSel.addEventListener('change', () => this.changeUi({ mode: this.modeSel.value as Mode }));
     this.pngBtn.addEventListener('click', () => this.downloadPng());
     this.csvBtn.addEventListener('click', () => this.downloadCsv());
-    this.codeBtn.addEventListener('click', () => {
-      this.codePanel.style.display = this.codePanel.style.display === 'none' ? '' : 'none';
-    });
-    this.codeCopy.addEventListener('click', () => this.copyCode());
     this.stopBtn.addEventListener('click', () => {
       this.stopClicked = true;
       this.stopBtn.disabled = true;
@@ -272,7 +364,7 @@ export class GridView {
     this.statusEl.textContent = statusText(s);
     this.statusEl.setAttribute('data-status', s.status);
     this.renderWarnings(s);
-    this.renderCode(s);
+    this.code.update(s.code);
     this.renderGrid(s);
     this.renderDetail(s);
   }
@@ -307,30 +399,9 @@ export class GridView {
     }
   }
 
-  private renderCode(s: GridState): void {
-    this.codeBtn.style.display = s.code ? '' : 'none';
-    if (!s.code) this.codePanel.style.display = 'none';
-    if (this.codeText.textContent !== s.code) this.codeText.textContent = s.code;
-  }
-
-  /** Copy the script as text: the clipboard API where the page may use it, else select it for Ctrl-C. */
+  /** Copy the script as text (see `CodePanel.copy`). */
   copyCode(): void {
-    const text = this.codeText.textContent ?? '';
-    const done = () => {
-      this.codeCopy.textContent = 'Copied';
-      setTimeout(() => (this.codeCopy.textContent = 'Copy'), 1500);
-    };
-    const select = () => {
-      const sel = this.root.ownerDocument.getSelection?.();
-      if (!sel) return;
-      const range = this.root.ownerDocument.createRange();
-      range.selectNodeContents(this.codeText);
-      sel.removeAllRanges();
-      sel.addRange(range);
-    };
-    const clip = typeof navigator !== 'undefined' ? navigator.clipboard : undefined;
-    if (clip?.writeText) clip.writeText(text).then(done, select);
-    else select();
+    this.code.copy();
   }
 
   private renderWarnings(s: GridState): void {
@@ -485,18 +556,7 @@ export class GridView {
     this.barName.textContent = this.valuesName();
     this.barMin.textContent = formatValue(-vmax, 2);
     this.barMax.textContent = formatValue(vmax, 2);
-    const W = 160;
-    const H = 10;
-    if (this.barCanvas.width !== W) this.barCanvas.width = W;
-    if (this.barCanvas.height !== H) this.barCanvas.height = H;
-    const ctx = ctx2d(this.barCanvas);
-    if (!ctx) return;
-    for (let x = 0; x < W; x++) {
-      const [r, g, b] = divergingColor(((x + 0.5) / W) * 2 * vmax - vmax, vmax);
-      ctx.fillStyle = `rgb(${r},${g},${b})`;
-      ctx.fillRect(x, 0, 1, H);
-    }
-    this.barCanvas.title = `colour scale symmetric around 0: ${formatValue(-vmax)} … ${formatValue(vmax)}`;
+    drawColorBar(this.barCanvas, vmax);
   }
 
   /** What the drawn cells are, in words (the colour bar's name). */
@@ -622,26 +682,7 @@ export class GridView {
     }
     const kids: HTMLElement[] = [];
     kids.push(h('div', 'pipatch-detail-head', this.cellInfo(sel.row, sel.col).join(' · ')));
-    const d = s.detail || {};
-    const matches = d.row === sel.row && d.col === sel.col && (d.view === undefined || d.view === sel.view) && (d.seed === undefined || d.seed === sel.seed);
-    if (matches && d.error) {
-      kids.push(h('div', 'pipatch-detail-error', tooltipLabel(d.error)));
-    } else if (matches && Array.isArray(d.top)) {
-      const table = h('table', 'pipatch-top');
-      const head = h('tr');
-      head.append(h('th', undefined, 'next token'), h('th', undefined, 'probability'));
-      table.append(head);
-      for (const t of d.top.slice(0, 5)) {
-        const tr = h('tr');
-        tr.append(h('td', 'pipatch-top-token', tooltipLabel(t?.token ?? '', 60)), h('td', 'pipatch-top-prob', formatValue(Number(t?.prob), 4)));
-        table.append(tr);
-      }
-      kids.push(table);
-    } else if (this.cb.live) {
-      kids.push(h('div', 'pipatch-detail-hint', 'asking the kernel for the top-5 next tokens…'));
-    } else {
-      kids.push(h('div', 'pipatch-detail-hint', 'Top-5 next tokens need a live kernel (re-run the cell).'));
-    }
+    kids.push(...detailBody(s, sel as Selection, !!this.cb.live));
     this.detailEl.replaceChildren(...kids);
   }
 
@@ -708,15 +749,7 @@ export class GridView {
   }
 
   private download(blob: Blob, name: string): void {
-    const url = URL.createObjectURL(blob);
-    const a = document.createElement('a');
-    a.href = url;
-    a.download = name;
-    a.style.display = 'none';
-    this.root.appendChild(a);
-    a.click();
-    a.remove();
-    setTimeout(() => URL.revokeObjectURL(url), 10000);
+    downloadBlob(this.root, blob, name);
   }
 
   downloadPng(): void {

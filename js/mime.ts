@@ -1,6 +1,7 @@
 /**
  * JupyterLab MIME renderer for `application/vnd.pipatch.grid+json`: draws a saved PatchGrid
- * with the same GridView as the live widget, no kernel needed. View / seed / mode switching,
+ * with the same GridView as the live widget (a circuit with the same CircuitView), no kernel
+ * needed. View / seed / mode switching,
  * hover, PNG and CSV work locally; top-5 predictions need the live widget.
  *
  * A document with a `live_id` is the saved copy of a live grid shown just above it: it hides
@@ -9,6 +10,7 @@
  */
 import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import { Widget } from '@lumino/widgets';
+import { viewFor, type StateView } from './circuit';
 import { normalizeState, type UiState } from './data';
 import { GridView } from './grid';
 import { hideDeadWidgetBefore, isLive, markCopy, onLiveChange, setShown } from './liveness';
@@ -42,7 +44,7 @@ export const SAVED_COPY_HINT =
   'Saved copy: clicks (top-5) need the live grid. Run the cell again, or show PatchGrid(result) for a result computed in this kernel.';
 
 export class GridRenderer extends Widget implements IRenderMime.IRenderer {
-  private grid: GridView | null = null;
+  private grid: StateView | null = null;
   private ui: Partial<UiState> = {};
   private liveId = '';
   private hint: HTMLElement | null = null;
@@ -56,21 +58,21 @@ export class GridRenderer extends Widget implements IRenderMime.IRenderer {
 
   async renderModel(model: IRenderMime.IMimeModel): Promise<void> {
     const data = model.data[this.options.mimeType];
-    if (!this.grid) {
-      this.grid = new GridView(this.node, {
-        live: false,
-        onUiChange: (p) => {
-          this.ui = { ...this.ui, ...p };
-        },
-      });
-    }
+    const callbacks = {
+      live: false,
+      onUiChange: (p: Partial<UiState>) => {
+        this.ui = { ...this.ui, ...p };
+      },
+    };
     try {
       const { state, errors, ui } = documentToState(data);
       if (ui && Object.keys(this.ui).length === 0) this.ui = { ...ui };
+      this.grid = viewFor(this.grid, state, this.node, callbacks);
       this.grid.setErrors(errors);
       this.grid.update(state, this.ui);
       this.pairWithLiveGrid(state.live_id);
     } catch (e) {
+      this.grid ??= new GridView(this.node, callbacks);
       this.grid.setErrors([`cannot draw pipatch grid: ${(e as Error).message}`]);
     }
   }

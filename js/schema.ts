@@ -4,9 +4,10 @@
  * `normalizeState` (data.ts) reads every state through `STATE_SCHEMA`, and the anywidget entry
  * listens to exactly its keys: a new field is one line here and one in the Python schema.
  *
- * Types: 'str', 'str[]', 'int', 'float', 'float?' (null when not finite), 'bool',
- * '{str: int}', '{str: float?}', 'arrays' ({name: {data, dtype, shape}}), and the named objects
- * 'detail', 'top[]', 'selection', 'ui'. Arrays are named `<view>/<what>`; `ARRAY_SCHEMA` gives
+ * Types: 'str', 'str[]', 'int', 'int[]', 'int?' (null for none), 'float', 'float[]', 'float?'
+ * (null when not finite), 'float?[]', 'bool', '{str: int}', '{str: float?}', 'arrays'
+ * ({name: {data, dtype, shape}}), and the named objects 'detail', 'top[]', 'selection', 'ui',
+ * 'circuit' ('node[]', 'check[]', 'faithfulness'). Arrays are named `<view>/<what>`; `ARRAY_SCHEMA` gives
  * each `what` its shape in rows (row_labels), cols (col_labels) and seeds (n_seeds).
  */
 
@@ -45,6 +46,7 @@ export const STATE_SCHEMA = {
   sides: 'str[]',
   compared: 'str',
   values: 'str',
+  circuit: 'circuit',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */
@@ -59,6 +61,30 @@ export const DETAIL_SCHEMA = {
   error: 'str',
 } as const;
 export const TOP_SCHEMA = { token: 'str', prob: 'float?' } as const;
+
+/**
+ * A circuit's graph (`{}` for any other result); its edges' scores are the arrays
+ * `edges/raw_mean` less the corrupt baseline. Every field optional.
+ */
+export const CIRCUIT_SCHEMA = {
+  nodes: 'node[]',
+  senders: 'int[]',
+  receivers: 'int[]',
+  ports: 'float[]',
+  checked: 'check[]',
+  agreement: '{str: float?}',
+  faithfulness: 'faithfulness',
+} as const;
+/** `x` in [0, 1] across its row, `y` its row (0: the embeddings). */
+export const NODE_SCHEMA = { name: 'str', kind: 'str', layer: 'int', x: 'float', y: 'float' } as const;
+export const CHECK_SCHEMA = { row: 'int', col: 'int', estimate: 'float?', exact: 'float?' } as const;
+export const FAITHFULNESS_SCHEMA = {
+  sizes: 'int[]',
+  recovery: 'float?[]',
+  share: 'float?',
+  size: 'int?',
+  edges: 'int',
+} as const;
 
 /** Browser → kernel: what the user chose (widget traits of the same names). */
 export const UI_SCHEMA = {

@@ -72,4 +72,20 @@ export const GRID_CSS = `
   border: 1px solid var(--jp-border-color1, #bdbdbd); box-shadow: 0 1px 4px rgba(0,0,0,0.25);
   padding: 4px 6px; font-size: 12px; white-space: pre-wrap; overflow-wrap: anywhere;
 }
+.pipatch-circuit-body { display: flex; gap: 12px; align-items: flex-start; flex-wrap: wrap; }
+.pipatch-graph { flex: none; background: var(--jp-layout-color0, #ffffff); }
+.pipatch-graph text { fill: var(--jp-ui-font-color1, #212121); }
+.pipatch-graph .pipatch-rows text, .pipatch-graph text.pipatch-idle { fill: var(--jp-ui-font-color2, #616161); }
+.pipatch-edge-hit { pointer-events: stroke; cursor: pointer; }
+.pipatch-edge-line { pointer-events: none; }
+.pipatch-edge-hover .pipatch-edge-line { stroke-opacity: 1; filter: drop-shadow(0 0 2px rgba(0, 0, 0, 0.7)); }
+.pipatch-circuit-side { display: flex; flex-direction: column; gap: 4px; color: var(--jp-ui-font-color2, #616161); font-size: 12px; }
+.pipatch-circuit-side .pipatch-bar-wrap { display: flex; }
+.pipatch-faithfulness { margin-top: 10px; }
+.pipatch-faithfulness-title { font-weight: 600; }
+.pipatch-faithfulness-chart { background: var(--jp-layout-color0, #ffffff); }
+.pipatch-faithfulness-chart text { fill: var(--jp-ui-font-color2, #616161); }
+.pipatch-faithfulness-size { max-width: 260px; overflow-wrap: anywhere; }
+.pipatch-top-n-box { display: inline-flex; gap: 6px; align-items: center; }
+.pipatch-top-n { width: 180px; }
 `;

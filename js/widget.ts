@@ -1,12 +1,14 @@
 /**
- * anywidget entry for pipatch.PatchGrid: adapts the model's traits to GridView.
+ * anywidget entry for pipatch.PatchGrid: adapts the model's traits to GridView (a circuit's
+ * state to CircuitView: `viewFor`).
  *
  * Kernel → JS traits are read on every change (coalesced into one redraw per frame, since
  * `hold_sync()` delivers many `change:<trait>` events at once); UI choices are written back
  * with `model.set(...)` + `model.save_changes()`.
  */
+import { viewFor, type StateView } from './circuit';
 import { normalizeState, type UiState } from './data';
-import { GridView } from './grid';
+import type { GridCallbacks } from './grid';
 import { hasCopy, markLive, setShown } from './liveness';
 
 /** How long a view waits for its kernel before deferring to its saved copy (ms). */
@@ -42,7 +44,7 @@ function readUi(model: AnyModel): Partial<UiState> {
 }
 
 function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void {
-  const grid = new GridView(el, {
+  const callbacks: GridCallbacks = {
     live: true,
     onUiChange(partial) {
       for (const [k, v] of Object.entries(partial)) model.set(k, v);
@@ -52,7 +54,8 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
       model.set('stop_requested', true);
       model.save_changes();
     },
-  });
+  };
+  let grid: StateView | null = null;
 
   let queued = false;
   const redraw = () => {
@@ -61,6 +64,7 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
     for (const k of STATE_KEYS) raw[k] = model.get(k);
     const errors: string[] = [];
     const state = normalizeState(raw, errors);
+    grid = viewFor(grid, state, el, callbacks);
     grid.setErrors(errors);
     grid.update(state, readUi(model));
   };
@@ -107,7 +111,7 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
     for (const ev of events) model.off(ev, schedule);
     model.off('msg:custom', onMsg);
     if (live) markLive(liveId, false);
-    grid.destroy();
+    grid?.destroy();
   };
 }
 

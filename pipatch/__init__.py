@@ -8,13 +8,15 @@
 >>> pipatch.compare(r, other).grid           # a − b, cell by cell, of two results
 
 In a notebook: ``%load_ext pipatch`` then ``%%trace --subject ... --answer ...`` (also
-``%%patch``, ``%%attribute``, ``%%path_patch``, ``%%lens``, and ``%%compare a b``); in a shell:
-``pipatch trace | patch | attribute | path-patch | lens | compare``; live without magics:
+``%%patch``, ``%%attribute``, ``%%path_patch``, ``%%lens``, ``%%circuit``, and ``%%compare a b``); in
+a shell: ``pipatch trace | patch | attribute | path-patch | lens | circuit | compare``; live without magics:
 ``pipatch.PatchGrid.run(model, "patch", ...)``. Many facts at once, into a durable store:
 ``pipatch.study(model, pipatch.known_facts(), store="known.sqlite")`` (``pipatch study``, ``%study``;
-``known_facts()`` is ROME's ``known_1000.json``, shipped).
+``known_facts()`` is ROME's ``known_1000.json``, shipped). Circuits: ``pipatch.circuit(model,
+**pipatch.tasks.ioi(32, tokenizer=model.tokenizer))`` scores every edge by EAP-IG, checks the
+top ones by exact edge patches and measures the faithfulness curve; ``result.edges()``.
 
-The experiment functions (``trace``, ``patch``, ``attribute``, ``path_patch``, ``lens``, and any
+The experiment functions (``trace``, ``patch``, ``attribute``, ``path_patch``, ``lens``, ``circuit``, and any
 an installed package registers) are derived from their declarations
 (:mod:`pipatch._declare`): one per registered experiment of :mod:`pipatch._registry`.
 """

@@ -31,6 +31,8 @@ from ._sites import axis_of
 from ._views import (
     MIME_TYPE,
     SCHEMA_VERSION,
+    TOP_EDGES,
+    circuit_part,
     clean_text,
     conform_state,
     done_span,
@@ -243,17 +245,38 @@ class Result:
 
         return text_grid(self.to_state(live=True), self._view(view), width=width)
 
-    def plot(self, view: str | None = None, ax=None, *, mode: str = "recovery", seed: int = -1):
+    def plot(self, view: str | None = None, ax=None, *, mode: str = "recovery", seed: int = -1, top: int = TOP_EDGES):
         """A matplotlib heatmap of one view: layers × columns with layer 0 at the top (as in the
         live grid), the diverging map centred at 0 of every view, NaN grey.
 
         ``mode="raw"`` colours by the raw metric (a comparison's ``mode="a"`` / ``"b"`` shows one
         side), ``seed`` (≥ 0) shows one seed instead of the mean. Drawn into ``ax`` when given,
         else into a new pyplot figure. Returns the figure.
+
+        A circuit (``kind="circuit"``) is drawn as its graph instead: nodes by layer (the
+        embeddings at the bottom, the logits at the top), its ``top`` edges by ``|score|`` coloured
+        by their score on the same diverging map, and, beside it (not when drawn into ``ax``),
+        the faithfulness curve where the result has one. Saving the figure as SVG (or
+        ``.png``) exports it; :meth:`graph` is the same graph as JSON.
         """
         from ._views import figure
 
-        return figure(self.to_state(live=seed < 0), self._view(view), mode=mode, seed=seed, ax=ax, pyplot=True)
+        return figure(self.to_state(live=seed < 0), self._view(view), mode=mode, seed=seed, ax=ax, pyplot=True,
+                      top=top)
+
+    def graph(self, top: int | None = None) -> dict[str, Any]:
+        """A circuit's graph as plain JSON (``json.dumps`` writes it as it is): ``nodes`` (``name``,
+        ``kind``: emb / head / mlp / logits, ``layer``, drawing position ``x``, ``y``) and ``edges``,
+        largest ``|score|`` first, at most ``top`` (``None``: every edge), each ``sender``,
+        ``receiver``, ``score`` (estimated change of the metric, as in :meth:`edges`),
+        ``recovery`` (the same, normalized) and ``exact`` (the exact edge patch's change, ``None``
+        where not checked); plus ``title``, ``model``, ``metric``, ``baselines``, ``agreement``
+        and ``faithfulness`` (where the result has a curve)."""
+        from ._views.circuit import graph_document
+
+        if self.kind != "circuit":
+            raise PipatchError(f"graph() is a circuit's; this is a {self.kind} result: run pipatch.circuit")
+        return graph_document(self.to_state(live=True), top)
 
     def to_dataframe(self):
         """A long pandas DataFrame: one row per (view, layer, column) with mean, std, raw."""
@@ -412,6 +435,7 @@ class Result:
             "code": self._code_or_empty(),
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
             "values": "" if self.normalized else "metric",
+            "circuit": circuit_part(self.layers, self.columns, meta) if self.kind == "circuit" else {},
         })
 
     def _seed_axis(self) -> dict[str, Any]:

@@ -4,9 +4,10 @@ This module draws and nothing else: it imports no pipatch module that imports it
 plan live and answering clicks live in :mod:`pipatch._live`, whose ``PatchGrid`` (the public
 ``pipatch.PatchGrid``) is :class:`GridWidget` plus both.
 
-The kernel owns the state; the browser only draws it (``js/grid.ts``). The traits are the
-state of :mod:`pipatch._views.schema` (``STATE_SCHEMA``, the same in ``js/schema.ts``), set
-through ``conform_state``; the saved bundle is :func:`pipatch._views.mime_bundle` of them. Arrays travel as
+The kernel owns the state; the browser only draws it (``js/grid.ts``; a circuit's, whose
+``circuit`` part is set, ``js/circuit.ts``). The traits are the state of
+:mod:`pipatch._views.schema` (``STATE_SCHEMA``, the same in ``js/schema.ts``), set through
+``conform_state``; the saved bundle is :func:`pipatch._views.mime_bundle` of them. Arrays travel as
 binary buffers (``{"data": bytes, "dtype": "float32", "shape": [...]}``), never JSON lists.
 Updates are coalesced to at most ~20 per second (the server drops iopub messages above its
 rate limit) and :meth:`GridWidget.flush` ends with a full sync so the browser ends equal to
@@ -147,6 +148,7 @@ class GridWidget(anywidget.AnyWidget):
     sides = t.List(t.Unicode()).tag(sync=True)
     compared = t.Unicode("").tag(sync=True)
     values = t.Unicode("").tag(sync=True)
+    circuit = t.Dict().tag(sync=True)  # a circuit's graph: the browser draws it instead of the heatmap
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)

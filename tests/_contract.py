@@ -46,13 +46,45 @@ def example_result(flip: bool = False):
     )
 
 
+def example_circuit():
+    """A small circuit result (2 layers × 2 heads, the protocol's own graph and names): random
+    scores with a tie of opposite signs, two checked edges (one not run), a faithfulness curve
+    whose share is never reached, a hostile answer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipatch._protocols.circuits import graph
+    from pipatch._result import Result
+
+    senders, receivers, valid = graph(SimpleNamespace(n_layers=2, n_heads=2, parallel=False))
+    scores = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)) * 0.1
+    scores[-1, 0], scores[-1, 1] = 0.5, -0.5  # emb → logits and 0.0 → logits: the same |score|
+    scores[~valid] = float("nan")
+    corrupt, clean = 0.25, 1.25
+    names_s, names_r = [s.name for s in senders], [r.name for r in receivers]
+    meta = {
+        "model": "tiny <b>", "answer": " <img src=x onerror=alert(1)>\u202e", "foil": " Rome", "method": "eap-ig",
+        "n_pairs": 1, "senders": names_s, "receivers": names_r, "site": "edges", "col_axis": "sender",
+        "checked": [{"sender": "emb", "receiver": "logits", "estimate": 0.5, "exact": 0.45, "exact_runs": [0.7]},
+                    {"sender": "0.0", "receiver": "logits", "estimate": -0.5, "exact": None, "exact_runs": [None]}],
+        "agreement": {"spearman": 1.0, "max_abs_error": 0.05, "n": 2},
+        "faithfulness": {"sizes": [0, 1, 3, 10, 30], "recovery": [0.0, 0.2, float("nan"), 0.6, 0.7], "share": 0.8,
+                         "size": None, "edges": 30},
+    }
+    return Result(kind="circuit", tokens=["When", " Mary"], columns=names_s, layers=names_r, metric="logit_diff",
+                  raw={"edges": (corrupt + scores).unsqueeze(0)}, clean=clean, corrupt=torch.tensor([corrupt]),
+                  meta=meta, rows_done={"edges": len(names_r)})
+
+
 def contract() -> dict[str, Any]:
     from pipatch import compare
     from pipatch._live import PatchGrid, answer_selection
-    from pipatch._views import colors, schema, strings
+    from pipatch._views import TOP_EDGES, circuit_edges, colors, schema, strings
     from pipatch._views.schema import arrays_to_base64
 
     result = example_result()
+    circuit = example_circuit()
     document = result.to_mime()
     live = schema.conform_state(result.to_state(live=True))
     live["arrays"] = arrays_to_base64(live["arrays"])
@@ -72,6 +104,7 @@ def contract() -> dict[str, Any]:
         "schemas": {
             "state": schema.STATE_SCHEMA, "detail": schema.DETAIL_SCHEMA, "top": schema.TOP_SCHEMA,
             "ui": schema.UI_SCHEMA, "selection": schema.SELECTION_SCHEMA, "document": schema.DOCUMENT_SCHEMA,
+            **schema.OBJECT_SCHEMAS,
         },
         "array_dtype": schema.ARRAY_DTYPE,
         "arrays": {k: list(v) for k, v in schema.ARRAY_SCHEMA.items()},
@@ -93,6 +126,9 @@ def contract() -> dict[str, Any]:
             "ui": strings.json_safe(ui),
             "details": strings.json_safe([answered, failed]),
             "comparison": compare(result, example_result(flip=True)).to_mime(),
+            "circuit": circuit.to_mime(),
+            "circuit_edges": [[e["row"], e["col"], e["score"]] for e in circuit_edges(circuit.to_state())],
+            "circuit_top": TOP_EDGES,
         },
     }
 

@@ -54,10 +54,10 @@ EMBEDDED: dict[str, dict] = {
         "argv": ["lens", EIFFEL, "--answer", " Paris"],
     },
     "circuit": {
-        "kwargs": {**PAIR_KWARGS, "method": "eap", "verify": 2},
-        "line": '--answer " Paris" --foil " Rome" --method eap --verify 2',
+        "kwargs": {**PAIR_KWARGS, "method": "eap", "verify": 2, "curve": 3},
+        "line": '--answer " Paris" --foil " Rome" --method eap --verify 2 --curve 3',
         "body": PAIR,
-        "argv": ["circuit", *PAIR_ARGV, "--method", "eap", "--verify", "2"],
+        "argv": ["circuit", *PAIR_ARGV, "--method", "eap", "--verify", "2", "--curve", "3"],
     },
 }
 
@@ -68,7 +68,7 @@ TINY: dict[str, dict] = {
     "attribute": {**TINY_PAIR, "site": "head"},
     "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
     "lens": {"prompt": EIFFEL, "answer": " Paris", "metric": "logprob"},
-    "circuit": {**TINY_PAIR, "steps": 2, "verify": 3},
+    "circuit": {**TINY_PAIR, "steps": 2, "verify": 3, "curve": 4},
 }
 
 

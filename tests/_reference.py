@@ -469,3 +469,23 @@ def reference_edge_patch(model, *, clean, corrupt, answer, foil, sender, receive
             return (z,) + tuple(args[1:])
         hooks.append((p.o[layer], "pre", others))
     return metric(corrupt_ids, hooks)
+
+
+def reference_circuit_path(model, *, clean, corrupt, answer, foil, layer, head, which):
+    """The metric of the two-edge circuit ``emb → layer.head.which → logits`` with hooks: the
+    corrupt run where only that head's ``which`` input reads the residual plus the embeddings'
+    change (clean − corrupt), and then the logits read the corrupt final residual plus that
+    head's own change of the attention write; every other input stays the corrupt run's."""
+    p = _Parts(model)
+    clean_ids, corrupt_ids = p.ids(clean), p.ids(corrupt)
+    ans, fo = p.token(answer), p.token(foil)
+    cc, kc = p.cache(clean_ids), p.cache(corrupt_ids)
+    delta = cc["emb"] - kc["emb"]
+    seen = {}
+    hooks = _perturbed_receiver(p, f"{layer}.{head}.{which}", delta, kc["z"])
+    hooks.append((p.o[layer], "pre", lambda m, args: seen.__setitem__("z", args[0].clone())))
+    hooked(hooks, lambda: p.hf(corrupt_ids))
+    write = p.head_write(corrupt_ids, layer, head, seen["z"]) - kc["attn_write"][layer]
+    logits = hooked([(p.final, "pre", lambda m, args: (args[0] + write,) + tuple(args[1:]))],
+                    lambda: p.hf(corrupt_ids).logits)
+    return float(logits[0, -1, ans] - logits[0, -1, fo])

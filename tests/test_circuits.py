@@ -9,15 +9,18 @@ from __future__ import annotations
 import math
 
 import pytest
-from _reference import reference_edge_patch, reference_edge_scores
-from _tiny import tiny_model
+import torch
 
 import pipatch
 from pipatch import PipatchError
+from pipatch._backends import backend_for
 from pipatch._models import adapter_for
 from pipatch._protocols.circuits import graph
+from pipatch._protocols.patching import pair_inputs
+from tests._reference import reference_circuit_path, reference_edge_patch, reference_edge_scores
+from tests._tiny import tiny_model
 
-FAMILIES = ["gpt2", "llama", "gemma3"]
+FAMILIES = ["gpt2", "llama", "gemma3"]  # fused q/k/v; grouped-query attention; GQA with post norms
 PAIR = dict(clean="When Mary and John went to the store, John gave a book to",
             corrupt="When Mary and John went to the store, Mary gave a book to", answer=" Mary", foil=" John")
 PAIR2 = dict(clean="When Tom and Anna went to the park, Anna gave a ball to",
@@ -149,3 +152,56 @@ def test_edges_is_a_circuits_table():
     with pytest.raises(PipatchError, match="circuit"):
         result.edges()
     assert not math.isnan(float(result.grid.nanmean()))
+
+
+def test_a_circuits_run_keeps_exactly_its_edges(family):
+    """The faithfulness curve's runs: no edge is the corrupt run, every edge the clean run (where
+    a layer's write is its heads' sum: not Gemma's post-attention norm), and a two-edge path
+    emb → head's key → logits equals the hook reference of that path (a grouped-query key read
+    by its query head alone)."""
+    name, model = family
+    backend = backend_for(model)
+    senders, receivers, valid = graph(backend.adapter)
+    pair = pair_inputs(backend, PAIR["clean"], PAIR["corrupt"], PAIR["answer"], PAIR["foil"], "logit_diff")
+    clean, corrupt = (float(c.metric[0]) for c in backend.captures([pair.clean_ids, pair.corrupt_ids], pair.metric))
+    r_names, s_names = [r.name for r in receivers], [s.name for s in senders]
+    candidates = [(layer, head, which) for layer in (1, 2) for head in range(backend.adapter.n_heads) for which in "kv"]
+    paths = []
+    for layer, head, which in candidates:
+        path = torch.zeros_like(valid)
+        path[r_names.index(f"{layer}.{head}.{which}"), s_names.index("emb")] = True
+        path[r_names.index("logits"), s_names.index(f"{layer}.{head}")] = True
+        paths.append(path)
+    none, every, *two = backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric,
+                                                torch.stack([torch.zeros_like(valid), valid, *paths])).tolist()
+    assert none == pytest.approx(corrupt, abs=1e-5)
+    if backend.adapter.attn_post_norm is None:
+        assert every == pytest.approx(clean, abs=1e-4)
+    # The two paths (a key, a value) that move the metric most, against the reference.
+    for which in "kv":
+        got, (layer, head, _) = max(((g, c) for g, c in zip(two, candidates) if c[2] == which),
+                                    key=lambda item: abs(item[0] - corrupt))
+        want = reference_circuit_path(model, **PAIR, layer=layer, head=head, which=which)
+        assert got == pytest.approx(want, abs=1e-5) and abs(got - corrupt) > 1e-5, (which, got, want, corrupt)
+
+
+def test_the_faithfulness_curve():
+    result = pipatch.circuit(tiny_model("llama"), **PAIR, verify=0, curve=8, share=0.8)
+    f = result.meta["faithfulness"]
+    assert f["sizes"][0] == 0 and f["sizes"][-1] == f["edges"] == len(result.edges())
+    assert f["recovery"][0] == pytest.approx(0.0, abs=1e-5) and f["recovery"][-1] == pytest.approx(1.0, abs=1e-3)
+    assert f["size"] is not None and dict(zip(f["sizes"], f["recovery"]))[f["size"]] >= 0.8
+    assert all(b > a for a, b in zip(f["sizes"], f["sizes"][1:]))
+    assert "faithfulness" not in pipatch.circuit(tiny_model("llama"), **PAIR, verify=0, curve=0).meta
+    with pytest.raises(PipatchError, match="share"):
+        pipatch.circuit(tiny_model("llama"), **PAIR, share=1.5)
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "falcon_new", "qwen3"])
+def test_other_families_score_against_the_reference(name):
+    """Families beyond the three above: parallel attention and MLP (GPT-NeoX; Falcon's new
+    decoder, which runs the MLP's norm before the attention) and q/k norms (Qwen3)."""
+    model = tiny_model(name)
+    ours = _scores(pipatch.circuit(model, **PAIR, method="eap", verify=0, curve=0))
+    reference = reference_edge_scores(model, **PAIR)
+    assert set(ours) == set(reference) and max(abs(ours[e] - reference[e]) for e in reference) < 1e-4

@@ -24,6 +24,8 @@ import torch
 import pipatch
 from pipatch import cli, load_result
 from pipatch._models import PipatchError
+from tests._experiments import TINY
+from tests._tiny import save_tiny
 from tests.conftest import COLOSSEUM, EIFFEL
 
 LOUVRE, VATICAN = "The Louvre is in the city of", "The Vatican is in the city of"
@@ -52,6 +54,24 @@ CASES: dict[str, tuple[str, dict]] = {
     "lens rank": ("lens", {"prompt": EIFFEL, "answer": " Paris", "metric": "rank"}),
     "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
                                 "foil": " Rome", "positions": [1, 3, -2, -1]}),
+    # The grid of a circuit is its edge estimates; the exact checks (verify) do not change it.
+    "circuit eap-ig": ("circuit", {**PAIR, "steps": 2, "verify": 0}),
+    "dataset circuit": ("circuit", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
+                                    "foil": " Rome", "method": "eap", "verify": 0}),
+}
+
+IOI = {"clean": "When Mary and John went to the store, John gave a book to",
+       "corrupt": "When Mary and John went to the store, Mary gave a book to", "answer": " Mary", "foil": " John"}
+IOI2 = {"clean": "When Tom and Anna went to the park, Anna gave a ball to",
+        "corrupt": "When Tom and Anna went to the park, Tom gave a ball to", "answer": " Tom", "foil": " Anna"}
+#: name → (tiny family, experiment, keyword arguments), on the saved tiny checkpoints of
+#: tests/_tiny.py: GPT-2 (fused q/k/v, Conv1D, LayerNorm), Llama (grouped-query attention)
+#: and Gemma 3 (grouped-query attention, norms after each sublayer, z wider than the stream).
+TINY_CASES: dict[str, tuple[str, str, dict]] = {
+    **{f"tiny {family} circuit": (family, "circuit", TINY["circuit"]) for family in ("gpt2", "llama", "gemma3")},
+    "tiny llama circuit eap": ("llama", "circuit", {**IOI, "method": "eap", "verify": 0}),
+    "tiny gemma3 dataset circuit": ("gemma3", "circuit", {**{key: [IOI[key], IOI2[key]] for key in IOI},
+                                                          "steps": 3, "verify": 0}),
 }
 
 
@@ -66,6 +86,24 @@ def results(model):
             kwargs = dict(kwargs)
             args = [kwargs.pop("prompt")] if "prompt" in kwargs else []
             cache[name] = getattr(pipatch, experiment)(model, *args, **kwargs)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    """``tiny_results(name)``: the pipatch result of ``TINY_CASES[name]`` on its tiny family's
+    checkpoint, saved to a folder and loaded from it (what the script loads too)."""
+    models: dict[str, object] = {}
+    cache: dict[str, pipatch.Result] = {}
+
+    def get(name: str) -> pipatch.Result:
+        family, experiment, kwargs = TINY_CASES[name]
+        if family not in models:
+            models[family] = pipatch.load_model(save_tiny(family, tmp_path_factory.mktemp(family)))
+        if name not in cache:
+            cache[name] = getattr(pipatch, experiment)(models[family], **kwargs)
         return cache[name]
 
     return get
@@ -135,8 +173,13 @@ def test_the_script_recomputes_the_grid(name, results, tmp_path):
     assert worst <= tol
 
 
+@pytest.mark.parametrize("name", list(TINY_CASES))
+def test_the_script_recomputes_the_grid_on_tiny_models(name, tiny_results, tmp_path):
+    test_the_script_recomputes_the_grid(name, tiny_results, tmp_path)
+
+
 def test_a_result_read_back_from_its_file_gives_the_same_script(results, tmp_path):
-    for name in ("dataset trace", "dataset patch", "path mlp to q/k/v noise"):
+    for name in ("dataset trace", "dataset patch", "path mlp to q/k/v noise", "dataset circuit"):
         result = results(name)
         back = load_result(result.save(tmp_path / "r.safetensors"))
         assert back.code() == result.code()

@@ -36,7 +36,7 @@ from pipatch._views import (
     png,
     text_grid,
 )
-from pipatch._views.schema import DOCUMENT_SCHEMA, UI_SCHEMA
+from pipatch._views.schema import CIRCUIT_SCHEMA, DOCUMENT_SCHEMA, UI_SCHEMA
 from pipatch._views.strings import is_escaped
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +77,8 @@ def _has_type(kind: str, value) -> bool:
         return isinstance(value, dict)
     if kind == "detail":
         return isinstance(value, dict)
+    if kind == "circuit":
+        return isinstance(value, dict) and all(key in CIRCUIT_SCHEMA for key in value)
     raise AssertionError(kind)
 
 
@@ -322,3 +324,158 @@ def test_text_grid_columns_fit_one_escape():
     header = r.text().splitlines()[1]
     assert "⟨U+000A⟩" in header and "␣" in header
     json.dumps(r.to_json())
+
+
+# --------------------------------------------------------------------------- a circuit's graph
+
+
+def _circuit():
+    from tests._contract import example_circuit
+
+    return example_circuit()
+
+
+def test_a_circuits_state_carries_its_graph_and_any_other_result_none():
+    from pipatch._views import conform_state
+
+    r = _circuit()
+    state = r.to_state()
+    assert list(state) == [k for k in STATE_SCHEMA if k != "detail"]
+    assert all(_has_type(STATE_SCHEMA[key], value) for key, value in state.items())
+    assert set(state["arrays"]) == {f"edges/{what}" for what in ("mean", "raw_mean", "std", "seeds", "raw_seeds")}
+    part = state["circuit"]
+    assert set(part) == set(CIRCUIT_SCHEMA)
+    assert conform_state({"circuit": part})["circuit"] == part  # already in its declared types
+    nodes = part["nodes"]
+    assert [n["name"] for n in nodes] == ["emb", "0.0", "0.1", "mlp0", "1.0", "1.1", "mlp1", "logits"]
+    assert [n["kind"] for n in nodes] == ["emb", "head", "head", "mlp", "head", "head", "mlp", "logits"]
+    assert [n["layer"] for n in nodes] == [-1, 0, 0, 0, 1, 1, 1, 2]
+    # The embeddings at the bottom, a row per layer (its MLP a little higher), the logits on top.
+    y = {n["name"]: n["y"] for n in nodes}
+    assert y["emb"] < y["0.0"] == y["0.1"] < y["mlp0"] < y["1.0"] < y["mlp1"] < y["logits"]
+    assert all(0 < n["x"] < 1 for n in nodes)
+    # Each column's node and each row's: a head's q, k, v read into its head's node, left to right.
+    names = [n["name"] for n in nodes]
+    assert [names[i] for i in part["senders"]] == r.columns
+    assert [names[i] for i in part["receivers"]] == [x.rsplit(".", 1)[0] if x.count(".") == 2 else x for x in r.layers]
+    q = r.layers.index("1.0.q")
+    assert part["ports"][q] < part["ports"][q + 1] == 0.0 < part["ports"][q + 2]
+    assert part["ports"][r.layers.index("logits")] == 0.0
+    assert part["checked"] == [
+        {"row": len(r.layers) - 1, "col": 0, "estimate": 0.5, "exact": 0.45},
+        {"row": len(r.layers) - 1, "col": 1, "estimate": -0.5, "exact": None},
+    ]
+    assert part["agreement"] == {"spearman": 1.0, "max_abs_error": 0.05, "n": 2.0}
+    assert part["faithfulness"] == {"sizes": [0, 1, 3, 10, 30], "recovery": [0.0, 0.2, None, 0.6, 0.7], "share": 0.8,
+                                    "size": None, "edges": 30}
+    # Live updates carry it too; a grid's state has an empty one; a circuit without a curve none.
+    assert r.to_state(live=True)["circuit"] == part
+    assert _hot_cold().to_state()["circuit"] == {}
+    del r.meta["faithfulness"]
+    assert "faithfulness" not in r.to_state()["circuit"]
+    # The document the notebook saves holds it, strict JSON.
+    doc = mime_document(state)
+    assert doc["circuit"]["nodes"] == nodes
+    json.dumps(doc, allow_nan=False)
+
+
+def test_a_circuits_graph_exports_as_json_ranked_as_its_edge_table():
+    from pipatch._models import PipatchError
+
+    r = _circuit()
+    graph = r.graph()
+    json.dumps(graph, allow_nan=False)
+    table = r.edges()
+    assert [(e["sender"], e["receiver"]) for e in graph["edges"]] == list(zip(table["sender"], table["receiver"]))
+    assert np.allclose([e["score"] for e in graph["edges"]], table["score"], atol=1e-6)
+    assert graph["edges"][0] == {"sender": "emb", "receiver": "logits", "score": 0.5, "recovery": 0.5, "exact": 0.45}
+    assert graph["edges"][1]["exact"] is None
+    assert [e["sender"] for e in r.graph(top=3)["edges"]] == [e["sender"] for e in graph["edges"][:3]]
+    assert {n["name"] for n in graph["nodes"]} >= {"emb", "logits"}
+    assert graph["faithfulness"]["share"] == 0.8 and graph["metric"] == "logit_diff"
+    assert graph["title"] == r.title
+    with pytest.raises(PipatchError, match="circuit"):
+        _hot_cold().graph()
+
+
+def _edge_patches(fig):
+    from matplotlib.patches import PathPatch
+
+    return [p for ax in fig.axes for p in ax.patches if isinstance(p, PathPatch)]
+
+
+def test_a_circuit_is_drawn_as_its_graph_in_the_figure_the_png_and_the_bundle(tmp_path):
+    import base64
+
+    import matplotlib.image
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import AxesImage
+
+    r = _circuit()
+    state = r.to_state()
+    fig = figure(state, dpi=80)
+    graph_ax, curve_ax = fig.axes[0], fig.axes[1]
+    assert not [a for ax in fig.axes for a in ax.get_children() if isinstance(a, AxesImage)]  # no heatmap
+    edges = _edge_patches(fig)
+    total = len(r.edges())
+    assert len(edges) == min(50, total) == total  # every edge of this small graph
+    # The largest edge is drawn last, in its colour on the one map (±max |score|).
+    assert np.allclose(to_rgb(edges[-1].get_edgecolor()), np.array(diverging_rgb(0.5, 0.5)) / 255, atol=2 / 255)
+    assert len(_edge_patches(figure(state, dpi=80, top=4))) == 4
+    assert [t.get_text() for t in graph_ax.get_yticklabels()] == ["embeddings", "layer 0", "layer 1", "logits"]
+    # The faithfulness curve beside it: its points, the share line.
+    line = curve_ax.get_lines()[0]
+    assert list(line.get_xdata()) == [0, 1, 3, 10, 30]
+    assert any(np.allclose(ln.get_ydata(), [0.8, 0.8]) for ln in curve_ax.get_lines()[1:])
+    # The PNG is that figure, and the bundle's PNG is that PNG.
+    data = png(state)
+    assert matplotlib.image.imread(io.BytesIO(data)).shape[1] > 600
+    bundle = r._repr_mimebundle_()
+    assert base64.b64decode(bundle["image/png"]) == data
+    assert bundle[MIME_TYPE]["circuit"]["checked"] == state["circuit"]["checked"]
+    assert "receivers × " in bundle["text/plain"]
+    # Result.plot draws the graph (top n edges) and saves as SVG or PNG: the export.
+    import matplotlib.pyplot as plt
+
+    plotted = r.plot(top=5)
+    assert len(_edge_patches(plotted)) == 5
+    plotted.savefig(tmp_path / "circuit.svg")
+    plotted.savefig(tmp_path / "circuit.png")
+    plt.close(plotted)
+    assert (tmp_path / "circuit.svg").read_text().lstrip().startswith("<?xml")
+    assert (tmp_path / "circuit.png").read_bytes()[:4] == b"\x89PNG"
+    # Drawn into a given axes: the graph alone.
+    fig2 = plt.figure()
+    ax = fig2.add_subplot()
+    r.plot(ax=ax, top=3)
+    assert len(_edge_patches(fig2)) == 3 and len([a for a in fig2.axes if a.get_lines()]) == 0
+    plt.close(fig2)
+    # Read back from its file, it is the same graph.
+    from pipatch._result import load_result
+
+    again = load_result(r.save(tmp_path / "c.safetensors"))
+    assert again.to_state()["circuit"] == state["circuit"] and again.graph() == r.graph()
+
+
+def test_a_real_circuits_view_names_every_node_and_ranks_as_its_table():
+    """On the tiny Llama: every sender and receiver has its node, the q/k/v of a head are its
+    node's three ports, the checked edges are the top of the ranking, and the graph's ranking is
+    ``Result.edges()``'s."""
+    import pipatch
+    from tests._tiny import tiny_model
+
+    r = pipatch.circuit(tiny_model("llama"), clean="When Mary and John went to the store, John gave a book to",
+                        corrupt="When Mary and John went to the store, Mary gave a book to", answer=" Mary",
+                        foil=" John", verify=3, curve=0)
+    part = r.to_state()["circuit"]
+    names = [n["name"] for n in part["nodes"]]
+    assert len(names) == 1 + 3 * (4 + 1) + 1 and names[0] == "emb" and names[-1] == "logits"
+    assert len(part["senders"]) == len(r.columns) and len(part["receivers"]) == len(r.layers)
+    assert len({names[i] for i in part["receivers"]}) == len(names) - 1  # every node but the embeddings reads
+    assert "faithfulness" not in part
+    graph = r.graph()
+    table = r.edges()
+    assert [(e["sender"], e["receiver"]) for e in graph["edges"]] == list(zip(table["sender"], table["receiver"]))
+    checked = {(c["sender"], c["receiver"]) for c in r.meta["checked"]}
+    assert {(e["sender"], e["receiver"]) for e in graph["edges"][:3]} == checked
+    assert all(e["exact"] is not None for e in graph["edges"][:3])

@@ -199,6 +199,13 @@ def test_attribution_is_refused_in_one_line(vllm_model):
     assert "\n" not in message and "gradients" in message and "backend='transformers'" in message
 
 
+def test_a_circuit_is_refused_in_one_line(vllm_model):
+    with pytest.raises(PipatchError) as error:
+        pipatch.circuit(vllm_model, **PAIR, verify=0)
+    message = str(error.value)
+    assert "\n" not in message and "gradients" in message and "backend='transformers'" in message
+
+
 # --------------------------------------------------------------------------------------------
 # Interrupts, the engine reused, memory, the CLI
 # --------------------------------------------------------------------------------------------

@@ -11,13 +11,18 @@ import { execFileSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { beforeAll, describe, expect, it } from 'vitest';
+import { DEFAULT_TOP, circuitEdges, isCircuit } from '../circuit';
 import { arrayProblems, normalizeState } from '../data';
 import { DIVERGING_STOPS, ESCAPED, NAN_RGB, divergingColor, escapeLabel, truncateLabel } from '../format';
 import { documentToState } from '../mime';
 import {
   ARRAY_DTYPE,
   ARRAY_SCHEMA,
+  CHECK_SCHEMA,
+  CIRCUIT_SCHEMA,
   DETAIL_SCHEMA,
+  FAITHFULNESS_SCHEMA,
+  NODE_SCHEMA,
   DOCUMENT_SCHEMA,
   MIME_TYPE,
   SCHEMA_VERSION,
@@ -42,7 +47,17 @@ interface Contract {
     labels: [string, string][];
     truncated: [string, number, string][];
   };
-  examples: { document: Json; live: Json; widget: Json; ui: Json; details: Json[]; comparison: Json };
+  examples: {
+    document: Json;
+    live: Json;
+    widget: Json;
+    ui: Json;
+    details: Json[];
+    comparison: Json;
+    circuit: Json;
+    circuit_edges: [number, number, number][];
+    circuit_top: number;
+  };
 }
 
 const ROOT = process.cwd(); // vitest runs in the checkout's root (npm test, tests/test_views.py)
@@ -77,10 +92,18 @@ function hasType(type: string, v: unknown): boolean {
       return Array.isArray(v) && v.every((x) => typeof x === 'string');
     case 'int':
       return isInt(v);
+    case 'int?':
+      return v === null || isInt(v);
+    case 'int[]':
+      return Array.isArray(v) && v.every(isInt);
     case 'float':
       return typeof v === 'number';
+    case 'float[]':
+      return Array.isArray(v) && v.every((x) => typeof x === 'number');
     case 'float?':
       return v === null || typeof v === 'number';
+    case 'float?[]':
+      return Array.isArray(v) && v.every((x) => x === null || typeof x === 'number');
     case 'bool':
       return typeof v === 'boolean';
     case '{str: int}':
@@ -95,6 +118,14 @@ function hasType(type: string, v: unknown): boolean {
       return Array.isArray(v) && v.every((t) => conforms(TOP_SCHEMA, t, true));
     case 'selection':
       return isObj(v) && (Object.keys(v).length === 0 || conforms(SELECTION_SCHEMA, v, true));
+    case 'circuit':
+      return conforms(CIRCUIT_SCHEMA, v, false);
+    case 'node[]':
+      return Array.isArray(v) && v.every((n) => conforms(NODE_SCHEMA, n, true));
+    case 'check[]':
+      return Array.isArray(v) && v.every((c) => conforms(CHECK_SCHEMA, c, true));
+    case 'faithfulness':
+      return conforms(FAITHFULNESS_SCHEMA, v, true);
     case 'ui':
       return isObj(v) && Object.entries(v).every(([k, x]) => k in UI_SCHEMA && hasType((UI_SCHEMA as Json)[k] as string, x));
     default:
@@ -126,6 +157,10 @@ describe('state schema', () => {
     expect(UI_SCHEMA).toEqual(C.schemas.ui);
     expect(SELECTION_SCHEMA).toEqual(C.schemas.selection);
     expect(DOCUMENT_SCHEMA).toEqual(C.schemas.document);
+    expect(CIRCUIT_SCHEMA).toEqual(C.schemas.circuit);
+    expect(NODE_SCHEMA).toEqual(C.schemas.node);
+    expect(CHECK_SCHEMA).toEqual(C.schemas.check);
+    expect(FAITHFULNESS_SCHEMA).toEqual(C.schemas.faithfulness);
     expect(ARRAY_DTYPE).toBe(C.array_dtype);
     expect(ARRAY_SCHEMA).toEqual(C.arrays);
   });
@@ -200,6 +235,53 @@ describe('a comparison', () => {
     for (let i = 0; i < diff.length; i++) {
       if (Number.isFinite(diff[i])) expect(diff[i]).toBeCloseTo(a[i] - b[i], 6);
     }
+  });
+});
+
+describe('a circuit', () => {
+  it('is read through the same schema: its graph, checks and faithfulness curve in their types', () => {
+    const doc = C.examples.circuit;
+    for (const [key, value] of Object.entries(doc)) {
+      const type = (STATE_SCHEMA as Json)[key] ?? (DOCUMENT_SCHEMA as Json)[key];
+      expect(hasType(type as string, value), `${key}: ${JSON.stringify(value)?.slice(0, 80)}`).toBe(true);
+    }
+    const errors: string[] = [];
+    const { state } = documentToState(doc);
+    normalizeState(doc, errors);
+    expect(errors).toEqual([]);
+    expect(isCircuit(state)).toBe(true);
+    expect(isCircuit(documentToState(C.examples.document).state)).toBe(false);
+    const c = state.circuit;
+    expect(c.nodes!.map((n) => n.name)).toEqual(['emb', '0.0', '0.1', 'mlp0', '1.0', '1.1', 'mlp1', 'logits']);
+    expect(c.senders!.length).toBe(state.col_labels.length);
+    expect(c.receivers!.length).toBe(state.row_labels.length);
+    expect(c.ports!.length).toBe(state.row_labels.length);
+    // A head's q, k, v are its node's three ports, left to right.
+    const q = state.row_labels.indexOf('1.0.q');
+    expect(c.receivers!.slice(q, q + 3)).toEqual([4, 4, 4]);
+    expect(c.ports![q]).toBeLessThan(c.ports![q + 1]);
+    expect(c.ports![q + 1]).toBeLessThan(c.ports![q + 2]);
+    expect(c.checked!.map((x) => [state.col_labels[x.col], state.row_labels[x.row]])).toEqual([['emb', 'logits'], ['0.0', 'logits']]);
+    expect(c.checked![0].exact).toBeCloseTo(0.45);
+    expect(Number.isNaN(c.checked![1].exact)).toBe(true);
+    const f = c.faithfulness!;
+    expect(f.sizes).toEqual([0, 1, 3, 10, 30]);
+    expect(Number.isNaN(f.recovery[2])).toBe(true);
+    expect(Number.isNaN(f.size)).toBe(true);
+    expect(f.share).toBe(0.8);
+  });
+
+  it('ranks its edges as Python does: the same order, the same scores', () => {
+    const { state } = documentToState(C.examples.circuit);
+    const edges = circuitEdges(state);
+    expect(edges.map((e) => [e.row, e.col])).toEqual(C.examples.circuit_edges.map(([r, col]) => [r, col]));
+    edges.forEach((e, i) => expect(e.score).toBe(C.examples.circuit_edges[i][2]));
+    // The tie (emb → logits +0.5, 0.0 → logits −0.5) in row-major order; the exact value rides along.
+    const last = state.row_labels.length - 1;
+    expect(edges.slice(0, 2).map((e) => [e.row, e.col])).toEqual([[last, 0], [last, 1]]);
+    expect(edges[0].exact).toBeCloseTo(0.45);
+    // The browser starts with as many edges as the static figure draws.
+    expect(DEFAULT_TOP).toBe(C.examples.circuit_top);
   });
 });
 

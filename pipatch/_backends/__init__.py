@@ -26,6 +26,9 @@ core member                            what it is
                                        (metric per cell, recorded values per cell)
 ``decode(ids)``                        token ids → text
 ``gradients(ids, metric, site)``       d metric / d site at every layer (attribution)
+``edge_terms(clean, corrupt, ...)``    a circuit's sender writes and receiver gradients
+``circuit_metrics(clean, corrupt,      the clean prompt run as each circuit of a mask
+metric, keep)``                        (faithfulness)
 =====================================  ======================================================
 
 and may tell the engine how to schedule its work, through ``hints``, a

@@ -85,6 +85,10 @@ class Backend(Protocol):
         """A circuit's two factors: each sender's write and each receiver's gradient
         (:mod:`pipatch._backends._edges`), or one line refusing them."""
 
+    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
+                        keep: torch.Tensor) -> torch.Tensor:
+        """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]), [P]."""
+
 
 class Hints:
     """A backend's scheduling hints, with the defaults a new backend starts from: none of the

@@ -54,7 +54,7 @@ import torch
 
 from .._cells import Capture, Metric
 from .._models import Adapter, PipatchError, _get, first
-from .._sites import HEAD, MLP
+from .._sites import HEAD, MLP, QKV
 
 __all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family"]
 
@@ -93,6 +93,12 @@ def check_circuit_family(adapter: Adapter) -> None:
     if adapter.mlp_norm is None:
         raise PipatchError(f"circuits are not supported for {adapter.family}: its MLP reads the attention's own normed "
                            "input, so an MLP's input cannot be told from the heads'; use path_patch or attribute")
+
+
+def _named(path: str | None) -> str:
+    """A module path the adapter found (:func:`check_circuit_family` refuses a family without)."""
+    assert path is not None, "a circuit needs its family's norms (check_circuit_family)"
+    return path
 
 
 def _module(hf: Any, adapter: Adapter, layer: int, path: str | None) -> Any:
@@ -178,14 +184,16 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
     with torch.enable_grad(), model.trace(inputs, **adapter.trace_kwargs(m)):
         embedding = adapter.embedding(model)
         embedding.output = leaf.detach().clone().requires_grad_(True)
-        saved = list().save()  # type: ignore[attr-defined]  # nnsight's
+        saved = list().save()  # nnsight's
         for layer in range(L):
             block = adapter.block(model, layer)
             attn = _get(block, adapter.attn)
             x = _get(block, adapter.attn_norm).input
             projections = [first(_get(attn, name).output) for name in adapter.qkv]
             z = _get(attn, adapter.out_proj).input
-            x_mid = _get(block, adapter.mlp_norm).input
+            # The residual the MLP reads: the block's input too where attention and MLP read it
+            # side by side (a parallel family may run the MLP's norm before the attention).
+            x_mid = x if adapter.parallel else _get(block, adapter.mlp_norm).input
             mlp_in = _get(block, adapter.mlp).input
             saved.append((x, projections, z, x_mid, mlp_in))
         final = _get(model, adapter.final_norm)
@@ -234,3 +242,213 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
     g_final = grads[-1]
     logits = _through(_get(hf, adapter.final_norm), [], x_final, [g_final.unsqueeze(0)], 1)[0].sum(0)[:T]
     return qkv, mlps, logits, float(score.detach())
+
+
+# --------------------------------------------------------------------------------------------
+# A circuit's run: every receiver reads the corrupt residual plus its kept edges' writes
+# --------------------------------------------------------------------------------------------
+
+
+def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor,
+                    keep: torch.Tensor) -> torch.Tensor:
+    """The metric of the clean prompt run as a circuit, once per mask of ``keep``
+    ([P, receivers, senders], bool, in :func:`pipatch._protocols.circuits.graph` order).
+
+    In the run each receiver reads its own input: the corrupt run's residual stream at its place,
+    plus what each kept edge's sender writes in *this* run minus what it wrote in the corrupt
+    run (Hanna et al.'s evaluation of a circuit). A sender none of whose inputs are kept writes
+    what it wrote in the corrupt run, so an edge carries something only on a kept path from the
+    embeddings (which read the clean prompt). With no edge kept the run is the corrupt run; with
+    every edge kept it is the clean run wherever a layer's write is the sum of its heads' (every
+    family but those that normalize the attention's output before adding it, Gemma 2 and 3,
+    where each head's write is read with the others at their corrupt values). A grouped-query
+    model's query heads each read their own keys and values: the layer's attention runs once
+    per member of a group, its projections fed that member's inputs. Every position is read
+    this way (a multi-token answer's too). All the masks run as one batch; returns [P].
+    Plain PyTorch hooks on the torch model, removed when it returns.
+    """
+    P, H, L = keep.shape[0], adapter.n_heads, adapter.n_layers
+    group = H // max(1, adapter.n_kv_heads)
+    inputs = metric.inputs(clean_ids)
+    k = inputs.shape[0]
+    corrupt = _corrupt_cache(hf, adapter, metric.inputs(corrupt_ids))
+    device = corrupt["emb"].device
+    keep = keep.to(device=device, dtype=torch.float32).repeat_interleave(k, dim=0)  # row b reads mask b // k
+    deltas = torch.zeros(P * k, keep.shape[2], *corrupt["emb"].shape[1:], device=device)  # [B, senders, T', d]
+    blocks = _get(hf, adapter.blocks)
+    per_layer = 3 * H + 1  # receivers per layer: each head's q, k, v, then the MLP
+    state: dict[str, Any] = {"busy": 0, "member": 0, "layer": None}
+
+    def computing():
+        """While pipatch calls a module itself, its hooks stand aside."""
+        class Busy:
+            def __enter__(self):
+                state["busy"] += 1
+
+            def __exit__(self, *exc):
+                state["busy"] -= 1
+        return Busy()
+
+    def fed(base: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each receiver's input: the corrupt ``base`` [k, T', d] plus its kept senders' writes
+        (``rows`` [B, r, senders]) → [B, r, T', d]."""
+        return base.float().repeat(P, 1, 1)[:, None] + torch.einsum("brs,bstd->brtd", rows, deltas)
+
+    hooks: list[tuple[Any, str, Any]] = []
+
+    def on_embedding(module, args, out):
+        deltas[:, 0] = out.float() - corrupt["emb"].float().repeat(P, 1, 1)
+
+    hooks.append((adapter.embedding(hf), "post", on_embedding))
+    for layer in range(L):
+        block = blocks[layer]
+        attn = _get(block, adapter.attn)
+        out_proj = _get(attn, adapter.out_proj)
+        projections = [_get(attn, name) for name in adapter.qkv]
+        row, sender = layer * per_layer, 1 + layer * (H + 1)
+
+        def on_projection(module, args, out, layer=layer, block=block, projections=projections, row=row):
+            if state["busy"]:
+                return None
+            if state["layer"] != layer:  # every q/k/v receiver's normed input at this layer, once
+                x = fed(corrupt["x"][layer], keep[:, row : row + 3 * H])  # [B, 3H, T', d]
+                with computing():
+                    normed = first(_get(block, adapter.attn_norm)(x.flatten(0, 1).to(out.dtype)))
+                state["normed"] = normed.reshape(x.shape)
+                state["layer"] = layer
+            index = next(i for i, p in enumerate(projections) if p is module)
+            # The receivers whose columns this projection holds, of the heads whose output this
+            # call gives (a group's member: ``z`` of the others comes from their own calls).
+            mine = []
+            for head in range(H):
+                for which in range(3):
+                    name, lo, hi = adapter.qkv_columns(QKV[which], head)
+                    if adapter.qkv.index(name) == index and head % group == state["member"]:
+                        mine.append((head * 3 + which, lo, hi))
+            normed = state["normed"][:, [r for r, _, _ in mine]]  # [B, n, T', d]
+            with computing():
+                projected = first(module(normed.flatten(0, 1))).reshape(*normed.shape[:3], -1)
+            out = out.clone()
+            for i, (_, lo, hi) in enumerate(mine):
+                out[..., lo:hi] = projected[:, i, :, lo:hi].to(out.dtype)
+            return out
+
+        def on_out_proj(module, args):
+            if not state["busy"]:
+                state["z"] = args[0]
+
+        def on_attention(module, args, kwargs, out, layer=layer, block=block, out_proj=out_proj, sender=sender):
+            if state["busy"] or state["member"]:
+                return None
+            z = state.pop("z")
+            if group > 1:  # each member of a group reads its own keys and values: one call each
+                parts = [z]
+                for member in range(1, group):
+                    state["member"] = member
+                    module(*args, **kwargs)
+                    parts.append(state.pop("z"))
+                state["member"] = 0
+                z = z.clone()
+                for head in range(H):
+                    cut = HEAD.head_slice(adapter, head)
+                    z[..., cut] = parts[head % group][..., cut]
+            with computing():
+                write, each = _head_writes(adapter, block, out_proj, z, corrupt["z"][layer].repeat(P, 1, 1).to(z.dtype))
+                result = first(out_proj(z))
+            deltas[:, sender : sender + H] = each - write[:, None]
+            return (result,) + tuple(out[1:]) if isinstance(out, tuple) else result
+
+        def on_mlp_input(module, args, layer=layer, block=block, row=row):
+            if state["busy"]:
+                return None
+            x = fed(corrupt["x_mid"][layer], keep[:, row + 3 * H : row + 3 * H + 1])[:, 0]
+            with computing():
+                normed = first(_get(block, adapter.mlp_norm)(x.to(args[0].dtype)))
+            return (normed,) + tuple(args[1:])
+
+        def on_mlp_output(module, args, out, block=block, layer=layer, sender=sender):
+            if state["busy"]:
+                return
+            post = _get(block, adapter.mlp_post_norm) if adapter.mlp_post_norm else None
+            live = first(out)
+            pair = torch.cat([live, corrupt["mlp"][layer].to(live.dtype)])
+            with computing():
+                pair = (post(pair) if post is not None else pair).float()
+            deltas[:, sender + H] = pair[: live.shape[0]] - pair[live.shape[0]:].repeat(P, 1, 1)
+
+        hooks += [(p, "post", on_projection) for p in projections]
+        hooks += [(out_proj, "pre", on_out_proj), (attn, "post_kw", on_attention),
+                  (_get(block, adapter.mlp), "pre", on_mlp_input), (_get(block, adapter.mlp), "post", on_mlp_output)]
+
+    def on_final(module, args):
+        x = fed(corrupt["x_final"], keep[:, L * per_layer : L * per_layer + 1])[:, 0]
+        return (x.to(args[0].dtype),) + tuple(args[1:])
+
+    hooks.append((_get(hf, _named(adapter.final_norm)), "pre", on_final))
+    m = metric.n_read
+    with _hooked(hooks), torch.no_grad():
+        logits = hf(input_ids=inputs.repeat(P, 1).to(device), use_cache=False, **adapter.trace_kwargs(m)).logits
+    return metric.score(logits[:, -m:].reshape(P, k, m, -1).float()).cpu()
+
+
+class _hooked:
+    """Register ``(module, "pre" | "post" | "post_kw", hook)`` for the block, always removing them."""
+
+    def __init__(self, hooks: list[tuple[Any, str, Any]]):
+        self.hooks: list[tuple[Any, str, Any]] = hooks
+        self.handles: list[Any] = []
+
+    def __enter__(self):
+        for module, kind, fn in self.hooks:
+            if kind == "pre":
+                self.handles.append(module.register_forward_pre_hook(fn))
+            elif kind == "post":
+                self.handles.append(module.register_forward_hook(fn))
+            else:
+                self.handles.append(module.register_forward_hook(fn, with_kwargs=True))
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _head_writes(adapter: Adapter, block: Any, out_proj: Any, z: torch.Tensor, z_corrupt: torch.Tensor):
+    """(the write of ``z_corrupt`` [B, T', H·hd], each head's write with its slice from ``z``: [B, H, T', d])."""
+    H = adapter.n_heads
+    post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
+    swapped = z_corrupt[:, None].repeat(1, H, 1, 1)
+    for head in range(H):
+        cut = HEAD.head_slice(adapter, head)
+        swapped[:, head, :, cut] = z[..., cut]
+    B, T = z.shape[0], z.shape[1]
+    both = first(out_proj(torch.cat([swapped.flatten(0, 1), z_corrupt])))
+    if post is not None:
+        both = post(both)
+    both = both.float()
+    return both[B * H :], both[: B * H].reshape(B, H, T, -1)
+
+
+def _corrupt_cache(hf: Any, adapter: Adapter, inputs: torch.Tensor) -> dict[str, Any]:
+    """The corrupt run's values a circuit's run reads: the embeddings, each layer's attention-norm
+    input (``x``), ``z``, MLP-norm input (``x_mid``) and MLP output, and the final norm's input."""
+    cache: dict[str, Any] = {"x": {}, "z": {}, "x_mid": {}, "mlp": {}}
+    blocks = _get(hf, adapter.blocks)
+    hooks: list[tuple[Any, str, Any]] = [
+        (adapter.embedding(hf), "post", lambda m, a, o: cache.__setitem__("emb", o.detach().clone()))]
+    for layer in range(adapter.n_layers):
+        block = blocks[layer]
+        attn = _get(block, adapter.attn)
+        hooks += [
+            (_get(block, _named(adapter.attn_norm)), "pre",
+             lambda m, a, i=layer: cache["x"].__setitem__(i, a[0].detach().clone())),
+            (_get(attn, adapter.out_proj), "pre", lambda m, a, i=layer: cache["z"].__setitem__(i, a[0].detach().clone())),
+            (_get(block, _named(adapter.mlp_norm)), "pre",
+             lambda m, a, i=layer: cache["x_mid"].__setitem__(i, a[0].detach().clone())),
+            (_get(block, adapter.mlp), "post",
+             lambda m, a, o, i=layer: cache["mlp"].__setitem__(i, first(o).detach().clone())),
+        ]
+    hooks.append((_get(hf, _named(adapter.final_norm)), "pre",
+                  lambda m, a: cache.__setitem__("x_final", a[0].detach().clone())))
+    with _hooked(hooks), torch.no_grad():
+        hf(input_ids=inputs.to(next(hf.parameters()).device), use_cache=False, **adapter.trace_kwargs(1))
+    return cache

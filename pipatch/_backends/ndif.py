@@ -148,6 +148,11 @@ class NDIFBackend(TransformersBackend):
         raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a remote "
                            "model does not offer: run circuit on a local model (pipatch.load_model(name))")
 
+    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
+                        keep: torch.Tensor) -> torch.Tensor:
+        raise PipatchError("a circuit's runs feed each receiver its own input through local hooks, which a remote model "
+                           "does not offer: run circuit on a local model (pipatch.load_model(name))")
+
     # -- the requests -------------------------------------------------------------------------
     def _request(self, ids: torch.Tensor, body: Any, args: tuple, n_read: int, *, keyword: bool = False) -> Any:
         """``body(model, *args)`` in one request on the batch ``ids``; what it returned.

@@ -55,7 +55,14 @@ from .._models import Adapter, _get, adapter_for, dispatched, first
 from .._sites import EMBED, RESID, Site
 from ._contract import Hints
 from ._described import Described
-from ._edges import ReceiverGradients, SenderWrites, check_circuit_family, receiver_gradients, sender_writes
+from ._edges import (
+    ReceiverGradients,
+    SenderWrites,
+    check_circuit_family,
+    circuit_metrics,
+    receiver_gradients,
+    sender_writes,
+)
 from ._packing import NO_BOUND, PACK_TOKENS, ROW_TOKENS, Packed, layout, with_hidden
 from ._unembedding import Unembedding, unembedding_input
 
@@ -558,6 +565,16 @@ class TransformersBackend(Described):
         points = [e_corrupt + (k / steps) * (e_clean - e_corrupt) for k in range(steps)]
         return (sender_writes(hf, adapter, clean, corrupt),
                 receiver_gradients(self.model, hf, adapter, metric, points, corrupt_ids.to(self.device)))
+
+
+    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
+                        keep: torch.Tensor) -> torch.Tensor:
+        """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]:
+        which edges carry their sender's value; the others the corrupt run's), [P]
+        (:func:`pipatch._backends._edges.circuit_metrics`)."""
+        check_circuit_family(self.adapter)
+        return circuit_metrics(self._hf, self.adapter, metric, clean_ids.to(self.device), corrupt_ids.to(self.device),
+                               keep)
 
 
 def _cat(parts: list[Any]) -> Any:

@@ -207,6 +207,11 @@ class VLLMBackend(Described):
         raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: load the model with "
                            "backend='transformers' (the default) for circuit")
 
+    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
+                        keep: torch.Tensor) -> torch.Tensor:
+        raise PipatchError("a circuit's runs feed each receiver its own input, which pipatch does on the transformers "
+                           "backend only: load the model with backend='transformers' (the default) for circuit")
+
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> list:
         """``body(model, *args)`` for each job ``(ids, args)``, each in its own invoke (request)

@@ -26,6 +26,13 @@ A grouped-query key or value receiver of query head ``h`` patches the shared key
 and keeps the group's other query heads at their corrupt outputs, so only ``h`` reads the
 patched keys. The result keeps both numbers and their rank correlation.
 
+**Faithfulness.** A circuit is the top-n edges by |score|; every other edge is ablated to its
+corrupt value: the clean prompt runs with each receiver reading the corrupt residual plus the
+writes of its kept senders in this run, less what they wrote in the corrupt run
+(:func:`pipatch._backends._edges.circuit_metrics`). ``curve`` sizes from none (the corrupt
+run, recovery 0) to every edge (the clean run, 1, where a layer's write is its heads' sum)
+give the curve; the smallest circuit reaching ``share`` (80 %) is then narrowed by bisection.
+
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
 
@@ -42,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .. import _code
 from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
@@ -223,6 +231,65 @@ class _CircuitPlan(Plan):
 
 
 # --------------------------------------------------------------------------------------------
+# Faithfulness
+# --------------------------------------------------------------------------------------------
+
+#: Halvings of the size bracket around the share after the curve's points (the size reported
+#: is then within 1/64 of the bracket of the first point past the share).
+REFINE = 6
+
+
+def _share(value: Any) -> float:
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        raise PipatchError(f"share {value!r} is not a number: use a fraction such as 0.8") from None
+    if not 0 < share <= 1:
+        raise PipatchError(f"share {share} is not in (0, 1]: the share of the clean behaviour a circuit must recover, "
+                           "such as 0.8")
+    return share
+
+
+def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, points: int, share: float,
+                  clean_value: float, corrupt_value: float) -> dict[str, Any]:
+    """The circuit of the top-n edges (by |score|), every other edge ablated to its corrupt value:
+    normalized recovery for ``points`` sizes from 0 to every edge (spaced geometrically), then
+    the smallest size reaching ``share``, narrowed by bisection between the curve's points."""
+    order = scores.abs().nan_to_num(-1.0).flatten().argsort(descending=True, stable=True)[: int(valid.sum())]
+    total = len(order)
+
+    def masks(sizes: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(sizes), valid.numel(), dtype=torch.bool)
+        for i, n in enumerate(sizes):
+            out[i, order[:n]] = True
+        return out.reshape(len(sizes), *valid.shape)
+
+    span = clean_value - corrupt_value
+
+    def recovery(sizes: list[int]) -> list[float]:
+        value = torch.zeros(len(sizes), dtype=torch.float64)
+        for pair, _, _ in runs:
+            value += backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks(sizes)).double()
+        mean = value / len(runs)
+        return [float((v - corrupt_value) / span) if span else float("nan") for v in mean]
+
+    grid = sorted({0, total, *(round(total ** (i / max(points - 2, 1))) for i in range(max(points - 1, 1)))})
+    curve = dict(zip(grid, recovery(grid)))
+    reached = [n for n in grid if curve[n] >= share]
+    size = reached[0] if reached else None
+    if size:
+        below = max(n for n in grid if n < size)
+        for _ in range(REFINE):
+            if size - below <= 1:
+                break
+            mid = (below + size) // 2
+            curve[mid] = recovery([mid])[0]
+            below, size = (below, mid) if curve[mid] >= share else (mid, size)
+    sizes = sorted(curve)
+    return {"sizes": sizes, "recovery": [curve[n] for n in sizes], "share": share, "size": size, "edges": total}
+
+
+# --------------------------------------------------------------------------------------------
 # The planner
 # --------------------------------------------------------------------------------------------
 
@@ -255,6 +322,8 @@ def plan_circuit(
     method: str,
     steps: int,
     verify: int,
+    curve: int,
+    share: float,
     metric: str,
     batch_size: int | None,
 ) -> Plan:
@@ -265,6 +334,8 @@ def plan_circuit(
     check_choice(method, METHODS, "method")
     steps = whole_number(steps, "steps (interpolation points of EAP-IG)", minimum=1)
     verify = whole_number(verify, "verify (the edges to check with exact patches)", minimum=0)
+    curve = whole_number(curve, "curve (circuit sizes on the faithfulness curve)", minimum=0)
+    share = _share(share)
     adapter = backend.adapter
     pairs = [pair_inputs(backend, *one, metric) for one in _pairs(clean, corrupt, answer, foil)]
     senders, receivers, valid = graph(adapter)
@@ -286,6 +357,7 @@ def plan_circuit(
     clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
 
     first = pairs[0]
+    faithful = _faithfulness(backend, runs, scores, valid, curve, share, clean_value, corrupt_value) if curve else None
     meta = model_meta(backend)
     meta.update({
         **first.meta(backend), "site": VIEW, "col_axis": "sender", "direction": "denoise", "method": method,
@@ -295,6 +367,8 @@ def plan_circuit(
         "estimate": "EAP: (clean − corrupt) sender write · d metric / d receiver input, at the corrupt run"
                     + (f", averaged over {steps} points towards the clean input (EAP-IG)" if method == "eap-ig" else ""),
     })
+    if faithful is not None:
+        meta["faithfulness"] = faithful
     if len(pairs) > 1:
         meta["pairs"] = [{"clean": p.clean, "corrupt": p.corrupt, "answer": p.answer, "foil": p.foil} for p in pairs]
     result = Result(
@@ -344,11 +418,16 @@ DECLARATION = Experiment(
         Param("steps", 5, "EAP-IG's interpolation points (1: EAP)", "int", parse=positive_int),
         Param("verify", 20, "check the N edges with the largest |estimate| with exact edge patches (0: none)", "int",
               parse=count),
+        Param("curve", 16, "circuit sizes on the faithfulness curve: the top-n edges kept, every other edge given its "
+              "corrupt value (0: no curve)", "int", parse=count),
+        Param("share", 0.8, "the share of the clean behaviour (normalized recovery) the smallest circuit reported must "
+              "reach", "float", parse=float),
         METRIC, BATCH_SIZE,
     ),
     example='%%circuit --answer " Mary" --foil " John" --verify 10 -o circ\n'
             "clean: When Mary and John went to the store, John gave a drink to\n"
             "corrupt: When Mary and John went to the store, Mary gave a drink to",
+    code=_code.circuit_code, code_inputs=_code.circuit_inputs,
     doc="""
     See :mod:`pipatch._protocols.circuits` for the graph, the scores and the checks.
 
@@ -359,7 +438,9 @@ DECLARATION = Experiment(
         ``corrupt metric + estimated change`` (NaN where there is no edge) and ``result.grid``
         its normalized recovery; ``result.edges()`` is the table (``sender``, ``receiver``,
         ``score``, ``exact``). ``meta["checked"]`` lists the exactly patched edges and
-        ``meta["agreement"]`` their rank correlation with the estimates.
+        ``meta["agreement"]`` their rank correlation with the estimates;
+        ``meta["faithfulness"]`` the curve (``sizes``, ``recovery``, ``share``, ``size``: the
+        smallest circuit reaching the share, or ``None``, ``edges``: how many there are).
 
     Examples
     --------

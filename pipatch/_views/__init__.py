@@ -8,7 +8,9 @@ in ``js/schema.ts``) → the views:
   same ``js/grid.ts``);
 * the matplotlib figure and the PNG (:mod:`.render`: ``Result.plot()``, the CLI's ``--png``,
   the bundle's ``image/png``);
-* the text grid and the one-line summary (:mod:`.text`).
+* the text grid and the one-line summary (:mod:`.text`);
+* a circuit's graph instead of the heatmap (:mod:`.circuit`: the state's ``circuit`` part, the
+  edge ranking and the JSON export; drawn by ``js/circuit.ts`` and :mod:`.render`).
 
 One orientation everywhere (row 0 = layer 0 at the top, columns left to right), one colour
 map (:mod:`.colors`, the same stops in ``js/format.ts``), one JSON sanitiser
@@ -16,9 +18,10 @@ map (:mod:`.colors`, the same stops in ``js/format.ts``), one JSON sanitiser
 in ``js/format.ts``), both in :mod:`.strings`.
 """
 
+from .circuit import circuit_edges, circuit_part, graph_document, is_circuit
 from .colors import DIVERGING_STOPS, NAN_RGB, diverging_rgb, symmetric_max
 from .mime import mime_bundle, mime_document
-from .render import figure, png
+from .render import TOP_EDGES, figure, png
 from .schema import (
     ARRAY_DTYPE,
     ARRAY_SCHEMA,
@@ -37,7 +40,7 @@ from .text import summary, text_grid
 
 __all__ = [
     "ARRAY_DTYPE", "ARRAY_SCHEMA", "DIVERGING_STOPS", "MIME_TYPE", "NAN_RGB", "SCHEMA_VERSION", "STATE_KEYS",
-    "STATE_SCHEMA", "clean_text", "conform_state", "decode_array", "diverging_rgb", "done_span", "encode_array", "escape_label",
-    "figure", "json_safe", "mime_bundle", "mime_document", "png", "select_matrix", "summary", "symmetric_max",
-    "text_grid",
+    "STATE_SCHEMA", "TOP_EDGES", "circuit_edges", "circuit_part", "clean_text", "conform_state", "decode_array",
+    "diverging_rgb", "done_span", "encode_array", "escape_label", "figure", "graph_document", "is_circuit",
+    "json_safe", "mime_bundle", "mime_document", "png", "select_matrix", "summary", "symmetric_max", "text_grid",
 ]  # fmt: skip

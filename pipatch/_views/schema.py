@@ -8,9 +8,11 @@ the browser and ``normalizeState`` (``js/data.ts``) reads a state through it;
 here is read there with the declared types and shapes (``tests/_contract.py`` makes the
 example). A new field is one line here and one in ``js/schema.ts``.
 
-Types: ``str``, ``str[]``, ``int``, ``float``, ``float?`` (``null`` when not finite),
-``bool``, ``{str: int}``, ``{str: float?}``, ``arrays`` (``{name: {data, dtype, shape}}``),
-and the named objects ``detail``, ``top[]``, ``selection``, ``ui``.
+Types: ``str``, ``str[]``, ``int``, ``int[]``, ``int?`` (``null`` for none), ``float``,
+``float[]``, ``float?`` (``null`` when not finite), ``float?[]``, ``bool``, ``{str: int}``,
+``{str: float?}``, ``arrays`` (``{name: {data, dtype, shape}}``), and the named objects
+``detail``, ``top[]``, ``selection``, ``ui``, ``circuit`` (``node[]``, ``check[]``,
+``faithfulness``): ``OBJECT_SCHEMAS``.
 
 Arrays are named ``<view>/<what>``; ``ARRAY_SCHEMA`` gives each ``what`` its shape in terms
 of ``rows`` (``len(row_labels)``), ``cols`` (``len(col_labels)``) and ``seeds``
@@ -31,8 +33,8 @@ import numpy as np
 from .strings import clean_text, json_safe
 
 __all__ = [
-    "ARRAY_DTYPE", "ARRAY_SCHEMA", "DETAIL_SCHEMA", "DOCUMENT_SCHEMA", "MIME_TYPE", "SCHEMA_VERSION",
-    "SELECTION_SCHEMA", "STATE_KEYS", "STATE_SCHEMA", "TOP_SCHEMA", "UI_SCHEMA", "conform_state",
+    "ARRAY_DTYPE", "ARRAY_SCHEMA", "CHECK_SCHEMA", "CIRCUIT_SCHEMA", "DETAIL_SCHEMA", "DOCUMENT_SCHEMA",
+    "FAITHFULNESS_SCHEMA", "MIME_TYPE", "NODE_SCHEMA", "OBJECT_SCHEMAS", "SCHEMA_VERSION", "SELECTION_SCHEMA", "STATE_KEYS", "STATE_SCHEMA", "TOP_SCHEMA", "UI_SCHEMA", "conform_state",
     "decode_array", "done_span", "encode_array", "select_matrix",
 ]  # fmt: skip
 
@@ -72,6 +74,7 @@ STATE_SCHEMA: dict[str, str] = {
     "sides": "str[]",  # a comparison's two sides, "a: …" and "b: …" ([] for one result)
     "compared": "str",  # what a comparison subtracts: "recovery" or "raw" ("" for one result)
     "values": "str",  # what one result's cells hold: "" normalized recovery, "metric" the metric itself
+    "circuit": "circuit",  # a circuit's graph ({} for any other result): drawn as a graph, not a heatmap
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 
@@ -81,6 +84,32 @@ DETAIL_SCHEMA: dict[str, str] = {
     "top": "top[]", "error": "str",
 }  # fmt: skip
 TOP_SCHEMA: dict[str, str] = {"token": "str", "prob": "float?"}
+
+#: A circuit's graph (:mod:`.circuit`); its edges' scores are the arrays ``edges/raw_mean`` less
+#: the corrupt baseline. Every field optional (``{}``: not a circuit).
+CIRCUIT_SCHEMA: dict[str, str] = {
+    "nodes": "node[]",  # embeddings first, then layer by layer (heads, the MLP), the logits last
+    "senders": "int[]",  # per column (sender): its node
+    "receivers": "int[]",  # per row (receiver): its node
+    "ports": "float[]",  # per row: where on its node's lower side that input is drawn (x offset, graph units)
+    "checked": "check[]",  # the edges patched exactly
+    "agreement": "{str: float?}",  # the checks against the estimates: spearman, max_abs_error, n
+    "faithfulness": "faithfulness",  # absent when the result has no curve
+}
+#: ``x`` in [0, 1] across its row, ``y`` its row (0: the embeddings; an MLP a little higher
+#: than its layer's heads); ``layer`` −1 for the embeddings, the number of layers for the logits.
+NODE_SCHEMA: dict[str, str] = {"name": "str", "kind": "str", "layer": "int", "x": "float", "y": "float"}
+#: One checked edge, at grid cell (row, col): its estimated and exact change of the metric.
+CHECK_SCHEMA: dict[str, str] = {"row": "int", "col": "int", "estimate": "float?", "exact": "float?"}
+#: Normalized recovery of the circuit of the top ``sizes[i]`` edges (the rest ablated); ``size``
+#: the smallest that reaches ``share`` (``null``: none does) out of ``edges``.
+FAITHFULNESS_SCHEMA: dict[str, str] = {
+    "sizes": "int[]", "recovery": "float?[]", "share": "float?", "size": "int?", "edges": "int",
+}  # fmt: skip
+#: The named object types and the schema each follows.
+OBJECT_SCHEMAS: dict[str, dict[str, str]] = {
+    "circuit": CIRCUIT_SCHEMA, "node": NODE_SCHEMA, "check": CHECK_SCHEMA, "faithfulness": FAITHFULNESS_SCHEMA,
+}  # fmt: skip
 
 #: Browser → kernel: what the user chose (widget traits of the same names).
 UI_SCHEMA: dict[str, str] = {
@@ -164,10 +193,18 @@ def _conform(kind: str, value: Any) -> Any:
         return [clean_text(x) for x in value]
     if kind == "int":
         return int(value)
+    if kind == "int?":
+        return None if value is None else int(value)
+    if kind == "int[]":
+        return [int(x) for x in value]
     if kind == "float":
         return _float(value, -1.0)  # elapsed / eta: −1 reads "unknown"
+    if kind == "float[]":
+        return [_float(x, 0.0) for x in value]
     if kind == "float?":
         return _finite_or_none(value)
+    if kind == "float?[]":
+        return [_finite_or_none(x) for x in value]
     if kind == "bool":
         return bool(value)
     if kind == "{str: int}":
@@ -178,6 +215,11 @@ def _conform(kind: str, value: Any) -> Any:
         return {clean_text(k): encode_array(v) for k, v in dict(value or {}).items()}
     if kind == "detail":
         return json_safe(dict(value or {}))
+    if kind.endswith("[]") and kind[:-2] in OBJECT_SCHEMAS:
+        return [_conform(kind[:-2], x) for x in value or []]
+    if kind in OBJECT_SCHEMAS:
+        schema, value = OBJECT_SCHEMAS[kind], dict(value or {})
+        return {key: _conform(schema[key], value[key]) for key in schema if key in value}
     raise ValueError(f"unknown schema type {kind!r}")
 
 

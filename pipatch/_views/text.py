@@ -128,7 +128,8 @@ def summary(state: Mapping[str, Any]) -> str:
     numbers = ", ".join(f"{escape_label(k, 20)} {'nan' if v is None else format(v, '.4g')}" for k, v in base.items())
     status = str(state.get("status") or "done")
     message = state.get("message")
-    parts = [head, f"{n_rows} layers × {n_cols} {axis}", f"views {escape_label(', '.join(views) or '-', 120)}"]
+    shape = f"{n_rows} receivers × {n_cols} senders" if state.get("circuit") else f"{n_rows} layers × {n_cols} {axis}"
+    parts = [head, shape, f"views {escape_label(', '.join(views) or '-', 120)}"]
     if state.get("metric"):
         parts.append(f"metric {escape_label(state['metric'], 80)}")
     if numbers:
