@@ -64,7 +64,7 @@ from ._checks import whole_number
 from ._models import Adapter, PipatchError
 from ._sites import Site
 
-__all__ = ["Sweep", "SiteSweep", "Plan", "Predictor", "execute", "batches", "EngineError", "auto_batch_size",
+__all__ = ["Sweep", "SiteSweep", "Plan", "Predictor", "execute", "stop_check", "batches", "EngineError", "auto_batch_size",
            "batch_size_for_memory", "check_batch_size"]
 
 
@@ -598,7 +598,7 @@ def _run_cells(plan: Plan, rowgroup: _RowGroup, should_stop: Callable[[], bool] 
     return True
 
 
-def _stop_check(stop: Any) -> Callable[[], bool] | None:
+def stop_check(stop: Any) -> Callable[[], bool] | None:
     if stop is None:
         return None
     if hasattr(stop, "is_set"):
@@ -647,7 +647,7 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
     partial result attached. ``result.meta["engine"]`` counts ``cells``, ``noop_cells`` (filled
     without a forward), ``traces`` and ``max_invokes`` (cells in the largest batch).
     """
-    should_stop = _stop_check(stop)
+    should_stop = stop_check(stop)
     result = plan.result
     started = time.perf_counter()
     stats = result.meta.setdefault("engine", {})

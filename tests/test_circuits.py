@@ -205,3 +205,25 @@ def test_other_families_score_against_the_reference(name):
     ours = _scores(pipatch.circuit(model, **PAIR, method="eap", verify=0, curve=0))
     reference = reference_edge_scores(model, **PAIR)
     assert set(ours) == set(reference) and max(abs(ours[e] - reference[e]) for e in reference) < 1e-4
+
+
+def test_the_curve_fills_row_by_row_and_stop_keeps_what_it_has():
+    import threading
+
+    from pipatch._api import plan
+
+    seen, stop = [], threading.Event()
+
+    def on_row(result, view, row):
+        curve = result.meta.get("faithfulness")
+        if curve is not None:
+            seen.append(len(curve["sizes"]))
+            stop.set()  # after the first forward of the curve
+
+    model = tiny_model("llama")
+    result = plan("circuit", model, **PAIR, verify=2, curve=12).run(on_row=on_row, stop=stop)
+    assert result.status == "stopped" and "faithfulness" in result.message
+    assert seen == [4] and result.meta["faithfulness"]["size"] is None
+    assert result.meta["agreement"]["n"] == 2  # the exact checks before it are kept
+    whole = pipatch.circuit(model, **PAIR, verify=2, curve=12)
+    assert whole.meta["faithfulness"]["recovery"][:4] == result.meta["faithfulness"]["recovery"]

@@ -43,7 +43,7 @@ its normalized recovery reads on the patching scale; :meth:`pipatch.Result.edges
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,7 +53,7 @@ from .. import _code
 from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
-from .._engine import Plan, Predictor, Sweep, check_batch_size
+from .._engine import Plan, Predictor, Sweep, check_batch_size, stop_check
 from .._models import Adapter, PipatchError
 from .._result import VIEW_EDGES, Result
 from .._sites import ATTN, EMBED, HEAD, MLP, MLP_IN, QKV, projection
@@ -198,9 +198,10 @@ class _CircuitPlan(Plan):
     A click on grid cell (receiver, sender) runs that edge's exact patch on the first pair."""
 
     def __init__(self, *args: Any, click: _EdgeSweep, senders: list[Node], receivers: list[Node],
-                 valid: torch.Tensor, **kwargs: Any):
+                 valid: torch.Tensor, curve: Iterator[dict[str, Any]] | None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._click, self._senders, self._receivers, self._valid = click, senders, receivers, valid
+        self._curve = curve
 
     def predictor(self) -> Predictor:
         click, senders, receivers, valid = self._click, self._senders, self._receivers, self._valid
@@ -213,6 +214,26 @@ class _CircuitPlan(Plan):
             return sweep, sweep.cell(0, 0, 0)
 
         return Predictor(self.backend, {}, locate)
+
+    def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
+        """The exact patches (the engine's rows), then the faithfulness curve, a forward at a
+        time: each shows at once (``on_row``), and Stop or an interrupt between them keeps the
+        curve so far (``meta["faithfulness"]``, its ``size`` ``None``)."""
+        result = super().run(on_row=on_row, stop=stop)
+        if self._curve is None or result.status != "done":
+            return result
+        halted = stop_check(stop)
+        try:
+            for curve in self._curve:
+                result.meta["faithfulness"] = curve
+                if on_row is not None:
+                    on_row(result, VIEW, len(self._receivers) - 1)
+                if halted is not None and halted():
+                    result.status, result.message = "stopped", "stopped by request during the faithfulness curve"
+                    break
+        except KeyboardInterrupt:
+            result.status, result.message = "interrupted", "interrupted during the faithfulness curve; its points so far are kept"
+        return result
 
     def finish(self) -> None:
         result = self.result
@@ -250,11 +271,16 @@ def _share(value: Any) -> float:
     return share
 
 
+#: Curve sizes measured per forward (one batch): the live view's curve grows by this many.
+SIZES_PER_RUN = 4
+
+
 def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, points: int, share: float,
-                  clean_value: float, corrupt_value: float) -> dict[str, Any]:
+                  clean_value: float, corrupt_value: float) -> Iterator[dict[str, Any]]:
     """The circuit of the top-n edges (by |score|), every other edge ablated to its corrupt value:
     normalized recovery for ``points`` sizes from 0 to every edge (spaced geometrically), then
-    the smallest size reaching ``share``, narrowed by bisection between the curve's points."""
+    the smallest size reaching ``share``, narrowed by bisection between the curve's points.
+    Yields the curve so far after each forward (``size`` is ``None`` until it is known)."""
     order = scores.abs().nan_to_num(-1.0).flatten().argsort(descending=True, stable=True)[: int(valid.sum())]
     total = len(order)
 
@@ -273,8 +299,17 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
         mean = value / len(runs)
         return [float((v - corrupt_value) / span) if span else float("nan") for v in mean]
 
+    curve: dict[int, float] = {}
+
+    def state(size: int | None) -> dict[str, Any]:
+        sizes = sorted(curve)
+        return {"sizes": sizes, "recovery": [curve[n] for n in sizes], "share": share, "size": size, "edges": total}
+
     grid = sorted({0, total, *(round(total ** (i / max(points - 2, 1))) for i in range(max(points - 1, 1)))})
-    curve = dict(zip(grid, recovery(grid)))
+    for lo in range(0, len(grid), SIZES_PER_RUN):
+        part = grid[lo : lo + SIZES_PER_RUN]
+        curve.update(zip(part, recovery(part)))
+        yield state(None)
     reached = [n for n in grid if curve[n] >= share]
     size = reached[0] if reached else None
     if size:
@@ -285,8 +320,8 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
             mid = (below + size) // 2
             curve[mid] = recovery([mid])[0]
             below, size = (below, mid) if curve[mid] >= share else (mid, size)
-    sizes = sorted(curve)
-    return {"sizes": sizes, "recovery": [curve[n] for n in sizes], "share": share, "size": size, "edges": total}
+            yield state(None)
+    yield state(size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,8 +402,6 @@ def plan_circuit(
         "estimate": "EAP: (clean − corrupt) sender write · d metric / d receiver input, at the corrupt run"
                     + (f", averaged over {steps} points towards the clean input (EAP-IG)" if method == "eap-ig" else ""),
     })
-    if faithful is not None:
-        meta["faithfulness"] = faithful
     if len(pairs) > 1:
         meta["pairs"] = [{"clean": p.clean, "corrupt": p.corrupt, "answer": p.answer, "foil": p.foil} for p in pairs]
     result = Result(
@@ -394,7 +427,7 @@ def plan_circuit(
     click = _EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=0, n_cols=1,
                        adapter=adapter, donor=clean_run, edges=[], pair=0)
     return _CircuitPlan(backend, result, sweeps, batch, True, click=click, senders=senders, receivers=receivers,
-                        valid=valid)
+                        valid=valid, curve=faithful)
 
 
 # --------------------------------------------------------------------------------------------
