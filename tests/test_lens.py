@@ -71,7 +71,9 @@ def test_the_lens_equals_the_hand_reference_on_the_embedded_model(model):
     r = pipatch.lens(model, EIFFEL, answer=" Paris")
     want = reference_lens(model, EIFFEL, " Paris")
     assert r.kind == "lens" and r.grid.shape == want.shape == (18, len(r.tokens))
-    torch.testing.assert_close(r.grid, want, atol=1e-5, rtol=0)
+    # Probabilities near 1 differ by float32 rounding (pipatch sums the softmax over 262k
+    # logits in slices, the reference at once): 1e-5 absolute, 2e-5 relative.
+    torch.testing.assert_close(r.grid, want, atol=1e-5, rtol=2e-5)
     # The last row at the last position is the model's own output, and the grid is no recovery.
     assert abs(float(r.grid[-1, -1]) - r.meta["output"]) < 1e-4 and not r.normalized
     assert abs(r.meta["output"] - 0.497) < 0.01

@@ -3,7 +3,7 @@
 One notebook, run top to bottom (the model loads once):
 
 1. ``%load_ext pipatch``
-2. a short ``%%trace`` (2 seeds): the grid shows rows before the run ends, hover shows a
+2. a short ``%%trace`` (8 seeds): the grid shows rows before the run ends, hover shows a
    value, a click during the run gets the patched run's top-5 from the kernel; after the run
    the same grid stays live (a click on another cell is answered, a view switch redraws) and
    its saved copy below it stays hidden;
@@ -46,7 +46,8 @@ XSS = "<img src=x onerror=alert(1)>"
 PROMPT = "The Eiffel Tower is in the city of"
 CELLS = [
     "%load_ext pipatch",
-    f'%%trace --seeds 2 --scale 3 --subject "Eiffel Tower" --answer " Paris" -o eiffel\n{PROMPT}',
+    # 8 seeds: long enough (about 10 s here) that a click is answered before the run ends.
+    f'%%trace --seeds 8 --scale 3 --subject "Eiffel Tower" --answer " Paris" -o eiffel\n{PROMPT}',
     '%%trace --seeds 10 --scale 3 --kind resid,mlp,attn --subject "Eiffel Tower" --answer " Paris" -o long\n'
     f"{XSS} {PROMPT}",
     "from pipatch import PatchGrid\nPatchGrid(eiffel)",
