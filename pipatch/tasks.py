@@ -171,7 +171,7 @@ def _sample(n: int, seed: int, what: str, draw: Callable[[random.Random, int], d
     return out
 
 
-def ioi(n: int, seed: int = 0, *, tokenizer: Any = None) -> TaskSet:
+def ioi(n: int, seed: int = 0, *, tokenizer: Any = None, template: int | None = None) -> TaskSet:
     """``n`` Indirect Object Identification pairs (Wang et al. 2022), half ABBA, half BABA.
 
     Pair ``i`` is ABBA ("Then, Mary and John went to the store. John gave a book to") when
@@ -182,25 +182,37 @@ def ioi(n: int, seed: int = 0, *, tokenizer: Any = None) -> TaskSet:
     corrupt prompts have equal token counts are used. ``records()`` adds ``template`` (its
     ABBA or BABA form), ``order``, ``io``, ``s``, ``place`` and ``object``.
 
-    Raises :class:`PipatchError` for a bad ``n`` or ``seed``, or when the tokenizer leaves too
-    few words for ``n`` distinct pairs.
+    ``template`` (0 – 14) puts every pair in one of Wang et al.'s templates instead of drawing
+    one per pair; with ``tokenizer`` its places and objects are then one-token words too, so
+    every prompt has one length in tokens (what ``circuit(..., ablation="mean")`` needs).
+
+    Raises :class:`PipatchError` for a bad ``n``, ``seed`` or ``template``, or when the tokenizer
+    leaves too few words for ``n`` distinct pairs.
     """
     n, seed = whole_number(n, "n", minimum=1), whole_number(seed, "seed", minimum=None)
+    if template is not None:
+        template = whole_number(template, f"template (an index into the {len(_IOI_TEMPLATES)} IOI templates)",
+                                minimum=0)
+        if template >= len(_IOI_TEMPLATES):
+            raise PipatchError(f"template {template} is not one of the {len(_IOI_TEMPLATES)} IOI templates: pass 0 to "
+                               f"{len(_IOI_TEMPLATES) - 1}, or None to draw one per pair")
     ids = _counter(tokenizer)
     unk = getattr(tokenizer, "unk_token_id", None)
+    word = _known if template is None else (lambda ids, unk, w: _one_token(ids, unk, " " + w))
     names = [w for w in _NAMES if _one_token(ids, unk, " " + w)]
-    places = [w for w in _PLACES if _known(ids, unk, w)]
-    objects = [w for w in _OBJECTS if _known(ids, unk, w)]
+    places = [w for w in _PLACES if word(ids, unk, w)]
+    objects = [w for w in _OBJECTS if word(ids, unk, w)]
+    forms = _IOI_TEMPLATES if template is None else [_IOI_TEMPLATES[template]]
     if len(names) < 2 or not places or not objects:
         raise PipatchError(f"ioi: the tokenizer keeps {len(names)} names as one token, {len(places)} places and "
                            f"{len(objects)} objects as known words; need 2, 1 and 1: use the model's own tokenizer")
 
     def draw(rng: random.Random, i: int) -> dict[str, Any]:
-        t = rng.randrange(len(_IOI_TEMPLATES))
+        t = rng.randrange(len(forms))
         io, s = rng.sample(names, 2)
         place, obj = rng.choice(places), rng.choice(objects)
         order = "ABBA" if i % 2 == 0 else "BABA"
-        form = _IOI_TEMPLATES[t] if order == "ABBA" else _IOI_TEMPLATES[t].replace("{A}", "{X}").replace(
+        form = forms[t] if order == "ABBA" else forms[t].replace("{A}", "{X}").replace(
             "{B}", "{A}").replace("{X}", "{B}")
         words = dict(A=io, B=s, place=place, object=obj)
         return dict(clean=form.format(S2=s, **words), corrupt=form.format(S2=io, **words), answer=" " + io,
@@ -211,7 +223,7 @@ def ioi(n: int, seed: int = 0, *, tokenizer: Any = None) -> TaskSet:
         return ids is None or len(ids(r["clean"])) == len(ids(r["corrupt"]))
 
     # Per order: ABBA pairs take the even slots, BABA the odd ones, so n fits when n ≤ 2 × this.
-    per_order = len(_IOI_TEMPLATES) * len(names) * (len(names) - 1) * len(places) * len(objects)
+    per_order = len(forms) * len(names) * (len(names) - 1) * len(places) * len(objects)
     return TaskSet("ioi", _sample(n, seed, "ioi", draw, fits, 2 * per_order, "ask for fewer pairs, or use a "
                                   "tokenizer that keeps more names one token"))
 

@@ -489,3 +489,27 @@ def reference_circuit_path(model, *, clean, corrupt, answer, foil, layer, head, 
     logits = hooked([(p.final, "pre", lambda m, args: (args[0] + write,) + tuple(args[1:]))],
                     lambda: p.hf(corrupt_ids).logits)
     return float(logits[0, -1, ans] - logits[0, -1, fo])
+
+
+def reference_mean_ablated(model, *, prompts, clean, answer, foil, emb_edge):
+    """Mean ablation's circuit of no edge (``emb_edge=False``) or of the one edge emb → logits,
+    with hooks: the logits read the final residual averaged, position by position, over
+    ``prompts``, plus (with the edge) the clean embeddings less their mean over ``prompts``."""
+    p = _Parts(model)
+    finals, embs = [], []
+    for text in prompts:
+        seen = {}
+        hooked([(p.final, "pre", lambda m, args: seen.__setitem__("x", args[0].clone())),
+                (p.embed, "post", lambda m, args, out: seen.__setitem__("e", out.clone()))], lambda: p.hf(p.ids(text)))
+        finals.append(seen["x"].double())
+        embs.append(seen["e"].double())
+    mean_final, mean_emb = torch.stack(finals).mean(0), torch.stack(embs).mean(0)
+    seen = {}
+
+    def read(m, args):
+        x = mean_final + (seen["e"].double() - mean_emb if emb_edge else 0)
+        return (x.to(args[0].dtype),) + tuple(args[1:])
+
+    logits = hooked([(p.embed, "post", lambda m, args, out: seen.__setitem__("e", out.clone())), (p.final, "pre", read)],
+                    lambda: p.hf(p.ids(clean)).logits)
+    return float(logits[0, -1, p.token(answer)] - logits[0, -1, p.token(foil)])

@@ -17,7 +17,12 @@ from pipatch._backends import backend_for
 from pipatch._models import adapter_for
 from pipatch._protocols.circuits import graph
 from pipatch._protocols.patching import pair_inputs
-from tests._reference import reference_circuit_path, reference_edge_patch, reference_edge_scores
+from tests._reference import (
+    reference_circuit_path,
+    reference_edge_patch,
+    reference_edge_scores,
+    reference_mean_ablated,
+)
 from tests._tiny import tiny_model
 
 FAMILIES = ["gpt2", "llama", "gemma3"]  # fused q/k/v; grouped-query attention; GQA with post norms
@@ -183,6 +188,61 @@ def test_a_circuits_run_keeps_exactly_its_edges(family):
                                     key=lambda item: abs(item[0] - corrupt))
         want = reference_circuit_path(model, **PAIR, layer=layer, head=head, which=which)
         assert got == pytest.approx(want, abs=1e-5) and abs(got - corrupt) > 1e-5, (which, got, want, corrupt)
+
+
+def test_mean_ablation_reads_the_datasets_mean(family):
+    """``mean_of``: an edge outside the circuit carries its sender's mean over the prompts. With
+    one prompt it is that prompt's ablation; with four, no edge and the edge emb → logits equal
+    the hook reference of the mean; every edge is still the clean run."""
+    name, model = family
+    backend = backend_for(model)
+    senders, receivers, valid = graph(backend.adapter)
+    pair = pair_inputs(backend, PAIR["clean"], PAIR["corrupt"], PAIR["answer"], PAIR["foil"], "logit_diff")
+    texts = [PAIR["clean"], PAIR["corrupt"], PAIR2["clean"], PAIR2["corrupt"]]
+    prompts = [backend.tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    assert len({p.shape[1] for p in prompts}) == 1
+    emb_edge = torch.zeros_like(valid)
+    emb_edge[-1, 0] = True  # receivers end with the logits, senders start with the embeddings
+    masks = torch.stack([torch.zeros_like(valid), emb_edge, valid])
+    as_corrupt = backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks)
+    one = backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks, [pair.corrupt_ids])
+    torch.testing.assert_close(one, as_corrupt, atol=1e-5, rtol=0)
+    # A clean prompt whose last token none of the four has: the edge emb → logits carries something.
+    other = PAIR["clean"].replace(" to", " on")
+    other_ids = backend.tokenizer(other, return_tensors="pt").input_ids
+    none, emb, every = backend.circuit_metrics(other_ids, pair.corrupt_ids, pair.metric, masks, prompts).tolist()
+    for value, edge in ((none, False), (emb, True)):
+        want = reference_mean_ablated(model, prompts=texts, clean=other, answer=PAIR["answer"],
+                                      foil=PAIR["foil"], emb_edge=edge)
+        assert value == pytest.approx(want, abs=1e-4), (edge, value, want)
+    assert abs(none - float(as_corrupt[0])) > 1e-3 and abs(emb - none) > 1e-3  # the mean is not the corrupt run
+    if backend.adapter.attn_post_norm is None:
+        clean = float(backend.captures([other_ids], pair.metric)[0].metric[0])
+        assert every == pytest.approx(clean, abs=1e-4)
+
+
+def test_a_mean_ablated_curve_starts_at_the_means_recovery():
+    model = tiny_model("llama")
+    dataset = {key: [PAIR[key], PAIR2[key]] for key in PAIR}
+    result = pipatch.circuit(model, **dataset, verify=0, curve=4, ablation="mean")
+    f = result.meta["faithfulness"]
+    assert f["ablation"] == "mean" == result.meta["ablation"]
+    texts = [PAIR["clean"], PAIR["corrupt"], PAIR2["clean"], PAIR2["corrupt"]]
+    nothing = [reference_mean_ablated(model, prompts=texts, clean=p["clean"], answer=p["answer"], foil=p["foil"],
+                                      emb_edge=False) for p in (PAIR, PAIR2)]
+    clean, corrupt = sum(result.meta["clean_runs"]) / 2, sum(result.meta["corrupt_runs"]) / 2
+    assert f["recovery"][0] == pytest.approx((sum(nothing) / 2 - corrupt) / (clean - corrupt), abs=1e-4)
+    assert f["recovery"][-1] == pytest.approx(1.0, abs=1e-3)
+    corrupted = pipatch.circuit(model, **dataset, verify=0, curve=4)
+    assert corrupted.meta["faithfulness"]["ablation"] == "corrupt"
+    assert corrupted.meta["faithfulness"]["recovery"][0] == pytest.approx(0.0, abs=1e-5)
+    with pytest.raises(PipatchError) as error:
+        pipatch.circuit(model, clean=[PAIR["clean"], "When Mary went out, Mary gave a book to"],
+                        corrupt=[PAIR["corrupt"], "When Mary went out, John gave a book to"],
+                        answer=" Mary", foil=" John", verify=0, curve=4, ablation="mean")
+    assert "one length" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(PipatchError, match="ablation"):
+        pipatch.circuit(model, **PAIR, ablation="zero")
 
 
 def test_the_faithfulness_curve():

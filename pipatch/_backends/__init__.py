@@ -28,7 +28,7 @@ core member                            what it is
 ``gradients(ids, metric, site)``       d metric / d site at every layer (attribution)
 ``edge_terms(clean, corrupt, ...)``    a circuit's sender writes and receiver gradients
 ``circuit_metrics(clean, corrupt,      the clean prompt run as each circuit of a mask
-metric, keep)``                        (faithfulness)
+metric, keep, mean_of=)``              (faithfulness; ``mean_of``: mean ablation's prompts)
 =====================================  ======================================================
 
 and may tell the engine how to schedule its work, through ``hints``, a

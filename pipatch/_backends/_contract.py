@@ -86,8 +86,10 @@ class Backend(Protocol):
         (:mod:`pipatch._backends._edges`), or one line refusing them."""
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor) -> torch.Tensor:
-        """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]), [P]."""
+                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]), [P];
+        the edges not kept carry the corrupt run's values, or with ``mean_of`` their mean over
+        those prompts (run input ids of one length)."""
 
 
 class Hints:

@@ -56,7 +56,8 @@ from .._cells import Capture, Metric
 from .._models import Adapter, PipatchError, _get, first
 from .._sites import HEAD, MLP, QKV
 
-__all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family"]
+__all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family",
+           "circuit_metrics", "mean_cache"]
 
 #: Receivers re-run through their norm and projection together (memory: ``chunk × T × d``).
 CHUNK = 48
@@ -250,7 +251,7 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
 
 
 def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor,
-                    keep: torch.Tensor) -> torch.Tensor:
+                    keep: torch.Tensor, ablated: dict[str, Any] | None = None) -> torch.Tensor:
     """The metric of the clean prompt run as a circuit, once per mask of ``keep``
     ([P, receivers, senders], bool, in :func:`pipatch._protocols.circuits.graph` order).
 
@@ -266,12 +267,16 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
     per member of a group, its projections fed that member's inputs. Every position is read
     this way (a multi-token answer's too). All the masks run as one batch; returns [P].
     Plain PyTorch hooks on the torch model, removed when it returns.
+
+    ``ablated`` (a :func:`mean_cache`) replaces the corrupt run's values by a dataset's mean:
+    mean ablation, where every edge not kept carries its sender's mean write (with no edge
+    kept, each receiver reads the mean residual stream).
     """
     P, H, L = keep.shape[0], adapter.n_heads, adapter.n_layers
     group = H // max(1, adapter.n_kv_heads)
     inputs = metric.inputs(clean_ids)
     k = inputs.shape[0]
-    corrupt = _corrupt_cache(hf, adapter, metric.inputs(corrupt_ids))
+    corrupt = _corrupt_cache(hf, adapter, metric.inputs(corrupt_ids)) if ablated is None else _rows(ablated, k)
     device = corrupt["emb"].device
     keep = keep.to(device=device, dtype=torch.float32).repeat_interleave(k, dim=0)  # row b reads mask b // k
     deltas = torch.zeros(P * k, keep.shape[2], *corrupt["emb"].shape[1:], device=device)  # [B, senders, T', d]
@@ -426,6 +431,39 @@ def _head_writes(adapter: Adapter, block: Any, out_proj: Any, z: torch.Tensor, z
         both = post(both)
     both = both.float()
     return both[B * H :], both[: B * H].reshape(B, H, T, -1)
+
+
+def mean_cache(hf: Any, adapter: Adapter, prompts: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The values :func:`circuit_metrics` reads for an ablated edge, averaged position by
+    position over ``prompts`` (each a run's input ids [n, T'], every one the same length T'):
+    mean ablation's baseline, [1, T', ...] per value. One forward per prompt; the running sum
+    is the only cache held."""
+    total: dict[str, Any] | None = None
+    rows = 0
+    for inputs in prompts:
+        one = _corrupt_cache(hf, adapter, inputs)
+        rows += inputs.shape[0]
+        summed = _map(one, lambda t: t.double().sum(0, keepdim=True))
+        total = summed if total is None else _map2(total, summed, torch.add)
+    if total is None:
+        raise PipatchError("mean ablation needs at least one prompt to average over")
+    return _map(total, lambda t: (t / rows).float())
+
+
+def _map(cache: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """``fn`` on every tensor of a cache (:func:`_corrupt_cache`'s shape: tensors and dicts of them)."""
+    return {key: ({i: fn(t) for i, t in value.items()} if isinstance(value, dict) else fn(value))
+            for key, value in cache.items()}
+
+
+def _map2(a: dict[str, Any], b: dict[str, Any], fn: Any) -> dict[str, Any]:
+    return {key: ({i: fn(t, b[key][i]) for i, t in value.items()} if isinstance(value, dict) else fn(value, b[key]))
+            for key, value in a.items()}
+
+
+def _rows(cache: dict[str, Any], k: int) -> dict[str, Any]:
+    """A :func:`mean_cache` for a run of ``k`` inputs (each reads the same means)."""
+    return _map(cache, lambda t: t.expand(k, *t.shape[1:]))
 
 
 def _corrupt_cache(hf: Any, adapter: Adapter, inputs: torch.Tensor) -> dict[str, Any]:

@@ -149,7 +149,7 @@ class NDIFBackend(TransformersBackend):
                            "model does not offer: run circuit on a local model (pipatch.load_model(name))")
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor) -> torch.Tensor:
+                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         raise PipatchError("a circuit's runs feed each receiver its own input through local hooks, which a remote model "
                            "does not offer: run circuit on a local model (pipatch.load_model(name))")
 

@@ -60,6 +60,7 @@ from ._edges import (
     SenderWrites,
     check_circuit_family,
     circuit_metrics,
+    mean_cache,
     receiver_gradients,
     sender_writes,
 )
@@ -88,6 +89,7 @@ class TransformersBackend(Described):
         self.adapter = adapter_for(self.model)
         self.reuse_prefix = reuse_prefix
         self.pack = pack
+        self._means: tuple[Any, dict[str, Any]] | None = None  # mean ablation's last baseline
 
     # -- what the model is ------------------------------------------------------------------
     @property
@@ -568,13 +570,22 @@ class TransformersBackend(Described):
 
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor) -> torch.Tensor:
+                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]:
-        which edges carry their sender's value; the others the corrupt run's), [P]
-        (:func:`pipatch._backends._edges.circuit_metrics`)."""
+        which edges carry their sender's value; the others the corrupt run's, or with
+        ``mean_of`` (run input ids of one length) their mean over those prompts), [P]
+        (:func:`pipatch._backends._edges.circuit_metrics`). The means of the last ``mean_of``
+        are kept: a faithfulness curve asks for the same ones at every point."""
         check_circuit_family(self.adapter)
+        ablated = None
+        if mean_of is not None:
+            key = tuple(tuple(ids.flatten().tolist()) for ids in mean_of)
+            if self._means is None or self._means[0] != key:
+                self._means = None  # the old means go before the new ones are computed
+                self._means = (key, mean_cache(self._hf, self.adapter, [ids.to(self.device) for ids in mean_of]))
+            ablated = self._means[1]
         return circuit_metrics(self._hf, self.adapter, metric, clean_ids.to(self.device), corrupt_ids.to(self.device),
-                               keep)
+                               keep, ablated)
 
 
 def _cat(parts: list[Any]) -> Any:

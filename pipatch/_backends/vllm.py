@@ -208,7 +208,7 @@ class VLLMBackend(Described):
                            "backend='transformers' (the default) for circuit")
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor) -> torch.Tensor:
+                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         raise PipatchError("a circuit's runs feed each receiver its own input, which pipatch does on the transformers "
                            "backend only: load the model with backend='transformers' (the default) for circuit")
 

@@ -32,6 +32,10 @@ writes of its kept senders in this run, less what they wrote in the corrupt run
 (:func:`pipatch._backends._edges.circuit_metrics`). ``curve`` sizes from none (the corrupt
 run, recovery 0) to every edge (the clean run, 1, where a layer's write is its heads' sum)
 give the curve; the smallest circuit reaching ``share`` (80 %) is then narrowed by bisection.
+``ablation="mean"`` ablates to the mean instead (Wang et al.'s mean ablation): every value the
+corrupt run gave is the average, position by position, over the dataset's prompts, clean and
+corrupt (so they must have one length in tokens); recovery is still read between the clean
+and corrupt metrics, so the empty circuit's point says how much the mean alone keeps.
 
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
@@ -64,6 +68,9 @@ from .patching import pair_inputs
 __all__ = ["plan_circuit", "graph", "METHODS", "DECLARATION"]
 
 METHODS = ("eap-ig", "eap")
+#: What an edge outside a circuit carries: its sender's corrupt value, or its mean over the
+#: dataset's prompts (clean and corrupt), position by position.
+ABLATIONS = ("corrupt", "mean")
 #: The one grid a circuit result holds.
 VIEW = VIEW_EDGES
 
@@ -276,8 +283,10 @@ SIZES_PER_RUN = 4
 
 
 def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, points: int, share: float,
-                  clean_value: float, corrupt_value: float) -> Iterator[dict[str, Any]]:
-    """The circuit of the top-n edges (by |score|), every other edge ablated to its corrupt value:
+                  clean_value: float, corrupt_value: float,
+                  mean_of: list[torch.Tensor] | None = None) -> Iterator[dict[str, Any]]:
+    """The circuit of the top-n edges (by |score|), every other edge ablated to its corrupt value
+    (or to the mean over ``mean_of``, run input ids):
     normalized recovery for ``points`` sizes from 0 to every edge (spaced geometrically), then
     the smallest size reaching ``share``, narrowed by bisection between the curve's points.
     Yields the curve so far after each forward (``size`` is ``None`` until it is known)."""
@@ -295,7 +304,8 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
     def recovery(sizes: list[int]) -> list[float]:
         value = torch.zeros(len(sizes), dtype=torch.float64)
         for pair, _, _ in runs:
-            value += backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks(sizes)).double()
+            value += backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks(sizes),
+                                             mean_of).double()
         mean = value / len(runs)
         return [float((v - corrupt_value) / span) if span else float("nan") for v in mean]
 
@@ -303,7 +313,8 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
 
     def state(size: int | None) -> dict[str, Any]:
         sizes = sorted(curve)
-        return {"sizes": sizes, "recovery": [curve[n] for n in sizes], "share": share, "size": size, "edges": total}
+        return {"sizes": sizes, "recovery": [curve[n] for n in sizes], "share": share, "size": size, "edges": total,
+                "ablation": "mean" if mean_of is not None else "corrupt"}
 
     grid = sorted({0, total, *(round(total ** (i / max(points - 2, 1))) for i in range(max(points - 1, 1)))})
     for lo in range(0, len(grid), SIZES_PER_RUN):
@@ -347,6 +358,18 @@ def _pairs(clean: Any, corrupt: Any, answer: Any, foil: Any) -> list[tuple[str, 
     return list(zip(clean, corrupt, each(answer, "answer"), each(foil, "foil")))
 
 
+def _mean_prompts(pairs: list[Any]) -> list[torch.Tensor]:
+    """Mean ablation's prompts: every pair's clean and corrupt run inputs, which must have one
+    length (the mean is taken position by position)."""
+    prompts = [p.metric.inputs(ids) for p in pairs for ids in (p.clean_ids, p.corrupt_ids)]
+    lengths = sorted({int(ids.shape[1]) for ids in prompts})
+    if len(lengths) > 1:
+        raise PipatchError(f"ablation='mean' averages each position over the dataset, but its prompts run "
+                           f"{lengths[0]} to {lengths[-1]} tokens: pass prompts of one length in tokens "
+                           "(pipatch.tasks.ioi(n, template=0, tokenizer=model.tokenizer)) or ablation='corrupt'")
+    return prompts
+
+
 def plan_circuit(
     backend,
     *,
@@ -359,6 +382,7 @@ def plan_circuit(
     verify: int,
     curve: int,
     share: float,
+    ablation: str,
     metric: str,
     batch_size: int | None,
 ) -> Plan:
@@ -367,12 +391,14 @@ def plan_circuit(
     ``backend`` runs the model; the other parameters are :func:`pipatch.circuit`'s.
     """
     check_choice(method, METHODS, "method")
+    check_choice(ablation, ABLATIONS, "ablation")
     steps = whole_number(steps, "steps (interpolation points of EAP-IG)", minimum=1)
     verify = whole_number(verify, "verify (the edges to check with exact patches)", minimum=0)
     curve = whole_number(curve, "curve (circuit sizes on the faithfulness curve)", minimum=0)
     share = _share(share)
     adapter = backend.adapter
     pairs = [pair_inputs(backend, *one, metric) for one in _pairs(clean, corrupt, answer, foil)]
+    mean_of = _mean_prompts(pairs) if ablation == "mean" and curve else None
     senders, receivers, valid = graph(adapter)
     batch = check_batch_size(batch_size, max(p.clean_ids.shape[1] for p in pairs), backend)
 
@@ -392,11 +418,12 @@ def plan_circuit(
     clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
 
     first = pairs[0]
-    faithful = _faithfulness(backend, runs, scores, valid, curve, share, clean_value, corrupt_value) if curve else None
+    faithful = _faithfulness(backend, runs, scores, valid, curve, share, clean_value, corrupt_value,
+                             mean_of) if curve else None
     meta = model_meta(backend)
     meta.update({
         **first.meta(backend), "site": VIEW, "col_axis": "sender", "direction": "denoise", "method": method,
-        "steps": steps if method == "eap-ig" else 1, "n_pairs": len(pairs),
+        "steps": steps if method == "eap-ig" else 1, "n_pairs": len(pairs), "ablation": ablation,
         "senders": [s.name for s in senders], "receivers": [r.name for r in receivers],
         "corrupt_runs": corrupts, "clean_runs": cleans,
         "estimate": "EAP: (clean − corrupt) sender write · d metric / d receiver input, at the corrupt run"
@@ -453,6 +480,8 @@ DECLARATION = Experiment(
               parse=count),
         Param("curve", 16, "circuit sizes on the faithfulness curve: the top-n edges kept, every other edge given its "
               "corrupt value (0: no curve)", "int", parse=count),
+        Param("ablation", "corrupt", "what an edge outside the circuit carries on the faithfulness curve: corrupt (its "
+              "corrupt value) or mean (its mean over the dataset's prompts, position by position)", "str"),
         Param("share", 0.8, "the share of the clean behaviour (normalized recovery) the smallest circuit reported must "
               "reach", "float", parse=float),
         METRIC, BATCH_SIZE,
