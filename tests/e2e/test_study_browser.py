@@ -114,4 +114,11 @@ def test_study_view_streams_facts_draws_one_on_a_click_stops_and_renders_saved(p
     page.wait_for_selector(".pipatch-mime .pipatch-grid[data-status='stopped']", timeout=90_000)
     copy = saved_copy(grid_cell(page, 1))
     assert copy.is_visible() and "mean over" in copy.locator(".pipatch-title").text_content()
+    # The dead view (the grid and the fact list) above the copy says nothing once the page has
+    # settled: neither "Loading widget..." nor "Error displaying widget".
+    wait_kernel_idle(page)
+    page.wait_for_timeout(2000)
+    for text in ("Loading widget", "Error displaying widget"):
+        dead = grid_cell(page, 1).locator(f"text={text}")
+        assert all(not dead.nth(i).is_visible() for i in range(dead.count())), text
     shot(page, "study-reloaded")
