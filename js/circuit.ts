@@ -152,6 +152,16 @@ export function edgeInfo(s: GridState, e: Edge, rank: number, total: number): st
   return lines;
 }
 
+/** The kernel's exact patch of the clicked edge (`detail.exact`, the mean change of the metric
+ * over `detail.exact_pairs` pairs), as one line; '' while it is not answered. */
+export function clickedExact(s: GridState, sel: Selection): string {
+  const d = s.detail || {};
+  if (d.row !== sel.row || d.col !== sel.col || typeof d.exact !== 'number' || !Number.isFinite(d.exact)) return '';
+  const pairs = d.exact_pairs ?? 1;
+  const over = pairs > 1 ? `, mean over ${pairs} pairs` : '';
+  return `exact patch, run on this click: ${formatValue(d.exact, 4)} (change of ${s.metric || 'metric'}${over}); top-5 of the first pair below`;
+}
+
 /** The status line: status, edges, checks and their agreement, time. */
 export function circuitStatus(s: GridState, total: number): string {
   const c = s.circuit ?? {};
@@ -516,13 +526,16 @@ export class CircuitView implements StateView {
   private renderDetail(s: GridState): void {
     const sel = this.ui.selected as Partial<Selection>;
     if (typeof sel.row !== 'number' || typeof sel.col !== 'number') {
-      this.detailEl.replaceChildren(h('div', 'pipatch-detail-hint', this.cb.live ? 'Click an edge to patch it exactly and see the patched run’s top-5 next tokens.' : ''));
+      this.detailEl.replaceChildren(h('div', 'pipatch-detail-hint', this.cb.live ? 'Click an edge to patch it exactly: its change of the metric over every pair, and the patched run’s top-5 next tokens.' : ''));
       return;
     }
     const i = this.rank.get(sel.row * s.col_labels.length + sel.col);
     const e = i === undefined ? null : this.edges[i];
     const head = e ? edgeInfo(s, e, i!, this.edges.length) : [`${s.col_labels[sel.col] ?? sel.col} → ${s.row_labels[sel.row] ?? sel.row}`];
-    this.detailEl.replaceChildren(h('div', 'pipatch-detail-head', head.join(' · ')), ...detailBody(s, sel as Selection, !!this.cb.live));
+    const kids = [h('div', 'pipatch-detail-head', head.join(' · '))];
+    const ran = clickedExact(s, sel as Selection);
+    if (ran) kids.push(h('div', 'pipatch-detail-exact', ran));
+    this.detailEl.replaceChildren(...kids, ...detailBody(s, sel as Selection, !!this.cb.live));
   }
 
   /** The graph as a standalone SVG document (what the SVG button saves). */

@@ -59,6 +59,8 @@ export const DETAIL_SCHEMA = {
   raw: 'float?',
   top: 'top[]',
   error: 'str',
+  exact: 'float?', // a circuit: the clicked edge's exact change over exact_pairs pairs
+  exact_pairs: 'int',
 } as const;
 export const TOP_SCHEMA = { token: 'str', prob: 'float?' } as const;
 

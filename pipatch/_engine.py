@@ -274,10 +274,12 @@ class Predictor:
     This is what a click on a grid cell shows: the cell's run repeated with full logits.
     """
 
-    def __init__(self, backend: Any, sweeps: dict[str, Sweep], locate: Callable | None = None):
+    def __init__(self, backend: Any, sweeps: dict[str, Sweep], locate: Callable | None = None,
+                 measure: Callable | None = None):
         self.backend = backend
         self.sweeps = sweeps
         self._locate = locate
+        self._measure = measure  # (predictor, view, row, col) -> more of the click's answer
 
     def __call__(self, view: str, row: int, col: int, seed: int = 0, k: int = 5) -> list[tuple[str, float]]:
         sweep, cell = self.locate(view, row, col, seed)
@@ -285,6 +287,15 @@ class Predictor:
         probs = logits.float().softmax(-1)[0]
         best = probs.topk(k)
         return list(zip(self.backend.decode(best.indices.tolist()), best.values.tolist()))
+
+    def measured(self, view: str, row: int, col: int) -> dict[str, Any]:
+        """What a plan adds to a click's answer beyond the top tokens (a circuit: the clicked
+        edge's exact patch over every pair), ``{}`` for most."""
+        return self._measure(self, view, row, col) if self._measure is not None else {}
+
+    def values(self, runs: list[tuple[Sweep, Cell]]) -> list[float]:
+        """The metric of each ``(sweep, cell)``'s patched run, one run (two for a two-stage cell) each."""
+        return [float(_run_batch(self.backend, sweep, [cell], fast=False)[0]) for sweep, cell in runs]
 
     def locate(self, view: str, row: int, col: int, seed: int) -> tuple[Sweep, Cell]:
         """The sweep and cell behind grid cell ``(view, row, col, seed)``."""

@@ -95,7 +95,9 @@ def answer_selection(predictor: Predictor | None, result: Any, selection: dict) 
     ``selection`` is the widget's ``selected`` trait, ``{view, seed, row, col}`` (``seed`` −1
     for the mean over seeds, whose top-5 is seed 0's run). ``predictor`` is the plan's
     (``None`` for a result without one). Returns ``{view, seed, row, col, value, raw, top:
-    [{token, prob}]}``, plus ``error`` when the top-5 cannot be computed.
+    [{token, prob}]}`` and what the plan measures besides (:meth:`Predictor.measured`: a
+    circuit's ``exact`` change over ``exact_pairs`` pairs), plus ``error`` when the top-5
+    cannot be computed.
     """
     view = str(selection.get("view") or result.views[0])
     try:  # the browser's numbers; a malformed click is answered with an error, never raised in its thread
@@ -122,6 +124,9 @@ def answer_selection(predictor: Predictor | None, result: Any, selection: dict) 
                                    "(not available for a loaded result)"}
     try:
         top = predictor(view, row, col, max(seed, 0), TOP_K)
+        measured = getattr(predictor, "measured", None)  # a plain callable answers the top-5 only
+        if measured is not None:
+            detail.update(measured(view, row, col))
     except Exception as error:  # noqa: BLE001 - a failed click must not end a running sweep
         return {**detail, "error": f"{type(error).__name__}: {error}"}
     detail["top"] = [{"token": token, "prob": _finite(prob)} for token, prob in top]

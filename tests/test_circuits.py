@@ -245,6 +245,31 @@ def test_a_mean_ablated_curve_starts_at_the_means_recovery():
         pipatch.circuit(model, **PAIR, ablation="zero")
 
 
+def test_a_click_on_an_edge_runs_its_exact_patch_over_every_pair():
+    """What the view's click asks the kernel (answer_selection): the edge's exact change, the
+    mean over the pairs, equal to the same edge's check; an unchecked edge is measured too."""
+    from pipatch._api import plan
+    from pipatch._live import answer_selection
+
+    dataset = {key: [PAIR[key], PAIR2[key]] for key in PAIR}
+    circuit = plan("circuit", tiny_model("llama"), **dataset, verify=3, curve=0)
+    result = circuit.run()
+    predictor = circuit.predictor()
+    rows, cols = result.meta["receivers"], result.meta["senders"]
+    for check in result.meta["checked"]:
+        where = {"view": "edges", "seed": -1, "row": rows.index(check["receiver"]), "col": cols.index(check["sender"])}
+        detail = answer_selection(predictor, result, where)
+        assert "error" not in detail and len(detail["top"]) == 5
+        assert detail["exact_pairs"] == 2 and detail["exact"] == pytest.approx(check["exact"], abs=1e-6)
+    table = result.edges()
+    unchecked = table[table["exact"].isna()].iloc[0]
+    where = {"view": "edges", "seed": -1, "row": rows.index(unchecked.receiver), "col": cols.index(unchecked.sender)}
+    detail = answer_selection(predictor, result, where)
+    assert math.isfinite(detail["exact"]) and "error" not in detail
+    where = {"view": "edges", "seed": -1, "row": rows.index("0.0.q"), "col": cols.index("mlp1")}
+    assert "no edge from mlp1" in answer_selection(predictor, result, where)["error"]
+
+
 def test_the_faithfulness_curve():
     result = pipatch.circuit(tiny_model("llama"), **PAIR, verify=0, curve=8, share=0.8)
     f = result.meta["faithfulness"]

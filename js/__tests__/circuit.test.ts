@@ -258,9 +258,11 @@ describe('CircuitView (DOM)', () => {
     expect(el.querySelector('.pipatch-detail-hint')!.textContent).toContain('asking the kernel');
     expect(el.querySelector('.pipatch-edge-selected')).not.toBeNull();
     // The kernel's answer, as for a grid cell: the patched run's top-5.
-    const answered = { ...s, detail: { view: 'edges', seed: -1, row: edges[0].row, col: edges[0].col, top: [{ token: '<b>x</b>', prob: 0.5 }] } };
+    const answered = { ...s, detail: { view: 'edges', seed: -1, row: edges[0].row, col: edges[0].col, top: [{ token: '<b>x</b>', prob: 0.5 }], exact: 1.25, exact_pairs: 3 } };
     view.update(answered);
     expect(el.querySelector('.pipatch-top-token')!.textContent).toBe('<b>x</b>');
+    expect(el.querySelector('.pipatch-detail-exact')!.textContent).toContain('1.25');
+    expect(el.querySelector('.pipatch-detail-exact')!.textContent).toContain('mean over 3 pairs');
     expect(el.querySelector('.pipatch-detail-head')!.textContent).toContain('estimate: ');
     view.destroy();
   });

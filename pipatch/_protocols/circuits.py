@@ -204,23 +204,31 @@ class _CircuitPlan(Plan):
     """The exact patches run like any sweep; their means and agreement are summarised at the end.
     A click on grid cell (receiver, sender) runs that edge's exact patch on the first pair."""
 
-    def __init__(self, *args: Any, click: _EdgeSweep, senders: list[Node], receivers: list[Node],
+    def __init__(self, *args: Any, clicks: list[_EdgeSweep], senders: list[Node], receivers: list[Node],
                  valid: torch.Tensor, curve: Iterator[dict[str, Any]] | None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._click, self._senders, self._receivers, self._valid = click, senders, receivers, valid
+        self._clicks, self._senders, self._receivers, self._valid = clicks, senders, receivers, valid
         self._curve = curve
 
     def predictor(self) -> Predictor:
-        click, senders, receivers, valid = self._click, self._senders, self._receivers, self._valid
+        """A click on (receiver, sender): that edge's exact patch, its top tokens on the first
+        pair and its change of the metric over every pair (``exact``, as a checked edge's)."""
+        clicks, senders, receivers, valid = self._clicks, self._senders, self._receivers, self._valid
+        corrupt = self.result.meta["corrupt_runs"]
 
-        def locate(view: str, row: int, col: int, seed: int) -> tuple[Sweep, Cell]:
+        def one(pair: int, row: int, col: int) -> tuple[Sweep, Cell]:
             if not valid[row, col]:
                 raise PipatchError(f"there is no edge from {senders[col].name} to {receivers[row].name}: a receiver "
                                    "reads only what is written before it")
-            sweep = replace(click, edges=[(senders[col], receivers[row])], n_rows=1)
+            sweep = replace(clicks[pair], edges=[(senders[col], receivers[row])], n_rows=1)
             return sweep, sweep.cell(0, 0, 0)
 
-        return Predictor(self.backend, {}, locate)
+        def measure(predictor: Predictor, view: str, row: int, col: int) -> dict[str, Any]:
+            values = predictor.values([one(pair, row, col) for pair in range(len(clicks))])
+            change = sum(v - c for v, c in zip(values, corrupt)) / len(values)
+            return {"exact": change, "exact_pairs": len(values)}
+
+        return Predictor(self.backend, {}, lambda view, row, col, seed: one(0, row, col), measure)
 
     def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
         """The exact patches (the engine's rows), then the faithfulness curve, a forward at a
@@ -445,15 +453,12 @@ def plan_circuit(
     meta["checked"] = [{"sender": s.name, "receiver": r.name, "estimate": float(scores[receivers.index(r),
                         senders.index(s)]), "exact": None, "exact_runs": [None] * len(pairs)} for r, s in chosen]
     edges = [(s, r) for r, s in chosen]
-    sweeps: list[Sweep] = [
-        _EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=len(edges),
-                   n_cols=1, adapter=adapter, donor=clean_run, edges=edges, pair=i)
-        for i, (pair, clean_run, corrupt_run) in enumerate(runs)
-    ] if edges else []
-    pair, clean_run, corrupt_run = runs[0]
-    click = _EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=0, n_cols=1,
-                       adapter=adapter, donor=clean_run, edges=[], pair=0)
-    return _CircuitPlan(backend, result, sweeps, batch, True, click=click, senders=senders, receivers=receivers,
+    # One sweep per pair: a click's (no rows: it patches the edge clicked), and the checks'.
+    clicks = [_EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=0, n_cols=1,
+                         adapter=adapter, donor=clean_run, edges=[], pair=i)
+              for i, (pair, clean_run, corrupt_run) in enumerate(runs)]
+    sweeps: list[Sweep] = [replace(click, edges=edges, n_rows=len(edges)) for click in clicks] if edges else []
+    return _CircuitPlan(backend, result, sweeps, batch, True, clicks=clicks, senders=senders, receivers=receivers,
                         valid=valid, curve=faithful)
 
 

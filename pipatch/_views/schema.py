@@ -82,6 +82,7 @@ STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 DETAIL_SCHEMA: dict[str, str] = {
     "view": "str", "seed": "int", "row": "int", "col": "int", "value": "float?", "raw": "float?",
     "top": "top[]", "error": "str",
+    "exact": "float?", "exact_pairs": "int",  # a circuit: the clicked edge's exact change over exact_pairs pairs
 }  # fmt: skip
 TOP_SCHEMA: dict[str, str] = {"token": "str", "prob": "float?"}
 

@@ -7,8 +7,8 @@ One notebook:
    so the live run below stays live, clickable, after it ends);
 2. ``PatchGrid.run(model, "circuit", ..., verify=10)``: the live view draws the graph (the top
    50 edges of all of them), the slider changes how many are drawn, hovering an edge shows its
-   estimate and exact change, a click on it gets its exact edge patch's top-5 from the kernel,
-   the SVG button saves the graph as drawn, and the faithfulness curve is drawn beside it;
+   estimate and exact change, a click on it gets its exact edge patch (the change over every
+   pair, the top-5) from the kernel, the SVG button saves the graph as drawn, and the faithfulness curve is drawn beside it;
 3. the kernel's own numbers for the same edge: the ranking (``Result.graph``), the exact
    change and the top-5 of the edge's exact patch (the plan's predictor), printed as JSON;
 
@@ -163,6 +163,9 @@ def test_circuit_graph_draws_filters_hovers_clicks_and_renders_saved(page, lab_s
     assert [t.strip() for t in tokens.all_text_contents()] == [t.strip() for t in kernel["tokens"]]
     head = view.locator(".pipatch-detail-head").text_content()
     assert f"{top['sender']} → {top['receiver']}" in head and f"exact patch: {_shown(top['exact'])}" in head
+    # The click ran the edge's exact patch over every pair: the same change as its check.
+    ran = view.locator(".pipatch-detail-exact").text_content()
+    assert f"run on this click: {_shown(top['exact'])}" in ran
     assert view.locator("g.pipatch-edge-selected").get_attribute("data-row") == str(kernel["row"])
     assert view.locator("g.pipatch-edge-selected").get_attribute("data-col") == str(kernel["col"])
     shot(page, "circuit-click")
