@@ -88,9 +88,9 @@ def test_capture_equals_transformers(vllm_model, model):
     assert want.prob is None
     prob_v = plan_patch(vllm_model, **PAIR, site="resid", positions=[-1], metric="prob").sweeps[0].base.capture
     prob_t = plan_patch(model, **PAIR, site="resid", positions=[-1], metric="prob").sweeps[0].base.capture
-    assert_close(prob_v.metric, prob_t.metric, 1e-5)
-    assert_close(prob_v.prob, prob_t.prob, 1e-5)
-    assert_close(got.embedded, want.embedded, 1e-5)
+    assert_close(prob_v.metric, prob_t.metric, 1e-5, rtol=0)
+    assert_close(prob_v.prob, prob_t.prob, 1e-5, rtol=0)
+    assert_close(got.embedded, want.embedded, 1e-5, rtol=0)
     for name in ("resid", "head"):
         for layer in range(18):
             # Gemma 3's residual stream reaches ±350: float32 rounding, relative to the largest value.
@@ -140,7 +140,7 @@ def test_three_seed_trace_equals_transformers(vllm_model, model):
           f"max |Δ| {float((got.raw['resid'] - want.raw['resid']).abs().max()):.2g}")
     assert got.meta["sigma"] == pytest.approx(want.meta["sigma"], rel=1e-5)
     assert got.meta["scale"] == want.meta["scale"]
-    assert_close(torch.tensor(got.meta["corrupt_prob"]), torch.tensor(want.meta["corrupt_prob"]), 1e-5)
+    assert_close(torch.tensor(got.meta["corrupt_prob"]), torch.tensor(want.meta["corrupt_prob"]), 1e-5, rtol=0)
     assert_same(got, want)
     assert_close(got.grid, want.grid)
 
@@ -180,11 +180,11 @@ def test_the_logit_lens_equals_the_hand_reference(vllm_model, model):
     want = reference_lens(model, EIFFEL, " Paris")
     print(f"lens: max |Δ| vs the reference {float((got.grid - want).abs().max()):.2g}")
     assert got.meta["backend"] == "vllm" and got.kind == "lens"
-    assert_close(got.grid, want, atol=1e-5)  # measured 2.4e-6
+    assert_close(got.grid, want, atol=1e-5, rtol=0)  # measured 2.4e-6
     assert torch.equal(got.grid, pipatch.lens(vllm_model, EIFFEL, answer=" Paris", fast=False).grid)
     assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"))
     two = pipatch.lens(vllm_model, "The Statue of Liberty is in the city of", answer=" New York")
-    assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=1e-5)
+    assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=1e-5, rtol=0)
     from tests.test_lens import assert_ranks_close
 
     rank = pipatch.lens(vllm_model, EIFFEL, answer=" Paris", metric="rank")
@@ -225,7 +225,7 @@ def test_an_interrupt_keeps_the_rows_and_the_engine_keeps_working(vllm_model):
     assert r.status == "interrupted"
     done = r.rows_done["resid"]
     assert 4 <= done < 18
-    assert_close(r.raw["resid"][:, :done], reference.raw["resid"][:, :done], 0.0)
+    assert_close(r.raw["resid"][:, :done], reference.raw["resid"][:, :done], 0.0, rtol=0)
     engine = vllm_model.vllm_entrypoint.llm_engine
     assert not engine.has_unfinished_requests()
     again = pipatch.patch(vllm_model, **kwargs)
