@@ -16,6 +16,11 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   dropped before each request is built (builds run one at a time, with no ``await``).
 * **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
   engine and its worker processes (the stock server leaves them running, ~6 GB).
+* **Saves kept apart per invoke.** nnsight's ``/v1/nnsight/generate`` merges the saves of a
+  trace's invokes by name, so a name saved in every invoke comes back holding the last one's
+  value. ``POST /v1/pipatch/generate`` runs the same handler, but each invoke's saves come
+  back under their own keys (``name@request-id``, in invoke order): a client sends a batch of
+  cells as one trace of several invokes (:func:`_saves_per_invoke`).
 * **Who may send code.** Requests carry code the server runs: the server listens on the
   loopback only, unless ``--host`` comes with ``--api-key``.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
@@ -34,10 +39,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "Spawned", "INFO_PATH", "LOOPBACK"]
+__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "LOOPBACK"]
 
 #: Where a client asks the server what it serves.
 INFO_PATH = "/v1/pipatch/info"
+#: Where a client sends a trace whose invokes' saves it wants back one by one.
+GENERATE_PATH = "/v1/pipatch/generate"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -143,6 +150,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         return info
 
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
+    _saves_per_invoke(server)
     if args.api_key:
         _add_api_key_middleware(server.app, args.api_key)
 
@@ -179,6 +187,40 @@ def _fresh_sources_per_request(server: Any) -> None:
         return build(body, compress)
 
     server._build_tracer = build_fresh
+
+
+def _saves_per_invoke(server: Any) -> None:
+    """Add :data:`GENERATE_PATH`: nnsight's generate handler, with each invoke's saves renamed
+    ``name@request-id`` as its request is collected, so the handler's merge keeps them all.
+
+    The handler collects every invoke's request through the module's ``acollect`` and merges
+    the saves in invoke order; the rename happens only inside this route (a context variable
+    the handler's tasks inherit), so nnsight's own route answers nnsight clients unchanged.
+    """
+    import contextvars
+
+    from fastapi import Request
+
+    apart = contextvars.ContextVar("pipatch_saves_apart", default=False)
+    collect = server.acollect
+
+    async def collect_apart(engine: Any, request_id: str, *args: Any) -> Any:
+        entry = await collect(engine, request_id, *args)
+        if entry is not None and apart.get():
+            entry = {**entry, "saves": {f"{name}@{request_id}": value for name, value in entry["saves"].items()}}
+        return entry
+
+    async def generate(request: Request) -> Any:
+        token = apart.set(True)
+        try:
+            return await server.generate(request)
+        finally:
+            apart.reset(token)
+
+    generate.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
+
+    server.acollect = collect_apart
+    server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
 
 
 def _version(package: str) -> str:
