@@ -176,7 +176,15 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
 
 def _fresh_sources_per_request(server: Any) -> None:
-    """Drop nnsight's per-file source and ``with``-block memos before each request is built."""
+    """Drop nnsight's per-file source and ``with``-block memos, and the last request's shared
+    invoke scope, before each request is built.
+
+    The scope: a trace of several invokes registers its frame in nnsight's thread-local
+    ``shared_locals`` store, which ``execute`` clears when a trace ends; the server calls only
+    ``prepare``, so without this every multi-invoke request's frame (its body, its rebuilt
+    tracer: ~1.6 MB) stayed alive (measured: +0.1 GB per 60 requests of 16 invokes, flat after).
+    """
+    from nnsight.intervention.util import clear_shared_locals
     from nnsight.tracing import globals as memos
 
     build = server._build_tracer
@@ -184,6 +192,7 @@ def _fresh_sources_per_request(server: Any) -> None:
     def build_fresh(body: bytes, compress: bool) -> Any:
         memos.SOURCES.clear()
         memos.BLOCKS.clear()
+        clear_shared_locals()
         return build(body, compress)
 
     server._build_tracer = build_fresh
