@@ -223,7 +223,7 @@ class ServedBackend(VLLMBackend):
         outs: list[Any] = []
         for part, saves in zip(parts, self.server.generate_all(blobs)):
             if len(saves) != len(part):
-                raise PipatchError(f"the server sent back {len(saves)} values for {len(part)} requests: it is not "
+                raise PipatchError(f"the server sent back {len(saves)} values for {len(part)} invokes: it is not "
                                    "a pipatch server of this version; restart it with this pipatch's `pipatch serve`")
             outs += saves.values()
         return outs

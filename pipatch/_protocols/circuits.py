@@ -200,6 +200,12 @@ class _EdgeSweep(Sweep):
         return site, index, others
 
 
+def _mean_change(values: list[float], corrupt: list[float]) -> float:
+    """An edge's exact value: each pair's patched metric minus that pair's corrupt one, averaged
+    over the pairs (what a checked edge stores, and what a click shows)."""
+    return sum(v - c for v, c in zip(values, corrupt)) / len(values)
+
+
 class _CircuitPlan(Plan):
     """The exact patches run like any sweep; their means and agreement are summarised at the end.
     A click on grid cell (receiver, sender) runs that edge's exact patch on the first pair."""
@@ -225,8 +231,7 @@ class _CircuitPlan(Plan):
 
         def measure(predictor: Predictor, view: str, row: int, col: int) -> dict[str, Any]:
             values = predictor.values([one(pair, row, col) for pair in range(len(clicks))])
-            change = sum(v - c for v, c in zip(values, corrupt)) / len(values)
-            return {"exact": change, "exact_pairs": len(values)}
+            return {"exact": _mean_change(values, corrupt), "exact_pairs": len(values)}
 
         return Predictor(self.backend, {}, lambda view, row, col, seed: one(0, row, col), measure)
 
@@ -256,8 +261,7 @@ class _CircuitPlan(Plan):
         corrupt = result.meta["corrupt_runs"]
         for entry in checked:
             runs = entry["exact_runs"]
-            done = [value - corrupt[i] for i, value in enumerate(runs) if value is not None]
-            entry["exact"] = sum(done) / len(done) if len(done) == len(runs) else None
+            entry["exact"] = _mean_change(runs, corrupt) if None not in runs else None
         rows = [e for e in checked if e["exact"] is not None]
         if len(rows) >= 2:
             estimates = torch.tensor([e["estimate"] for e in rows], dtype=torch.float64)
