@@ -71,9 +71,9 @@ def main() -> int:
         sent: list[int] = []
         send = Server.generate
 
-        def counted(self, blob):
+        def counted(self, blob, *args):
             sent.append(len(blob))
-            return send(self, blob)
+            return send(self, blob, *args)
 
         Server.generate = counted
         try:

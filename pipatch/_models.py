@@ -157,6 +157,12 @@ def _check_backend(backend: Any) -> str:
 VLLM_DEFAULTS: dict[str, Any] = {"max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
 
 
+#: The persistent id under which pipatch's requests name the model's envoy tree instead of
+#: pickling it into every invoke: each vLLM worker resolves it to its own tree
+#: (:func:`pipatch._backends.vllm.tree_by_reference`; a ``pipatch serve`` server to its model).
+TREE_ID = "pipatch:model"
+
+
 def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
                engine_args: dict[str, Any] | None = None, mode: str = "sync", dispatch: bool = True) -> Any:
     """nnsight's ``VLLM`` for ``name`` (``None``: the embedded model): the one place pipatch

@@ -21,6 +21,12 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   value. ``POST /v1/pipatch/generate`` runs the same handler, but each invoke's saves come
   back under their own keys (``name@request-id``, in invoke order): a client sends a batch of
   cells as one trace of several invokes (:func:`_saves_per_invoke`).
+* **One skip at a time.** A client's batch skips the blocks below its patches, and nnsight's
+  batched skip has to cover every request of an engine step: requests enter the engine
+  together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
+* **The tree by name.** On pipatch's CPU workers, a request names the model's envoy tree
+  (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke,
+  here and on the way to the engine (:func:`_tree_by_reference`).
 * **Who may send code.** Requests carry code the server runs: the server listens on the
   loopback only, unless ``--host`` comes with ``--api-key``.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
@@ -33,18 +39,22 @@ accepts requests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "LOOPBACK"]
+__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK"]
 
 #: Where a client asks the server what it serves.
 INFO_PATH = "/v1/pipatch/info"
 #: Where a client sends a trace whose invokes' saves it wants back one by one.
 GENERATE_PATH = "/v1/pipatch/generate"
+#: The header a request names, by their count, the blocks its invokes skip with (0: none;
+#: :class:`_Rooms`).
+SKIP_HEADER = "X-Pipatch-Skip"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -145,12 +155,19 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
         "pipatch": _version("pipatch"), "nnsight": _version("nnsight"), "vllm": _version("vllm"),
     }
+    # pipatch's CPU workers name their tree (pipatch._vllm_cpu_worker); nnsight's CUDA worker
+    # does not, and an engine in another process takes no function to run on its workers.
+    info["tree_by_reference"] = info["device"] == "cpu"
+    if info["tree_by_reference"]:
+        _tree_by_reference(server, model)
 
     async def describe() -> dict[str, Any]:
         return info
 
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
     _saves_per_invoke(server)
+    _one_skip_at_a_time(server)
+    info["skip_rooms"] = True
     if args.api_key:
         _add_api_key_middleware(server.app, args.api_key)
 
@@ -173,6 +190,22 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         model.vllm_entrypoint.shutdown()  # the engine core and its workers: no orphans
         print("pipatch serve: stopped", flush=True)
     return 0
+
+
+def _tree_by_reference(server: Any, model: Any) -> None:
+    """Name the model's envoy tree by one id everywhere a request is pickled or unpickled.
+
+    A client's request carries its module tree by value unless it names it (a client of a
+    server whose info says ``tree_by_reference``, :func:`~pipatch._backends.vllm.tree_by_reference`);
+    here the id resolves to this server's model, which is tagged with it for good (it serves
+    only requests), so each invoke goes on to the engine naming it too, and each worker
+    resolves it to its own tree (pipatch's CPU runner names it when it loads the model:
+    :class:`~pipatch._vllm_cpu_worker.NNsightCPUModelRunner`). Without it every invoke of
+    every request pickled the 264-envoy tree twice more."""
+    from ._models import TREE_ID
+
+    server._persistent_objects[TREE_ID] = model
+    model.__dict__["_persistent_id"] = TREE_ID
 
 
 def _fresh_sources_per_request(server: Any) -> None:
@@ -230,6 +263,63 @@ def _saves_per_invoke(server: Any) -> None:
 
     server.acollect = collect_apart
     server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
+
+
+class _Rooms:
+    """Admits requests to the engine so that those in it at once all skip the same blocks.
+
+    A client's batch skips the blocks below its cells (nnsight's ``.skip()``, the vLLM
+    backend's shortcut), and nnsight's batched skip has to cover every request of the
+    engine's step; the engine puts whatever requests it holds into a step. So a request that
+    skips ``depth`` blocks (:data:`SKIP_HEADER`) waits until the engine holds none with
+    another depth. First come, first served: a request enters when it is at the head of the
+    line and the room is empty or holds its depth, so a stream of one depth cannot keep
+    another out. Requests of one depth (any number of clients) still share steps.
+    """
+
+    def __init__(self) -> None:
+        import asyncio
+        import collections
+
+        self._changed = asyncio.Condition()
+        self._line: collections.deque = collections.deque()
+        self._depth, self._inside = 0, 0
+
+    @contextlib.asynccontextmanager
+    async def room(self, depth: int):
+        ticket = object()
+        async with self._changed:
+            self._line.append(ticket)
+            await self._changed.wait_for(
+                lambda: self._line[0] is ticket and (self._inside == 0 or self._depth == depth))
+            self._line.popleft()
+            self._depth, self._inside = depth, self._inside + 1
+            self._changed.notify_all()  # the next in line may share the room
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._inside -= 1
+                self._changed.notify_all()
+
+
+def _one_skip_at_a_time(server: Any) -> None:
+    """Every generate request, pipatch's and nnsight's own, through :class:`_Rooms` by the
+    number of blocks it skips (nnsight's requests skip none)."""
+    rooms = _Rooms()
+    paths = {GENERATE_PATH, "/v1/nnsight/generate"}
+
+    async def by_depth(request: Any, call_next: Any) -> Any:
+        if request.method != "POST" or request.url.path not in paths:
+            return await call_next(request)
+        try:
+            depth = max(int(request.headers.get(SKIP_HEADER, "0")), 0)
+        except ValueError:
+            depth = 0
+        async with rooms.room(depth):
+            return await call_next(request)  # the whole answer: its requests have finished
+
+    server.app.middleware("http")(by_depth)
 
 
 def _version(package: str) -> str:

@@ -38,7 +38,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerator_to_noop
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-__all__ = ["NNsightCPUModelRunner", "NNsightCPUWorker", "WORKER_CLS"]
+__all__ = ["NNsightCPUModelRunner", "NNsightCPUWorker", "TREE_ID", "WORKER_CLS"]
 
 #: The value for ``nnsight.modeling.vllm.VLLM._WORKER_CLS``.
 WORKER_CLS = f"{__name__}.NNsightCPUWorker"
@@ -49,12 +49,24 @@ WORKER_CLS = f"{__name__}.NNsightCPUWorker"
 _set_torch_accelerator_to_noop()
 
 
+#: The persistent id under which a request may name this worker's model tree instead of
+#: carrying it (``pipatch._models.TREE_ID``, the same string).
+TREE_ID = "pipatch:model"
+
+
 class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """nnsight's runner (interleaving, request bookkeeping) over vLLM's CPU runner.
 
     MRO: NNsightGPUModelRunner → CPUModelRunner → GPUModelRunner, so every ``super()`` call
     in nnsight's runner reaches the CPU runner's device handling first.
     """
+
+    def load_model(self, *args, **kwargs) -> None:
+        """nnsight's load, and the model tree named among the persistent objects requests
+        are unpickled with (:data:`TREE_ID`): a request that names the tree, rather than
+        pickling its 264 envoys (Gemma 3 270M) into every invoke, finds this one."""
+        super().load_model(*args, **kwargs)
+        self.nnsight_persistent_objects[TREE_ID] = self.nnsight_model
 
 
 class NNsightCPUWorker(NNsightGPUWorker, CPUWorker):

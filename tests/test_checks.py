@@ -182,3 +182,36 @@ def test_serve_hands_unknown_flags_and_their_values_to_the_engine():
     assert engine == ["--tensor-parallel-size", "2"]
     ours, engine = _split_engine_words(parser, ["gpt2", "--max-model-len=512", "--dtype", "bfloat16"])
     assert parser.parse_args(ours).model == "gpt2" and engine == ["--max-model-len=512"]
+
+
+def test_serve_admits_one_skip_at_a_time_first_come_first_served():
+    """pipatch serve's rooms: requests that skip as many blocks share the engine; another
+    depth waits until they have finished; a later request of the first depth waits behind
+    it (no stream of one depth keeps another out)."""
+    import asyncio
+
+    from pipatch._serve import _Rooms
+
+    async def scenario() -> tuple[list[str], int]:
+        rooms, entered, inside = _Rooms(), [], {}
+        most = 0
+
+        async def request(name: str, depth: int, hold: float) -> None:
+            nonlocal most
+            async with rooms.room(depth):
+                inside[name] = depth
+                assert len(set(inside.values())) == 1, inside  # one depth in the engine at a time
+                most = max(most, len(inside))
+                entered.append(name)
+                await asyncio.sleep(hold)
+                del inside[name]
+
+        tasks = []
+        for name, depth, hold in [("a", 3, 0.05), ("b", 3, 0.05), ("c", 0, 0.01), ("d", 3, 0.01)]:
+            tasks.append(asyncio.create_task(request(name, depth, hold)))
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*tasks)
+        return entered, most
+
+    entered, most = asyncio.run(scenario())
+    assert entered == ["a", "b", "c", "d"] and most == 2  # a and b together; c alone; d after c

@@ -210,7 +210,10 @@ def test_a_timeout_fails_the_batch_in_one_line_and_keeps_the_rows(served):
     assert "did not answer within" in message and "\n" not in message
     partial = error.value.partial
     assert partial.status == "failed" and partial.rows_done["resid"] == 2
-    assert torch.isfinite(partial.raw["resid"][:, :2]).all() and partial.raw["resid"][:, 2:].isnan().all()
+    done = list(partial.finished_rows("resid"))  # rows run from the last layer down
+    assert done == sorted(rows[:2]) == [16, 17]
+    left = [layer for layer in range(18) if layer not in done]
+    assert torch.isfinite(partial.raw["resid"][:, done]).all() and partial.raw["resid"][:, left].isnan().all()
     assert pipatch.patch(served, **PAIR, site="resid", positions=[-1]).status == "done"
 
 
@@ -220,17 +223,21 @@ def test_stop_and_interrupt_keep_the_finished_rows(served):
     rows: list[int] = []
     stopped = pipatch.patch(served, **kwargs, stop=lambda: len(rows) >= 3, on_row=lambda r, v, layer: rows.append(layer))
     assert stopped.status == "stopped" and stopped.rows_done["resid"] == 3
-    assert torch.equal(stopped.raw["resid"][:, :3], reference.raw["resid"][:, :3])
+    done = list(stopped.finished_rows("resid"))  # rows run from the last layer down
+    assert done == sorted(rows) == [15, 16, 17]
+    assert torch.equal(stopped.raw["resid"][:, done], reference.raw["resid"][:, done])
     main = threading.main_thread().ident
+    seen: list[int] = []
 
     def on_row(result, view, layer):
-        if layer == 3:
+        seen.append(layer)
+        if len(seen) == 4:
             threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
 
     interrupted = pipatch.patch(served, **kwargs, on_row=on_row)
-    done = interrupted.rows_done["resid"]
-    assert interrupted.status == "interrupted" and 4 <= done < 18
-    assert torch.equal(interrupted.raw["resid"][:, :done], reference.raw["resid"][:, :done])
+    done = list(interrupted.finished_rows("resid"))
+    assert interrupted.status == "interrupted" and 4 <= len(done) < 18
+    assert torch.equal(interrupted.raw["resid"][:, done], reference.raw["resid"][:, done])
     again = pipatch.patch(served, **kwargs)
     assert torch.equal(again.raw["resid"], reference.raw["resid"])
 

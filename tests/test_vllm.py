@@ -100,6 +100,79 @@ def test_capture_equals_transformers(vllm_model, model):
 
 
 # --------------------------------------------------------------------------------------------
+# What a sweep runs: blocks below a patch skipped, the tree shipped by reference
+# --------------------------------------------------------------------------------------------
+
+#: MLP forward calls seen in the engine's worker, by layer (:func:`_count_mlp_calls`).
+_MLP_CALLS: dict[int, int] = {}
+
+
+def _count_mlp_calls(worker, layers, on):
+    """Run in the engine's worker (``collective_rpc``; in this process): count the forward
+    calls of ``layers``' MLPs (a skipped block never calls its MLP), or stop counting."""
+    mlps = [worker.model_runner.get_model().model.layers[i].mlp for i in layers]
+    for mlp in mlps:
+        for handle in getattr(mlp, "_pipatch_test_hooks", []):
+            handle.remove()
+        mlp._pipatch_test_hooks = []
+    if on:
+        _MLP_CALLS.clear()
+        for i, mlp in zip(layers, mlps):
+            _MLP_CALLS[i] = 0
+            mlp._pipatch_test_hooks = [mlp.register_forward_hook(
+                lambda *_, i=i: _MLP_CALLS.__setitem__(i, _MLP_CALLS[i] + 1))]
+
+
+def _mlp_calls(vllm_model, run):
+    rpc = vllm_model.vllm_entrypoint.collective_rpc
+    rpc(_count_mlp_calls, args=([0, 16], True))
+    try:
+        result = run()
+    finally:
+        rpc(_count_mlp_calls, args=([0, 16], False))
+    return result, dict(_MLP_CALLS)
+
+
+def test_blocks_below_a_patch_do_not_run(vllm_model, model):
+    """A resid grid's row at layer l skips blocks 0 … l (the base run's states go in). Block 0
+    runs in three engine steps: the clean and corrupt runs, and the last row's head-only
+    request (one token); block 16 in those and in the two traces of rows 16 … 0 (the rows
+    join: each trace from its lowest row). With the skip off every trace runs both; the
+    numbers are the same."""
+    backend = backend_for(vllm_model)
+    kwargs = {**PAIR, "site": "resid", "positions": [4, -1]}
+    skipped, calls = _mlp_calls(vllm_model, lambda: pipatch.patch(vllm_model, **kwargs))
+    assert calls == {0: 3, 16: 5}, calls
+    backend.skips_blocks = False
+    try:
+        whole, calls = _mlp_calls(vllm_model, lambda: pipatch.patch(vllm_model, **kwargs))
+    finally:
+        backend.skips_blocks = True
+    assert calls[0] == calls[16] > 5, calls  # rows then run from layer 0 up, one trace each
+    assert_close(skipped.raw["resid"], whole.raw["resid"])
+    assert_same(skipped, pipatch.patch(model, **kwargs))
+
+
+def test_the_tree_goes_by_reference_and_the_users_own_traces_are_nnsights(vllm_model):
+    """pipatch's invokes name the workers' own module tree (a persistent id) instead of
+    pickling it; the tag is off again after each sweep, and a hand-written trace on the same
+    model (the seed recipe's clean run) works as before."""
+    from pipatch import _models, _vllm_cpu_worker
+
+    assert _vllm_cpu_worker.TREE_ID == _models.TREE_ID  # the CPU runner names it too (a server's)
+    pipatch.patch(vllm_model, **PAIR, site="resid", positions=[-1])
+    assert "_persistent_id" not in vllm_model.__dict__
+    ids = vllm_model.tokenizer(EIFFEL)["input_ids"]
+    paris = vllm_model.tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    with vllm_model.trace(ids, temperature=0.0, max_tokens=1):
+        hidden, residual = vllm_model.model.layers[5].output
+        kept = (hidden + residual).clone().save()
+        logits = vllm_model.logits.save()
+    assert kept.dim() == 2 and kept.shape[0] == len(ids)  # [T, d]: the stream after block 5
+    assert 0.4 < float(logits[0].float().softmax(-1)[paris]) < 0.6  # P(" Paris") ≈ 0.50
+
+
+# --------------------------------------------------------------------------------------------
 # Every experiment: the transformers backend's numbers
 # --------------------------------------------------------------------------------------------
 
@@ -217,15 +290,18 @@ def test_an_interrupt_keeps_the_rows_and_the_engine_keeps_working(vllm_model):
     main = threading.main_thread().ident
     import signal
 
+    rows_seen = []
+
     def on_row(result, view, layer):
-        if layer == 3:  # interrupt while a later batch's requests are in the engine
+        rows_seen.append(layer)
+        if len(rows_seen) == 4:  # interrupt while a later batch's requests are in the engine
             threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
 
     r = pipatch.patch(vllm_model, **kwargs, batch_size=1, on_row=on_row)
     assert r.status == "interrupted"
-    done = r.rows_done["resid"]
-    assert 4 <= done < 18
-    assert_close(r.raw["resid"][:, :done], reference.raw["resid"][:, :done], 0.0, rtol=0)
+    done = list(r.finished_rows("resid"))
+    assert 4 <= len(done) < 18 and done == sorted(rows_seen)[-len(done):]  # from the last layer down
+    assert_close(r.raw["resid"][:, done], reference.raw["resid"][:, done], 0.0, rtol=0)
     engine = vllm_model.vllm_entrypoint.llm_engine
     assert not engine.has_unfinished_requests()
     again = pipatch.patch(vllm_model, **kwargs)
@@ -251,8 +327,9 @@ def test_stop_keeps_the_rows_and_the_engine_runs_the_next_sweep(vllm_model):
     assert 2 <= r.rows_done["resid"] < 18
     assert not vllm_model.vllm_entrypoint.llm_engine.has_unfinished_requests()
     again = pipatch.patch(vllm_model, **kwargs)
-    done = r.rows_done["resid"]
-    assert again.status == "done" and torch.equal(again.raw["resid"][:, :done], r.raw["resid"][:, :done])
+    done = list(r.finished_rows("resid"))
+    assert len(done) == r.rows_done["resid"]
+    assert again.status == "done" and torch.equal(again.raw["resid"][:, done], r.raw["resid"][:, done])
     widget.close()
 
 

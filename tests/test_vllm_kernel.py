@@ -120,16 +120,17 @@ def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
     seen, interrupt_after_two_rows = _interrupter(kernel)
 
     started = time.monotonic()
-    swept = kernel.collect(kernel.send(f"%%patch {FLAGS} --site resid -o big\n{PAIR_BODY}"), 600,
+    swept = kernel.collect(kernel.send(f"%%patch {FLAGS} --site resid --batch-size 1 -o big\n{PAIR_BODY}"), 600,
                            interrupt_after_two_rows)
     assert seen["interrupted"], f"the sweep ended before it could be interrupted: {swept}"
     assert swept["error"] is None, swept  # the magic ends the cell normally, with the partial grid
     assert "interrupted" in swept["stderr"] and "bound to big" in swept["stderr"], swept
     print(f"interrupted after {time.monotonic() - started:.1f} s")
+    # Rows run from the last layer down: the finished ones are the top rows.
     partial = kernel.run("import torch\n"
-                         "done = big.rows_done['resid']\n"
+                         "done = list(big.finished_rows('resid'))\n"
                          "engine = m._SHARED[[k for k in m._SHARED if k[-1] == 'vllm'][0]]\n"
-                         "print(big.status, done, int(torch.isfinite(big.raw['resid'][0, :done]).all()),\n"
+                         "print(big.status, len(done), int(torch.isfinite(big.raw['resid'][0, done]).all()),\n"
                          "      int(engine.vllm_entrypoint.llm_engine.has_unfinished_requests()))")
     status, done, finite, busy = partial["stdout"].split()
     assert status == "interrupted" and 0 < int(done) < 18 and finite == "1" and busy == "0", partial
@@ -140,7 +141,7 @@ def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
     same = kernel.run("print(again.status, len([k for k in m._SHARED if k[-1] == 'vllm']),\n"
                       "      m._SHARED[[k for k in m._SHARED if k[-1] == 'vllm'][0]] is engine,\n"
                       "      bool(torch.equal(again.raw['resid'], small.raw['resid'])),\n"
-                      "      bool(torch.allclose(big.raw['resid'][0, :done, -1], small.raw['resid'][0, :done, 0],"
+                      "      bool(torch.allclose(big.raw['resid'][0, done, -1], small.raw['resid'][0, done, 0],"
                       " atol=1e-4)))")
     assert same["stdout"].split() == ["done", "1", "True", "True", "True"], same
 
@@ -181,7 +182,7 @@ def test_a_split_engine_in_a_kernel_survives_an_interrupt_and_a_restart_leaves_n
 
         seen, interrupt_after_two_rows = _interrupter(kernel)
 
-        swept = kernel.collect(kernel.send(f"%%patch {flags} --site resid -o big\n{PAIR_BODY}"), 600,
+        swept = kernel.collect(kernel.send(f"%%patch {flags} --site resid --batch-size 1 -o big\n{PAIR_BODY}"), 600,
                                interrupt_after_two_rows)
         assert seen["interrupted"] and swept["error"] is None and "interrupted" in swept["stderr"], swept
         assert _alive_after(workers, 0) == workers, "an interrupt took a rank down"

@@ -16,9 +16,15 @@ differs, in :meth:`ServedBackend._invokes`:
   (the last one's value only), so they go to ``pipatch serve``'s route that keeps them apart
   (:data:`~pipatch._serve.GENERATE_PATH`). A batch of cells returns when its last request
   does, so the live grid fills in batch by batch.
+* **Blocks below a patch are skipped**, as in process: each request says how many blocks its
+  invokes skip (:data:`~pipatch._serve.SKIP_HEADER`), and the server lets requests into its
+  engine together only where they skip as many (nnsight's batched skip has to cover every
+  request of a step; ``pipatch serve``'s rooms, first come first served).
 * **What travels.** nnsight's request format (``RequestModel``): the invoke's source, the
   values it reads (a cell's donor slices and noise draw, a few KB), and the invoke body by
-  reference to pipatch's module, so the server runs the same pipatch version. The answer is
+  reference to pipatch's module, so the server runs the same pipatch version. The model's
+  module tree goes by name where the server's workers know it (its info says
+  ``tree_by_reference``: pipatch's CPU workers), not as 264 pickled envoys per request. The answer is
   nnsight's ``torch.save`` of the saved values: connect only to servers you trust (the
   ``api_key`` says who may send code; nothing authenticates the server).
 * **Errors.** Unreachable server, refused key, another model, a failure inside the trace, a
@@ -33,6 +39,7 @@ another transport, so it is not offered.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import weakref
@@ -43,7 +50,7 @@ from typing import Any
 import torch
 
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .vllm import _SAMPLING, VLLMBackend, _vllm_adapter
+from .vllm import _SAMPLING, VLLMBackend, _vllm_adapter, tree_by_reference
 
 __all__ = ["ServedBackend", "connect", "Server", "served_backend"]
 
@@ -76,12 +83,12 @@ class Server:
 
         return http.headers(self.api_key)
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _call(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
         """One HTTP call; every transport failure becomes one line naming the fix."""
         import httpx
 
         try:
-            response = self._http.request(method, self.url + path, headers=self._headers(),
+            response = self._http.request(method, self.url + path, headers={**self._headers(), **(headers or {})},
                                           timeout=httpx.Timeout(10.0, read=self.timeout), **kwargs)
         except httpx.TimeoutException:
             raise PipatchError(f"the server at {self.url} did not answer within {self.timeout:g} s: it may be "
@@ -106,14 +113,15 @@ class Server:
         self.info = self._call("GET", INFO_PATH).json()
         return self.info
 
-    def generate(self, blob: bytes) -> dict[str, Any]:
-        """Send one serialized trace; its saved values, each invoke's apart (``name@request``,
-        in invoke order: :data:`~pipatch._serve.GENERATE_PATH`); a failure in it: one line."""
+    def generate(self, blob: bytes, skip: int = 0) -> dict[str, Any]:
+        """Send one serialized trace whose invokes skip ``skip`` blocks; its saved values, each
+        invoke's apart (``name@request``, in invoke order: :data:`~pipatch._serve.GENERATE_PATH`);
+        a failure in it: one line."""
         from nnsight.intervention.errors import raise_deferred
 
-        from .._serve import GENERATE_PATH
+        from .._serve import GENERATE_PATH, SKIP_HEADER
 
-        response = self._call("POST", GENERATE_PATH, content=blob)
+        response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
         # bodies save, and nnsight's error dict); no object the server names is ever built.
         answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
@@ -123,10 +131,10 @@ class Server:
             raise PipatchError(f"the server failed the request: {_reason(error)}") from None
         return answer.get("saves", {})
 
-    def generate_all(self, blobs: list[bytes]) -> list[dict[str, Any]]:
-        """Send ``blobs`` concurrently; their saves in order. Raises the first failure; an
-        interrupt drops the requests not yet sent."""
-        futures = [self._pool.submit(self.generate, blob) for blob in blobs]
+    def generate_all(self, blobs: list[bytes], skip: int = 0) -> list[dict[str, Any]]:
+        """Send ``blobs`` concurrently (each skipping ``skip`` blocks); their saves in order.
+        Raises the first failure; an interrupt drops the requests not yet sent."""
+        futures = [self._pool.submit(self.generate, blob, skip) for blob in blobs]
         try:
             return [future.result() for future in futures]
         finally:
@@ -196,6 +204,12 @@ class ServedBackend(VLLMBackend):
         self.adapter = _vllm_adapter(model, int(server.info.get("tensor_parallel_size") or 1))
 
     @property
+    def skips_blocks(self) -> bool:  # type: ignore[override]  # the server's to say
+        """The server's engine puts several clients' requests into one step, where a skip has
+        to cover every one of them: a server that admits one skip at a time says so."""
+        return bool(self.server.info.get("skip_rooms"))
+
+    @property
     def dtype(self) -> torch.dtype:
         return _resolve_dtype(self.server.info.get("dtype"))
 
@@ -214,14 +228,16 @@ class ServedBackend(VLLMBackend):
     def meta(self) -> dict[str, Any]:
         return {**super().meta(), "server": self.server.url}
 
-    def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> list:
+    def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
         """The jobs as traces of up to :data:`INVOKES_PER_REQUEST` invokes, all sent at once
-        (module docstring); what each job's invoke returned, in order."""
+        (module docstring), each request saying how many blocks its invokes skip (the server
+        runs it only beside requests that skip as many); what each job's invoke returned, in
+        order."""
         parts = [jobs[i : i + INVOKES_PER_REQUEST] for i in range(0, len(jobs), INVOKES_PER_REQUEST)]
         with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
             blobs = [self._request(body, part) for part in parts]
         outs: list[Any] = []
-        for part, saves in zip(parts, self.server.generate_all(blobs)):
+        for part, saves in zip(parts, self.server.generate_all(blobs, skip)):
             if len(saves) != len(part):
                 raise PipatchError(f"the server sent back {len(saves)} values for {len(part)} invokes: it is not "
                                    "a pipatch server of this version; restart it with this pipatch's `pipatch serve`")
@@ -234,7 +250,8 @@ class ServedBackend(VLLMBackend):
         import nnsight
 
         model, request = self.model, _Serialized()
-        with torch.no_grad(), model.trace(backend=request, **_SAMPLING) as tracer:
+        named = tree_by_reference(model) if self.server.info.get("tree_by_reference") else contextlib.nullcontext()
+        with named, torch.no_grad(), model.trace(backend=request, **_SAMPLING) as tracer:
             for ids, args in jobs:
                 with tracer.invoke(ids):
                     out = nnsight.save(body(model, *args))  # noqa: F841 - the server returns it by this name

@@ -23,13 +23,25 @@ and is handled here and nowhere else:
   another invoke: every cell's donor values and noise draw are tensors shipped with its
   request (they are small: a position's or a head's slice). Saved values come back one per
   invoke; a name saved in several invokes comes back as a list.
-* **One shortcut.** vLLM computes logits at the last position only, so the "unembed one
-  position" shortcut is built in; blocks below a patch are recomputed rather than skipped,
-  and the metric is read off ``model.logits``. A cell that starts past the last block (the
-  logit lens: it writes the last block's output) runs no block at all: with ``fast`` its
-  states, the base run's with its writes, go through the model's own final norm and
-  ``compute_logits`` in one request for the whole batch (:func:`_head_run`), instead of one
-  forward each. The numbers are the engine's own head on the same states.
+* **Shortcuts.** vLLM computes logits at the last position only, so the "unembed one
+  position" shortcut is built in, and the metric is read off ``model.logits``.
+  - *Blocks below a patch are skipped* (``fast``; :meth:`VLLMBackend.run`): every request of
+    a trace skips the blocks below the batch's lowest ``start`` with nnsight's ``.skip()``,
+    the last skipped block's output being the base run's states of the cell's seed (with the
+    cell's writes there applied here, before the request goes). nnsight's batched skip has to
+    cover every request of the engine's step: in process this trace is all the engine runs,
+    and a ``pipatch serve`` server admits requests of one skip at a time
+    (:attr:`VLLMBackend.skips_blocks`). The engine then runs a sweep's rows from the last
+    layer down and lets rows of a few cells share a trace (:class:`VLLMHints`), as on the
+    transformers backend. Positions before a patch are still computed (a request is a whole
+    sequence).
+  - *The model's tree goes by reference* (:meth:`VLLMBackend._tree_by_reference`): nnsight
+    pickles each invoke for the workers, and by default the whole envoy tree with it.
+  - A cell that starts past the last block (the logit lens: it writes the last block's
+    output) runs no block at all: with ``fast`` its states, the base run's with its writes,
+    go through the model's own final norm and ``compute_logits`` in one request for the whole
+    batch (:func:`_head_run`), instead of one forward each. The numbers are the engine's own
+    head on the same states.
 * **No gradients.** vLLM runs inference only: attribution is refused in one line.
 * **Interrupts.** Kernel ▸ Interrupt can land while the engine still holds this trace's
   requests; they are aborted before the ``KeyboardInterrupt`` propagates, so the engine is idle
@@ -40,17 +52,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
-from .._models import Adapter, PipatchError, _get, adapter_for, dispatched, first
+from .._models import TREE_ID, Adapter, PipatchError, _get, adapter_for, dispatched, first
 from .._sites import EMBED, RESID, Site
+from ._contract import Hints
 from ._described import Described
 
-__all__ = ["VLLMBackend", "is_vllm_model"]
+__all__ = ["VLLMBackend", "is_vllm_model", "register_tree", "tree_by_reference"]
 
 #: Every pipatch run is one prefill and one greedy step; nothing is generated.
 _SAMPLING = {"temperature": 0.0, "max_tokens": 1}
@@ -69,6 +83,9 @@ class VLLMBackend(Described):
     model: Any
 
     backend_name = "vllm"
+    #: Whether a block returns ``(hidden, residual)`` (else the stream), as the last capture
+    #: found; ``None`` before one.
+    _block_pairs: bool | None = None
 
     def __init__(self, model: Any):
         self.model = dispatched(model)
@@ -129,6 +146,7 @@ class VLLMBackend(Described):
         runs = self._invokes(_capture_run, [(ids, (adapter, metric, keep if c == 0 else None, run))
                                             for run in writes for c, ids in enumerate(inputs)])
         heads, n = runs[:: len(inputs)], len(inputs)
+        self._block_pairs = heads[0][5]
         layers = range(adapter.n_layers)
         resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
         values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
@@ -150,19 +168,66 @@ class VLLMBackend(Described):
         if fast and not full_logits and (head := self._head_only(base, cells, metric)) is not None:
             return head, [[] for _ in cells]
         inputs = _inputs(metric, base.input_ids)[: 1 if full_logits else None]
-        jobs = []
+        below = self._skipped_below(base, cells, metric) if fast and not full_logits else 0
+        jobs: list[tuple[list[int], tuple]] = []
+        local_reads: list[list[torch.Tensor]] = []
         for cell in cells:
             # The seed's base ops (noise) first, then the cell's: one forward order for both.
-            ops = _shipped(base.ops_of(cell.seed) + cell.sorted_ops())
-            jobs += [(ids, (self.adapter, metric, ops, full_logits)) for ids in inputs]
-        outs = self._invokes(_patched_run, jobs)
+            ops = base.ops_of(cell.seed) + cell.sorted_ops()
+            skip: tuple | None = None
+            local: list[torch.Tensor] = []
+            if below:
+                skip, local, ops = self._skip_state(base, cell, below, ops)
+            local_reads.append(local)
+            jobs += [(ids, (self.adapter, metric, _shipped(ops), full_logits, skip)) for ids in inputs]
+        outs = self._invokes(_patched_run, jobs, skip=below)
         n = len(inputs)
-        reads = [o[1] for o in outs[::n]]
+        reads = [local + o[1] for local, o in zip(local_reads, outs[::n])]
         if not outs:
             return torch.zeros(0), reads
         if full_logits:
             return torch.cat([o[0] for o in outs]).float(), reads
         return metric.combine(_by_run([o[0] for o in outs], n)), reads
+
+    @functools.cached_property
+    def hints(self) -> VLLMHints:
+        """What the engine may schedule by (:class:`VLLMHints`)."""
+        return VLLMHints(self)
+
+    @property
+    def position_flops(self) -> int:
+        """Two FLOPs per weight of a block (a multiply and an add) for each position it runs
+        (counted on this process's module tree, whose shapes are the engine's)."""
+        return 2 * sum(p.numel() for p in self.adapter.block(self.model, 0)._module.parameters())
+
+    #: Whether :meth:`run` skips the blocks below a batch's lowest ``start`` (``fast``). A
+    #: skip has to cover every request of the engine's step: here this process's trace is all
+    #: the engine runs; a server admits one skip at a time (``pipatch serve``'s rooms).
+    skips_blocks = True
+
+    def _skipped_below(self, base: Base, cells: list[Cell], metric: Metric) -> int:
+        """How many blocks a batch of ``cells`` skips: those below its lowest ``start``, where
+        the base run's states cover every request (one input, the metric read at the last
+        prompt position: the capture keeps the prompt's positions only); else 0. Never above
+        a block one of the cells' own ops feeds (a ``start`` is a promise; this keeps it)."""
+        if not (self.skips_blocks and cells and metric.n_inputs == 1 and metric.n_read == 1
+                and self._block_pairs is not None):
+            return 0
+        fed = (op.site.start_layer(op.layer) for cell in cells for op in cell.ops)
+        return min(min(cell.start for cell in cells), min(fed, default=self.adapter.n_layers), self.adapter.n_layers)
+
+    def _skip_state(self, base: Base, cell: Cell, below: int, ops: list[Op]) -> tuple[tuple, list, list[Op]]:
+        """What a cell's request skips blocks ``0 … below − 1`` with: the last skipped block's
+        output in the base run of its seed, with the cell's writes there applied here (and
+        its reads there taken here, returned in op order); and the ops left for the engine,
+        those feeding the blocks that run. The base ops of blocks skipped are in the base
+        run's states already."""
+        state = base.capture.block_for(below - 1, cell.seed).clone()  # [1, T, d]
+        local = [op for op in ops if op.site.is_block_output and op.layer == below - 1]
+        live = [op for op in ops if op.site.start_layer(op.layer) > below
+                or (op.site.start_layer(op.layer) == below and not op.site.is_block_output)]
+        reads = [read for op in local if (read := op.apply(state)) is not None]
+        return (below, state[0].contiguous(), self._block_pairs), reads, live
 
     def _head_only(self, base: Base, cells: list[Cell], metric: Metric) -> torch.Tensor | None:
         """The metric of ``cells`` that run no block (each starts past the last one and only
@@ -213,19 +278,33 @@ class VLLMBackend(Described):
                            "backend only: load the model with backend='transformers' (the default) for circuit")
 
     # -- the engine ---------------------------------------------------------------------------
-    def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> list:
+    def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
         """``body(model, *args)`` for each job ``(ids, args)``, each in its own invoke (request)
         of one trace on the token list ``ids``; returns what each returned, in order. The one
         place this backend opens a trace (the served backend sends the same invokes over HTTP
-        instead)."""
+        instead). ``skip``: how many blocks every invoke skips (here, where this trace is all
+        the engine runs, nothing to arrange)."""
         import nnsight
 
         model = self.model
-        with self._requests_aborted_on_interrupt(), torch.no_grad(), model.trace(**_SAMPLING) as tracer:
+        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(), torch.no_grad(),
+              model.trace(**_SAMPLING) as tracer):
             for ids, args in jobs:
                 with tracer.invoke(ids):
                     out = nnsight.save(body(model, *args))
         return _per_invoke(out, len(jobs))
+
+    @contextlib.contextmanager
+    def _tree_by_reference(self):
+        """While pipatch's own traces are built, ship the model's envoy tree with each invoke
+        by reference (:func:`tree_by_reference`), once each worker knows it by name
+        (:func:`register_tree`, once per engine)."""
+        model = self.model
+        if not model.__dict__.get("_pipatch_tree_registered"):
+            model.vllm_entrypoint.collective_rpc(register_tree)
+            model.__dict__["_pipatch_tree_registered"] = True
+        with tree_by_reference(model):
+            yield
 
     def _quiet_progress(self) -> None:
         """vLLM draws two tqdm bars per ``generate``; in a notebook each is a widget per batch."""
@@ -267,6 +346,22 @@ class VLLMBackend(Described):
                         break
                     engine.step()
         return len(pending)
+
+
+class VLLMHints(Hints):
+    """The vLLM backend's shortcut, as the engine reads it: a batch's cells start at their
+    ``start`` layer (:attr:`VLLMBackend.skips_blocks`), so a sweep's higher rows cost less and
+    rows of a few cells share their traces (every invoke of a trace skips the same blocks)."""
+
+    backend: VLLMBackend
+
+    @property
+    def starts_at_layer(self) -> bool:
+        return self.backend.skips_blocks
+
+    @property
+    def position_flops(self) -> int:
+        return self.backend.position_flops if self.backend.skips_blocks else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,13 +498,25 @@ def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] 
     else:
         _apply(values, [op for op in ops if not op[0].is_embedding], adapter, model)
     logits = _read_logits(model, adapter, metric.n_read)
-    return blocks, kept, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy
+    # Whether a block returns (hidden, residual), as a skip must (the blocks were all read).
+    pairs = isinstance(values[RESID.name, adapter.n_layers - 1], tuple) if keep is not None else None
+    return blocks, kept, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy, pairs
 
 
-def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple], full_logits: bool) -> tuple:
+def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple], full_logits: bool,
+                 skip: tuple | None = None) -> tuple:
     """One patched request: the metric's pieces at the read positions (or, ``full_logits``, the
     logits after the prompt) and the values the recording ops read. ``ops`` are the cell's
-    seed's base ops and its own, sorted in forward order by the caller."""
+    seed's base ops and its own, sorted in forward order by the caller. ``skip``, ``(below,
+    state, pairs)``: blocks ``0 … below − 1`` do not run, and the last one's output is
+    ``state`` ([T, d], the stream), as ``(0, state)`` where a block returns ``(hidden,
+    residual)`` (``pairs``); every request of the engine's step skips the same blocks."""
+    if skip is not None:
+        below, state, pairs = skip
+        state = _on_engine(model._module, state)
+        replacement = (torch.zeros_like(state), state) if pairs else state
+        for layer in range(below):
+            adapter.block(model, layer).skip(replacement)
     reads = _apply({}, ops, adapter, model)
     logits = _read_logits(model, adapter, metric.n_read)
     out = logits[:1] if full_logits else metric.pieces(logits)
@@ -436,6 +543,34 @@ def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Run on the engine's worker (``collective_rpc``): the model's own logits of ``hidden``."""
     with torch.no_grad():
         return _own_logits(worker.model_runner.get_model(), hidden).cpu()
+
+
+@contextlib.contextmanager
+def tree_by_reference(model: Any):
+    """Within this block, a pickled invoke names ``model``'s envoy tree by :data:`TREE_ID`
+    instead of carrying it.
+
+    nnsight pickles every invoke for the engine's workers (``extra_args`` of its request), and
+    an invoke body that names ``model`` carries the whole envoy tree with it: 264 envoys for
+    Gemma 3 270M, about 8 ms an invoke here, a third of a resid grid. Each worker already
+    holds the same tree over its own modules and interleaver, which a by-value copy is rebuilt
+    into from persistent ids; with the tree named among each worker's persistent objects
+    (:func:`register_tree`) and ``model`` tagged with the id, an invoke is a few hundred
+    bytes. The tag comes off after the block: the user's own traces of the model stay
+    nnsight's. (A ``pipatch serve`` server names its tree the same way, for its clients'
+    requests and its engine's.)"""
+    model.__dict__["_persistent_id"] = TREE_ID
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_persistent_id", None)
+
+
+def register_tree(worker: Any) -> None:
+    """Run on each rank's worker (``collective_rpc``): name its nnsight model tree among the
+    persistent objects its requests are unpickled with."""
+    runner = worker.model_runner
+    runner.nnsight_persistent_objects[TREE_ID] = runner.nnsight_model
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
