@@ -18,9 +18,10 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   engine and its worker processes (the stock server leaves them running, ~6 GB).
 * **Saves kept apart per invoke.** nnsight's ``/v1/nnsight/generate`` merges the saves of a
   trace's invokes by name, so a name saved in every invoke comes back holding the last one's
-  value. ``POST /v1/pipatch/generate`` runs the same handler, but each invoke's saves come
-  back under their own keys (``name@request-id``, in invoke order): a client sends a batch of
-  cells as one trace of several invokes (:func:`_saves_per_invoke`).
+  value. ``POST /v1/pipatch/generate`` runs the same build and run, but each invoke's saves
+  come back under their own keys (``name@request-id``, in invoke order): a client sends a
+  batch of cells as one trace of several invokes; and the invokes are collected from the
+  workers in one call, not one each (:func:`_saves_per_invoke`).
 * **One skip at a time.** A client's batch skips the blocks below its patches, and nnsight's
   batched skip has to cover every request of an engine step: requests enter the engine
   together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
@@ -232,36 +233,68 @@ def _fresh_sources_per_request(server: Any) -> None:
 
 
 def _saves_per_invoke(server: Any) -> None:
-    """Add :data:`GENERATE_PATH`: nnsight's generate handler, with each invoke's saves renamed
-    ``name@request-id`` as its request is collected, so the handler's merge keeps them all.
+    """Add :data:`GENERATE_PATH`: nnsight's generate flow, with two differences.
 
-    The handler collects every invoke's request through the module's ``acollect`` and merges
-    the saves in invoke order; the rename happens only inside this route (a context variable
-    the handler's tasks inherit), so nnsight's own route answers nnsight clients unchanged.
+    * Each invoke's saves come back under their own keys (``name@request-id``, in invoke
+      order), where nnsight's route merges them by name (the last invoke's value only).
+    * A trace's invokes are collected in one call to the workers, where nnsight's route makes
+      one per invoke (each a round trip through the engine core: 16 a request).
+
+    The build (rebuild the trace, prepare its workers, attach them to the requests) and the
+    run (one engine request per invoke) are nnsight's own steps; nnsight's route answers
+    nnsight clients unchanged.
     """
-    import contextvars
+    import asyncio
+    import pickle
+    import uuid
 
     from fastapi import Request
-
-    apart = contextvars.ContextVar("pipatch_saves_apart", default=False)
-    collect = server.acollect
-
-    async def collect_apart(engine: Any, request_id: str, *args: Any) -> Any:
-        entry = await collect(engine, request_id, *args)
-        if entry is not None and apart.get():
-            entry = {**entry, "saves": {f"{name}@{request_id}": value for name, value in entry["saves"].items()}}
-        return entry
+    from nnsight.intervention.errors import capture_exception
+    from nnsight.modeling.vllm.engines.engine import merge_collected
 
     async def generate(request: Request) -> Any:
-        token = apart.set(True)
+        model = server._ready()
+        body = await request.body()
+        compress = request.headers.get("nnsight-compress", "False").lower() == "true"
         try:
-            return await server.generate(request)
+            tracer = server._build_tracer(body, compress)
+            _, (prompts, params, loras), kwargs = tracer.prepare(tracer.info.code)
+            model._attach_mediators(params, **kwargs)
+        except Exception as exception:  # noqa: BLE001 - the client re-raises it, in one line
+            return server._payload({}, capture_exception(exception))
         finally:
-            apart.reset(token)
+            model.interleaver.cancel()  # the workers ride the requests now (or the build failed)
+        engine = model.vllm_entrypoint
+        ids = [str(uuid.uuid4()) for _ in prompts]
+
+        async def run(index: int) -> Any:
+            last = None
+            async for step in engine.generate(prompts[index], params[index], ids[index],
+                                              lora_request=loras[index] if loras else None):
+                last = step
+            return last  # the finished RequestOutput, which the workers need to collect
+
+        collected: dict | None = None
+        try:
+            outputs = await asyncio.gather(*(run(i) for i in range(len(ids))), return_exceptions=True)
+            finished = {rid: out for rid, out in zip(ids, outputs) if out is not None and not isinstance(out, BaseException)}
+            collected = merge_collected(await engine.collective_rpc("collect_nnsight",
+                                                                    args=(ids, ids, pickle.dumps(finished))))
+        finally:
+            if collected is None:  # cancelled (a shutdown): free what the workers hold for them
+                await asyncio.shield(engine.collective_rpc("collect_nnsight", args=(ids, ids)))
+        saves: dict[str, Any] = {}
+        error = None
+        for rid, out in zip(ids, outputs):
+            if isinstance(out, BaseException):
+                error = error or capture_exception(out)
+                continue
+            entry = collected.get(rid) or {}
+            saves.update({f"{name}@{rid}": value for name, value in (entry.get("saves") or {}).items()})
+            error = error or entry.get("error")
+        return server._payload(saves, error)
 
     generate.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
-
-    server.acollect = collect_apart
     server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
 
 

@@ -187,31 +187,39 @@ def test_serve_hands_unknown_flags_and_their_values_to_the_engine():
 def test_serve_admits_one_skip_at_a_time_first_come_first_served():
     """pipatch serve's rooms: requests that skip as many blocks share the engine; another
     depth waits until they have finished; a later request of the first depth waits behind
-    it (no stream of one depth keeps another out)."""
+    it (no stream of one depth keeps another out). Each request stays inside until its gate
+    opens: the order is the rooms', not the clock's."""
     import asyncio
 
     from pipatch._serve import _Rooms
 
-    async def scenario() -> tuple[list[str], int]:
-        rooms, entered, inside = _Rooms(), [], {}
-        most = 0
+    async def scenario() -> list[list[str]]:
+        rooms, entered, inside, seen = _Rooms(), [], {}, []
+        gates = {name: asyncio.Event() for name in "abcd"}
 
-        async def request(name: str, depth: int, hold: float) -> None:
-            nonlocal most
+        async def request(name: str, depth: int) -> None:
             async with rooms.room(depth):
                 inside[name] = depth
                 assert len(set(inside.values())) == 1, inside  # one depth in the engine at a time
-                most = max(most, len(inside))
                 entered.append(name)
-                await asyncio.sleep(hold)
+                await gates[name].wait()
                 del inside[name]
 
-        tasks = []
-        for name, depth, hold in [("a", 3, 0.05), ("b", 3, 0.05), ("c", 0, 0.01), ("d", 3, 0.01)]:
-            tasks.append(asyncio.create_task(request(name, depth, hold)))
-            await asyncio.sleep(0.005)
-        await asyncio.gather(*tasks)
-        return entered, most
+        async def settle() -> None:  # let every waiter that can move, move
+            for _ in range(50):
+                await asyncio.sleep(0)
 
-    entered, most = asyncio.run(scenario())
-    assert entered == ["a", "b", "c", "d"] and most == 2  # a and b together; c alone; d after c
+        tasks = []
+        for name, depth in [("a", 3), ("b", 3), ("c", 0), ("d", 3)]:
+            tasks.append(asyncio.create_task(request(name, depth)))
+            await settle()
+        seen.append(list(entered))  # a and b together; c waits for them; d waits behind c
+        for name in "abcd":
+            gates[name].set()
+            await settle()
+            seen.append(list(entered))
+        await asyncio.gather(*tasks)
+        return seen
+
+    assert asyncio.run(scenario()) == [["a", "b"], ["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"],
+                                       ["a", "b", "c", "d"]]
