@@ -245,7 +245,6 @@ def _saves_per_invoke(server: Any) -> None:
     nnsight clients unchanged.
     """
     import asyncio
-    import pickle
     import uuid
 
     from fastapi import Request
@@ -268,18 +267,16 @@ def _saves_per_invoke(server: Any) -> None:
         ids = [str(uuid.uuid4()) for _ in prompts]
 
         async def run(index: int) -> Any:
-            last = None
-            async for step in engine.generate(prompts[index], params[index], ids[index],
-                                              lora_request=loras[index] if loras else None):
-                last = step
-            return last  # the finished RequestOutput, which the workers need to collect
+            async for _ in engine.generate(prompts[index], params[index], ids[index],
+                                           lora_request=loras[index] if loras else None):
+                pass
 
         collected: dict | None = None
         try:
             outputs = await asyncio.gather(*(run(i) for i in range(len(ids))), return_exceptions=True)
-            finished = {rid: out for rid, out in zip(ids, outputs) if out is not None and not isinstance(out, BaseException)}
-            collected = merge_collected(await engine.collective_rpc("collect_nnsight",
-                                                                    args=(ids, ids, pickle.dumps(finished))))
+            # Without the engine's RequestOutputs (nnsight would pickle them across to serve
+            # ``tracer.result``, which pipatch's invoke bodies never read: they save their values).
+            collected = merge_collected(await engine.collective_rpc("collect_nnsight", args=(ids, ids)))
         finally:
             if collected is None:  # cancelled (a shutdown): free what the workers hold for them
                 await asyncio.shield(engine.collective_rpc("collect_nnsight", args=(ids, ids)))
