@@ -239,6 +239,8 @@ def _saves_per_invoke(server: Any) -> None:
       order), where nnsight's route merges them by name (the last invoke's value only).
     * A trace's invokes are collected in one call to the workers, where nnsight's route makes
       one per invoke (each a round trip through the engine core: 16 a request).
+    * A trace's invokes start in one engine step (:func:`_together`), where nnsight's route
+      adds them one by one and the engine starts stepping on the first.
 
     The build (rebuild the trace, prepare its workers, attach them to the requests) and the
     run (one engine request per invoke) are nnsight's own steps; nnsight's route answers
@@ -266,14 +268,9 @@ def _saves_per_invoke(server: Any) -> None:
         engine = model.vllm_entrypoint
         ids = [str(uuid.uuid4()) for _ in prompts]
 
-        async def run(index: int) -> Any:
-            async for _ in engine.generate(prompts[index], params[index], ids[index],
-                                           lora_request=loras[index] if loras else None):
-                pass
-
         collected: dict | None = None
         try:
-            outputs = await asyncio.gather(*(run(i) for i in range(len(ids))), return_exceptions=True)
+            outputs = await _together(engine, ids, prompts, params, loras)
             # Without the engine's RequestOutputs (nnsight would pickle them across to serve
             # ``tracer.result``, which pipatch's invoke bodies never read: they save their values).
             collected = merge_collected(await engine.collective_rpc("collect_nnsight", args=(ids, ids)))
@@ -293,6 +290,51 @@ def _saves_per_invoke(server: Any) -> None:
 
     generate.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
     server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
+
+
+async def _together(engine: Any, ids: list[str], prompts: list, params: list, loras: list | None) -> list:
+    """Run one request's invokes as engine requests that start in one step; what each ended
+    with (``None``, or the exception it raised), in order.
+
+    Each engine request is one message to the engine core, which starts a step as soon as
+    it holds one: invokes sent one by one ran as a step of the first and more steps of the
+    rest (measured: +4 ms an invoke over the same trace in process). The scheduler is held
+    while they are added (vLLM's ``keep`` pause: requests already running wait, none is
+    dropped), so the step takes them all, as an in-process trace's ``generate`` does."""
+    import asyncio
+
+    core = engine.engine_core
+    outcomes: list[Any] = [None] * len(ids)
+    queues: dict[int, Any] = {}
+    held = len(ids) > 1  # one request starts its step alone anyway
+    if held:
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+    try:
+        added = await asyncio.gather(*(engine.add_request(rid, prompts[i], params[i],
+                                                          lora_request=loras[i] if loras else None)
+                                       for i, rid in enumerate(ids)), return_exceptions=True)
+        for i, queue in enumerate(added):
+            if isinstance(queue, BaseException):  # this invoke's failure, reported with it
+                outcomes[i] = queue
+            else:
+                queues[i] = queue
+    finally:
+        if held:
+            await core.resume_scheduler_async()
+
+    async def finish(i: int) -> None:
+        queue = queues[i]
+        while not (queue.get_nowait() or await queue.get()).finished:
+            pass
+
+    try:
+        done = await asyncio.gather(*(finish(i) for i in queues), return_exceptions=True)
+    except BaseException:  # cancelled (a shutdown, a client gone): the engine drops them
+        await asyncio.shield(engine.abort([queue.request_id for queue in queues.values()], internal=True))
+        raise
+    for i, out in zip(queues, done):
+        outcomes[i] = out
+    return outcomes
 
 
 class _Rooms:

@@ -135,20 +135,20 @@ def _mlp_calls(vllm_model, run):
 
 def test_blocks_below_a_patch_do_not_run(vllm_model, model):
     """A resid grid's row at layer l skips blocks 0 … l (the base run's states go in). Block 0
-    runs in three engine steps: the clean and corrupt runs, and the last row's head-only
-    request (one token); block 16 in those and in the two traces of rows 16 … 0 (the rows
-    join: each trace from its lowest row). With the skip off every trace runs both; the
-    numbers are the same."""
+    runs in two engine steps: the clean and corrupt runs (one trace, so one step) and the last
+    row's head-only request (one token); block 16 in those and in the two traces of rows
+    16 … 0 (the rows join: each trace from its lowest row). With the skip off every trace runs
+    both; the numbers are the same."""
     backend = backend_for(vllm_model)
     kwargs = {**PAIR, "site": "resid", "positions": [4, -1]}
     skipped, calls = _mlp_calls(vllm_model, lambda: pipatch.patch(vllm_model, **kwargs))
-    assert calls == {0: 3, 16: 5}, calls
+    assert calls == {0: 2, 16: 4}, calls
     backend.skips_blocks = False
     try:
         whole, calls = _mlp_calls(vllm_model, lambda: pipatch.patch(vllm_model, **kwargs))
     finally:
         backend.skips_blocks = True
-    assert calls[0] == calls[16] > 5, calls  # rows then run from layer 0 up, one trace each
+    assert calls[0] == calls[16] > 4, calls  # rows then run from layer 0 up, one trace each
     assert_close(skipped.raw["resid"], whole.raw["resid"])
     assert_same(skipped, pipatch.patch(model, **kwargs))
 

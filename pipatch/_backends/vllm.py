@@ -66,8 +66,9 @@ from ._described import Described
 
 __all__ = ["VLLMBackend", "is_vllm_model", "register_tree", "tree_by_reference"]
 
-#: Every pipatch run is one prefill and one greedy step; nothing is generated.
-_SAMPLING = {"temperature": 0.0, "max_tokens": 1}
+#: Every pipatch run is one prefill and one greedy step; nothing is generated, and the one
+#: sampled token is never read as text (pipatch's invoke bodies save what they read).
+_SAMPLING = {"temperature": 0.0, "max_tokens": 1, "detokenize": False}
 
 
 def is_vllm_model(model: Any) -> bool:
@@ -139,20 +140,39 @@ class VLLMBackend(Described):
         ``ops[i]`` as a patched run applies a cell's (causal tracing's noise: added at block
         0's input, :data:`~pipatch._sites.EMBED`); ``None`` is one clean run.
         """
+        return self._captured([(input_ids, ops)], metric, sites)[0]
+
+    def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Site] = ()) -> list[Capture]:
+        """Each prompt's :meth:`capture`, all as requests of one trace: one engine step (one
+        request to a server) for a pair's clean and corrupt runs, not one each."""
+        return self._captured([(ids, None) for ids in prompts], metric, sites)
+
+    def _captured(self, prompts: list[tuple[torch.Tensor, Sequence[Sequence[Op]] | None]], metric: Metric,
+                  sites: Sequence[Site]) -> list[Capture]:
+        """The :class:`Capture` of each ``(input_ids, ops)``, their invokes all in one trace."""
         adapter = self.adapter
         keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)  # blocks: always kept
-        writes = [_shipped(run) for run in ([[]] if ops is None else ops)]
-        inputs = _inputs(metric, input_ids)
-        runs = self._invokes(_capture_run, [(ids, (adapter, metric, keep if c == 0 else None, run))
-                                            for run in writes for c, ids in enumerate(inputs)])
-        heads, n = runs[:: len(inputs)], len(inputs)
-        self._block_pairs = heads[0][5]
+        jobs: list[tuple[list[int], tuple]] = []
+        counts: list[tuple[int, int]] = []  # each capture's invokes, and its inputs per run
+        for input_ids, ops in prompts:
+            writes = [_shipped(run) for run in ([[]] if ops is None else ops)]
+            inputs = _inputs(metric, input_ids)
+            jobs += [(ids, (adapter, metric, keep if c == 0 else None, run)) for run in writes
+                     for c, ids in enumerate(inputs)]
+            counts.append((len(writes) * len(inputs), len(inputs)))
+        outs = self._invokes(_capture_run, jobs)
         layers = range(adapter.n_layers)
-        resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
-        values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
-        values[RESID.name] = resid
-        return Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r[2] for r in runs], n)),
-                       embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads]))
+        captures, at = [], 0
+        for count, n in counts:
+            runs, at = outs[at : at + count], at + count
+            heads = runs[::n]
+            self._block_pairs = heads[0][5]
+            resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
+            values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
+            values[RESID.name] = resid
+            captures.append(Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r[2] for r in runs], n)),
+                                    embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads])))
+        return captures
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
             full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
