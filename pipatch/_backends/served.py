@@ -12,8 +12,9 @@ differs, in :meth:`ServedBackend._invokes`:
   :data:`INVOKES_PER_REQUEST` invokes each (a cell's invokes, as in process: as a rule one
   request a batch), serialized here one after another (nnsight's tracer is not thread-safe)
   and sent together on a pool of connections; the server adds a request's invokes to its
-  engine with the scheduler held, so they start in one step, as an in-process trace's do. nnsight's own route would merge the invokes' saves by name
-  (the last one's value only), so they go to ``pipatch serve``'s route that keeps them apart
+  engine with the scheduler held, so they start in one step, as an in-process trace's do.
+  nnsight's own route would merge the invokes' saves by name (the last one's value only), so
+  they go to ``pipatch serve``'s route that keeps them apart
   (:data:`~pipatch._serve.GENERATE_PATH`). A batch of cells returns when its last request
   does, so the live grid fills in batch by batch.
 * **Blocks below a patch are skipped**, as in process: each request says how many blocks its
