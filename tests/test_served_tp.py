@@ -21,8 +21,8 @@ pytest.importorskip("psutil")
 import pipatch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._serve import Spawned  # noqa: E402
-from tests._equal import assert_same  # noqa: E402
-from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+from tests._equal import assert_same, assert_same_click  # noqa: E402
+from tests.conftest import COLOSSEUM, EIFFEL, TWO_PAIRS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -59,6 +59,16 @@ def test_the_grids_equal_transformers(served, model):
                 pipatch.patch(model, **PAIR, site="head", positions=[-1]), backend="served")
     kwargs = {"subject": "Eiffel Tower", "answer": " Paris", "seeds": 1}
     assert_same(pipatch.trace(served, EIFFEL, **kwargs), pipatch.trace(model, EIFFEL, **kwargs), backend="served")
+
+
+def test_every_site_a_dataset_and_a_click_equal_transformers(served, model):
+    """Attention and MLP outputs, a two-pair dataset and a click's top tokens through the TP=2
+    server are the transformers backend's (the trace is in the test above)."""
+    for site in ("attn", "mlp"):
+        assert_same(pipatch.patch(served, **PAIR, site=site, positions=[4, -1]),
+                    pipatch.patch(model, **PAIR, site=site, positions=[4, -1]), backend="served")
+    assert_same(pipatch.patch(served, **TWO_PAIRS), pipatch.patch(model, **TWO_PAIRS), backend="served")
+    assert_same_click(served, model, PAIR)
 
 
 def test_path_patching_into_q_k_v_receivers_equals_transformers(served, model):

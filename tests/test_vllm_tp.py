@@ -24,8 +24,8 @@ import pipatch  # noqa: E402
 from pipatch import cli  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._load import _SHARED, shared_model  # noqa: E402
-from tests._equal import assert_same  # noqa: E402
-from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+from tests._equal import assert_same, assert_same_click  # noqa: E402
+from tests.conftest import COLOSSEUM, EIFFEL, TWO_PAIRS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -87,6 +87,19 @@ def test_the_resid_and_head_grids_equal_transformers(tp_model, model):
     assert_same(pipatch.patch(tp_model, **PAIR, positions=[-1]), pipatch.patch(model, **PAIR, positions=[-1]))
     assert_same(pipatch.patch(tp_model, **PAIR, site="head", positions=[-1]),
                 pipatch.patch(model, **PAIR, site="head", positions=[-1]))
+
+
+def test_every_site_a_trace_a_dataset_and_a_click_equal_transformers(tp_model, model):
+    """The other sites (attention and MLP outputs: all-reduced, whole on every rank), a causal
+    trace (noise at block 0's input), a two-pair dataset averaged over named positions and a
+    click's top tokens at TP=2 are the transformers backend's."""
+    for site in ("attn", "mlp"):
+        assert_same(pipatch.patch(tp_model, **PAIR, site=site, positions=[4, -1]),
+                    pipatch.patch(model, **PAIR, site=site, positions=[4, -1]))
+    trace = {"subject": "Eiffel Tower", "answer": " Paris", "seeds": 2}
+    assert_same(pipatch.trace(tp_model, EIFFEL, **trace), pipatch.trace(model, EIFFEL, **trace))
+    assert_same(pipatch.patch(tp_model, **TWO_PAIRS), pipatch.patch(model, **TWO_PAIRS))
+    assert_same_click(tp_model, model, PAIR)
 
 
 def test_path_patching_into_q_k_v_receivers_equals_transformers(tp_model, model):
