@@ -90,6 +90,8 @@ bench: $(STAMP) install-vllm
 	$(PY) bench/circuit.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
+	$(VPY) bench/study.py --backend vllm
+	$(VPY) bench/study.py --backend served
 
 # The backend seam and the engine, against the typed contract (pipatch/_backends/_contract.py).
 typecheck: $(STAMP)

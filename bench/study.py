@@ -1,22 +1,26 @@
 """A study's throughput: facts per minute, and its time over the sum of the same traces run alone.
 
 An N-fact, 3-kind (resid, mlp, attn) causal-trace study of known facts from ROME's
-``known_1000.json`` on the embedded default (transformers backend, float32, CPU), into a fresh
-SQLite store, against ``pipatch.trace`` on each of those facts one by one. The study must cost
-no more than its facts (ratio ≤ 1.0): it runs each fact through the same planner and engine,
-reads the known-fact check off the planner's own clean run (no extra forward), and adds one
-committed transaction per fact (milliseconds). Both sides run :data:`REPEAT` times, in turns
+``known_1000.json`` on the embedded default (float32, CPU; ``--backend`` transformers, the
+default, vllm or served: a ``pipatch serve`` started here), into a fresh SQLite store, against
+``pipatch.trace`` on each of those facts one by one. The study must cost no more than its facts
+(ratio ≤ 1.0): it runs each fact through the same planner and engine, reads the known-fact
+check off the planner's own clean run (no extra forward), and adds one committed transaction
+per fact (milliseconds). On the served backend it runs several facts at once (the backend's
+``plans_in_flight``), whose requests the server batches: there it costs less than its facts. Both sides run :data:`REPEAT` times, in turns
 that swap, the best of each counting (this machine's speed drifts by a third within minutes,
 and more while another process shares its two cores). The stored grids are checked equal to the
 single traces' (to the last bit) before any time is shown. Figures go to
 ``bench/results/study.json``.
 
-Run: ``make bench`` (or ``.venv/bin/python bench/study.py [--facts N] [--seeds S]``).
+Run: ``make bench`` (or ``.venv/bin/python bench/study.py [--facts N] [--seeds S]``;
+``.venv-vllm/bin/python bench/study.py --backend served``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -29,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
+import pipatch._backends  # noqa: E402
+import pipatch._backends._contract  # noqa: E402
 
 KNOWN_1000 = pipatch.known_facts()
 #: Short facts of known_1000.json the embedded model knows.
@@ -42,12 +48,38 @@ def main(argv=None) -> int:
     parser.add_argument("--facts", type=int, default=8, help="facts in the study (default 8)")
     parser.add_argument("--seeds", type=int, default=3, help="noise seeds per fact (default 3)")
     parser.add_argument("--facts-file", default=str(KNOWN_1000))
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--backend", default="transformers", choices=("transformers", "vllm", "served"),
+                        help="where the model runs (vllm and served need the vLLM venv: make install-vllm)")
+    parser.add_argument("--out", default=None, help="default: bench/results/study[-BACKEND].json")
     args = parser.parse_args(argv)
     data = json.loads(Path(args.facts_file).read_text())
     facts = [data[i] for i in KNOWN[: args.facts]]
     options = {"sites": "resid,mlp,attn", "seeds": args.seeds, "scale": 3.0}
-    model = pipatch.load_model()
+    out = Path(args.out) if args.out else OUT.with_name(
+        "study.json" if args.backend == "transformers" else f"study-{args.backend}.json")
+    with _model(args.backend) as model:
+        return _measure(model, facts, options, args, out)
+
+
+@contextlib.contextmanager
+def _model(backend: str):
+    """The embedded model on ``backend``; a served one from a ``pipatch serve`` started here."""
+    if backend != "served":
+        yield pipatch.load_model(backend=backend)
+        return
+    from pipatch._serve import Spawned
+
+    server = Spawned("--api-key", "bench")
+    try:
+        yield pipatch.load_model(serve=server.url, api_key="bench")
+    finally:
+        server.stop()
+        server.kill()
+
+
+def _measure(model, facts: list[dict], options: dict, args: argparse.Namespace, out: Path) -> int:
+    backend = pipatch._backends.backend_for(model)
+    in_flight = pipatch._backends._contract.hints_of(backend).plans_in_flight
     torch.set_grad_enabled(False)
     pipatch.trace(model, facts[0]["prompt"], subject=facts[0]["subject"], answer=" " + facts[0]["attribute"],
                   **options)  # warm-up: first-call costs belong to neither side
@@ -75,15 +107,16 @@ def main(argv=None) -> int:
         print(f"repeat {repeat + 1}: study {best_study:.1f} s, singles {best_single:.1f} s (best so far)", flush=True)
 
     ratio = best_study / best_single
-    row = {"facts": len(facts), "kinds": 3, "seeds": args.seeds, "backend": "transformers",
+    row = {"facts": len(facts), "kinds": 3, "seeds": args.seeds, "backend": args.backend, "in_flight": in_flight,
            "study_s": round(best_study, 2), "singles_s": round(best_single, 2),
            "facts_per_minute": round(60 * len(facts) / best_study, 2), "ratio": round(ratio, 3),
            "machine": platform.processor() or platform.machine()}
-    print(f"study of {len(facts)} facts × 3 kinds × {args.seeds} seeds: {row['facts_per_minute']} facts/min "
+    print(f"{args.backend}: study of {len(facts)} facts × 3 kinds × {args.seeds} seeds ({in_flight} in flight): "
+          f"{row['facts_per_minute']} facts/min "
           f"({best_study:.1f} s); the same traces one by one {best_single:.1f} s; ratio {ratio:.3f} "
           f"({'≤' if ratio <= 1.0 else '>'} 1.0)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(row, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(row, indent=1))
     return 0 if ratio <= 1.0 else 1
 
 

@@ -278,6 +278,27 @@ def test_four_clients_at_once_each_get_their_own_grid(served, server):
         client.server.close()
 
 
+def test_a_study_runs_facts_in_flight_each_its_single_trace(served, tmp_path):
+    """A study on the served backend runs four facts at once (its hint), each from a thread of
+    its own and committed as it ends: the facts overlap (their seconds add up to more than the
+    study's), and each stored fact is its single served trace, bit for bit."""
+    data = json.loads(pipatch.known_facts().read_text())
+    facts = [data[i] for i in (3, 21, 25, 32)]  # facts the embedded model knows
+    cheap = {"sites": "resid", "seeds": 1, "scale": 3.0}
+    assert backend_for(served).hints.plans_in_flight == 4
+    started = time.perf_counter()
+    found = pipatch.study(served, facts, store=tmp_path / "served.sqlite", **cheap)
+    wall = time.perf_counter() - started
+    assert found.counts()["done"] == 4, found.summary()
+    seconds = [row["seconds"] for row in found.facts()]
+    print(f"4 facts in flight: {wall:.1f} s, their own {sum(seconds):.1f} s")
+    assert sum(seconds) > 1.5 * wall, (seconds, wall)
+    for i, fact in enumerate(facts):
+        single = pipatch.trace(served, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **cheap)
+        assert torch.equal(found[i].raw["resid"], single.raw["resid"]), i
+        assert torch.equal(found[i].corrupt, single.corrupt) and found[i].clean == single.clean
+
+
 def test_server_memory_is_flat_under_load(served, server):
     """40 small sweeps (the last position, every layer: 20 requests each) from four clients at
     once; the server's memory after equals its memory before. (``bench/served.py`` runs 200

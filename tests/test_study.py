@@ -539,3 +539,13 @@ def _grid_of(widget) -> torch.Tensor:
     matrix = select_matrix(widget.get_state_dict(), widget.views[0])
     assert matrix is not None
     return torch.from_numpy(matrix.astype("float32")).nan_to_num(-9)
+
+
+def test_facts_in_flight_are_refused_where_the_model_runs_in_this_process(model, tmp_path):
+    """``in_flight`` above the backend's hint (1 in process) is one line naming the fix, before
+    any fact runs; 1 is the default's order."""
+    with pytest.raises(pipatch.PipatchError, match=r"in_flight=2: the transformers backend runs 1 fact at a time"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "s.sqlite", in_flight=2, **CHEAP)
+    assert not (tmp_path / "s.sqlite").exists()
+    with pytest.raises(pipatch.PipatchError, match="in_flight"):
+        pipatch.study(model, records(KNOWN[:1]), store=tmp_path / "s.sqlite", in_flight=0, **CHEAP)

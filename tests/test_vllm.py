@@ -153,6 +153,27 @@ def test_blocks_below_a_patch_do_not_run(vllm_model, model):
     assert_same(skipped, pipatch.patch(model, **kwargs))
 
 
+def test_a_study_costs_what_its_traces_cost(vllm_model, tmp_path):
+    """A study on vLLM reads ROME's known-fact check off the trace's own clean run (the
+    capture's top next token): a known fact runs exactly its single trace's engine steps and
+    stores its grid bit for bit; an unknown one stops after that one run, kept with the
+    model's top-1."""
+    data = json.loads(pipatch.known_facts().read_text())
+    known, unknown = data[3], data[0]  # the embedded model knows the first, not the second
+    cheap = {"sites": "resid", "seeds": 1, "scale": 3.0}
+    single, alone = _mlp_calls(vllm_model, lambda: pipatch.trace(
+        vllm_model, known["prompt"], subject=known["subject"], answer=" " + known["attribute"], **cheap))
+    found, calls = _mlp_calls(vllm_model, lambda: pipatch.study(vllm_model, [known], store=tmp_path / "k.sqlite",
+                                                                **cheap))
+    assert found.counts()["done"] == 1 and calls == alone, (calls, alone)
+    assert torch.equal(found[0].raw["resid"], single.raw["resid"])
+    skipped, calls = _mlp_calls(vllm_model, lambda: pipatch.study(vllm_model, [unknown], store=tmp_path / "u.sqlite",
+                                                                  **cheap))
+    row = skipped.facts()[0]
+    assert row["status"] == "unknown" and row["known"] == 0 and row["top1"], dict(row)
+    assert calls[0] == 1, calls  # the clean run, and nothing after it
+
+
 def test_the_tree_goes_by_reference_and_the_users_own_traces_are_nnsights(vllm_model):
     """pipatch's invokes name the workers' own module tree (a persistent id) instead of
     pickling it; the tag is off again after each sweep, and a hand-written trace on the same

@@ -123,6 +123,12 @@ class Hints:
         """``"cuda"`` or ``"cpu"``: which of the engine's per-device sizes apply."""
         return "cuda" if str(self.backend.runs_on).startswith("cuda") else "cpu"
 
+    @property
+    def plans_in_flight(self) -> int:
+        """How many plans (a study's facts) to run at once, each from a thread of its own: 1
+        unless the model runs elsewhere and batches what several send (a server)."""
+        return 1
+
     def prefix_reuse(self, base: Base) -> bool:
         """Whether ``run`` starts a batch of cells of ``base`` at their first written position
         (the engine then groups cells by it)."""

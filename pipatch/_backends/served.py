@@ -41,6 +41,7 @@ another transport, so it is not offered.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import threading
 import weakref
@@ -51,9 +52,9 @@ from typing import Any
 import torch
 
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .vllm import _SAMPLING, VLLMBackend, _vllm_adapter, tree_by_reference
+from .vllm import _SAMPLING, VLLMBackend, VLLMHints, _vllm_adapter, tree_by_reference
 
-__all__ = ["ServedBackend", "connect", "Server", "served_backend"]
+__all__ = ["ServedBackend", "ServedHints", "connect", "Server", "served_backend"]
 
 #: Requests in flight at once per client: enough for the server to fill an engine step.
 CONCURRENCY = 32
@@ -62,6 +63,10 @@ CONCURRENCY = 32
 #: a batch split over requests that arrive apart runs as more steps (measured: 16 a request
 #: put the resid grid's two 28-cell batches 50 ms each above the in-process engine's).
 INVOKES_PER_REQUEST = 64
+
+#: A study's facts in flight at once: while one fact's request runs on the server, the next
+#: ones' are built and sent, and requests of one skip depth share the engine's steps.
+FACTS_IN_FLIGHT = 4
 
 #: nnsight's tracer keeps per-thread and per-model state: requests are built one at a time.
 _TRACING = threading.Lock()
@@ -211,6 +216,10 @@ class ServedBackend(VLLMBackend):
         to cover every one of them: a server that admits one skip at a time says so."""
         return bool(self.server.info.get("skip_rooms"))
 
+    @functools.cached_property
+    def hints(self) -> ServedHints:
+        return ServedHints(self)
+
     @property
     def dtype(self) -> torch.dtype:
         return _resolve_dtype(self.server.info.get("dtype"))
@@ -267,6 +276,14 @@ class ServedBackend(VLLMBackend):
 
     def abort_unfinished(self) -> int:
         return 0  # requests in flight finish on the server; their answers are discarded
+
+
+class ServedHints(VLLMHints):
+    """The vLLM backend's hints, and a study's facts in flight (:data:`FACTS_IN_FLIGHT`)."""
+
+    @property
+    def plans_in_flight(self) -> int:
+        return FACTS_IN_FLIGHT
 
 
 def _reason(error: BaseException) -> str:

@@ -171,7 +171,8 @@ class VLLMBackend(Described):
             values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
             values[RESID.name] = resid
             captures.append(Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r[2] for r in runs], n)),
-                                    embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads])))
+                                    embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads]),
+                                    top1=torch.stack([r[6] for r in heads])))
         return captures
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
@@ -482,7 +483,8 @@ def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
 def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None, ops: list[tuple]) -> tuple:
     """One baseline request under ``ops`` (the run's writes, in forward order: causal
     tracing's noise at the embedding): the metric's pieces and P(answer), with (``keep``
-    given) the embedding, block and ``keep`` site values at the prompt's positions.
+    given) the embedding, block and ``keep`` site values at the prompt's positions and the
+    top next token after the prompt.
     ``keep is None``: a further input of the run (the foil's continuation), which only reads
     the pieces."""
     values: dict[tuple[str, int], Any] = {}
@@ -520,7 +522,11 @@ def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] 
     logits = _read_logits(model, adapter, metric.n_read)
     # Whether a block returns (hidden, residual), as a skip must (the blocks were all read).
     pairs = isinstance(values[RESID.name, adapter.n_layers - 1], tuple) if keep is not None else None
-    return blocks, kept, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy, pairs
+    # The model's top next token after the prompt (the first read position): a study's
+    # known-fact check, read off the run every planner starts with.
+    top1 = logits[0].argmax().cpu() if keep is not None else None
+    return (blocks, kept, metric.pieces(logits).cpu(), metric.answer_prob(logits[None, None]).cpu(), embedded_copy,
+            pairs, top1)
 
 
 def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple], full_logits: bool,

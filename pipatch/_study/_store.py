@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -87,7 +88,9 @@ class Store:
             raise PipatchError(f"no study store at {str(self.path)!r}: check the path (pipatch.study(..., store=PATH) "
                                "makes one)")
         try:
-            self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+            # One connection, used by a study's threads in turn (facts in flight: the lock).
+            self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None, check_same_thread=False)
+            self._lock = threading.Lock()
             self.db.row_factory = sqlite3.Row
             mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             self.db.execute("PRAGMA synchronous=FULL")
@@ -131,7 +134,7 @@ class Store:
         return {row["key"]: json.loads(row["value"]) for row in self.db.execute("SELECT key, value FROM info")}
 
     def set_info(self, key: str, value: Any) -> None:
-        with self.db:
+        with self._lock, self.db:
             self.db.execute("INSERT OR REPLACE INTO info (key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
     # -- facts --------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ class Store:
         row = (int(fact.index), fact.key, fact.id, fact.relation, status, json.dumps(fact.record, ensure_ascii=False),
                json.dumps(fact.inputs, ensure_ascii=False), None if known is None else int(known), top1, message,
                None if groups is None else json.dumps(groups), header, tensors, seconds, time.time())
-        with self.db:
+        with self._lock, self.db:
             self.db.execute("INSERT OR REPLACE INTO facts (idx, fact_key, fact_id, relation, status, record, inputs, "
                             "known, top1, message, groups, header, tensors, seconds, finished) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)

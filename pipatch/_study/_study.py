@@ -12,8 +12,10 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
 3. each known fact runs through the experiment's own planner and the engine, exactly as
    ``pipatch.trace(model, prompt, ...)`` would run it alone (so its result is that single
    trace's, bit for bit, fast paths and all), and is committed to the store
-   (:mod:`._store`, SQLite WAL, one transaction per fact) before the next starts. Running
-   again on the same store resumes; a different configuration is refused in one line;
+   (:mod:`._store`, SQLite WAL, one transaction per fact) before the next starts. On a
+   served model several facts are in flight at once (the backend's ``plans_in_flight``),
+   each committed as it ends, so the server batches their requests. Running again on the
+   same store resumes; a different configuration is refused in one line;
 4. :class:`Study` reads the store back (finished or not, without a model): each fact's
    :class:`~pipatch.Result`, averages by named position group × layer with 95 % intervals
    (:mod:`._aggregate`), a tidy table, ROME-style line plots and a heatmap.
@@ -25,8 +27,10 @@ commit per fact costs milliseconds (``bench/study.py`` measures the ratio).
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,7 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._backends._contract import hints_of
 from .._cells import Base, Cell, Metric
+from .._checks import whole_number
 from .._declare import Experiment, text
 from .._engine import EngineError
 from .._models import PipatchError
@@ -61,7 +67,8 @@ Progress = Callable[[int, dict, Result | None], None]
 
 def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, store: str | os.PathLike,
           known_only: bool = True, columns: Mapping[str, str] | None = None, progress: Progress | None = None,
-          limit: int | None = None, stop: Any = None, show: bool = False, **options: Any) -> Study:
+          limit: int | None = None, stop: Any = None, show: bool = False, in_flight: int | None = None,
+          **options: Any) -> Study:
     """Run ``experiment`` on every fact of ``facts`` into the SQLite file ``store``; return the :class:`Study`.
 
     Parameters
@@ -93,6 +100,11 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         Show the live view in the notebook (:mod:`._view`): the aggregate grid re-drawn as
         facts finish, done / known / total, facts per minute, time left, Stop, and a fact
         list that draws one fact's own grid; its saved copy renders without a kernel.
+    in_flight
+        How many facts run at once, each from a thread of its own and committed as it
+        finishes (a kill loses at most these). ``None``: the backend's choice, 1 but on the
+        served backend (4: the server batches what they send). Each fact's result is the
+        same whichever facts run beside it.
     **options
         The experiment's own options (``seeds=``, ``sites=``, ``site=``, ...), checked by its
         declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact.
@@ -117,6 +129,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         "pipatch_version": library_versions().get("pipatch"),
         **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
+    width = _in_flight(backend, in_flight)
     target, view = Store(store), None
     try:
         target.check_config(config)
@@ -135,20 +148,71 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             view = StudyView(lambda: Study(target.path), len(records))
             view.display()
             progress, stop = _both(view.progress, progress), _either(stop, view.stop)
-        for fact in records:
-            if _stopped(stop):
-                break
-            status = stored.get(fact.index, (None, None))[1]
-            if status in ("done", "unknown"):  # finished in an earlier run (an error is tried again)
-                _tell(progress, fact, None)
-                continue
-            result = _run_fact(target, entry, backend, plan, fact, bound, known_only, stop)
-            _tell(progress, fact, result)
+        _each_fact(records, stored, lambda fact, halt: _run_fact(target, entry, backend, plan, fact, bound,
+                                                                 known_only, halt), progress, stop, width)
     finally:
         target.close()
         if view is not None:
             view.finish(show=True)
     return Study(store)
+
+
+def _in_flight(backend: Any, asked: int | None) -> int:
+    """How many facts run at once: the backend's hint, or ``asked`` up to it (a model in this
+    process runs one trace at a time; several from threads would only queue, or collide)."""
+    most = hints_of(backend).plans_in_flight
+    if asked is None:
+        return most
+    asked = whole_number(asked, "in_flight (facts run at once)", minimum=1)
+    if asked > most:
+        raise PipatchError(f"in_flight={asked}: the {backend.backend_name} backend runs {most} fact"
+                           f"{'s' if most > 1 else ''} at a time; several run at once on a served model "
+                           "(pipatch.load_model(serve=URL)), or leave in_flight out")
+    return asked
+
+
+def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]], run: Callable[[Fact, Any], Result | None],
+               progress: Progress | None, stop: Any, width: int) -> None:
+    """``run(fact, stop)`` for each record not finished in an earlier run (an error is tried
+    again), ``width`` at a time, telling ``progress`` of each in this thread as it finishes.
+
+    ``width`` 1: one after another, in order. Above it, facts run on threads of their own
+    (each commits its own transaction as it ends); an interrupt or failure here stops those
+    in flight after their current batch (they are not stored) before it propagates."""
+    todo = []
+    for fact in records:
+        if stored.get(fact.index, (None, None))[1] in ("done", "unknown"):
+            _tell(progress, fact, None)
+        else:
+            todo.append(fact)
+    if width == 1:
+        for fact in todo:
+            if _stopped(stop):
+                break
+            _tell(progress, fact, run(fact, stop))
+        return
+    halt = threading.Event()
+    halted = _either(stop, halt)
+    running: dict[concurrent.futures.Future, Fact] = {}
+
+    def finish_one() -> None:
+        done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            _tell(progress, running.pop(future), future.result())
+
+    with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="pipatch-fact") as pool:
+        try:
+            for fact in todo:
+                while len(running) >= width:
+                    finish_one()
+                if _stopped(stop):
+                    break
+                running[pool.submit(run, fact, halted)] = fact
+            while running:
+                finish_one()
+        except BaseException:
+            halt.set()  # the pool's exit waits for the facts in flight, which stop after their batch
+            raise
 
 
 def _run_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact,
