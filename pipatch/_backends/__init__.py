@@ -45,6 +45,7 @@ hint                                   what the engine does with it
 ``pack_tokens(base, metric)``          cuts a row's cells into packed traces of that size
 ``shares_unembedding(metric)``         lets rows finish together, one ``run_many`` call
 ``run_many(base, batches, metric)``    hands it several batches at once
+``plans_in_flight``                    a study runs that many facts at once, each on a thread
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a
