@@ -46,6 +46,9 @@ hint                                   what the engine does with it
 ``shares_unembedding(metric)``         lets rows finish together, one ``run_many`` call
 ``run_many(base, batches, metric)``    hands it several batches at once
 ``plans_in_flight``                    a study runs that many facts at once, each on a thread
+``plans_together``                     a study runs that many facts as one engine ``Chain``
+``states_many(base, batches, m)``      runs batches up to their metric's states, which ...
+``metrics_many(items)``                ... it finishes later, with other plans' (a Chain's)
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a

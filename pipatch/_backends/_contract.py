@@ -129,6 +129,12 @@ class Hints:
         unless the model runs elsewhere and batches what several send (a server)."""
         return 1
 
+    @property
+    def plans_together(self) -> int:
+        """How many plans (a study's facts) may run as one (:class:`~pipatch._engine.Chain`),
+        their metrics finished together (:meth:`states_many`): 1 where they gain nothing."""
+        return 1
+
     def prefix_reuse(self, base: Base) -> bool:
         """Whether ``run`` starts a batch of cells of ``base`` at their first written position
         (the engine then groups cells by it)."""
@@ -150,6 +156,19 @@ class Hints:
         """Several batches of cells, each run as ``run`` runs it (one trace each) → the metric
         per cell of each batch."""
         return [self.backend.run(base, cells, metric, fast=fast)[0] for cells in batches]
+
+    def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor] | None:
+        """Several batches run as :meth:`run_many` runs them (``fast``), but only up to what
+        their metric is computed from: per batch, those states ([cells, ...]), which
+        :meth:`metrics_many` then finishes together with other batches', of other prompts
+        (a plan that pools its metrics: :class:`~pipatch._engine.Chain`). ``None``: the
+        backend computes each batch's metric in its run (the engine then calls :meth:`run_many`)."""
+        return None
+
+    def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
+        """The metric per cell of each ``(metric, states)`` item (states from :meth:`states_many`),
+        in one go."""
+        raise NotImplementedError(f"{type(self.backend).__name__} computes its metrics in its runs (states_many: None)")
 
 
 def hints_of(backend: Any) -> Hints:

@@ -9,6 +9,7 @@ the read tokens' logits and the log-sum-exp of all of them, over slices of the r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,9 +37,24 @@ class Unembedding:
         self.softcap = softcap
 
     @torch.no_grad()
-    def metric(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
+    def metrics(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
+        """:meth:`metric` of several ``(metric, hidden)`` items (each its own answer), the
+        probabilities' log-sum-exp in one pass over the unembedding for all of them: what a
+        pass costs per position falls from 3.1 ms for 35 positions to 1.2 for 448 and more
+        on this CPU (it reads the 262k rows once either way)."""
+        pooled = [i for i, (metric, _) in enumerate(items) if metric.token_ids is None and not metric.needs_vocab]
+        lse: dict[int, torch.Tensor] = {}
+        if len(pooled) > 1:
+            flat = [items[i][1].reshape(-1, items[i][1].shape[-1]) for i in pooled]
+            every = self.logsumexp(torch.cat(flat)).split([len(f) for f in flat])
+            lse = {i: part.reshape(items[i][1].shape[:-1]) for i, part in zip(pooled, every)}
+        return [self.metric(metric, hidden, lse.get(i)) for i, (metric, hidden) in enumerate(items)]
+
+    @torch.no_grad()
+    def metric(self, metric: Metric, hidden: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
         """The metric from the unembedding's input at the read positions,
-        [batch, inputs, n_read, d] → [batch].
+        [batch, inputs, n_read, d] → [batch] (``lse``: their :meth:`logsumexp`, where the
+        caller took it in one pass with other states').
 
         A logit difference reads two rows of the unembedding. A probability needs every
         logit's share of the softmax, but not the logits themselves: the read tokens' logits
@@ -50,7 +66,7 @@ class Unembedding:
             return metric.score(self.logits(hidden, metric.token_ids), subset=True)
         if metric.needs_vocab:  # a rank counts the logits above the answer's: all of them
             return metric.score(self.logits(hidden))
-        lse = self.logsumexp(hidden)
+        lse = self.logsumexp(hidden) if lse is None else lse
         picked = self.logits(hidden, metric.read_ids)
         return metric.combine(metric.pieces(picked, lse=lse))
 
@@ -85,7 +101,10 @@ class Unembedding:
 
         The unembedding is read in slices of vocabulary rows, each slice's logits
         (``rows × positions``, about ``budget`` values: 4 MB) reduced at once and the slices
-        combined with ``logaddexp``: the logits stay in the cache instead of 262k × positions
+        combined with ``logaddexp`` in float64 (so the result is within an ulp or two whatever
+        the slices, which depend on how many positions share the pass: 256 slices of 1,024
+        rows for 1,024 positions, where float32 sums drift by ~1e-5 at Gemma's log-sum-exp of
+        ~20): the logits stay in the cache instead of 262k × positions
         of them going through memory twice (the product, then the softmax). Measured on this
         CPU for 70 positions: 0.23 s against 0.38 s for the full logits then ``log_softmax``.
         """
@@ -97,10 +116,10 @@ class Unembedding:
             part = torch.mm(weight[top : top + rows], flat.T)  # [rows, positions]
             if bias is not None:
                 part = part + bias[top : top + rows, None]
-            part = torch.logsumexp(self.capped(part), dim=0)
+            part = torch.logsumexp(self.capped(part), dim=0).double()
             total = part if total is None else torch.logaddexp(total, part)
         assert total is not None  # a vocabulary has rows
-        return total.reshape(hidden.shape[:-1])
+        return total.float().reshape(hidden.shape[:-1])
 
 
 def unembedding_input(unembed: Any, at: Any) -> Any:

@@ -73,6 +73,12 @@ __all__ = ["TransformersBackend", "TransformersHints"]
 _layout, _Packed, _with_hidden = layout, Packed, with_hidden
 __all__ += ["PACK_TOKENS", "NO_BOUND", "ROW_TOKENS"]
 
+#: How many of a study's facts run as one (:class:`~pipatch._engine.Chain`), committed
+#: together: their cells' metrics take one pass over the unembedding per ~1,000 read
+#: positions, where a fact alone takes seven (a 3-kind trace), each costing 60 ms of reading
+#: the 262k rows. A kill loses at most these.
+PLANS_TOGETHER = 4
+
 class TransformersBackend(Described):
     """Runs cells on an nnsight model of a transformers checkpoint, in this process."""
 
@@ -355,8 +361,18 @@ class TransformersBackend(Described):
         unembedding for all of them (70 positions run ~1.3× faster per position than 35 here)."""
         if not fast:
             return [self.run(base, cells, metric, fast=False)[0] for cells in batches]
-        hidden = [self._trace(base, cells, metric, fast=True)[0] for cells in batches]
+        hidden = self.states_many(base, batches, metric)
         return list(self.metric_from_hidden(metric, torch.cat(hidden)).split([len(h) for h in hidden]))
+
+    def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor]:
+        """:meth:`run_many`'s traces (``fast``) without their metric: per batch, the
+        unembedding's input at the read positions, [cells, inputs, n_read, d]."""
+        return [self._trace(base, cells, metric, fast=True)[0] for cells in batches]
+
+    def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
+        """The metric per cell of each ``(metric, states)`` item of :meth:`states_many`, the
+        probabilities' in one pass over the unembedding for all (:meth:`Unembedding.metrics`)."""
+        return self.unembedding.metrics(items)
 
     def _trace(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool,
                full_logits: bool = False, pack: bool = True) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
@@ -623,3 +639,13 @@ class TransformersHints(Hints):
     def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
                  fast: bool = True) -> list[torch.Tensor]:
         return self.backend.run_many(base, batches, metric, fast=fast)
+
+    def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor] | None:
+        return self.backend.states_many(base, batches, metric)
+
+    def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
+        return self.backend.metrics_many(items)
+
+    @property
+    def plans_together(self) -> int:
+        return PLANS_TOGETHER

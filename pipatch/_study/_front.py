@@ -30,7 +30,7 @@ def _count(value: str) -> int:
 
 
 def add_study_arguments(parser: argparse.ArgumentParser, entry: Experiment, *, facts_required: bool = True) -> None:
-    """``FILE --store PATH [--experiment NAME] [--limit N] [--all-facts] [--columns ...]``, then
+    """``FILE --store PATH [--experiment NAME] [--limit N] [--all-facts] [--columns ...] [--in-flight N]``, then
     ``entry``'s options (a per-prompt one optional: each fact gives its own)."""
     parser.add_argument("facts", metavar="FILE", nargs=None if facts_required else "?", default=None,
                         help="the facts: .json (a list of records, ROME's known_1000.json), .jsonl, .csv, .parquet")
@@ -41,13 +41,16 @@ def add_study_arguments(parser: argparse.ArgumentParser, entry: Experiment, *, f
                         help="run every fact, not only those the model knows (top-1 = the answer's first token)")
     parser.add_argument("--columns", default=None, metavar="FIELD=NAME,...",
                         help="other field names, e.g. prompt=text,attribute=target")
+    parser.add_argument("--in-flight", type=_count, default=None, metavar="N",
+                        help="facts run at once (default: the backend's; 1: one by one, each its single run "
+                             "bit for bit); a kill loses at most these")
     add_options(parser, entry, per_fact=True)
 
 
 def study_keywords(args: argparse.Namespace, entry: Experiment) -> dict[str, Any]:
     """:func:`pipatch.study`'s keywords (but the model and the facts) from the parsed flags."""
     return {"store": args.store, "known_only": not args.all_facts, "columns": parse_columns(args.columns),
-            "limit": args.limit, **given_options(args, entry)}
+            "limit": args.limit, "in_flight": args.in_flight, **given_options(args, entry)}
 
 
 def parse_columns(text: str | None) -> dict[str, str] | None:

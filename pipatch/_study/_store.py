@@ -11,7 +11,8 @@ Layout (stdlib :mod:`sqlite3`, no server, one file plus SQLite's ``-wal`` / ``-s
   known-fact rule, with the model's top-1 token) or ``error`` (one line). Never pickle.
 
 **Why it survives a SIGKILL.** The database is in WAL mode and each fact is one transaction
-(``with connection:``): its row is appended to the write-ahead log and the commit record is
+(``with connection:``; facts that ran as one, a :class:`~pipatch._engine.Chain`, are one
+transaction together): its row is appended to the write-ahead log and the commit record is
 written last, so a process killed at any instant leaves either the whole fact or none of it;
 SQLite rolls an unfinished tail of the log back on the next open. ``synchronous=FULL`` also
 syncs the log at every commit, so a committed fact survives a power cut too, not only a
@@ -27,7 +28,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +151,25 @@ class Store:
         """``{index: (fact key, status)}`` of every stored fact."""
         return {row[0]: (row[1], row[2]) for row in self.db.execute("SELECT idx, fact_key, status FROM facts")}
 
-    def put(self, fact: Any, status: str, *, result: Result | None = None, known: bool | None = None,
-            top1: str | None = None, message: str | None = None, groups: Any = None, seconds: float | None = None) -> None:
-        """Commit one fact, whole (one transaction): a rerun after a kill finds it or not at all."""
+    def put(self, fact: Any, status: str, **fields: Any) -> None:
+        """Commit one fact, whole (one transaction): a rerun after a kill finds it or not at all.
+        ``fields``: ``result``, ``known``, ``top1``, ``message``, ``groups``, ``seconds``."""
+        self.put_many([(fact, status, fields)])
+
+    def put_many(self, facts: Sequence[tuple[Any, str, dict[str, Any]]]) -> None:
+        """Commit several facts (``(fact, status, fields)`` each, as :meth:`put`) in one
+        transaction: a rerun finds them all or none (facts that ran as one, whose values
+        depend on each other in their last bits)."""
+        rows = [self._row(fact, status, **fields) for fact, status, fields in facts]
+        with self._lock, self.db:
+            self.db.executemany("INSERT OR REPLACE INTO facts (idx, fact_key, fact_id, relation, status, record, "
+                                "inputs, known, top1, message, groups, header, tensors, seconds, finished) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    @staticmethod
+    def _row(fact: Any, status: str, *, result: Result | None = None, known: bool | None = None,
+             top1: str | None = None, message: str | None = None, groups: Any = None,
+             seconds: float | None = None) -> tuple:
         header = tensors = None
         if result is not None:
             from safetensors.torch import save as save_tensors
@@ -163,10 +180,7 @@ class Store:
         row = (int(fact.index), fact.key, fact.id, fact.relation, status, json.dumps(fact.record, ensure_ascii=False),
                json.dumps(fact.inputs, ensure_ascii=False), None if known is None else int(known), top1, message,
                None if groups is None else json.dumps(groups), header, tensors, seconds, time.time())
-        with self._lock, self.db:
-            self.db.execute("INSERT OR REPLACE INTO facts (idx, fact_key, fact_id, relation, status, record, inputs, "
-                            "known, top1, message, groups, header, tensors, seconds, finished) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+        return row
 
     def integrity(self) -> str:
         """SQLite's ``PRAGMA integrity_check``: ``"ok"`` for a whole file."""

@@ -9,20 +9,25 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
 2. each fact is checked against the **known-fact rule** (ROME's): the model's top-1 next
    token after the prompt must be the first token of the answer. Facts that fail are kept
    in the store with the model's actual top-1, and (``known_only=True``, the default) not run;
-3. each known fact runs through the experiment's own planner and the engine, exactly as
-   ``pipatch.trace(model, prompt, ...)`` would run it alone (so its result is that single
-   trace's, bit for bit, fast paths and all), and is committed to the store
-   (:mod:`._store`, SQLite WAL, one transaction per fact) before the next starts. On a
-   served model several facts are in flight at once (the backend's ``plans_in_flight``),
+3. each known fact is planned by the experiment's own planner, exactly as
+   ``pipatch.trace(model, prompt, ...)`` would plan it alone, runs through the engine, and is
+   committed to the store (:mod:`._store`, SQLite WAL, one transaction) before the next
+   starts. A fact run alone (``in_flight=1``) is that single trace, bit for bit, fast paths
+   and all. By default several facts are in flight at once, as the backend gains by it:
+   in this process (the transformers backend) four run as one :class:`~pipatch._engine.Chain`,
+   each with its own traces but their metrics in one pass over the unembedding, committed
+   together (within 1e-6 of their single traces; a resumed run gives each fact the same
+   company, so the same bits); on a served model four run at once from threads of their own,
    each committed as it ends, so the server batches their requests. Running again on the
    same store resumes; a different configuration is refused in one line;
 4. :class:`Study` reads the store back (finished or not, without a model): each fact's
    :class:`~pipatch.Result`, averages by named position group × layer with 95 % intervals
    (:mod:`._aggregate`), a tidy table, ROME-style line plots and a heatmap.
 
-A study costs what its facts cost one by one: the known-fact check is read off the clean run
-each planner starts with (an unknown fact costs that one forward and nothing more), and a
-commit per fact costs milliseconds (``bench/study.py`` measures the ratio).
+A study costs no more than its facts one by one, and less where they run together: the
+known-fact check is read off the clean run each planner starts with (an unknown fact costs
+that one forward and nothing more), a commit costs milliseconds, and facts in flight share
+the unembedding pass or the server's steps (``bench/study.py`` measures the ratio).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from .._backends._contract import hints_of
 from .._cells import Base, Cell, Metric
 from .._checks import whole_number
 from .._declare import Experiment, text
-from .._engine import EngineError
+from .._engine import Chain, EngineError, Plan
 from .._models import PipatchError
 from .._protocols._inputs import answer_ids, encode, library_versions, subject_positions
 from .._protocols.dataset import named_groups, position_axis, prompt_groups
@@ -94,17 +99,20 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
     limit
         Read only the first ``limit`` records.
     stop
-        A ``threading.Event`` or function: when set, the study stops after the current fact
-        (the fact in flight stops after its batch and is not stored).
+        A ``threading.Event`` or function: when set, the study stops (the facts in flight
+        stop after their batch and are not stored).
     show
         Show the live view in the notebook (:mod:`._view`): the aggregate grid re-drawn as
         facts finish, done / known / total, facts per minute, time left, Stop, and a fact
         list that draws one fact's own grid; its saved copy renders without a kernel.
     in_flight
-        How many facts run at once, each from a thread of its own and committed as it
-        finishes (a kill loses at most these). ``None``: the backend's choice, 1 but on the
-        served backend (4: the server batches what they send). Each fact's result is the
-        same whichever facts run beside it.
+        How many facts run at once (a kill loses at most these). ``None``: the backend's
+        choice. In this process (transformers: 4) they run as one, their metrics in one pass
+        over the unembedding, and commit together; fact ``i`` always runs with the others of
+        ``i // in_flight``, so a resumed run repeats its bits. On a served model (4) each
+        runs from a thread of its own and commits as it ends, its result the same whichever
+        facts run beside it. ``1``: one by one, each its single trace bit for bit. vLLM in
+        process: 1.
     **options
         The experiment's own options (``seeds=``, ``sites=``, ``site=``, ...), checked by its
         declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact.
@@ -129,7 +137,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         "pipatch_version": library_versions().get("pipatch"),
         **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
-    width = _in_flight(backend, in_flight)
+    width, together = _in_flight(backend, in_flight)
     target, view = Store(store), None
     try:
         target.check_config(config)
@@ -148,8 +156,8 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             view = StudyView(lambda: Study(target.path), len(records))
             view.display()
             progress, stop = _both(view.progress, progress), _either(stop, view.stop)
-        _each_fact(records, stored, lambda fact, halt: _run_fact(target, entry, backend, plan, fact, bound,
-                                                                 known_only, halt), progress, stop, width)
+        _each_fact(records, stored, lambda facts, halt: _run_facts(target, entry, backend, plan, facts, bound,
+                                                                   known_only, halt), progress, stop, width, together)
     finally:
         target.close()
         if view is not None:
@@ -157,28 +165,37 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
     return Study(store)
 
 
-def _in_flight(backend: Any, asked: int | None) -> int:
-    """How many facts run at once: the backend's hint, or ``asked`` up to it (a model in this
-    process runs one trace at a time; several from threads would only queue, or collide)."""
-    most = hints_of(backend).plans_in_flight
-    if asked is None:
-        return most
-    asked = whole_number(asked, "in_flight (facts run at once)", minimum=1)
-    if asked > most:
-        raise PipatchError(f"in_flight={asked}: the {backend.backend_name} backend runs {most} fact"
-                           f"{'s' if most > 1 else ''} at a time; several run at once on a served model "
-                           "(pipatch.load_model(serve=URL)), or leave in_flight out")
-    return asked
+def _in_flight(backend: Any, asked: int | None) -> tuple[int, int]:
+    """How many facts run at once, as ``(threads, facts run as one by each)``: the backend's
+    hint, or ``asked`` up to it. A served model batches what several threads send it
+    (``plans_in_flight``); a model in this process runs one trace at a time (threads would
+    only queue, or collide), but several facts may run as one :class:`~pipatch._engine.Chain`
+    (``plans_together``)."""
+    hints = hints_of(backend)
+    threads = hints.plans_in_flight > 1
+    most = hints.plans_in_flight if threads else hints.plans_together
+    if asked is not None:
+        asked = whole_number(asked, "in_flight (facts run at once)", minimum=1)
+        if asked > most:
+            raise PipatchError(f"in_flight={asked}: the {backend.backend_name} backend runs {most} fact"
+                               f"{'s' if most > 1 else ''} at a time at most: leave in_flight out, or give "
+                               f"{'1' if most == 1 else f'1 to {most}'}")
+    n = most if asked is None else asked
+    return (n, 1) if threads else (1, n)
 
 
-def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]], run: Callable[[Fact, Any], Result | None],
-               progress: Progress | None, stop: Any, width: int) -> None:
-    """``run(fact, stop)`` for each record not finished in an earlier run (an error is tried
-    again), ``width`` at a time, telling ``progress`` of each in this thread as it finishes.
+def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]],
+               run: Callable[[list[Fact], Any], list[Result | None]], progress: Progress | None, stop: Any,
+               width: int, together: int = 1) -> None:
+    """``run(facts, stop)`` for the records not finished in an earlier run (an error is tried
+    again), telling ``progress`` of each in this thread as it finishes.
 
-    ``width`` 1: one after another, in order. Above it, facts run on threads of their own
-    (each commits its own transaction as it ends); an interrupt or failure here stops those
-    in flight after their current batch (they are not stored) before it propagates."""
+    ``together`` above 1: the facts run in runs of that many, by their place in the records
+    (fact ``i`` with the others of ``i // together``, whatever finished before: a resumed run
+    gives each the same company, so the same bits), one after another. Else one by one:
+    ``width`` 1, in order; above it, on threads of their own (each commits its own
+    transaction as it ends), where an interrupt or failure here stops those in flight after
+    their current batch (they are not stored) before it propagates."""
     todo = []
     for fact in records:
         if stored.get(fact.index, (None, None))[1] in ("done", "unknown"):
@@ -186,10 +203,14 @@ def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]], run: Cal
         else:
             todo.append(fact)
     if width == 1:
+        runs: dict[int, list[Fact]] = {}
         for fact in todo:
+            runs.setdefault(fact.index // together, []).append(fact)
+        for facts in runs.values():
             if _stopped(stop):
                 break
-            _tell(progress, fact, run(fact, stop))
+            for fact, result in zip(facts, run(facts, stop)):
+                _tell(progress, fact, result)
         return
     halt = threading.Event()
     halted = _either(stop, halt)
@@ -207,7 +228,7 @@ def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]], run: Cal
                     finish_one()
                 if _stopped(stop):
                     break
-                running[pool.submit(run, fact, halted)] = fact
+                running[pool.submit(lambda fact: run([fact], halted)[0], fact)] = fact
             while running:
                 finish_one()
         except BaseException:
@@ -215,22 +236,57 @@ def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]], run: Cal
             raise
 
 
-def _run_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact,
-              bound: dict[str, Any], known_only: bool, stop: Any) -> Result | None:
-    """Check, run and commit one fact; ``None`` unless it ran to the end.
+def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, facts: list[Fact],
+               bound: dict[str, Any], known_only: bool, stop: Any) -> list[Result | None]:
+    """Check, run and commit ``facts``; per fact its result, ``None`` unless it ran to the end.
 
-    The fact is planned and run exactly as ``pipatch.<experiment>(model, **its inputs)`` would
-    run it alone (same planner, same engine, the fast paths as the options say), so its
-    stored result equals that single run's bit for bit. The known-fact check rides on the
-    planner's own clean run (:class:`_KnownCheck`): no extra forward for a known fact, and an
-    unknown one stops at that run.
+    Each fact is planned exactly as ``pipatch.<experiment>(model, **its inputs)`` would plan
+    it alone (same planner, same engine, the fast paths as the options say). The known-fact
+    check rides on the planner's own clean run (:class:`_KnownCheck`): no extra forward for a
+    known fact, and an unknown one stops at that run (and is committed as such at once). A
+    known fact alone runs as that single run, so its stored result equals it bit for bit.
+    Several run as one :class:`~pipatch._engine.Chain` where the backend gains by it (the
+    transformers backend: their metrics in one pass over the unembedding), within 1e-6 of
+    their single runs and committed in one transaction, all or none.
     """
+    ready: list[tuple[Fact, Any, bool | None, str, float]] = []
+    for fact in facts:
+        started = time.perf_counter()
+        planned = _plan_fact(target, entry, backend, plan, fact, bound, known_only)
+        if planned is not None:
+            ready.append((fact, *planned, time.perf_counter() - started))
+    out: dict[int, Result | None] = {}
+    chained = len(ready) > 1 and all(type(p).run is Plan.run for _, p, _, _, _ in ready)
+    groups = [ready] if chained else [[one] for one in ready]
+    for group in groups:
+        started = time.perf_counter()
+        try:
+            results = (Chain([p for _, p, _, _, _ in group]).run(stop=stop) if chained
+                       else [group[0][1].run(stop=stop)])
+            if any(result.status != "done" for result in results):  # stopped: not stored, run again next time
+                continue
+            rows = [(fact, "done", {"result": result, "known": known, "top1": top1,
+                                    "groups": _groups(backend, fact_plan, result, fact),
+                                    "seconds": planning + (time.perf_counter() - started) / len(group)})
+                    for (fact, fact_plan, known, top1, planning), result in zip(group, results)]
+        except (PipatchError, EngineError) as error:
+            why = f"the run failed: {error}" if isinstance(error, EngineError) else str(error)
+            target.put_many([(fact, "error", {"message": f"{fact.name}: {why}"}) for fact, *_ in group])
+            continue
+        target.put_many(rows)
+        out.update({id(fact): result for (fact, *_), result in zip(group, results)})
+    return [out.get(id(fact)) for fact in facts]
+
+
+def _plan_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact, bound: dict[str, Any],
+               known_only: bool) -> tuple[Any, bool | None, str] | None:
+    """One fact's plan, whether the model knows it and its top-1 token; ``None`` where it does
+    not run (malformed, unknown with ``known_only``, refused by its planner), committed so."""
     if fact.error is not None:
         target.put(fact, "error", message=fact.error)
         return None
     inputs = {**bound, **fact.inputs}
     prompt, answer = inputs[entry.prompts.fields[0]], inputs.get("answer")
-    started = time.perf_counter()
     try:
         first = None if answer is None else answer_ids(backend, answer, "answer")[0]
         checked = _KnownCheck(backend, first, stop_unknown=known_only)
@@ -243,22 +299,14 @@ def _run_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fa
             known, top1 = known_fact(backend, prompt, answer)
         else:
             known, top1 = (None if first is None else checked.top1 == first), backend.decode([checked.top1])[0]
-        if known_only and known is False:
-            target.put(fact, "unknown", known=False, top1=top1)
-            return None
-        result = fact_plan.run(stop=stop)
-        if result.status != "done":  # stopped mid-fact: not stored, the next run does it again
-            return None
-        groups = _groups(backend, fact_plan, result, fact)
-    except PipatchError as error:
-        target.put(fact, "error", message=f"{fact.name}: {error}")
+    except (PipatchError, EngineError) as error:
+        why = f"the run failed: {error}" if isinstance(error, EngineError) else str(error)
+        target.put(fact, "error", message=f"{fact.name}: {why}")
         return None
-    except EngineError as error:
-        target.put(fact, "error", message=f"{fact.name}: the run failed: {error}")
+    if known_only and known is False:
+        target.put(fact, "unknown", known=False, top1=top1)
         return None
-    target.put(fact, "done", result=result, known=known, top1=top1, groups=groups,
-               seconds=time.perf_counter() - started)
-    return result
+    return fact_plan, known, top1
 
 
 class _Unknown(Exception):
