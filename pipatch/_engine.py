@@ -27,7 +27,11 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
   the transformers backend then computes all their metrics in one product with the
   unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
-  row so a front end can draw it live, and checks ``stop`` between batches.
+  row so a front end can draw it live, and checks ``stop`` between batches;
+* runs a :class:`Chain` (several plans in turn, each into its own result: a study's facts,
+  never drawn row by row) with their metrics pooled (:class:`_Pool`): each batch runs up to
+  its metric's states (the hints' ``states_many``), and the pool finishes a thousand read
+  positions of them at once (``metrics_many``: one pass over the unembedding for all).
 
 **The backend seam.** The engine and the protocols never touch a model: every call into it
 goes through the backend object (:mod:`pipatch._backends`; its core members typed by

@@ -73,3 +73,39 @@ def assert_same_multi_token(got_model, want_model, backend: str, everything: boo
         assert_same(got, want, backend=backend)
     clicks = [plan_patch(m, **pair, positions=[-1]).predictor()("resid", 14, 0, k=5) for m in (got_model, want_model)]
     assert [t for t, _ in clicks[0]] == [t for t, _ in clicks[1]] and clicks[1][0][0] == " New"
+
+
+def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") -> None:
+    """A circuit scored on transformers (``model``), checked on ``other`` (vLLM, served): its
+    gradients refused in one line naming ``scores=``; with the scores, every checked edge's
+    exact patch equals the transformers one's (senders and receivers of every kind among the
+    top 30: the embeddings, heads, MLPs; q/k/v, MLP inputs, the logits), and the curve,
+    which feeds each receiver its own input, is one warning, the checks kept."""
+    import pytest
+
+    import pipatch
+    from pipatch._models import PipatchError
+
+    with pytest.raises(PipatchError) as error:
+        pipatch.circuit(other, **pair, verify=0, curve=0)
+    assert "\n" not in str(error.value) and "gradients" in str(error.value) and "scores=result" in str(error.value)
+    options = {**pair, "method": "eap", "verify": 30, "curve": 2}
+    scored = pipatch.circuit(model, **options)
+    checked = pipatch.circuit(other, **options, scores=scored)
+    assert checked.meta["scores_from"]["backend"] == "transformers" and checked.meta["backend"] == backend
+    assert torch.allclose(checked.raw["edges"] - checked.corrupt[0], scored.raw["edges"] - scored.corrupt[0],
+                          atol=1e-5, equal_nan=True)  # the scores given, on this run's corrupt baseline
+    mine, theirs = checked.meta["checked"], scored.meta["checked"]
+    assert [(e["sender"], e["receiver"]) for e in mine] == [(e["sender"], e["receiver"]) for e in theirs]
+    got = torch.tensor([e["exact"] for e in mine])
+    want = torch.tensor([e["exact"] for e in theirs])
+    print(f"circuit checks on {backend}: max |Δ| {float((got - want).abs().max()):.2g}")
+    assert_close(got, want, atol=ATOL * 10)
+    def kind(name: str) -> str:  # "emb", "mlp12", "12.2" (a head), "14.0.q" (its query input), "logits"
+        return name.rstrip("0123456789") if not name[0].isdigit() else ("head" if name.count(".") == 1 else "qkv")
+
+    senders, receivers = {kind(e["sender"]) for e in mine}, {kind(e["receiver"]) for e in mine}
+    assert senders == {"emb", "head", "mlp"} and receivers == {"qkv", "mlp", "logits"}, (senders, receivers)
+    assert checked.meta["agreement"]["n"] == 30
+    assert [w for w in checked.warnings if w.startswith("no faithfulness curve:") and "curve=0" in w]
+    assert "faithfulness" not in checked.meta and scored.meta["faithfulness"]["sizes"]

@@ -91,12 +91,27 @@ def test_every_experiment_equals_the_local_backend_on_a_tiny_family(name):
     assert_equal_results(python_result(remote, name, kwargs), python_result(local, name, kwargs), atol=1e-6)
 
 
-def test_a_circuit_is_refused_in_one_line():
-    remote = tiny_model("qwen2")
+def test_a_circuit_is_scored_locally_and_checked_remotely():
+    """A remote model takes no local backward: its gradients are refused in one line naming
+    ``scores=``. Given a local circuit's scores, the remote runs the exact edge patches (each
+    equal to the local one's) and says in one warning that the curve needs a local model."""
+    local, remote = tiny_model("qwen2"), tiny_model("qwen2")
     remote._pipatch_remote = "local"
-    with pytest.raises(PipatchError, match="run circuit on a local model") as caught:
+    with pytest.raises(PipatchError, match=r"score it on a local model .*scores=result\)$") as caught:
         pipatch.circuit(remote, **TINY["circuit"])
     assert "\n" not in str(caught.value)
+    scored = pipatch.circuit(local, **TINY["circuit"])
+    checked = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored})
+    assert checked.meta["scores_from"]["backend"] == "transformers" and checked.meta["method"] == scored.meta["method"]
+    assert torch.allclose(checked.raw["edges"] - checked.corrupt[0], scored.raw["edges"] - scored.corrupt[0],
+                          atol=1e-6, equal_nan=True)  # the scores given, on this run's corrupt baseline
+    mine, theirs = checked.meta["checked"], scored.meta["checked"]
+    assert [(e["sender"], e["receiver"]) for e in mine] == [(e["sender"], e["receiver"]) for e in theirs]
+    assert len(mine) == 3 and all(abs(a["exact"] - b["exact"]) <= 1e-6 for a, b in zip(mine, theirs)), (mine, theirs)
+    assert "faithfulness" not in checked.meta and "faithfulness" in scored.meta
+    assert [w for w in checked.warnings if w.startswith("no faithfulness curve:") and "curve=0" in w]
+    quiet = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored, "curve": 0})
+    assert not [w for w in quiet.warnings if "faithfulness" in w]
 
 
 def test_attribution_runs_its_gradients_as_a_request(simulated, model):

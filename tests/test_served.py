@@ -38,7 +38,13 @@ from pipatch._engine import EngineError  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
 from pipatch._serve import Spawned  # noqa: E402
 from pipatch._sites import RESID  # noqa: E402
-from tests._equal import assert_close, assert_same, assert_same_click, assert_same_multi_token  # noqa: E402
+from tests._equal import (  # noqa: E402
+    assert_close,
+    assert_same,
+    assert_same_circuit_checks,
+    assert_same_click,
+    assert_same_multi_token,
+)
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -143,6 +149,10 @@ def test_the_logit_lens_equals_the_hand_reference(served, model):
     rank = pipatch.lens(served, EIFFEL, answer=" Paris", metric="rank")
     assert rank.metric == "rank" and float(rank.grid[-1, -1]) == 0.0
     assert_ranks_close(rank.grid, reference_lens(model, EIFFEL, " Paris", "rank"))
+
+
+def test_a_circuit_scored_on_transformers_is_checked_through_the_server(served, model):
+    assert_same_circuit_checks(served, model, PAIR, backend="served")
 
 
 def test_attribution_is_refused_in_one_line(served):

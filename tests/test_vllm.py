@@ -29,7 +29,13 @@ from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._load import _SHARED, shared_model  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
-from tests._equal import assert_close, assert_same, assert_same_click, assert_same_multi_token  # noqa: E402
+from tests._equal import (  # noqa: E402
+    assert_close,
+    assert_same,
+    assert_same_circuit_checks,
+    assert_same_click,
+    assert_same_multi_token,
+)
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -293,11 +299,8 @@ def test_attribution_is_refused_in_one_line(vllm_model):
     assert "\n" not in message and "gradients" in message and "backend='transformers'" in message
 
 
-def test_a_circuit_is_refused_in_one_line(vllm_model):
-    with pytest.raises(PipatchError) as error:
-        pipatch.circuit(vllm_model, **PAIR, verify=0)
-    message = str(error.value)
-    assert "\n" not in message and "gradients" in message and "backend='transformers'" in message
+def test_a_circuit_scored_on_transformers_is_checked_here(vllm_model, model):
+    assert_same_circuit_checks(vllm_model, model, PAIR, backend="vllm")
 
 
 # --------------------------------------------------------------------------------------------

@@ -146,12 +146,13 @@ class NDIFBackend(TransformersBackend):
     def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
                    corrupt: Capture, steps: int) -> tuple[Any, Any]:
         raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a remote "
-                           "model does not offer: run circuit on a local model (pipatch.load_model(name))")
+                           "model does not offer: score it on a local model (pipatch.load_model(name)) and check those "
+                           "here, pipatch.circuit(..., scores=result)")
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
                         keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         raise PipatchError("a circuit's runs feed each receiver its own input through local hooks, which a remote model "
-                           "does not offer: run circuit on a local model (pipatch.load_model(name))")
+                           "does not offer: measure the curve on a local model (pipatch.load_model(name)), or pass curve=0")
 
     # -- the requests -------------------------------------------------------------------------
     def _request(self, ids: torch.Tensor, body: Any, args: tuple, n_read: int, *, keyword: bool = False) -> Any:

@@ -290,13 +290,13 @@ class VLLMBackend(Described):
 
     def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
                    corrupt: Capture, steps: int) -> tuple[Any, Any]:
-        raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: load the model with "
-                           "backend='transformers' (the default) for circuit")
+        raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: score it on "
+                           "backend='transformers' (the default) and check those here, pipatch.circuit(..., scores=result)")
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
                         keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         raise PipatchError("a circuit's runs feed each receiver its own input, which pipatch does on the transformers "
-                           "backend only: load the model with backend='transformers' (the default) for circuit")
+                           "backend only: measure the curve there (backend='transformers'), or pass curve=0")
 
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:

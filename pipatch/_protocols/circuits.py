@@ -37,6 +37,13 @@ corrupt run gave is the average, position by position, over the dataset's prompt
 corrupt (so they must have one length in tokens); recovery is still read between the clean
 and corrupt metrics, so the empty circuit's point says how much the mean alone keeps.
 
+**Backends.** The gradients and the curve's runs (each receiver fed its own input) are the
+transformers backend's. vLLM, a served model and NDIF refuse the gradients in one line, and
+check scores computed there: ``pipatch.circuit(vllm_model, ..., scores=result)`` (a circuit
+result of the same model, or its file) runs the exact edge patches on that backend, the
+checks and their rank correlation kept; the curve is then one warning (``curve=0`` asks for
+none).
+
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
 
@@ -47,6 +54,7 @@ its normalized recovery reads on the patching scale; :meth:`pipatch.Result.edges
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,7 +67,7 @@ from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
 from .._engine import Plan, Predictor, Sweep, check_batch_size, stop_check
 from .._models import Adapter, PipatchError
-from .._result import VIEW_EDGES, Result
+from .._result import VIEW_EDGES, Result, load_result
 from .._sites import ATTN, EMBED, HEAD, MLP, MLP_IN, QKV, projection
 from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
 from .attribution import spearman
@@ -253,6 +261,8 @@ class _CircuitPlan(Plan):
                     break
         except KeyboardInterrupt:
             result.status, result.message = "interrupted", "interrupted during the faithfulness curve; its points so far are kept"
+        except PipatchError as refused:  # a backend that cannot feed each receiver its own input (vLLM)
+            result.warnings.append(f"no faithfulness curve: {refused}")
         return result
 
     def finish(self) -> None:
@@ -352,6 +362,23 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
 # --------------------------------------------------------------------------------------------
 
 
+def _given_scores(value: Any, senders: list[Node], receivers: list[Node]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``scores=``: the edge scores of a circuit computed elsewhere (a circuit
+    :class:`~pipatch.Result`, or the file it was saved to), for a backend that takes no
+    gradients (vLLM, a served model) to check and measure: ([receivers, senders], its meta).
+    Its graph must be this model's, node for node."""
+    found = load_result(value) if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(found, Result) or found.kind != "circuit":
+        raise PipatchError(f"scores={type(value).__name__}: give the result of pipatch.circuit (or the file it was "
+                           "saved to) computed on a model that takes gradients (backend='transformers')")
+    theirs = (found.meta.get("senders"), found.meta.get("receivers"))
+    if theirs != ([n.name for n in senders], [n.name for n in receivers]):
+        raise PipatchError(f"scores=: its circuit has {len(theirs[0] or [])} senders and {len(theirs[1] or [])} "
+                           f"receivers, this model {len(senders)} and {len(receivers)}: score the same model "
+                           "(its transformers checkpoint) and pass that result")
+    return (found.raw[VIEW][0] - float(found.corrupt[0])).float(), dict(found.meta)
+
+
 def _pairs(clean: Any, corrupt: Any, answer: Any, foil: Any) -> list[tuple[str, str, Any, Any]]:
     """One pair, or a dataset's (lists of equal length; an answer or foil given once holds for all)."""
     if not isinstance(clean, (list, tuple)):
@@ -397,8 +424,10 @@ def plan_circuit(
     ablation: str,
     metric: str,
     batch_size: int | None,
+    scores: Any = None,
 ) -> Plan:
-    """Score every edge (the gradient passes run here); plan the exact patches of the top ones.
+    """Score every edge (the gradient passes run here, unless ``scores`` gives them); plan the
+    exact patches of the top ones.
 
     ``backend`` runs the model; the other parameters are :func:`pipatch.circuit`'s.
     """
@@ -413,19 +442,25 @@ def plan_circuit(
     mean_of = _mean_prompts(pairs) if ablation == "mean" and curve else None
     senders, receivers, valid = graph(adapter)
     batch = check_batch_size(batch_size, max(p.clean_ids.shape[1] for p in pairs), backend)
+    given = _given_scores(scores, senders, receivers) if scores is not None else None
 
     total = torch.zeros(valid.shape, dtype=torch.float64)
     runs: list[tuple[Any, Capture, Capture]] = []
     cleans, corrupts = [], []
     for pair in pairs:
         clean_run, corrupt_run = backend.captures([pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
-        writes, grads = backend.edge_terms(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run, corrupt_run,
-                                           steps if method == "eap-ig" else 1)
-        total += torch.einsum("rtd,std->rs", _gradients(grads, adapter).double(), _writes(writes, adapter).double())
+        if given is None:
+            writes, grads = backend.edge_terms(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run, corrupt_run,
+                                               steps if method == "eap-ig" else 1)
+            total += torch.einsum("rtd,std->rs", _gradients(grads, adapter).double(), _writes(writes, adapter).double())
         runs.append((pair, clean_run, corrupt_run))
         cleans.append(float(clean_run.metric[0]))
         corrupts.append(float(corrupt_run.metric[0]))
-    scores = (total / len(pairs)).float()
+    if given is not None:
+        scores, source = given
+        method, steps = source.get("method", method), int(source.get("steps", steps))
+    else:
+        scores = (total / len(pairs)).float()
     scores[~valid] = float("nan")
     clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
 
@@ -439,8 +474,11 @@ def plan_circuit(
         "senders": [s.name for s in senders], "receivers": [r.name for r in receivers],
         "corrupt_runs": corrupts, "clean_runs": cleans,
         "estimate": "EAP: (clean − corrupt) sender write · d metric / d receiver input, at the corrupt run"
-                    + (f", averaged over {steps} points towards the clean input (EAP-IG)" if method == "eap-ig" else ""),
+                    + (f", averaged over {steps} points towards the clean input (EAP-IG)" if method == "eap-ig" else "")
+                    + (f"; scored on {given[1].get('backend')} (scores=), checked here" if given is not None else ""),
     })
+    if given is not None:
+        meta["scores_from"] = {k: given[1].get(k) for k in ("model", "backend", "dtype", "method", "steps")}
     if len(pairs) > 1:
         meta["pairs"] = [{"clean": p.clean, "corrupt": p.corrupt, "answer": p.answer, "foil": p.foil} for p in pairs]
     result = Result(
@@ -494,6 +532,9 @@ DECLARATION = Experiment(
         Param("share", 0.8, "the share of the clean behaviour (normalized recovery) the smallest circuit reported must "
               "reach", "float", parse=float),
         METRIC, BATCH_SIZE,
+        Param("scores", None, "the edge scores of a circuit computed elsewhere (its result, or the file it was saved "
+              "to): a model that takes no gradients (vLLM, served) checks them with exact patches", "Result | str | None",
+              shown="computed here"),
     ),
     example='%%circuit --answer " Mary" --foil " John" --verify 10 -o circ\n'
             "clean: When Mary and John went to the store, John gave a drink to\n"
