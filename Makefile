@@ -86,12 +86,12 @@ test-e2e: $(STAMP) chromium
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(PY) bench/ndif.py
-	$(PY) bench/study.py
+	$(PY) bench/study.py --repeat 1
 	$(PY) bench/circuit.py
 	$(VPY) bench/backends.py
 	$(VPY) bench/served.py
-	$(VPY) bench/study.py --backend vllm
-	$(VPY) bench/study.py --backend served
+	$(VPY) bench/study.py --backend vllm --seeds 1 --repeat 1
+	$(VPY) bench/study.py --backend served --seeds 1 --repeat 1
 
 # The backend seam and the engine, against the typed contract (pipatch/_backends/_contract.py).
 typecheck: $(STAMP)

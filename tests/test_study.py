@@ -556,7 +556,7 @@ def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_p
     assert clicks[0][0] == "trace" and torch.allclose(clicks[0][1], found[1].grid.nan_to_num(-9), atol=1e-6)
     assert clicks[1][0] == "study" and torch.allclose(clicks[1][1], snapshots[2][3])
     assert views[-1].grid.status == "done" and not views[-1].grid.stoppable
-    # Stop keeps what finished: the study ends after the fact in flight, the rest pending.
+    # Stop keeps what finished: the study ends after the facts in flight, the rest pending.
     pressed: list = []
 
     def press_stop(index, record, result):

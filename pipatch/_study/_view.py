@@ -6,7 +6,7 @@ after each fact, with
 
 * a status line (the grid's ``message``, drawn as text): facts done / known / total, facts per
   minute, and the time left (the grid's ``eta``);
-* the grid's **Stop** button: the study stops after the fact in flight, every finished fact
+* the grid's **Stop** button: the study stops after the facts in flight, every finished fact
   stays in the store (run again to resume);
 * a **fact list** (an ``ipywidgets.Select``, its options plain text, never HTML): the first
   entry is the aggregate, then each finished fact by its index, id and subject; choosing one
