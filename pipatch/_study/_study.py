@@ -16,8 +16,8 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
    and all. By default several facts are in flight at once, as the backend gains by it:
    in this process (the transformers backend) four run as one :class:`~pipatch._engine.Chain`,
    each with its own traces but their metrics in one pass over the unembedding, committed
-   together (within 1e-6 of their single traces; a resumed run gives each fact the same
-   company, so the same bits); on a served model four run at once from threads of their own,
+   together (their single traces' values up to float32 rounding, ≤ 1e-5 in probability on
+   Gemma; a resumed run gives each fact the same company, so the same bits); on a served model four run at once from threads of their own,
    each committed as it ends, so the server batches their requests. Running again on the
    same store resumes; a different configuration is refused in one line;
 4. :class:`Study` reads the store back (finished or not, without a model): each fact's
@@ -246,8 +246,8 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
     known fact, and an unknown one stops at that run (and is committed as such at once). A
     known fact alone runs as that single run, so its stored result equals it bit for bit.
     Several run as one :class:`~pipatch._engine.Chain` where the backend gains by it (the
-    transformers backend: their metrics in one pass over the unembedding), within 1e-6 of
-    their single runs and committed in one transaction, all or none.
+    transformers backend: their metrics in one pass over the unembedding), their single
+    runs' values up to float32 rounding, and committed in one transaction, all or none.
     """
     ready: list[tuple[Fact, Any, bool | None, str, float]] = []
     for fact in facts:
@@ -270,8 +270,7 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
                                     "seconds": planning + (time.perf_counter() - started) / len(group)})
                     for (fact, fact_plan, known, top1, planning), result in zip(group, results)]
         except (PipatchError, EngineError) as error:
-            why = f"the run failed: {error}" if isinstance(error, EngineError) else str(error)
-            target.put_many([(fact, "error", {"message": f"{fact.name}: {why}"}) for fact, *_ in group])
+            target.put_many([(fact, "error", {"message": _failure(fact, error)}) for fact, *_ in group])
             continue
         target.put_many(rows)
         out.update({id(fact): result for (fact, *_), result in zip(group, results)})
@@ -300,13 +299,18 @@ def _plan_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, f
         else:
             known, top1 = (None if first is None else checked.top1 == first), backend.decode([checked.top1])[0]
     except (PipatchError, EngineError) as error:
-        why = f"the run failed: {error}" if isinstance(error, EngineError) else str(error)
-        target.put(fact, "error", message=f"{fact.name}: {why}")
+        target.put(fact, "error", message=_failure(fact, error))
         return None
     if known_only and known is False:
         target.put(fact, "unknown", known=False, top1=top1)
         return None
     return fact_plan, known, top1
+
+
+def _failure(fact: Fact, error: Exception) -> str:
+    """The one line a fact that failed is stored with: its name, and what its planner refused
+    or which batch failed."""
+    return f"{fact.name}: " + (f"the run failed: {error}" if isinstance(error, EngineError) else str(error))
 
 
 class _Unknown(Exception):
