@@ -79,8 +79,9 @@ def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") 
     """A circuit scored on transformers (``model``), checked on ``other`` (vLLM, served): its
     gradients refused in one line naming ``scores=``; with the scores, every checked edge's
     exact patch equals the transformers one's (senders and receivers of every kind among the
-    top 30: the embeddings, heads, MLPs; q/k/v, MLP inputs, the logits), and the curve,
-    which feeds each receiver its own input, is one warning, the checks kept."""
+    top 30: the embeddings, heads, MLPs; q/k/v, MLP inputs, the logits), and the faithfulness
+    curve, whose runs feed each receiver its own input, equals the transformers one point for
+    point, with the same size at 80 %."""
     import pytest
 
     import pipatch
@@ -89,7 +90,7 @@ def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") 
     with pytest.raises(PipatchError) as error:
         pipatch.circuit(other, **pair, verify=0, curve=0)
     assert "\n" not in str(error.value) and "gradients" in str(error.value) and "scores=result" in str(error.value)
-    options = {**pair, "method": "eap", "verify": 30, "curve": 2}
+    options = {**pair, "method": "eap", "verify": 30, "curve": 6}
     scored = pipatch.circuit(model, **options)
     checked = pipatch.circuit(other, **options, scores=scored)
     assert checked.meta["scores_from"]["backend"] == "transformers" and checked.meta["backend"] == backend
@@ -107,5 +108,38 @@ def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") 
     senders, receivers = {kind(e["sender"]) for e in mine}, {kind(e["receiver"]) for e in mine}
     assert senders == {"emb", "head", "mlp"} and receivers == {"qkv", "mlp", "logits"}, (senders, receivers)
     assert checked.meta["agreement"]["n"] == 30
-    assert [w for w in checked.warnings if w.startswith("no faithfulness curve:") and "curve=0" in w]
-    assert "faithfulness" not in checked.meta and scored.meta["faithfulness"]["sizes"]
+    assert not checked.warnings, checked.warnings
+    mine, theirs = checked.meta["faithfulness"], scored.meta["faithfulness"]
+    assert mine["sizes"] == theirs["sizes"] and mine["size"] == theirs["size"] is not None
+    print(f"faithfulness curve on {backend}: max |Δ| "
+          f"{max(abs(a - b) for a, b in zip(mine['recovery'], theirs['recovery'])):.2g}, size {mine['size']}")
+    assert_close(torch.tensor(mine["recovery"]), torch.tensor(theirs["recovery"]))
+
+
+def assert_same_circuit_runs(other, model, pair: dict, prompts: list[str]) -> None:
+    """A circuit's runs on ``other`` (vLLM, served) equal the transformers backend's, mask for
+    mask: none kept (the corrupt run), the edge embeddings → logits alone, a random half of the
+    graph's edges, every edge; each against the corrupt run's values and against the mean over
+    ``prompts`` (mean ablation; equal token counts)."""
+    from pipatch._backends import backend_for
+    from pipatch._protocols.circuits import graph
+    from pipatch._protocols.patching import pair_inputs
+
+    mine, theirs = backend_for(other), backend_for(model)
+    _, _, valid = graph(theirs.adapter)
+    emb_edge = torch.zeros_like(valid)
+    emb_edge[-1, 0] = True  # receivers end with the logits, senders start with the embeddings
+    half = valid & (torch.rand(valid.shape, generator=torch.Generator().manual_seed(0)) < 0.5)
+    masks = torch.stack([torch.zeros_like(valid), emb_edge, half, valid])
+    for backend in (mine, theirs):
+        assert graph(backend.adapter)[2].equal(valid)
+    runs = [pair_inputs(b, pair["clean"], pair["corrupt"], pair["answer"], pair["foil"], "logit_diff")
+            for b in (mine, theirs)]
+    means = [[b.tokenizer(t, return_tensors="pt").input_ids for t in prompts] for b in (mine, theirs)]
+    assert len({ids.shape[1] for ids in means[0]}) == 1
+    for mean in (False, True):
+        got, want = (b.circuit_metrics(r.clean_ids, r.corrupt_ids, r.metric, masks, m if mean else None)
+                     for b, r, m in zip((mine, theirs), runs, means))
+        print(f"circuit runs ({'mean' if mean else 'corrupt'} ablation): max |Δ| {float((got - want).abs().max()):.2g}")
+        assert_close(got, want)
+        assert (want[2:] - want[0]).abs().min() > 1e-2  # half the edges, and all, move the metric

@@ -10,6 +10,8 @@ pytest_plugins = ["tests._require"]
 
 EIFFEL = "The Eiffel Tower is in the city of"
 COLOSSEUM = "The Colosseum is in the city of"
+#: Prompts of EIFFEL's length on Gemma 3 (9 tokens): mean ablation's dataset.
+MEAN_PROMPTS = [EIFFEL, COLOSSEUM, "The Space Needle is in the city of", "The Louvre Museum is in the city of"]
 #: Two pairs of one length (Paris vs Rome), averaged over the last position: a small dataset.
 TWO_PAIRS = {"clean": [EIFFEL, "The Louvre is in the city of"], "corrupt": [COLOSSEUM, "The Vatican is in the city of"],
              "answer": " Paris", "foil": " Rome", "positions": [-1]}

@@ -42,10 +42,11 @@ from tests._equal import (  # noqa: E402
     assert_close,
     assert_same,
     assert_same_circuit_checks,
+    assert_same_circuit_runs,
     assert_same_click,
     assert_same_multi_token,
 )
-from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+from tests.conftest import COLOSSEUM, EIFFEL, MEAN_PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -153,6 +154,10 @@ def test_the_logit_lens_equals_the_hand_reference(served, model):
 
 def test_a_circuit_scored_on_transformers_is_checked_through_the_server(served, model):
     assert_same_circuit_checks(served, model, PAIR, backend="served")
+
+
+def test_a_circuits_runs_through_the_server_equal_the_transformers_backends(served, model):
+    assert_same_circuit_runs(served, model, PAIR, MEAN_PROMPTS)
 
 
 def test_attribution_is_refused_in_one_line(served):

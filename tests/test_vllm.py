@@ -33,10 +33,11 @@ from tests._equal import (  # noqa: E402
     assert_close,
     assert_same,
     assert_same_circuit_checks,
+    assert_same_circuit_runs,
     assert_same_click,
     assert_same_multi_token,
 )
-from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
+from tests.conftest import COLOSSEUM, EIFFEL, MEAN_PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -301,6 +302,12 @@ def test_attribution_is_refused_in_one_line(vllm_model):
 
 def test_a_circuit_scored_on_transformers_is_checked_here(vllm_model, model):
     assert_same_circuit_checks(vllm_model, model, PAIR, backend="vllm")
+
+
+def test_a_circuits_runs_equal_the_transformers_backends(vllm_model, model):
+    """Each receiver fed its own input in vLLM's requests (a member of Gemma's query-head group
+    per request): every mask's metric, corrupt- and mean-ablated, equals transformers'."""
+    assert_same_circuit_runs(vllm_model, model, PAIR, MEAN_PROMPTS)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import pipatch  # noqa: E402
 from pipatch import cli  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._load import _SHARED, shared_model  # noqa: E402
-from tests._equal import assert_same, assert_same_click  # noqa: E402
+from tests._equal import assert_close, assert_same, assert_same_click  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL, TWO_PAIRS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -111,6 +111,19 @@ def test_path_patching_into_q_k_v_receivers_equals_transformers(tp_model, model)
     print(f"path grid: max |value| {float(want.grid.nan_to_num().abs().max()):.3f}, "
           f"max |Δ| {float((got.grid - want.grid).nan_to_num().abs().max()):.2g}")
     assert_same(got, want)
+
+
+def test_a_circuit_on_the_split_engine_is_checked_and_its_curve_refused_in_one_line(tp_model, model):
+    """The top edges' exact patches run on the ranks; a circuit's runs, which compute each
+    receiver's input from a layer's whole weights, are one warning naming the fix."""
+    options = {**PAIR, "method": "eap", "verify": 4, "curve": 3}
+    scored = pipatch.circuit(model, **options)
+    checked = pipatch.circuit(tp_model, **options, scores=scored)
+    got = torch.tensor([e["exact"] for e in checked.meta["checked"]])
+    assert_close(got, torch.tensor([e["exact"] for e in scored.meta["checked"]]))
+    [warning] = checked.warnings
+    assert warning.startswith("no faithfulness curve:") and "tensor_parallel_size=1" in warning and "\n" not in warning
+    assert "faithfulness" not in checked.meta
 
 
 def test_the_logit_lens_reads_the_split_head(tp_model, model):

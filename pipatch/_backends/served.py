@@ -52,17 +52,12 @@ from typing import Any
 import torch
 
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .vllm import _SAMPLING, VLLMBackend, VLLMHints, _vllm_adapter, tree_by_reference
+from .vllm import _SAMPLING, INVOKES_PER_REQUEST, VLLMBackend, VLLMHints, _vllm_adapter, tree_by_reference
 
 __all__ = ["ServedBackend", "ServedHints", "connect", "Server", "served_backend"]
 
 #: Requests in flight at once per client: enough for the server to fill an engine step.
 CONCURRENCY = 32
-#: Invokes per request: a batch of cells is one request as a rule (a grid's batches hold up to
-#: a few dozen), which the server starts in one engine step (:func:`pipatch._serve._together`);
-#: a batch split over requests that arrive apart runs as more steps (measured: 16 a request
-#: put the resid grid's two 28-cell batches 50 ms each above the in-process engine's).
-INVOKES_PER_REQUEST = 64
 
 #: A study's facts in flight at once: while one fact's request runs on the server, the next
 #: ones' are built and sent, and requests of one skip depth share the engine's steps.

@@ -20,7 +20,7 @@ and is handled here and nowhere else:
   is measured at the same place, so the same seeds give the same corrupted runs on both
   backends.
 * **No values across invokes.** Each invoke is its own request, so a donor is never read from
-  another invoke: every cell's donor values and noise draw are tensors shipped with its
+  another invoke (a circuit's runs excepted, below): every cell's donor values and noise draw are tensors shipped with its
   request (they are small: a position's or a head's slice). Saved values come back one per
   invoke; a name saved in several invokes comes back as a list.
 * **Shortcuts.** vLLM computes logits at the last position only, so the "unembed one
@@ -42,7 +42,11 @@ and is handled here and nowhere else:
     go through the model's own final norm and ``compute_logits`` in one request for the whole
     batch (:func:`_head_run`), instead of one forward each. The numbers are the engine's own
     head on the same states.
-* **No gradients.** vLLM runs inference only: attribution is refused in one line.
+* **No gradients.** vLLM runs inference only: attribution and a circuit's scores are refused
+  in one line. A circuit's runs (its faithfulness curve: each receiver fed its own input) are
+  invokes (:meth:`VLLMBackend.circuit_metrics`), whose requests of one engine step hand each
+  other a grouped-query group's head outputs in the worker: the one place values cross
+  invokes, each trace's under its own key.
 * **Interrupts.** Kernel ▸ Interrupt can land while the engine still holds this trace's
   requests; they are aborted before the ``KeyboardInterrupt`` propagates, so the engine is idle
   and the next sweep in the same kernel runs normally.
@@ -53,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +65,7 @@ import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._models import TREE_ID, Adapter, PipatchError, _get, adapter_for, dispatched, first
-from .._sites import EMBED, RESID, Site
+from .._sites import EMBED, HEAD, QKV, RESID, Site
 from ._contract import Hints
 from ._described import Described
 
@@ -69,6 +74,17 @@ __all__ = ["VLLMBackend", "is_vllm_model", "register_tree", "tree_by_reference"]
 #: Every pipatch run is one prefill and one greedy step; nothing is generated, and the one
 #: sampled token is never read as text (pipatch's invoke bodies save what they read).
 _SAMPLING = {"temperature": 0.0, "max_tokens": 1, "detokenize": False}
+
+#: Invokes per request to a server, and per trace where a trace's requests must share an
+#: engine step (a circuit's masks): a batch of cells is one request as a rule (a grid's
+#: batches hold up to a few dozen), which the server starts in one engine step
+#: (:func:`pipatch._serve._together`); a batch split over requests that arrive apart runs as
+#: more steps (measured: 16 a request put the resid grid's two 28-cell batches 50 ms each above
+#: the in-process engine's).
+INVOKES_PER_REQUEST = 64
+#: Prompt tokens a trace that must run as one engine step holds at most: the scheduler's
+#: budget per step is at least the context length (pipatch leaves chunked prefill off).
+_STEP_TOKENS = 2048
 
 
 def is_vllm_model(model: Any) -> bool:
@@ -295,8 +311,48 @@ class VLLMBackend(Described):
 
     def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
                         keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        raise PipatchError("a circuit's runs feed each receiver its own input, which pipatch does on the transformers "
-                           "backend only: measure the curve there (backend='transformers'), or pass curve=0")
+        """The metric of the clean prompt run as a circuit, once per mask of ``keep`` ([P,
+        receivers, senders], bool): the transformers backend's
+        :func:`~pipatch._backends._edges.circuit_metrics`, as invokes of this engine.
+
+        Every receiver reads the corrupt run's value at its place (or, with ``mean_of``, the
+        mean over those run inputs) plus its kept senders' writes in this run minus theirs
+        there (:func:`_circuit_run`). A grouped-query model's query heads each read their own
+        keys and values: a mask runs as one request per member of a group, member ``m``'s
+        request feeding the keys and values of the heads ``h`` with ``h % group == m``, and
+        each head's output is taken from its member's request, which the requests of one
+        engine step hand each other in the worker (:data:`_CIRCUITS`). A trace holds whole
+        masks and fits one step; its first invoke carries the baseline values for all. Returns
+        ``[P]``."""
+        adapter = self.adapter
+        if adapter.tp_ranks > 1:
+            raise PipatchError(f"a circuit's runs compute each receiver's input from the layer's whole weights, which "
+                               f"this engine splits over {adapter.tp_ranks} ranks: measure the curve on one rank "
+                               "(tensor_parallel_size=1) or on backend='transformers', or pass curve=0")
+        inputs = _inputs(metric, clean_ids)
+        k, group = len(inputs), adapter.n_heads // max(1, adapter.n_kv_heads)
+        if mean_of is None:
+            baselines = self._invokes(_circuit_cache, [(ids, (adapter,)) for ids in _inputs(metric, corrupt_ids)])
+        else:
+            runs = self._invokes(_circuit_cache, [(row.tolist(), (adapter,)) for ids in mean_of for row in ids])
+            if not runs:
+                raise PipatchError("mean ablation needs at least one prompt to average over")
+            mean = {name: (sum(run[name].double() for run in runs) / len(runs)).float() for name in runs[0]}
+            baselines = [mean] * k
+        tokens = len(inputs[0]) * k * group  # one mask's requests
+        budget = min(self.context_length or 2048, _STEP_TOKENS)
+        per_trace = max(1, min(INVOKES_PER_REQUEST // (k * group), budget // tokens))
+        values = []
+        for lo in range(0, keep.shape[0], per_trace):
+            masks = keep[lo : lo + per_trace]
+            key = uuid.uuid4().hex
+            jobs: list[tuple[list[int], tuple]] = [
+                (inputs[i], (adapter, metric, masks[p], i, member, (key, p, len(masks) * k * group)))
+                for p in range(len(masks)) for i in range(k) for member in range(group)]
+            jobs[0] = (jobs[0][0], (*jobs[0][1], baselines))
+            pieces = self._invokes(_circuit_run, jobs)[::group]  # every member's run ends the same
+            values.append(metric.combine(_by_run(pieces, k)))
+        return torch.cat(values)
 
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
@@ -563,6 +619,144 @@ def _head_run(model: Any, adapter: Adapter, metric: Metric, states: torch.Tensor
     cells, n_read, d = states.shape
     normed = first(_get(module, adapter.final_norm)(_on_engine(module, states.reshape(-1, d))))
     return metric.pieces(_own_logits(module, normed).reshape(cells, n_read, -1)).cpu()
+
+
+def _stream_into(norm: Any) -> torch.Tensor:
+    """The residual stream a norm reads: its input, or the sum of ``(hidden, residual)`` where
+    vLLM fuses the add into the norm. Read at the norm's call, before the fused add updates
+    its inputs in place."""
+    args, kwargs = norm.inputs
+    parts = [a for a in (*args, kwargs.get("residual")) if isinstance(a, torch.Tensor)]
+    return (parts[0] + parts[1] if len(parts) > 1 else parts[0]).float().clone()
+
+
+def _normed(envoy: Any, x: torch.Tensor) -> torch.Tensor:
+    """The norm module of ``envoy`` on ``x`` ([..., d]), called outside the model's forward:
+    vLLM's own ``forward_native`` where it has one (no fused add, no hook fires)."""
+    module = envoy._module
+    param = next(module.parameters())
+    flat = x.reshape(-1, x.shape[-1]).to(param.device, param.dtype)
+    out = module.forward_native(flat) if hasattr(module, "forward_native") else module(flat)
+    return first(out).float().reshape(x.shape)
+
+
+def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
+    """The linear layer of ``envoy`` (one rank's whole weight) on ``x`` ([..., in]), bias
+    included, float32: through the layer's own ``quant_method`` (vLLM's CPU path repacks the
+    weight and empties ``weight``), outside the model's forward (no hook fires)."""
+    module = envoy._module
+    param = next(module.parameters())
+    bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
+    flat = x.reshape(-1, x.shape[-1]).to(param.device, param.dtype)
+    return module.quant_method.apply(module, flat, bias).float().reshape(*x.shape[:-1], -1)
+
+
+def _circuit_cache(model: Any, adapter: Adapter) -> dict[str, torch.Tensor]:
+    """One baseline request of a circuit's runs (the corrupt prompt, or a prompt of mean
+    ablation's): the values an ablated edge carries, float32 on the CPU: the embeddings
+    (``emb`` [T, d]); per layer ([L, T, ...]) the stream into the attention's norm (``x``),
+    the heads' outputs (``z``), the stream into the MLP's norm (``x_mid``) and the MLP's
+    output (``mlp``); and the stream into the final norm (``x_final``)."""
+    out: dict[str, Any] = {"emb": _block_input(adapter, model).float().clone()}
+    layers: dict[str, list[torch.Tensor]] = {"x": [], "z": [], "x_mid": [], "mlp": []}
+    assert adapter.attn_norm and adapter.mlp_norm and adapter.final_norm  # check_circuit_family's promise
+    for layer in range(adapter.n_layers):
+        block = adapter.block(model, layer)
+        attn = _get(block, adapter.attn)
+        layers["x"].append(_stream_into(_get(block, adapter.attn_norm)))
+        layers["z"].append(_get(attn, adapter.out_proj).input.float().clone())
+        layers["x_mid"].append(_stream_into(_get(block, adapter.mlp_norm)))
+        layers["mlp"].append(first(_get(block, adapter.mlp).output).float().clone())
+    out["x_final"] = _stream_into(_get(model, adapter.final_norm))
+    out.update({name: torch.stack(values) for name, values in layers.items()})
+    return {name: value.cpu() for name, value in out.items()}
+
+
+#: What the requests of one circuit trace hand each other in the worker, by the trace's key:
+#: its baselines (sent once, with its first invoke) and each member's head outputs per layer.
+#: All of a trace's requests run in one engine step, each module call taking them in invoke
+#: order, so a member's ``z`` is here before any request reads it at the layer's MLP.
+_CIRCUITS: dict[str, dict[str, Any]] = {}
+
+
+def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tensor, row: int, member: int,
+                 trace: tuple[str, int, int], baselines: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+    """One request of a circuit's run (:meth:`VLLMBackend.circuit_metrics`): input ``row`` of
+    the run under mask ``keep`` ([receivers, senders]), as member ``member`` of its grouped-query
+    groups; returns the metric's pieces.
+
+    Each receiver reads its baseline value plus its kept senders' ``deltas`` (what each wrote
+    in this run minus in the baseline). The request feeds the query, key and value columns of
+    the heads of its member (``qkv_proj``'s output, whose attention then runs on them), leaves
+    its heads' outputs for the other members' requests and takes theirs, feeds the MLP its
+    input, and reads the logits off the final norm of its own fed stream. ``trace``: the
+    trace's key, this mask's index in it and its number of requests."""
+    key, mask, count = trace
+    assert adapter.attn_norm and adapter.mlp_norm and adapter.final_norm  # check_circuit_family's promise
+    while len(_CIRCUITS) > 8 and key not in _CIRCUITS:  # left by traces that failed
+        _CIRCUITS.pop(next(iter(_CIRCUITS)))
+    shared = _CIRCUITS.setdefault(key, {"z": {}, "done": 0})
+    if baselines is not None:
+        shared["baselines"] = baselines
+    H, L = adapter.n_heads, adapter.n_layers
+    group, per_layer = H // max(1, adapter.n_kv_heads), 3 * H + 1
+    embedded = _block_input(adapter, model).float()  # [T, d]
+    device = embedded.device
+    base = {name: value.to(device) for name, value in shared["baselines"][row].items()}
+    keep = keep.to(device, torch.float32)
+    deltas = torch.zeros(keep.shape[1], *embedded.shape, device=device)  # [senders, T, d]
+    deltas[0] = embedded - base["emb"]
+
+    def fed(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return value[None] + torch.einsum("rs,std->rtd", rows, deltas)
+
+    mine = [(head, which, *adapter.qkv_columns(QKV[which], head)) for head in range(H) if head % group == member
+            for which in range(3)]
+    for layer in range(L):
+        block = adapter.block(model, layer)
+        attn = _get(block, adapter.attn)
+        row0, sender = layer * per_layer, 1 + layer * (H + 1)
+        normed = _normed(_get(block, adapter.attn_norm),
+                         fed(base["x"][layer], keep[[row0 + 3 * head + which for head, which, *_ in mine]]))
+        for name in adapter.qkv:  # in forward order
+            mine_here = [(i, lo, hi) for i, (_, _, module, lo, hi) in enumerate(mine) if module == name]
+            if not mine_here:
+                continue
+            projection = _get(attn, name)
+            out = first(projection.output)
+            projected = _linear(projection, normed[[i for i, _, _ in mine_here]])
+            for j, (_, lo, hi) in enumerate(mine_here):
+                out[:, lo:hi] = projected[j, :, lo:hi].to(out.dtype)
+        out_proj = _get(attn, adapter.out_proj)
+        shared["z"][mask, row, layer, member] = out_proj.input.float().clone()
+        mlp = _get(block, adapter.mlp)
+        mlp_input = mlp.input  # every member's request has left its heads' outputs by now
+        z = base["z"][layer].clone()
+        heads = torch.zeros(H + 1, *z.shape, device=device)  # each head's z alone, then none
+        heads[:] = z
+        for head in range(H):
+            cut = HEAD.head_slice(adapter, head)
+            theirs = shared["z"].get((mask, row, layer, head % group))
+            if theirs is None:
+                raise RuntimeError("pipatch: a circuit's requests ran in different engine steps; run fewer at once")
+            heads[head, :, cut] = theirs[:, cut]
+        writes = _linear(out_proj, heads)
+        if adapter.attn_post_norm:
+            writes = _normed(_get(block, adapter.attn_post_norm), writes)
+        deltas[sender : sender + H] = writes[:H] - writes[H:]
+        x = fed(base["x_mid"][layer], keep[row0 + 3 * H : row0 + 3 * H + 1])[0]
+        mlp.input = _normed(_get(block, adapter.mlp_norm), x).to(mlp_input.dtype)
+        both = torch.stack([first(mlp.output).float(), base["mlp"][layer]])
+        if adapter.mlp_post_norm:
+            both = _normed(_get(block, adapter.mlp_post_norm), both)
+        deltas[sender + H] = both[0] - both[1]
+    x = fed(base["x_final"], keep[L * per_layer : L * per_layer + 1])[0]
+    normed = _normed(_get(model, adapter.final_norm), x[-metric.n_read :])
+    pieces = metric.pieces(_own_logits(model._module, normed)).cpu()
+    shared["done"] += 1
+    if shared["done"] == count:  # the trace's last request: its hand-overs are spent
+        _CIRCUITS.pop(key, None)
+    return pieces
 
 
 def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:

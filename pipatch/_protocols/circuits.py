@@ -37,12 +37,14 @@ corrupt run gave is the average, position by position, over the dataset's prompt
 corrupt (so they must have one length in tokens); recovery is still read between the clean
 and corrupt metrics, so the empty circuit's point says how much the mean alone keeps.
 
-**Backends.** The gradients and the curve's runs (each receiver fed its own input) are the
-transformers backend's. vLLM, a served model and NDIF refuse the gradients in one line, and
-check scores computed there: ``pipatch.circuit(vllm_model, ..., scores=result)`` (a circuit
-result of the same model, or its file) runs the exact edge patches on that backend, the
-checks and their rank correlation kept; the curve is then one warning (``curve=0`` asks for
-none).
+**Backends.** The gradients are the transformers backend's. vLLM, a served model and NDIF
+refuse them in one line, and check scores computed there: ``pipatch.circuit(vllm_model, ...,
+scores=result)`` (a circuit result of the same model, or its file) runs the exact edge patches
+on that backend, the checks and their rank correlation kept. The curve's runs (each receiver
+fed its own input) run on the transformers backend, on vLLM and on a served model
+(:meth:`pipatch._backends.vllm.VLLMBackend.circuit_metrics`: one request per member of a
+grouped-query group); a backend that cannot run them (NDIF, a tensor-parallel engine) makes
+the curve one warning (``curve=0`` asks for none).
 
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
@@ -261,7 +263,7 @@ class _CircuitPlan(Plan):
                     break
         except KeyboardInterrupt:
             result.status, result.message = "interrupted", "interrupted during the faithfulness curve; its points so far are kept"
-        except PipatchError as refused:  # a backend that cannot feed each receiver its own input (vLLM)
+        except PipatchError as refused:  # a backend that cannot feed each receiver its own input (NDIF, TP)
             result.warnings.append(f"no faithfulness curve: {refused}")
         return result
 
