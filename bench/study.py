@@ -7,7 +7,8 @@ default, vllm or served: a ``pipatch serve`` started here), into a fresh SQLite 
 (ratio ≤ 1.0): it runs each fact through the same planner and engine, reads the known-fact
 check off the planner's own clean run (no extra forward), and adds one committed transaction
 per fact (milliseconds). In process on transformers it runs four facts as one (the backend's
-``plans_together``), their metrics in one pass over the unembedding; on the served backend
+``plans_together``), their cells in packed traces together and their metrics in one pass over
+the unembedding; on the served backend
 four at once (``plans_in_flight``), whose requests the server batches: there it costs less
 than its facts. Both sides run :data:`REPEAT` times, in turns
 that swap, the best of each counting (this machine's speed drifts by a third within minutes,

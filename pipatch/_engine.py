@@ -301,10 +301,11 @@ class Chain(Plan):
     ``states_many``): a study's facts (:func:`pipatch.study`), whose rows are never drawn one
     by one.
 
-    Each plan runs the traces it runs alone; only the pass from their states to the metric is
-    shared (the transformers backend's log-sum-exp over the unembedding), so a value may
-    differ from the plan's own run in its last bits, and equals the same chain's run again
-    to the last bit. :meth:`run` returns the plans' results, all ``"done"``, or all ended
+    The pass from their states to the metric is shared (the transformers backend's
+    log-sum-exp over the unembedding), and where the backend packs several prompts' cells
+    into one trace (its hints' ``packs_plans``) so are the forwards: the plans' packed rows
+    run together, cut into traces of the backend's size. A value may then differ from the
+    plan's own run in its last bits, and equals the same chain's run again to the last bit. :meth:`run` returns the plans' results, all ``"done"``, or all ended
     alike (``"stopped"``, ``"interrupted"``: the rows that finished are kept).
     """
 
@@ -469,18 +470,7 @@ def batches(cells: list[Cell], size: int, prefix_reuse: bool = False, pack: int 
     """
     if pack and cells:
         lengths = [max(1, n_positions - cell.first_position) for cell in cells]
-        order = sorted(zip(cells, lengths), key=lambda pair: -pair[0].start)
-        by_count, n = math.ceil(len(cells) / size), math.ceil(sum(lengths) / pack)
-        if by_count > n:
-            return [[cell for cell, _ in order[i * len(order) // by_count : (i + 1) * len(order) // by_count]]
-                    for i in range(by_count)]
-        share = sum(lengths) / n
-        cut: list[list[Cell]] = [[] for _ in range(n)]
-        before = 0
-        for cell, length in order:
-            cut[min(n - 1, int((before + length / 2) / share))].append(cell)
-            before += length
-        return [batch[i : i + size] for batch in cut if batch for i in range(0, len(batch), size)]
+        return [[cells[i] for i in trace] for trace in _packed_traces([cell.start for cell in cells], lengths, size, pack)]
     groups: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
         groups.setdefault((cell.start, cell.first_position if prefix_reuse else 0), []).append(cell)
@@ -498,6 +488,23 @@ def batches(cells: list[Cell], size: int, prefix_reuse: bool = False, pack: int 
     if batch:
         out.append(batch)
     return [batch[i : i + size] for batch in out for i in range(0, len(batch), size)]
+
+
+def _packed_traces(starts: list[int], lengths: list[int], size: int, pack: int) -> list[list[int]]:
+    """Cells (their ``start`` layers and lengths in positions) → packed traces (lists of cell
+    indices): from the highest ``start`` down, the fewest traces of at most ``size`` cells and
+    about ``pack`` positions (:func:`batches`)."""
+    order = sorted(range(len(starts)), key=lambda i: -starts[i])
+    by_count, n = math.ceil(len(order) / size), math.ceil(sum(lengths) / pack)
+    if by_count > n:
+        return [order[i * len(order) // by_count : (i + 1) * len(order) // by_count] for i in range(by_count)]
+    share = sum(lengths) / n
+    cut: list[list[int]] = [[] for _ in range(n)]
+    before = 0
+    for i in order:
+        cut[min(n - 1, int((before + lengths[i] / 2) / share))].append(i)
+        before += lengths[i]
+    return [trace[j : j + size] for trace in cut if trace for j in range(0, len(trace), size)]
 
 
 def _pending(plan: Plan, sweep: Sweep, row: int, stats: dict) -> tuple[list[Cell], list[Cell]]:
@@ -651,6 +658,13 @@ def _run_cells(plan: Plan, rowgroup: _RowGroup, should_stop: Callable[[], bool] 
     ``pool``, batches whose metric it can finish later run only up to their states, which it
     keeps (their values are stored when it is flushed)."""
     fast, sweep, rows = plan.fast, rowgroup.sweep, rowgroup.rows
+    if pool is not None and pool.defers(sweep, rowgroup):
+        if should_stop is not None and should_stop():
+            return False
+        pool.defer(sweep, [cell for part in rowgroup.parts for cell in part])
+        for cell in rowgroup.filled:
+            plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
+        return True
     reuse = fast and plan.hints.prefix_reuse(sweep.base)
     pack = plan.hints.pack_tokens(sweep.base, sweep.metric) if reuse else 0
     n_positions = sweep.base.input_ids.shape[1]
@@ -720,13 +734,69 @@ class _Pool:
     A plan pools where it asks to (:attr:`Plan.pool_positions`, a :class:`Chain` of a study's
     facts: no row of it is drawn live) and the backend can (its hints' ``states_many``);
     execute flushes the pool once it holds that many read positions, at the end, and before
-    a stop or an interrupt ends the run (what finished is kept)."""
+    a stop or an interrupt ends the run (what finished is kept).
+
+    Where the backend packs cells of several prompts into one trace (its hints'
+    ``packs_plans``), a packed row group does not run when it joins: its cells wait here
+    (:meth:`defer`), and the flush cuts every plan's waiting cells together into packed traces
+    (``states_packed``): cells of several facts share each forward, and no fact's last trace
+    runs half full."""
 
     def __init__(self, plan: Plan, stats: dict):
         self.plan, self.stats = plan, stats
         self.items: list[tuple[Sweep, list[list[Cell]], list[torch.Tensor]]] = []
+        self.deferred: list[tuple[Sweep, list[Cell]]] = []
         self.waiting: list[_RowGroup] = []
         self.positions = 0
+
+    @property
+    def held(self) -> int:
+        """How many entries wait (ran or not): a row group that adds one waits for the flush."""
+        return len(self.items) + len(self.deferred)
+
+    def defers(self, sweep: Sweep, rowgroup: _RowGroup) -> bool:
+        """Whether ``rowgroup``'s cells wait to run packed with other plans' (:meth:`defer`)."""
+        hints = self.plan.hints
+        return (self.plan.fast and hints.packs_plans and hints.prefix_reuse(sweep.base)
+                and bool(hints.pack_tokens(sweep.base, sweep.metric)) and hints.shares_unembedding(sweep.metric)
+                and not any(_two_stage(part) for part in rowgroup.parts))
+
+    def defer(self, sweep: Sweep, cells: list[Cell]) -> None:
+        if cells:
+            self.deferred.append((sweep, cells))
+            self.positions += len(cells) * sweep.metric.n_inputs * sweep.metric.n_read
+
+    def _run_deferred(self) -> None:
+        """Run the waiting cells, every plan's together, as packed traces (cells of one number
+        of read positions a trace); their states join :attr:`items`."""
+        hints, stats = self.plan.hints, self.stats
+        entries = [(sweep, cell) for sweep, cells in self.deferred for cell in cells]
+        traces: list[list[int]] = []
+        for n_read in sorted({sweep.metric.n_read for sweep, _ in entries}):
+            mine = [i for i, (sweep, _) in enumerate(entries) if sweep.metric.n_read == n_read]
+            first = entries[mine[0]][0]
+            lengths = [max(1, entries[i][0].base.input_ids.shape[1] - entries[i][1].first_position) for i in mine]
+            size = min(self.plan.owner(entries[i][0]).batch_size for i in mine)
+            cut = _packed_traces([entries[i][1].start for i in mine], lengths, size,
+                                 hints.pack_tokens(first.base, first.metric))
+            traces += [[mine[j] for j in trace] for trace in cut]
+        try:
+            states = hints.states_packed([[(entries[i][0].base, entries[i][1], entries[i][0].metric) for i in trace]
+                                          for trace in traces])
+        except Exception as error:  # noqa: BLE001 - re-raised with the traces named
+            views = sorted({sweep.view for sweep, _ in self.deferred})
+            raise EngineError(f"{', '.join(views)}: {len(traces)} packed traces of {len(self.deferred)} row groups "
+                              f"failed: {type(error).__name__}: {error}") from error
+        state_of: dict[int, torch.Tensor] = {}
+        for trace, values in zip(traces, states):
+            state_of.update((i, values[j : j + 1]) for j, i in enumerate(trace))
+            stats["traces"] += 1
+            stats["max_invokes"] = max(stats["max_invokes"], len(trace))
+        at = 0
+        for sweep, cells in self.deferred:
+            self.items.append((sweep, [cells], [torch.cat([state_of[i] for i in range(at, at + len(cells))])]))
+            at += len(cells)
+        self.deferred = []
 
     def states(self, sweep: Sweep, group: list[list[Cell]]) -> list[torch.Tensor] | None:
         """The batches' states, or ``None`` where they run as usual (a metric that gains nothing)."""
@@ -739,6 +809,8 @@ class _Pool:
 
     def flush(self) -> list[_RowGroup]:
         """Finish every batch held, store their values; the row groups that waited on them."""
+        if self.deferred:
+            self._run_deferred()
         if self.items:
             pieces = [(sweep.metric, s) for sweep, _, states in self.items for s in states]
             values = iter(self.plan.hints.metrics_many(pieces))
@@ -825,9 +897,9 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
                 return interrupted.is_set() or (should_stop is not None and should_stop())
 
             for rowgroup in _row_groups(plan, stats):
-                held = len(pool.items) if pool is not None else 0
+                held = pool.held if pool is not None else 0
                 finished = _run_cells(plan, rowgroup, halt, stats, pool)
-                if pool is not None and finished and len(pool.items) > held:
+                if pool is not None and finished and pool.held > held:
                     pool.waiting.append(rowgroup)  # its rows are done when the pool is flushed
                 elif finished:
                     rows_done([rowgroup])

@@ -149,7 +149,9 @@ def exact_cost(backend, plan):
     n_layers, needed, mixed = backend.adapter.n_layers, [], []
     packed = backend._trace_packed
 
-    def counting(base, cells, metric):
+    def counting(entries):
+        [(base, metric)] = {(id(base), id(metric)): (base, metric) for base, _, metric in entries}.values()
+        cells = [cell for _, cell, _ in entries]
         L = metric.inputs(base.input_ids).shape[1]
         lengths = [L - min(c.first_position, L - metric.n_read) for c in cells]
         rows = _layout([c.start for c in cells], lengths)
@@ -157,7 +159,7 @@ def exact_cost(backend, plan):
         pad = sum((width - sum(lengths[i] for i in row)) * (n_layers - cells[row[0]].start) for row in rows)
         needed.append(sum(n * (n_layers - c.start) for n, c in zip(lengths, cells)) + pad)
         mixed.append(len({c.start for c in cells}) > 1)
-        return packed(base, cells, metric)
+        return packed(entries)
 
     backend._trace_packed = counting
     try:

@@ -61,8 +61,8 @@ def six(model, tmp_path_factory):
 
 def test_each_fact_of_a_study_is_its_single_trace(model, six, tmp_path):
     """Alone (``in_flight=1``) a fact is its single trace bit for bit; run as one with three
-    others (the default in process), its traces are its own and only the metric's pass over
-    the unembedding is shared: the same values up to float32 rounding, the same baselines."""
+    others (the default in process), its cells share packed traces and the metric's pass over
+    the unembedding with theirs: the same values up to float32 rounding, the same baselines."""
     found, seen = six
     assert found.counts()["done"] == 6 and [i for i, _ in seen] == list(range(6))
     assert all(result is not None for _, result in seen)
@@ -78,29 +78,49 @@ def test_each_fact_of_a_study_is_its_single_trace(model, six, tmp_path):
             assert mine.tokens == single.tokens
 
 
-def test_facts_run_as_one_share_the_unembedding_pass_and_repeat_their_bits(model, tmp_path, monkeypatch):
-    """Four facts run as one (a Chain): their metrics take fewer, larger passes over the
-    unembedding than the same traces one by one, and a second run (a resume gives each fact
-    the same company) stores the same bits."""
+def test_facts_run_as_one_share_packed_traces_and_the_unembedding_pass_and_repeat_their_bits(
+        model, tmp_path, monkeypatch):
+    """Four facts run as one (a Chain): their cells run in fewer packed traces than the same
+    traces one by one, most of them holding cells of several facts, and their metrics take
+    fewer, larger passes over the unembedding; a second run (a resume gives each fact the
+    same company) stores the same bits."""
     from pipatch._backends._unembedding import Unembedding
+    from pipatch._backends.transformers import TransformersBackend
 
     passes: list[int] = []
-    logsumexp = Unembedding.logsumexp
+    traces: list[tuple[int, int]] = []  # per packed trace: its facts (bases) and its positions
+    logsumexp, trace_packed = Unembedding.logsumexp, TransformersBackend._trace_packed
 
     def counted(self, hidden, budget=1 << 20):
         passes.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
         return logsumexp(self, hidden, budget)
 
+    def packed(self, entries):
+        out = trace_packed(self, entries)
+        traces.append((len({id(base) for base, _, _ in entries}), len(entries)))
+        return out
+
     monkeypatch.setattr(Unembedding, "logsumexp", counted)
+    monkeypatch.setattr(TransformersBackend, "_trace_packed", packed)
     facts, options = records(KNOWN[:4]), {"sites": "resid,mlp", "seeds": 2, "scale": 3.0}
     for fact in facts:
         pipatch.trace(model, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **options)
     alone, passes[:] = list(passes), []
+    alone_traces, traces[:] = list(traces), []
     first = pipatch.study(model, facts, store=tmp_path / "a.sqlite", **options)
     together, passes[:] = list(passes), []
+    together_traces = list(traces)
     again = pipatch.study(model, facts, store=tmp_path / "b.sqlite", **options)
     assert passes == together and sum(together) == sum(alone)  # the same positions, in fewer passes
     assert len(together) < len(alone) / 2, (together, alone)
+    # The same cells in fewer traces, and most traces hold several facts' cells.
+    assert sum(n for _, n in together_traces) == sum(n for _, n in alone_traces)
+    assert all(facts_in == 1 for facts_in, _ in alone_traces)
+    assert len(together_traces) < len(alone_traces), (together_traces, alone_traces)
+    mixed = [n for facts_in, n in together_traces if facts_in > 1]
+    assert sum(mixed) > sum(n for _, n in together_traces) / 2, together_traces
+    print(f"packed traces: {len(alone_traces)} one by one, {len(together_traces)} as one "
+          f"({len(mixed)} holding several facts)")
     for i in range(4):
         assert first[i].meta["engine"]["chained"] == 4
         for view in ("resid", "mlp"):

@@ -49,6 +49,8 @@ hint                                   what the engine does with it
 ``plans_together``                     a study runs that many facts as one engine ``Chain``
 ``states_many(base, batches, m)``      runs batches up to their metric's states, which ...
 ``metrics_many(items)``                ... it finishes later, with other plans' (a Chain's)
+``packs_plans``                        hands a Chain's packed rows of several plans ...
+``states_packed(traces)``              ... to it in traces that mix their prompts' cells
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a

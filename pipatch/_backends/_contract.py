@@ -165,6 +165,19 @@ class Hints:
         backend computes each batch's metric in its run (the engine then calls :meth:`run_many`)."""
         return None
 
+    @property
+    def packs_plans(self) -> bool:
+        """Whether :meth:`states_packed` packs cells of several plans' prompts into one trace
+        (the engine then hands a :class:`~pipatch._engine.Chain`'s packed rows to it together,
+        instead of each plan's batches to :meth:`states_many`)."""
+        return False
+
+    def states_packed(self, traces: Sequence[Sequence[tuple[Base, Cell, Metric]]]) -> list[torch.Tensor]:
+        """Each of ``traces`` (``(base, cell, metric)`` entries of several prompts, cut by the
+        engine to :meth:`pack_tokens` positions) as one packed trace, up to the metric's states:
+        per trace [cells, ...], which :meth:`metrics_many` finishes (:attr:`packs_plans`)."""
+        raise NotImplementedError(f"{type(self.backend).__name__} packs one prompt's cells a trace (packs_plans: False)")
+
     def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
         """The metric per cell of each ``(metric, states)`` item (states from :meth:`states_many`),
         in one go."""

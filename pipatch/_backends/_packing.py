@@ -12,6 +12,7 @@ out and builds the masks and caches; the transformers backend
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,18 +54,24 @@ class Packed:
     alone would see. A cell then costs the layers above its patch at the positions from its
     patch on, and its attention the keys its own run has; a row's padding (at most a few
     per cent for the rows of a grid) is the only extra work.
+
+    ``entries`` are ``(base, cell, metric)``: the cells of one prompt's batch, or of several
+    prompts' (a study's facts run as one, :meth:`~pipatch._backends.transformers.TransformersBackend.states_packed`),
+    each cell on its own base's runs (:class:`_Runs`), every metric reading as many positions.
     """
 
-    def __init__(self, cells: list[Cell], base: Base, metric: Metric, windows: dict[str, int | None],
+    def __init__(self, entries: Sequence[tuple[Base, Cell, Metric]], windows: dict[str, int | None],
                  additive: torch.dtype | None):
-        run_ids = metric.inputs(base.input_ids)[0]
-        L, m, device = run_ids.shape[0], metric.n_read, run_ids.device
-        self.base = base
-        self.starts = [min(cell.first_position, L - m) for cell in cells]
-        rows = layout([cell.start for cell in cells], [L - b for b in self.starts])
-        self.n_rows, width = len(rows), max(sum(L - self.starts[i] for i in row) for row in rows)
+        runs = self.runs = _Runs(entries)
+        cells = [cell for _, cell, _ in entries]
+        m, device = runs.n_read, runs.ids.device
+        ends = [runs.length[runs.base_of(base)] for base, _, _ in entries]  # each cell's run length
+        self.starts = [min(cell.first_position, L - m) for cell, L in zip(cells, ends)]
+        rows = layout([cell.start for cell in cells], [L - b for L, b in zip(ends, self.starts)])
+        self.n_rows, width = len(rows), max(sum(ends[i] - self.starts[i] for i in row) for row in rows)
         # What each slot of the [rows, width] layout holds: its cell (-1: padding, which sees
-        # only padding), seed and run position.
+        # only padding), run (a base's seed, numbered over the bases) and run position.
+        seeds = [runs.run(base, cell.seed) for base, cell, _ in entries]
         cell_at = torch.full((self.n_rows, width), -1)
         seed_at = torch.zeros(self.n_rows, width, dtype=torch.long)
         pos_at = torch.zeros(self.n_rows, width, dtype=torch.long)
@@ -73,26 +80,25 @@ class Packed:
         for r, row in enumerate(rows):
             at = 0
             for i in row:
-                span = slice(at, at + L - self.starts[i])
+                span = slice(at, at + ends[i] - self.starts[i])
                 self.spans[i] = (r, span)
-                cell_at[r, span], seed_at[r, span], start_at[r, span] = i, cells[i].seed, self.starts[i]
-                pos_at[r, span] = torch.arange(self.starts[i], L)
+                cell_at[r, span], seed_at[r, span], start_at[r, span] = i, seeds[i], self.starts[i]
+                pos_at[r, span] = torch.arange(self.starts[i], ends[i])
                 at = span.stop
         # Rows of higher ``start`` first: block ``k`` runs rows ``active[k]`` on.
         row_start = [cells[row[0]].start for row in rows]
-        n_layers = len(base.capture.blocks)
-        self.active = [next((r for r, s in enumerate(row_start) if s <= layer), self.n_rows) for layer in range(n_layers)]
+        self.active = [next((r for r, s in enumerate(row_start) if s <= layer), self.n_rows)
+                       for layer in range(runs.n_layers)]
         self.seed_at, self.pos_at = seed_at.to(device), pos_at.to(device)
-        self.input_ids = run_ids[self.pos_at]
+        self.input_ids = runs.ids[self.seed_at, self.pos_at]
         self.position_ids = self.pos_at
         reads = [(self.spans[i][0], self.spans[i][1].stop - m + j) for i in range(len(cells)) for j in range(m)]
         self.read_at = tuple(torch.tensor(index, device=device) for index in zip(*reads))
-        # Each row's cached positions: per seed among its cells, up to the latest start of them.
+        # Each row's cached positions: per run among its cells, up to the latest start of them.
         cached: list[dict[int, int]] = [{} for _ in rows]
         for r, row in enumerate(rows):
             for i in row:
-                seed = cells[i].seed
-                cached[r][seed] = max(cached[r].get(seed, 0), self.starts[i])
+                cached[r][seeds[i]] = max(cached[r].get(seeds[i], 0), self.starts[i])
         self.n_cached = max(sum(row.values()) for row in cached)
         K = self.n_cached
         cache_seed = torch.zeros(self.n_rows, K, dtype=torch.long)
@@ -105,7 +111,7 @@ class Packed:
                 cache_used[r, at : at + n] = True
                 at += n
         self.cache_seed, self.cache_pos = cache_seed.to(device), cache_pos.to(device)
-        # [rows, width, K + width]: a slot sees a cached position of its own seed before its
+        # [rows, width, K + width]: a slot sees a cached position of its own run before its
         # cell's start, and its own cell's positions up to its own.
         sees_cached = (cache_used[:, None] & (cache_seed[:, None] == seed_at[:, :, None])
                        & (cache_pos[:, None] < start_at[:, :, None]) & (cell_at[:, :, None] >= 0))
@@ -123,13 +129,12 @@ class Packed:
 
     def cache(self) -> Any:
         """The cached keys and values, per layer for the rows its block runs: each row's
-        seeds' base runs before their cells' starts (zeros, masked, to the longest row's)."""
+        runs before their cells' starts (zeros, masked, to the longest row's)."""
         from transformers import DynamicCache
 
-        keys = self.base.capture.keys
-        assert keys is not None  # packed only on a capture with its keys
         layers = []
-        for layer, (k, v) in enumerate(keys):
+        for layer in range(self.runs.n_layers):
+            k, v = self.runs.keys(layer)
             rows = slice(self.active[layer], None)
             seeds, positions = self.cache_seed[rows], self.cache_pos[rows]
             # [rows, K, kv_heads, head_dim] → [rows, kv_heads, K, head_dim]
@@ -139,13 +144,12 @@ class Packed:
     def base_states(self, layer: int, upto: int | None = None) -> torch.Tensor:
         """The base runs' hidden states out of block ``layer`` in the layout's first ``upto``
         rows (all of them by default): [rows, width, d]."""
-        hidden = first(self.base.capture.blocks[layer])
-        return hidden[self.seed_at[:upto], self.pos_at[:upto]]
+        return self.runs.states(layer)[self.seed_at[:upto], self.pos_at[:upto]]
 
     def base_output(self, layer: int) -> Any:
         """:meth:`base_states` of every row in block ``layer``'s own output structure (what
         the block is skipped with)."""
-        return with_hidden(self.base.capture.blocks[layer], self.base_states(layer))
+        return with_hidden(self.runs.template(layer), self.base_states(layer))
 
     def narrowed(self, value: Any, active: int) -> Any:
         """A block's inputs (args or kwargs, nested) for rows ``active`` on: every tensor with
@@ -165,6 +169,70 @@ class Packed:
         hidden = torch.cat([self.base_states(layer, self.active[layer]), first(out)], 0)
         block.output = with_hidden(out, hidden)
         return hidden
+
+
+class _Runs:
+    """The base runs a packed trace's cells build on, numbered over their bases: run ``r`` is
+    seed ``r − offset`` of the base whose seeds start at ``offset``. One base (a batch of one
+    prompt's cells) reads its capture as is; several (cells of several prompts, a study's
+    facts run as one) read it stacked, each run's positions padded to the longest (a padded
+    position is never read: no cell runs or caches past its own run's end)."""
+
+    def __init__(self, entries: Sequence[tuple[Base, Cell, Metric]]):
+        self.bases: list[Base] = []
+        self._index: dict[int, int] = {}
+        metrics: list[Metric] = []
+        for base, _, metric in entries:
+            if id(base) not in self._index:
+                self._index[id(base)] = len(self.bases)
+                self.bases.append(base)
+                metrics.append(metric)
+        reads = {metric.n_read for metric in metrics}
+        assert len(reads) == 1, "a packed trace reads one number of positions per cell"
+        self.n_read = reads.pop()
+        ids = [metric.inputs(base.input_ids)[0] for base, metric in zip(self.bases, metrics)]
+        self.length = [len(run) for run in ids]
+        self.n_seeds = [first(base.capture.blocks[0]).shape[0] for base in self.bases]
+        self.offset = [sum(self.n_seeds[:b]) for b in range(len(self.bases))]
+        self.n_layers = len(self.bases[0].capture.blocks)
+        self.ids = self._stacked([run[None].expand(n, -1) for run, n in zip(ids, self.n_seeds)], 1)
+        self._states: dict[int, torch.Tensor] = {}
+
+    def base_of(self, base: Base) -> int:
+        return self._index[id(base)]
+
+    def run(self, base: Base, seed: int) -> int:
+        return self.offset[self._index[id(base)]] + seed
+
+    def _stacked(self, tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Each base's tensor, its positions (``dim``) padded with zeros to the longest, stacked."""
+        if len(tensors) == 1:
+            return tensors[0]
+        width = max(t.shape[dim] for t in tensors)
+        padded = []
+        for t in tensors:
+            shape = list(t.shape)
+            shape[dim] = width - t.shape[dim]
+            padded.append(torch.cat([t, t.new_zeros(shape)], dim) if shape[dim] else t)
+        return torch.cat(padded)
+
+    def states(self, layer: int) -> torch.Tensor:
+        """Every run's hidden states out of block ``layer``: [runs, positions, d]."""
+        if layer not in self._states:
+            self._states[layer] = self._stacked([first(base.capture.blocks[layer]) for base in self.bases], 1)
+        return self._states[layer]
+
+    def template(self, layer: int) -> Any:
+        """Block ``layer``'s output structure (a tensor, or a tuple around one)."""
+        return self.bases[0].capture.blocks[layer]
+
+    def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every run's attention keys and values at ``layer``: [runs, kv_heads, positions, head_dim]."""
+        pairs = []
+        for base in self.bases:
+            assert base.capture.keys is not None  # packed only on a capture with its keys
+            pairs.append(base.capture.keys[layer])
+        return self._stacked([k for k, _ in pairs], 2), self._stacked([v for _, v in pairs], 2)
 
 
 def layout(starts: list[int], lengths: list[int], width: int = 0) -> list[list[int]]:

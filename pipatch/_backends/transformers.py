@@ -369,6 +369,14 @@ class TransformersBackend(Described):
         unembedding's input at the read positions, [cells, inputs, n_read, d]."""
         return [self._trace(base, cells, metric, fast=True)[0] for cells in batches]
 
+    def states_packed(self, traces: Sequence[Sequence[tuple[Base, Cell, Metric]]]) -> list[torch.Tensor]:
+        """Cells of several prompts (a study's facts run as one), each trace of ``traces`` one
+        packed trace of ``(base, cell, metric)`` entries whose metrics read as many positions:
+        per trace, the unembedding's input at its cells' read positions, [cells, 1, n_read, d]
+        (as :meth:`states_many`'s; the cells of a row share its attention, each masked to
+        its own run and its own base's cached positions)."""
+        return [self._isolate_nonfinite(trace, *self._trace_packed(trace))[0] for trace in traces]
+
     def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
         """The metric per cell of each ``(metric, states)`` item of :meth:`states_many`, the
         probabilities' in one pass over the unembedding for all (:meth:`Unembedding.metrics`)."""
@@ -386,7 +394,8 @@ class TransformersBackend(Described):
         n, L, m = metric.n_inputs, run_ids.shape[1], metric.n_read
         last_only = fast and not full_logits
         if last_only and pack and self.pack_tokens(base, metric):
-            return self._isolate_nonfinite(base, cells, metric, *self._trace_packed(base, cells, metric))
+            entries = [(base, cell, metric) for cell in cells]
+            return self._isolate_nonfinite(entries, *self._trace_packed(entries))
         # Prefix reuse: start every cell at the batch's first written position.
         start = min(cell.first_position for cell in cells) if last_only and self.prefix_reuse(base) else 0
         below = min(cell.start for cell in cells) if fast else 0
@@ -433,41 +442,45 @@ class TransformersBackend(Described):
             return outs[0], list(recorded)
         return outs[0].reshape(len(cells), n, *outs[0].shape[1:]), list(recorded)  # [cells, inputs, n_read, d or vocab]
 
-    def _isolate_nonfinite(self, base: Base, cells: list[Cell], metric: Metric, out: torch.Tensor,
+    def _isolate_nonfinite(self, entries: Sequence[tuple[Base, Cell, Metric]], out: torch.Tensor,
                            reads: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """A packed trace's result, with the cells whose states came out NaN/Inf rerun unpacked.
 
         Packed cells of a row share one attention: a masked-out key still enters the product,
         with weight 0, and 0 × NaN is NaN, so a NaN in one cell's states reaches every cell of
-        its row. Rerun unpacked, in batches of one ``start`` each (no cell then computes blocks below
-        its own), a cell's NaN is its own, as in a run of its own; the others come out finite.
+        its row. Rerun unpacked, in batches of one prompt and one ``start`` each (no cell then
+        computes blocks below its own), a cell's NaN is its own, as in a run of its own; the
+        others come out finite.
         """
-        bad = [i for i in range(len(cells)) if not torch.isfinite(out[i]).all()]
-        if len(cells) == 1 or not bad:
+        bad = [i for i in range(len(entries)) if not torch.isfinite(out[i]).all()]
+        if len(entries) == 1 or not bad:
             return out, reads
-        for start in sorted({cells[i].start for i in bad}):
-            again = [i for i in bad if cells[i].start == start]
-            values, again_reads = self._trace(base, [cells[i] for i in again], metric, fast=True, pack=False)
+        for key in sorted({(entries[i][1].start, id(entries[i][0])) for i in bad}):
+            again = [i for i in bad if (entries[i][1].start, id(entries[i][0])) == key]
+            base, _, metric = entries[again[0]]
+            values, again_reads = self._trace(base, [entries[i][1] for i in again], metric, fast=True, pack=False)
             out[again] = values.to(out.dtype)
             for i, recorded in zip(again, again_reads):
                 reads[i] = recorded
         return out, reads
 
-    def _trace_packed(self, base: Base, cells: list[Cell], metric: Metric) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """:meth:`_trace` (``fast``, one input per cell) with the cells packed into rows, each
-        from its own first written position and its own ``start`` layer (:class:`~._packing.Packed`)."""
+    def _trace_packed(self, entries: Sequence[tuple[Base, Cell, Metric]]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """:meth:`_trace` (``fast``, one input per cell) of the ``(base, cell, metric)`` entries
+        (one prompt's cells, or several prompts'), the cells packed into rows, each from its
+        own first written position and its own ``start`` layer (:class:`~._packing.Packed`)."""
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
         assert self._masks is not None  # packed only where pack_tokens says so
         windows, eager = self._masks
-        pack = Packed(cells, base, metric, windows, self.dtype if eager else None)
+        pack = Packed(entries, windows, self.dtype if eager else None)
+        cells = [cell for _, cell, _ in entries]
         # Each cell's ops (its seed's base ops first, from its own start on) by layer, in
         # forward order, with their index in the cell's span; the embedding's before block 0,
         # and only where some row runs block 0.
         below = 0 if pack.active[0] < pack.n_rows else 1
         embedding: list[tuple[Op, int, tuple]] = []
         ops: dict[int, list[tuple[Op, int, tuple]]] = {}
-        every = sorted(((op, i, op.index_from(pack.starts[i])) for i, cell in enumerate(cells)
+        every = sorted(((op, i, op.index_from(pack.starts[i])) for i, (base, cell, _) in enumerate(entries)
                         for op in self._base_ops(base, cell, pack.starts[i], below) + cell.sorted_ops()),
                        key=lambda item: item[0].key)
         for item in every:
@@ -513,7 +526,7 @@ class TransformersBackend(Described):
                         pack.widen(block, layer)
                 recorded.extend(reads)
                 outs.append(unembedding_input(unembed, pack.read_at))
-        return outs[0].reshape(len(cells), 1, metric.n_read, -1), list(recorded)
+        return outs[0].reshape(len(cells), 1, pack.runs.n_read, -1), list(recorded)
 
     # -- the unembedding arithmetic (:mod:`._unembedding`) ------------------------------------
     @property
@@ -642,6 +655,13 @@ class TransformersHints(Hints):
 
     def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor] | None:
         return self.backend.states_many(base, batches, metric)
+
+    @property
+    def packs_plans(self) -> bool:
+        return True
+
+    def states_packed(self, traces: Sequence[Sequence[tuple[Base, Cell, Metric]]]) -> list[torch.Tensor]:
+        return self.backend.states_packed(traces)
 
     def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
         return self.backend.metrics_many(items)

@@ -15,7 +15,7 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
    starts. A fact run alone (``in_flight=1``) is that single trace, bit for bit, fast paths
    and all. By default several facts are in flight at once, as the backend gains by it:
    in this process (the transformers backend) four run as one :class:`~pipatch._engine.Chain`,
-   each with its own traces but their metrics in one pass over the unembedding, committed
+   their cells in packed traces together and their metrics in one pass over the unembedding, committed
    together (their single traces' values up to float32 rounding, ≤ 1e-5 in probability on
    Gemma; a resumed run gives each fact the same company, so the same bits); on a served model four run at once from threads of their own,
    each committed as it ends, so the server batches their requests. Running again on the
@@ -27,7 +27,7 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
 A study costs no more than its facts one by one, and less where they run together: the
 known-fact check is read off the clean run each planner starts with (an unknown fact costs
 that one forward and nothing more), a commit costs milliseconds, and facts in flight share
-the unembedding pass or the server's steps (``bench/study.py`` measures the ratio).
+packed traces and the unembedding pass, or the server's steps (``bench/study.py`` measures the ratio).
 """
 
 from __future__ import annotations
@@ -246,7 +246,8 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
     known fact, and an unknown one stops at that run (and is committed as such at once). A
     known fact alone runs as that single run, so its stored result equals it bit for bit.
     Several run as one :class:`~pipatch._engine.Chain` where the backend gains by it (the
-    transformers backend: their metrics in one pass over the unembedding), their single
+    transformers backend: their cells in packed traces together, their metrics in one pass over
+    the unembedding), their single
     runs' values up to float32 rounding, and committed in one transaction, all or none.
     """
     ready: list[tuple[Fact, Any, bool | None, str, float]] = []
