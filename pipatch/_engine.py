@@ -715,7 +715,8 @@ def _run_cells(plan: Plan, rowgroup: _RowGroup, should_stop: Callable[[], bool] 
 
 def _store_values(plan: Plan, sweep: Sweep, group: list[list[Cell]], values: list[torch.Tensor], stats: dict) -> None:
     """Store each batch's values in ``sweep``; NaN/Inf from the model itself stored as NaN and
-    its row flagged (once)."""
+    its row flagged once, in the run's ``nonfinite_rows`` and as a warning of the result the
+    row belongs to (a :class:`Chain`'s: its fact's alone)."""
     for batch, batch_values in zip(group, values):
         for cell, value in zip(batch, batch_values.tolist()):
             if not math.isfinite(value):
@@ -723,6 +724,10 @@ def _store_values(plan: Plan, sweep: Sweep, group: list[list[Cell]], values: lis
                 flagged = stats.setdefault("nonfinite_rows", [])
                 if [sweep.view, cell.row] not in flagged:
                     flagged.append([sweep.view, cell.row])
+                warning = f"{sweep.view} row {cell.row}: the model produced NaN/Inf in some cells (stored as NaN)"
+                warnings = plan.owner(sweep).result.warnings
+                if warning not in warnings:
+                    warnings.append(warning)
             plan.store(sweep, cell, value)
 
 
@@ -928,8 +933,6 @@ def execute(plan: Plan, *, on_row: Callable[[Any, str, int], None] | None = None
         raise
     result.meta["elapsed"] = time.perf_counter() - started
     plan.finish()
-    for view, row in stats.get("nonfinite_rows", []):
-        result.warnings.append(f"{view} row {row}: the model produced NaN/Inf in some cells (stored as NaN)")
     return result
 
 

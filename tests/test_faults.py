@@ -126,6 +126,40 @@ def test_nan_from_the_model_flags_the_row(model):
     assert any("NaN/Inf" in w for w in r.warnings)
 
 
+def test_nan_in_one_fact_of_a_chain_stays_in_that_fact(model):
+    """Facts run as one (a study's Chain) share packed traces: a NaN in one fact's cells
+    reaches the others of its rows through attention, so those are rerun unpacked. The NaN
+    rows and their warning are the poisoned fact's alone; the other fact equals its own run."""
+    from pipatch._api import plan_trace
+    from pipatch._engine import Chain
+
+    facts = [(EIFFEL, "Eiffel Tower", " Paris"), (COLOSSEUM, "Colosseum", " Rome")]
+    options = {"sites": "resid", "seeds": 1, "scale": 3.0}
+    plans = [plan_trace(model, prompt, subject=subject, answer=answer, **options) for prompt, subject, answer in facts]
+    alone = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", **options)
+    colosseum = model.tokenizer(" Colosseum", add_special_tokens=False).input_ids[0]
+    seen: dict = {}
+
+    def ids(module, args, kwargs):
+        seen["ids"] = kwargs.get("input_ids", args[0] if args else None)
+
+    def poison(module, args, output):  # NaN wherever the Colosseum's first token runs block 9
+        rows = seen["ids"][-output.shape[0]:]  # a packed trace's block runs its last rows
+        return output.masked_fill((rows == colosseum)[..., None], float("nan"))
+
+    handles = [model._module.register_forward_pre_hook(ids, with_kwargs=True),
+               model._module.model.layers[9].mlp.register_forward_hook(poison)]
+    try:
+        eiffel, rome = Chain(plans).run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert eiffel.status == rome.status == "done" and eiffel.meta["engine"]["chained"] == 2
+    assert torch.isnan(rome.raw["resid"]).any() and [w for w in rome.warnings if "NaN/Inf" in w]
+    assert torch.isfinite(eiffel.raw["resid"]).all() and not [w for w in eiffel.warnings if "NaN/Inf" in w]
+    assert torch.allclose(eiffel.raw["resid"], alone.raw["resid"], atol=2e-5, rtol=0)
+
+
 def test_identical_baselines_give_nan_and_a_warning_not_huge_numbers(model):
     r = pipatch.patch(model, clean=EIFFEL, corrupt=EIFFEL, answer=" Paris", foil=" Rome", positions=[-1])
     assert torch.isnan(r.grid).all() and torch.isfinite(r.raw["resid"]).all()
