@@ -305,8 +305,9 @@ class Chain(Plan):
     log-sum-exp over the unembedding), and where the backend packs several prompts' cells
     into one trace (its hints' ``packs_plans``) so are the forwards: the plans' packed rows
     run together, cut into traces of the backend's size. A value may then differ from the
-    plan's own run in its last bits, and equals the same chain's run again to the last bit. :meth:`run` returns the plans' results, all ``"done"``, or all ended
-    alike (``"stopped"``, ``"interrupted"``: the rows that finished are kept).
+    plan's own run in its last bits, and equals the same chain's run again to the last bit.
+    :meth:`run` returns the plans' results, all ``"done"``, or all ended alike
+    (``"stopped"``, ``"interrupted"``: the rows that finished are kept).
     """
 
     def __init__(self, plans: list[Plan]):

@@ -20,9 +20,10 @@ and is handled here and nowhere else:
   is measured at the same place, so the same seeds give the same corrupted runs on both
   backends.
 * **No values across invokes.** Each invoke is its own request, so a donor is never read from
-  another invoke (a circuit's runs excepted, below): every cell's donor values and noise draw are tensors shipped with its
-  request (they are small: a position's or a head's slice). Saved values come back one per
-  invoke; a name saved in several invokes comes back as a list.
+  another invoke (a circuit's runs excepted, below): every cell's donor values and noise
+  draw are tensors shipped with its request (they are small: a position's or a head's
+  slice). Saved values come back one per invoke; a name saved in several invokes comes back
+  as a list.
 * **Shortcuts.** vLLM computes logits at the last position only, so the "unembed one
   position" shortcut is built in, and the metric is read off ``model.logits``.
   - *Blocks below a patch are skipped* (``fast``; :meth:`VLLMBackend.run`): every request of
