@@ -667,7 +667,7 @@ def _run_cells(plan: Plan, rowgroup: _RowGroup, should_stop: Callable[[], bool] 
             plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
         return True
     reuse = fast and plan.hints.prefix_reuse(sweep.base)
-    pack = plan.hints.pack_tokens(sweep.base, sweep.metric) if reuse else 0
+    pack = _pack_tokens(plan, sweep)
     n_positions = sweep.base.input_ids.shape[1]
     queue = collections.deque(batch for part in rowgroup.parts
                               for batch in batches(part, plan.owner(sweep).batch_size, reuse, pack, n_positions))
@@ -712,6 +712,13 @@ def _run_cells(plan: Plan, rowgroup: _RowGroup, should_stop: Callable[[], bool] 
     for cell in rowgroup.filled:  # last, so a stopped or failed group leaves its rows unfilled
         plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
     return True
+
+
+def _pack_tokens(plan: Plan, sweep: Sweep) -> int:
+    """Positions per packed trace of ``sweep``'s cells, or 0 where they do not run packed (the
+    fast paths off, or a backend that does not start cells at their first written position)."""
+    fast = plan.fast and plan.hints.prefix_reuse(sweep.base)
+    return plan.hints.pack_tokens(sweep.base, sweep.metric) if fast else 0
 
 
 def _store_values(plan: Plan, sweep: Sweep, group: list[list[Cell]], values: list[torch.Tensor], stats: dict) -> None:
@@ -763,8 +770,7 @@ class _Pool:
     def defers(self, sweep: Sweep, rowgroup: _RowGroup) -> bool:
         """Whether ``rowgroup``'s cells wait to run packed with other plans' (:meth:`defer`)."""
         hints = self.plan.hints
-        return (self.plan.fast and hints.packs_plans and hints.prefix_reuse(sweep.base)
-                and bool(hints.pack_tokens(sweep.base, sweep.metric)) and hints.shares_unembedding(sweep.metric)
+        return (hints.packs_plans and bool(_pack_tokens(self.plan, sweep)) and hints.shares_unembedding(sweep.metric)
                 and not any(_two_stage(part) for part in rowgroup.parts))
 
     def defer(self, sweep: Sweep, cells: list[Cell]) -> None:

@@ -57,7 +57,7 @@ from .._models import Adapter, PipatchError, _get, first
 from .._sites import HEAD, MLP, QKV
 
 __all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family",
-           "circuit_metrics", "mean_cache"]
+           "head_writes", "circuit_metrics", "mean_cache"]
 
 #: Receivers re-run through their norm and projection together (memory: ``chunk × T × d``).
 CHUNK = 48
@@ -358,7 +358,9 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
                     cut = HEAD.head_slice(adapter, head)
                     z[..., cut] = parts[head % group][..., cut]
             with computing():
-                write, each = _head_writes(adapter, block, out_proj, z, corrupt["z"][layer].repeat(P, 1, 1).to(z.dtype))
+                post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
+                write, each = head_writes(adapter, lambda x: first(out_proj(x)), post, z,
+                                          corrupt["z"][layer].repeat(P, 1, 1).to(z.dtype))
                 result = first(out_proj(z))
             deltas[:, sender : sender + H] = each - write[:, None]
             return (result,) + tuple(out[1:]) if isinstance(out, tuple) else result
@@ -417,16 +419,18 @@ class _hooked:
             handle.remove()
 
 
-def _head_writes(adapter: Adapter, block: Any, out_proj: Any, z: torch.Tensor, z_corrupt: torch.Tensor):
-    """(the write of ``z_corrupt`` [B, T', H·hd], each head's write with its slice from ``z``: [B, H, T', d])."""
+def head_writes(adapter: Adapter, project: Any, post: Any, z: torch.Tensor, z_corrupt: torch.Tensor):
+    """(the write of ``z_corrupt`` [B, T', H·hd], each head's write with its slice from ``z``: [B, H, T', d]),
+    float32: ``project`` is the attention's output projection and ``post`` its output norm
+    (Gemma's; ``None`` elsewhere), functions of a [rows, T', ...] tensor (the transformers
+    backend's modules, or the vLLM backend's calls outside the forward)."""
     H = adapter.n_heads
-    post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
     swapped = z_corrupt[:, None].repeat(1, H, 1, 1)
     for head in range(H):
         cut = HEAD.head_slice(adapter, head)
         swapped[:, head, :, cut] = z[..., cut]
     B, T = z.shape[0], z.shape[1]
-    both = first(out_proj(torch.cat([swapped.flatten(0, 1), z_corrupt])))
+    both = project(torch.cat([swapped.flatten(0, 1), z_corrupt]))
     if post is not None:
         both = post(both)
     both = both.float()

@@ -69,6 +69,7 @@ from .._models import TREE_ID, Adapter, PipatchError, _get, adapter_for, dispatc
 from .._sites import EMBED, HEAD, QKV, RESID, Site
 from ._contract import Hints
 from ._described import Described
+from ._edges import head_writes
 
 __all__ = ["VLLMBackend", "is_vllm_model", "register_tree", "tree_by_reference"]
 
@@ -635,8 +636,7 @@ def _normed(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The norm module of ``envoy`` on ``x`` ([..., d]), called outside the model's forward:
     vLLM's own ``forward_native`` where it has one (no fused add, no hook fires)."""
     module = envoy._module
-    param = next(module.parameters())
-    flat = x.reshape(-1, x.shape[-1]).to(param.device, param.dtype)
+    flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     out = module.forward_native(flat) if hasattr(module, "forward_native") else module(flat)
     return first(out).float().reshape(x.shape)
 
@@ -646,9 +646,8 @@ def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     included, float32: through the layer's own ``quant_method`` (vLLM's CPU path repacks the
     weight and empties ``weight``), outside the model's forward (no hook fires)."""
     module = envoy._module
-    param = next(module.parameters())
     bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
-    flat = x.reshape(-1, x.shape[-1]).to(param.device, param.dtype)
+    flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     return module.quant_method.apply(module, flat, bias).float().reshape(*x.shape[:-1], -1)
 
 
@@ -732,19 +731,17 @@ def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tenso
         shared["z"][mask, row, layer, member] = out_proj.input.float().clone()
         mlp = _get(block, adapter.mlp)
         mlp_input = mlp.input  # every member's request has left its heads' outputs by now
-        z = base["z"][layer].clone()
-        heads = torch.zeros(H + 1, *z.shape, device=device)  # each head's z alone, then none
-        heads[:] = z
+        z = torch.empty_like(base["z"][layer])  # every head's output, each from its member's request
         for head in range(H):
             cut = HEAD.head_slice(adapter, head)
             theirs = shared["z"].get((mask, row, layer, head % group))
             if theirs is None:
                 raise RuntimeError("pipatch: a circuit's requests ran in different engine steps; run fewer at once")
-            heads[head, :, cut] = theirs[:, cut]
-        writes = _linear(out_proj, heads)
-        if adapter.attn_post_norm:
-            writes = _normed(_get(block, adapter.attn_post_norm), writes)
-        deltas[sender : sender + H] = writes[:H] - writes[H:]
+            z[:, cut] = theirs[:, cut]
+        post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
+        write, each = head_writes(adapter, lambda x: _linear(out_proj, x),
+                                  None if post is None else (lambda x: _normed(post, x)), z[None], base["z"][layer][None])
+        deltas[sender : sender + H] = each[0] - write
         x = fed(base["x_mid"][layer], keep[row0 + 3 * H : row0 + 3 * H + 1])[0]
         mlp.input = _normed(_get(block, adapter.mlp_norm), x).to(mlp_input.dtype)
         both = torch.stack([first(mlp.output).float(), base["mlp"][layer]])
