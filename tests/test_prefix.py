@@ -27,7 +27,8 @@ import pipatch
 from pipatch._api import plan_patch, plan_trace
 from pipatch._backends.transformers import NO_BOUND, PACK_TOKENS, ROW_TOKENS, TransformersBackend, _layout
 from pipatch._cells import Base, Cell, Metric, Op
-from pipatch._engine import TRACE_COST, _is_unread, auto_batch_size, batches
+from pipatch._engine import TRACE_COST, auto_batch_size, batches
+from pipatch._engine._sweeps import _is_unread
 from pipatch._models import _get
 from pipatch._sites import SITES, projection
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
@@ -373,7 +374,7 @@ def test_a_write_where_the_two_runs_agree_is_a_noop_to_the_last_bit_or_not():
     the last bits, which the exact check would call a change); a write only there is a no-op.
     A write reaching that position or past it is checked against the base run's value."""
     from pipatch._cells import Capture
-    from pipatch._engine import _is_noop
+    from pipatch._engine._sweeps import _is_noop
 
     state = torch.zeros(1, 6, 4)
     capture = Capture(blocks=[state], sites={"resid": [state]}, metric=torch.zeros(1), embedded=state,

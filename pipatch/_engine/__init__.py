@@ -1,0 +1,59 @@
+"""The engine: run any experiment's cells as batched invokes on a backend, streaming rows.
+
+Data flows one way: a protocol (:mod:`pipatch._protocols`) checks the researcher's question,
+runs the baselines and builds a :class:`Plan` — the :class:`~pipatch._result.Result` to fill
+and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipatch._cells`):
+``sweep.cell(row, col, seed)`` is one patched run. The engine
+
+* asks each sweep for one row's cells at a time (a head sweep over a long prompt never
+  holds every cell at once), in the order the plan gives (:meth:`Plan.tasks`: from the last
+  layer down where higher rows cost less, :attr:`Plan.row_order`);
+* fills a cell whose writes put back the base run's own values (or write only where the run
+  they come from agrees with the base run: :attr:`Sweep.agrees_before`), or that the metric
+  cannot see (:func:`_is_unread`), with the base metric, without running the model (``fast``
+  only);
+* lets consecutive rows share their traces (:func:`_joins`): where the backend packs cells
+  (each from its own layer and position: the transformers backend) while the rows hold at
+  most ``batch_size`` cells, else for rows of few cells, each cell then starting at the
+  lowest layer among them; and rows whose metric reads the whole unembedding finish
+  together, one pass over it for all (:func:`_shares`); the first row always runs alone, to
+  show soonest;
+* cuts the rest into batches of at most ``batch_size`` invokes (:func:`batches`): packed,
+  traces of about the backend's ``pack_tokens`` positions; otherwise batches that share
+  their ``start`` layer (and, where the backend reuses prefixes, about the same first
+  written position). Each batch is one nnsight trace (the transformers backend: one invoke
+  holding every cell's rows; vLLM: one invoke per cell), and the backend gets a row's
+  consecutive batches of at most ``batch_size`` cells in all at once (the hints' ``run_many``:
+  the transformers backend then computes all their metrics in one product with the
+  unembedding);
+* stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
+  row so a front end can draw it live, and checks ``stop`` between batches;
+* runs a :class:`Chain` (several plans in turn, each into its own result: a study's facts,
+  never drawn row by row) with their metrics pooled (:class:`_Pool`): each batch runs up to
+  its metric's states (the hints' ``states_many``), and the pool finishes a thousand read
+  positions of them at once (``metrics_many``: one pass over the unembedding for all).
+
+**The backend seam.** The engine and the protocols never touch a model: every call into it
+goes through the backend object (:mod:`pipatch._backends`; its core members typed by
+:class:`~pipatch._backends._contract.Backend`), which turns cells into invokes. What the
+engine schedules by (layer order, prefix reuse, packing, pooled unembedding, the device's
+sizes) it reads only from the backend's hints (:attr:`Plan.hints`, the defaults where a
+backend gives none). A new way of running models is one new module there; nothing here
+changes.
+changes.
+
+
+Its parts: :mod:`._sweeps` (grids of cells), :mod:`._plans` (plans, chains, clicks),
+:mod:`._schedule` (which cells share a trace: pure, tested without a model), :mod:`._execute`
+(running, storing, stopping) and :mod:`._sizing` (batch sizes).
+"""
+
+from ._execute import EngineError, execute, stop_check
+from ._plans import POOL_POSITIONS, Chain, Plan, Predictor
+from ._schedule import JOIN_COST, RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS, TRACE_COST, batches
+from ._sizing import auto_batch_size, batch_size_for_memory, check_batch_size
+from ._sweeps import SiteSweep, Sweep
+
+__all__ = ["Sweep", "SiteSweep", "Plan", "Chain", "Predictor", "execute", "stop_check", "batches", "EngineError",
+           "auto_batch_size", "batch_size_for_memory", "check_batch_size", "POOL_POSITIONS", "TRACE_COST", "JOIN_COST",
+           "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS"]

@@ -1,0 +1,361 @@
+"""Execution: run a plan's row groups on its backend, store values, stop, fail, retry.
+
+:func:`execute` walks the row groups :mod:`._schedule` makes, hands each group's batches to
+the backend, stores each value where its sweep says, calls ``on_row`` after each finished
+row and checks ``stop`` between batches. A :class:`_Pool` holds batches that ran only up to
+their metric's states, to finish many at once (a :class:`~._plans.Chain`'s).
+
+Stopping and failures: ``stop`` (an Event or a function) ends the run ``"stopped"``, Ctrl-C /
+a kernel interrupt ends it ``"interrupted"`` (both between batches, :func:`_interrupt_flag`),
+with every finished row kept. A batch that runs out of memory is halved and retried; any
+other failing batch raises :class:`EngineError` naming it, with the partial result attached.
+
+``plan`` arguments are :class:`~._plans.Plan`\\ s, read by duck typing (this module does not
+import the plans, which import it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .._backends._contract import Hints
+from .._cells import Cell
+from .._models import PipatchError
+from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, batches
+from ._sweeps import Sweep
+
+__all__ = ["execute", "stop_check", "EngineError"]
+
+
+class EngineError(RuntimeError):
+    """A batch failed. ``partial`` holds the result with every finished row kept."""
+
+    def __init__(self, message: str, partial: Any = None):
+        super().__init__(message)
+        self.partial = partial
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps: grids of cells
+# --------------------------------------------------------------------------------------------
+
+
+def _run_batch(backend: Any, sweep: Sweep, cells: list[Cell], fast: bool, full_logits: bool = False) -> torch.Tensor:
+    """One batch on the backend; a two-stage batch (cells with ``then``) runs twice."""
+    if _two_stage(cells):
+        _, reads = backend.run(sweep.base, cells, sweep.metric, fast=fast)
+        cells = [cell.then(values) if cell.then is not None else cell for cell, values in zip(cells, reads)]
+    values, _ = backend.run(sweep.base, cells, sweep.metric, fast=fast, full_logits=full_logits)
+    return values
+
+
+def _run_batches(backend: Any, hints: Hints, sweep: Sweep, group: list[list[Cell]], fast: bool) -> list[torch.Tensor]:
+    """Batches of one row → the metric per cell of each: one ``run_many`` call (each batch one
+    trace), or a two-stage batch alone (:func:`_run_batch`)."""
+    if len(group) == 1:
+        return [_run_batch(backend, sweep, group[0], fast)]
+    return hints.run_many(sweep.base, group, sweep.metric, fast=fast)
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+# What one more trace costs, counted in positions one more batch row would cost instead: a
+# trace's fixed part (nnsight's set-up, and reading every weight once however few rows run)
+# is worth about 32 more positions in a batch. Measured on Gemma 3 270M on this CPU: a
+# one-position cell alone 78 ms at layer 0, eight in one trace 182 ms; a GPU's fixed part
+# weighs more still.
+
+
+def _run_cells(plan: Any, rowgroup: _RowGroup, should_stop: Callable[[], bool] | None, stats: dict,
+               pool: _Pool | None = None) -> bool:
+    """Fill ``rowgroup``'s rows: its ``filled`` cells with the base metric, its pending cells run
+    (each part's batches, :func:`batches`); False when stopped before they finished. With a
+    ``pool``, batches whose metric it can finish later run only up to their states, which it
+    keeps (their values are stored when it is flushed)."""
+    fast, sweep, rows = plan.fast, rowgroup.sweep, rowgroup.rows
+    if pool is not None and pool.defers(sweep, rowgroup):
+        if should_stop is not None and should_stop():
+            return False
+        pool.defer(sweep, [cell for part in rowgroup.parts for cell in part])
+        for cell in rowgroup.filled:
+            plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
+        return True
+    reuse = fast and plan.hints.prefix_reuse(sweep.base)
+    pack = _pack_tokens(plan, sweep)
+    n_positions = sweep.base.input_ids.shape[1]
+    queue = collections.deque(batch for part in rowgroup.parts
+                              for batch in batches(part, plan.owner(sweep).batch_size, reuse, pack, n_positions))
+    # Batches of at most ``size`` cells (one trace each), handed to the backend ``together``
+    # cells at a time: all of a group's (:func:`_shares`), else up to ``size``.
+    size, batch_no = plan.owner(sweep).batch_size, 0
+    together = max(size, rowgroup.n_pending)
+    where = f"layer {rows[0]}" if len(rows) == 1 else f"layers {rows[0]}–{rows[-1]}"
+    while queue:
+        if should_stop is not None and should_stop():
+            return False
+        # The next batches, up to ``together`` cells in all: one backend call (run_many), so a
+        # backend can finish them together (one product with the unembedding for all).
+        group = [queue.popleft()]
+        if len(group[0]) > size:
+            queue.appendleft(group[0][size:])
+            group[0] = group[0][:size]
+        total, alone = len(group[0]), _two_stage(group[0])
+        while queue and not alone and total + len(queue[0]) <= together and not _two_stage(queue[0]):
+            total += len(queue[0])
+            group.append(queue.popleft())
+        try:
+            states = pool.states(sweep, group) if pool is not None and not alone else None
+            values = _run_batches(plan.backend, plan.hints, sweep, group, fast) if states is None else []
+        except Exception as error:  # noqa: BLE001 - re-raised with the batch named
+            if _is_oom(error) and total > 1:
+                size = together = max(1, min(total, size) // 2)  # and every later batch of the rowgroup
+                queue.extendleft(reversed(group))
+                continue
+            raise EngineError(
+                f"{sweep.view}: batch {batch_no + 1} of {where} ({total} cells) failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        for batch in group:
+            stats["traces"] += 1
+            stats["max_invokes"] = max(stats["max_invokes"], len(batch))
+            batch_no += 1
+        if states is not None and pool is not None:
+            pool.add(sweep, group, states)
+        else:
+            _store_values(plan, sweep, group, values, stats)
+    for cell in rowgroup.filled:  # last, so a stopped or failed group leaves its rows unfilled
+        plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
+    return True
+
+
+def _store_values(plan: Any, sweep: Sweep, group: list[list[Cell]], values: list[torch.Tensor], stats: dict) -> None:
+    """Store each batch's values in ``sweep``; NaN/Inf from the model itself stored as NaN and
+    its row flagged once, in the run's ``nonfinite_rows`` and as a warning of the result the
+    row belongs to (a :class:`Chain`'s: its fact's alone)."""
+    for batch, batch_values in zip(group, values):
+        for cell, value in zip(batch, batch_values.tolist()):
+            if not math.isfinite(value):
+                value = float("nan")
+                flagged = stats.setdefault("nonfinite_rows", [])
+                if [sweep.view, cell.row] not in flagged:
+                    flagged.append([sweep.view, cell.row])
+                warning = f"{sweep.view} row {cell.row}: the model produced NaN/Inf in some cells (stored as NaN)"
+                warnings = plan.owner(sweep).result.warnings
+                if warning not in warnings:
+                    warnings.append(warning)
+            plan.store(sweep, cell, value)
+
+
+class _Pool:
+    """Batches that ran up to their metric's states, waiting to finish together: one
+    ``metrics_many`` call for all (the transformers backend: one pass over the unembedding for
+    every probability among them), then their values stored and their row groups' rows done.
+
+    A plan pools where it asks to (:attr:`Plan.pool_positions`, a :class:`Chain` of a study's
+    facts: no row of it is drawn live) and the backend can (its hints' ``states_many``);
+    execute flushes the pool once it holds that many read positions, at the end, and before
+    a stop or an interrupt ends the run (what finished is kept).
+
+    Where the backend packs cells of several prompts into one trace (its hints'
+    ``packs_plans``), a packed row group does not run when it joins: its cells wait here
+    (:meth:`defer`), and the flush cuts every plan's waiting cells together into packed traces
+    (``states_packed``): cells of several facts share each forward, and no fact's last trace
+    runs half full."""
+
+    def __init__(self, plan: Any, stats: dict):
+        self.plan, self.stats = plan, stats
+        self.items: list[tuple[Sweep, list[list[Cell]], list[torch.Tensor]]] = []
+        self.deferred: list[tuple[Sweep, list[Cell]]] = []
+        self.waiting: list[_RowGroup] = []
+        self.positions = 0
+
+    @property
+    def held(self) -> int:
+        """How many entries wait (ran or not): a row group that adds one waits for the flush."""
+        return len(self.items) + len(self.deferred)
+
+    def defers(self, sweep: Sweep, rowgroup: _RowGroup) -> bool:
+        """Whether ``rowgroup``'s cells wait to run packed with other plans' (:meth:`defer`)."""
+        hints = self.plan.hints
+        return (hints.packs_plans and bool(_pack_tokens(self.plan, sweep)) and hints.shares_unembedding(sweep.metric)
+                and not any(_two_stage(part) for part in rowgroup.parts))
+
+    def defer(self, sweep: Sweep, cells: list[Cell]) -> None:
+        if cells:
+            self.deferred.append((sweep, cells))
+            self.positions += len(cells) * sweep.metric.n_inputs * sweep.metric.n_read
+
+    def _run_deferred(self) -> None:
+        """Run the waiting cells, every plan's together, as packed traces (cells of one number
+        of read positions a trace); their states join :attr:`items`."""
+        hints, stats = self.plan.hints, self.stats
+        entries = [(sweep, cell) for sweep, cells in self.deferred for cell in cells]
+        traces: list[list[int]] = []
+        for n_read in sorted({sweep.metric.n_read for sweep, _ in entries}):
+            mine = [i for i, (sweep, _) in enumerate(entries) if sweep.metric.n_read == n_read]
+            first = entries[mine[0]][0]
+            lengths = [max(1, entries[i][0].base.input_ids.shape[1] - entries[i][1].first_position) for i in mine]
+            size = min(self.plan.owner(entries[i][0]).batch_size for i in mine)
+            cut = _packed_traces([entries[i][1].start for i in mine], lengths, size,
+                                 hints.pack_tokens(first.base, first.metric))
+            traces += [[mine[j] for j in trace] for trace in cut]
+        try:
+            states = hints.states_packed([[(entries[i][0].base, entries[i][1], entries[i][0].metric) for i in trace]
+                                          for trace in traces])
+        except Exception as error:  # noqa: BLE001 - re-raised with the traces named
+            views = sorted({sweep.view for sweep, _ in self.deferred})
+            raise EngineError(f"{', '.join(views)}: {len(traces)} packed traces of {len(self.deferred)} row groups "
+                              f"failed: {type(error).__name__}: {error}") from error
+        state_of: dict[int, torch.Tensor] = {}
+        for trace, values in zip(traces, states):
+            state_of.update((i, values[j : j + 1]) for j, i in enumerate(trace))
+            stats["traces"] += 1
+            stats["max_invokes"] = max(stats["max_invokes"], len(trace))
+        at = 0
+        for sweep, cells in self.deferred:
+            self.items.append((sweep, [cells], [torch.cat([state_of[i] for i in range(at, at + len(cells))])]))
+            at += len(cells)
+        self.deferred = []
+
+    def states(self, sweep: Sweep, group: list[list[Cell]]) -> list[torch.Tensor] | None:
+        """The batches' states, or ``None`` where they run as usual (a metric that gains nothing)."""
+        hints = self.plan.hints
+        return hints.states_many(sweep.base, group, sweep.metric) if hints.shares_unembedding(sweep.metric) else None
+
+    def add(self, sweep: Sweep, group: list[list[Cell]], states: list[torch.Tensor]) -> None:
+        self.items.append((sweep, group, states))
+        self.positions += sum(s.shape[0] * s.shape[1] * s.shape[2] for s in states)
+
+    def flush(self) -> list[_RowGroup]:
+        """Finish every batch held, store their values; the row groups that waited on them."""
+        if self.deferred:
+            self._run_deferred()
+        if self.items:
+            pieces = [(sweep.metric, s) for sweep, _, states in self.items for s in states]
+            values = iter(self.plan.hints.metrics_many(pieces))
+            for sweep, group, states in self.items:
+                _store_values(self.plan, sweep, group, [next(values) for _ in states], self.stats)
+        done, self.items, self.waiting, self.positions = self.waiting, [], [], 0
+        return done
+
+
+def stop_check(stop: Any) -> Callable[[], bool] | None:
+    if stop is None:
+        return None
+    if hasattr(stop, "is_set"):
+        return stop.is_set
+    if callable(stop):
+        return stop
+    raise PipatchError("stop must be a threading.Event or a function returning True to stop")
+
+
+@contextlib.contextmanager
+def _interrupt_flag() -> Iterator[threading.Event]:
+    """Ctrl-C / Kernel ▸ Interrupt during a run, as a flag the engine reads between batches.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread happens to be, and inside a
+    trace that is nnsight's interleaving machinery, which can swallow it: the run then went on to
+    the end. While the engine runs on the main thread, SIGINT only sets this flag; the engine
+    ends the run ``"interrupted"`` at the next batch boundary, so the interrupt never lands inside
+    a trace. A second interrupt (a batch that does not end: a stuck server) raises at once, as
+    Python would. Off the main thread the flag is never set and interrupts behave as usual.
+    """
+    flag = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield flag  # (``None``: a handler not set from Python, which could not be put back)
+        return
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        if flag.is_set():
+            raise KeyboardInterrupt
+        flag.set()
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
+    """Run every task of ``plan`` into ``plan.result`` and return it.
+
+    ``on_row(result, view, row)`` is called after each finished row. ``stop`` (an Event or a
+    function) is checked between batches: the run ends ``"stopped"``. Ctrl-C / a kernel
+    interrupt ends it ``"interrupted"`` at the next batch boundary (:func:`_interrupt_flag`).
+    Either way the finished rows are kept; a failing batch raises :class:`EngineError` with the
+    partial result attached. ``result.meta["engine"]`` counts ``cells``, ``noop_cells`` (filled
+    without a forward), ``traces`` and ``max_invokes`` (cells in the largest batch).
+    """
+    should_stop = stop_check(stop)
+    result = plan.result
+    started = time.perf_counter()
+    stats = result.meta.setdefault("engine", {})
+    stats.update({"batch_size": plan.batch_size, "fast": plan.fast})
+    for key in ("cells", "noop_cells", "traces", "max_invokes"):
+        stats.setdefault(key, 0)
+    result.status = "running"
+    plan.begin()
+    finished_rows = 0
+    pool = _Pool(plan, stats) if plan.pool_positions and plan.fast else None
+
+    def rows_done(groups: list[_RowGroup]) -> None:
+        nonlocal finished_rows
+        for rowgroup in groups:
+            for row in rowgroup.rows:
+                plan.row_done(rowgroup.sweep, row)
+                finished_rows += 1
+                result.meta["elapsed"] = time.perf_counter() - started
+                if on_row is not None:
+                    on_row(plan.result, rowgroup.sweep.view, row)
+
+    try:
+        with _interrupt_flag() as interrupted:
+            def halt() -> bool:
+                return interrupted.is_set() or (should_stop is not None and should_stop())
+
+            for rowgroup in _row_groups(plan, stats):
+                held = pool.held if pool is not None else 0
+                finished = _run_cells(plan, rowgroup, halt, stats, pool)
+                if pool is not None and finished and pool.held > held:
+                    pool.waiting.append(rowgroup)  # its rows are done when the pool is flushed
+                elif finished:
+                    rows_done([rowgroup])
+                if pool is not None and (not finished or interrupted.is_set()
+                                         or pool.positions >= plan.pool_positions):
+                    rows_done(pool.flush())
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
+                if not finished:
+                    result.status = "stopped"
+                    result.message = f"stopped by request after {finished_rows} row(s)"
+                    break
+            else:
+                if pool is not None:
+                    rows_done(pool.flush())
+                result.status = "done"
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        result.message = f"interrupted after {finished_rows} row(s); finished rows are kept"
+    except EngineError as error:
+        result.status = "failed"
+        result.message = str(error)
+        error.partial = result
+        result.meta["elapsed"] = time.perf_counter() - started
+        plan.finish()
+        raise
+    result.meta["elapsed"] = time.perf_counter() - started
+    plan.finish()
+    return result
