@@ -55,7 +55,7 @@ chromium:
 
 test: $(STAMP) chromium install-vllm
 	npm test
-	$(PY) -m mypy pipatch/_backends pipatch/_engine.py
+	$(PY) -m mypy pipatch/_backends pipatch/_engine
 	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
 		--ignore=tests/test_served.py --ignore=tests/test_served_tp.py
 	$(MAKE) test-vllm
@@ -95,7 +95,7 @@ bench: $(STAMP) install-vllm
 
 # The backend seam and the engine, against the typed contract (pipatch/_backends/_contract.py).
 typecheck: $(STAMP)
-	$(PY) -m mypy pipatch/_backends pipatch/_engine.py
+	$(PY) -m mypy pipatch/_backends pipatch/_engine
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipatch tests bench
