@@ -42,17 +42,51 @@ it directly). Nothing assumes a width: only ``z``-like sites, whose heads sit si
 the width, cut it into head slices. What it would still need is a module to read the weights
 from (the attention's softmax output, which not every family's attention returns): a new
 :attr:`Site.holder` and its line in :meth:`Site.module_path` / :meth:`Site.value`.
+
+Reading and writing: the contract
+---------------------------------
+
+A backend never indexes a module's value itself. Inside its trace it hands each site a
+:class:`Place`: the live value of the site's *holder* (the module output or input the site
+lives in) at one layer, for the rows of one invoke, ``[rows, T, width]`` on every backend
+(vLLM's ``[T, width]`` is viewed with a batch dimension; its block output, a ``(hidden,
+residual)`` pair, is one place whose value is their sum). The site then reads and writes
+through it (:meth:`Site.apply`, :meth:`Site.read`), and that is the one place ops meet
+module values.
+
+Most sites read the holder's value as it is, so an op writes or adds at its index into the
+live value (:meth:`Place.apply`). A site may instead **encode**: its value is a function of
+the holder's (:meth:`Site.encode`), and a write goes back through its **decode**
+(:meth:`Site.decode`) *plus what the decoder misses*::
+
+    raw' = raw + decode(edited) − decode(encode(raw))
+
+so an unedited write adds exactly zero and the run is the plain run. Reading (a capture, a
+recording op) returns ``encode(raw)``. An op's index means the same on the encoded value
+(positions on its position dimension, a slice of its width); the position axis is the
+site's (:attr:`Site.dims`), never assumed to be dimension 1.
+
+The example the contract is written for is a sparse autoencoder's latents at a layer's
+residual stream: ``encode(x) = JumpReLU(x W_enc + b_enc)`` ([rows, T, n_latents]) and
+``decode(f) = f W_dec + b_dec``; patching latent ``i`` at position ``p`` writes
+``x + (f' − f)[p, i] · W_dec[i]`` into the block output, and the SAE's reconstruction error
+stays in the stream. A new site of this kind is one subclass of :class:`Site` overriding
+:meth:`~Site.encode` and :meth:`~Site.decode` (with the holder of the value it reads:
+``holder="block"`` for the residual stream), in any module: no backend, engine or protocol
+changes (``tests`` build one in a temporary module and patch with it on two backends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from ._models import Adapter, PipatchError, _get, first
 
-__all__ = ["Site", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "MLP_IN", "QKV", "projection", "axis_of",
+__all__ = ["Site", "Place", "TensorPlace", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "MLP_IN", "QKV", "projection", "axis_of",
            "TOKEN_AXIS", "HEAD_AXIS", "BATCH", "POSITION", "WIDTH", "HEADS", "KEY"]
 
 #: Column axes: what one grid column over a site is. A result records its own as ``col_axis``.
@@ -69,6 +103,42 @@ QKV = ("q", "k", "v")
 _BLOCK, _ATTN, _MLP, _OUT_PROJ, _PROJ, _EMBEDDING = "block", "attn", "mlp", "out_proj", "proj", "embed"
 _MLP_IN = "mlp_in"
 _ALL = slice(None)  # an index part that takes the whole dimension
+
+
+class Place(Protocol):
+    """A site holder's live value at one layer, inside a backend's trace (see the module
+    docstring's contract). ``rows`` is the backend's selector of one job's rows (and, in a
+    packed trace, its span of positions); ``index`` an op's index into those rows' value."""
+
+    def read(self, rows: Any) -> torch.Tensor:
+        """The value at ``rows``, ``[rows, T, width]`` (live where the backend can)."""
+        ...
+
+    def apply(self, op: Any, rows: Any, index: tuple) -> torch.Tensor | None:
+        """``op`` at ``rows``, ``index``: write, add, or (a recording op) a copy of what is there."""
+        ...
+
+    def add(self, rows: Any, delta: torch.Tensor) -> None:
+        """Add ``delta`` (``[rows, T, width]``) to the value at ``rows``."""
+        ...
+
+
+class TensorPlace:
+    """A :class:`Place` over one live tensor, ``[rows, T, width]``: a module's output or input
+    in a trace (an nnsight value), or a state a backend holds (a cached block output)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def read(self, rows: Any) -> torch.Tensor:
+        return self.value[rows]
+
+    def apply(self, op: Any, rows: Any, index: tuple) -> torch.Tensor | None:
+        return op.apply(self.value[rows], index)
+
+    def add(self, rows: Any, delta: torch.Tensor) -> None:
+        where = self.value[rows]
+        where += delta.to(where.dtype)
 
 
 @dataclass(frozen=True)
@@ -239,9 +309,50 @@ class Site:
         return _get(block, path) if path else block
 
     def value(self, adapter: Adapter, model: Any, layer: int) -> Any:
-        """The site's value at ``layer`` inside a trace (:attr:`dims`), readable and writable."""
+        """The holder's value at ``layer`` inside a trace (:attr:`dims`), readable and writable:
+        what a backend wraps in a :class:`Place` (an encoding site's value is
+        :meth:`encode` of it)."""
         module = self.module(adapter, model, layer)
         return module.input if self.reads_input else first(module.output)
+
+    # -- reading and writing (the module docstring's contract) --------------------------------
+    def encode(self, raw: torch.Tensor) -> torch.Tensor:
+        """The site's value from its holder's, ``[rows, T, width_raw] → [rows, T, width]``: the
+        holder's value itself for every built-in site. An encoding site overrides it and
+        :meth:`decode`."""
+        return raw
+
+    def decode(self, value: torch.Tensor) -> torch.Tensor:
+        """The holder's value a site value stands for (:meth:`encode`'s inverse, up to what it
+        misses): only differences of two decodes are ever written."""
+        return value
+
+    @property
+    def encodes(self) -> bool:
+        """Whether the value ops see is computed from the holder's (:meth:`encode` overridden)."""
+        return type(self).encode is not Site.encode
+
+    def read(self, place: Place, rows: Any) -> torch.Tensor:
+        """A copy of the site's value at ``rows`` of ``place`` (``[rows, T, width]``)."""
+        raw = place.read(rows)
+        return (self.encode(raw) if self.encodes else raw).clone()
+
+    def apply(self, op: Any, place: Place, rows: Any, index: tuple) -> torch.Tensor | None:
+        """Apply ``op`` (write, add, or record) to this site's value at ``rows`` of ``place``.
+
+        A plain site applies it to the live value. An encoding site encodes the rows, applies
+        the op to a copy of the encoded value, and adds ``decode(edited) − decode(value)`` to
+        the holder: a recording op, or a write of the value already there, changes nothing.
+        """
+        if not self.encodes:
+            return place.apply(op, rows, index)
+        value = self.encode(place.read(rows))
+        if op.value is None:
+            return value[index].clone()
+        edited = value.clone()
+        op.apply(edited, index)
+        place.add(rows, self.decode(edited) - self.decode(value))
+        return None
 
     def __repr__(self) -> str:
         return f"<site {self.name}>"

@@ -1,31 +1,98 @@
-"""The backend seam, typed: what every backend offers (:class:`Backend`), and what it may
-tell the engine to schedule its work better (:class:`Hints`).
+"""The backend seam, typed: a backend is a *transport* (:class:`Backend`), and what the
+engine may rely on is data (:class:`Capabilities`).
 
-A new backend starts from the core alone: the engine reads a backend's scheduling hints
-through :func:`hints_of`, which hands it the defaults (:class:`Hints`: no shortcut taken) where
-the backend has no ``hints``. A backend that takes shortcuts (the transformers backend starts a
-cell at its layer and position, packs cells, pools the unembedding) says so in a :class:`Hints`
-subclass of its own.
+A backend says *where and how* a batch of intervention bodies runs — in this process, on a
+vLLM engine, over HTTP to ``pipatch serve``, on NDIF — and names no experiment. What runs is
+a *program* (:mod:`pipatch._programs`): the capture, the patched run, the gradient pass, a
+circuit's runs, each written once. ``backend.run(program, request)`` runs one; a backend
+without the program's capability refuses it in one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # types only: the seam imports no model code
     import torch
 
-    from .._cells import Base, Capture, Cell, Metric, Op
+    from .._cells import Base, Metric
     from .._models import Adapter
-    from .._sites import Site
 
-__all__ = ["Backend", "Hints", "hints_of", "CORE", "HINTS"]
+__all__ = ["Backend", "Capabilities", "CORE", "CAPABILITIES", "refuse"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, and what the engine may schedule by. The defaults are a new
+    backend's: no shortcut taken, no gradient.
+
+    Attributes
+    ----------
+    gradients
+        It runs programs that need a backward pass (attribution's gradient pass, a
+        circuit's edge scores).
+    circuit_runs
+        It runs a circuit's runs (each receiver fed its own input: the faithfulness curve).
+    skips_blocks
+        A patched run starts at its cells' ``start`` layer, the blocks below skipped with the
+        base run's states: a sweep's higher rows cost less (the engine runs them first).
+    reuses_prefix
+        A patched run starts at its cells' first written position, the positions before it
+        the base run's (its capture keeps the keys and values): the engine groups cells by it.
+    pack_tokens
+        Positions one packed trace holds, each cell from its own position and layer (the
+        engine cuts a row's cells into traces of about that many); 0: no packing.
+    packs_prompts
+        A packed trace may hold cells of several prompts (a study's facts run as one).
+    pools_unembedding
+        A patched run can stop at the states its metric is read from, and the metric of many
+        batches is then one pass over the unembedding (the ``metrics`` program).
+    device_kind
+        ``"cuda"`` or ``"cpu"``: which of the engine's per-device sizes apply.
+    position_flops
+        The FLOPs of one position through one block, about (the engine bounds how much work
+        rows that share traces may hold by it); 0: not said.
+    plans_in_flight
+        A study runs this many facts at once, each from a thread of its own (a server that
+        batches what several send).
+    plans_together
+        A study runs this many facts as one engine chain, their metrics finished together.
+    """
+
+    gradients: bool = False
+    circuit_runs: bool = False
+    skips_blocks: bool = False
+    reuses_prefix: bool = False
+    pack_tokens: int = 0
+    packs_prompts: bool = False
+    pools_unembedding: bool = False
+    device_kind: str = "cpu"
+    position_flops: int = 0
+    plans_in_flight: int = 1
+    plans_together: int = 1
+
+    # -- what they mean for one base run and metric (the engine and the backends ask alike) ----
+    def prefix(self, base: Base) -> bool:
+        """Whether a patched run of ``base`` may start at its cells' first written position."""
+        return self.reuses_prefix and base.capture.keys is not None
+
+    def packed(self, base: Base, metric: Metric) -> int:
+        """Positions per packed trace of ``base``'s cells reading ``metric``, or 0: not packed
+        (packing starts each cell at its own position, so it needs the prefix; and one input
+        per cell)."""
+        return self.pack_tokens if self.prefix(base) and metric.n_inputs == 1 else 0
+
+    def pooled(self, metric: Metric) -> bool:
+        """Whether ``metric``'s cells gain by a pooled unembedding: a probability reads every
+        row of it, a logit difference two, a rank every logit at once."""
+        return self.pools_unembedding and metric.token_ids is None and not metric.needs_vocab
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend must offer: the engine and the protocols call nothing else.
+    """What every backend offers: the engine, the programs and the protocols call nothing else.
 
     Shapes are :mod:`pipatch._cells`': token ids ``[1, T]``, site values ``[batch, T, width]``.
     """
@@ -58,142 +125,38 @@ class Backend(Protocol):
     def context_length(self) -> int | None:
         """The longest run the model takes, or ``None``: no limit known."""
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What it can do and what the engine may schedule by."""
+
     def meta(self) -> dict[str, Any]:
         """What a result records about the model."""
-
-    def capture(self, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Site] = (), *,
-                ops: Sequence[Sequence[Op]] | None = None) -> Capture:
-        """One run per list of ``ops`` (one clean run for ``None``), keeping every block output
-        and the named sites."""
-
-    def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Site] = ()) -> list[Capture]:
-        """Each prompt's :meth:`capture` (one length)."""
-
-    def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
-            full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """A batch of patched runs of ``base`` → (metric per cell, or with ``full_logits`` the
-        logits after the prompt; each cell's recorded values)."""
 
     def decode(self, ids: Sequence[int]) -> list[str]:
         """Each token id's text, alone."""
 
-    def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site) -> tuple[list[Any], list[Any], float]:
-        """d metric / d site at every layer: (values, gradients, metric)."""
+    def batch_size(self, n_tokens: int) -> int:
+        """Invokes per trace for runs of ``n_tokens`` positions: what fits the device."""
 
-    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
-                   corrupt: Capture, steps: int) -> tuple[Any, Any]:
-        """A circuit's two factors: each sender's write and each receiver's gradient
-        (:mod:`pipatch._backends._edges`), or one line refusing them."""
-
-    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]), [P];
-        the edges not kept carry the corrupt run's values, or with ``mean_of`` their mean over
-        those prompts (run input ids of one length)."""
+    def run(self, program: Any, request: Any) -> Any:
+        """Run ``program`` (:mod:`pipatch._programs`) on ``request``, its own data; a program
+        this backend cannot run is refused in one :class:`~pipatch.PipatchError` line."""
 
 
-class Hints:
-    """A backend's scheduling hints, with the defaults a new backend starts from: none of the
-    shortcuts. The engine reads them only here (:func:`hints_of`), never off the backend.
+def refuse(backend: Any, program: Any, why: str = "") -> Exception:
+    """The one line a backend raises for a program it cannot run: which, and what to do."""
+    from .._models import PipatchError
 
-    Parameters
-    ----------
-    backend
-        The backend hinted about (the defaults run its batches one :meth:`Backend.run` each,
-        and read its ``runs_on``).
-    """
-
-    def __init__(self, backend: Any):
-        self.backend = backend
-
-    @property
-    def starts_at_layer(self) -> bool:
-        """Whether ``run(..., fast=True)`` starts each cell at its ``start`` layer from the base
-        run's states, so a sweep's higher rows cost less (the engine then runs them first)."""
-        return False
-
-    @property
-    def position_flops(self) -> int:
-        """The FLOPs of one position through one block, about (the engine bounds how much work
-        rows that share their traces may hold by it); 0: not said."""
-        return 0
-
-    @property
-    def device_kind(self) -> str:
-        """``"cuda"`` or ``"cpu"``: which of the engine's per-device sizes apply."""
-        return "cuda" if str(self.backend.runs_on).startswith("cuda") else "cpu"
-
-    @property
-    def plans_in_flight(self) -> int:
-        """How many plans (a study's facts) to run at once, each from a thread of its own: 1
-        unless the model runs elsewhere and batches what several send (a server)."""
-        return 1
-
-    @property
-    def plans_together(self) -> int:
-        """How many plans (a study's facts) may run as one (:class:`~pipatch._engine.Chain`),
-        their metrics finished together (:meth:`states_many`): 1 where they gain nothing."""
-        return 1
-
-    def prefix_reuse(self, base: Base) -> bool:
-        """Whether ``run`` starts a batch of cells of ``base`` at their first written position
-        (the engine then groups cells by it)."""
-        return False
-
-    def pack_tokens(self, base: Base, metric: Metric) -> int:
-        """How many positions one trace holds where ``run`` packs each cell of ``base`` from
-        its own first written position (the engine then cuts a row's cells into traces of
-        about that many), or 0: it does not pack."""
-        return 0
-
-    def shares_unembedding(self, metric: Metric) -> bool:
-        """Whether the metric of many cells costs less computed in one :meth:`run_many` call
-        than in several (the engine then lets rows finish together)."""
-        return False
-
-    def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
-                 fast: bool = True) -> list[torch.Tensor]:
-        """Several batches of cells, each run as ``run`` runs it (one trace each) → the metric
-        per cell of each batch."""
-        return [self.backend.run(base, cells, metric, fast=fast)[0] for cells in batches]
-
-    def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor] | None:
-        """Several batches run as :meth:`run_many` runs them (``fast``), but only up to what
-        their metric is computed from: per batch, those states ([cells, ...]), which
-        :meth:`metrics_many` then finishes together with other batches', of other prompts
-        (a plan that pools its metrics: :class:`~pipatch._engine.Chain`). ``None``: the
-        backend computes each batch's metric in its run (the engine then calls :meth:`run_many`)."""
-        return None
-
-    @property
-    def packs_plans(self) -> bool:
-        """Whether :meth:`states_packed` packs cells of several plans' prompts into one trace
-        (the engine then hands a :class:`~pipatch._engine.Chain`'s packed rows to it together,
-        instead of each plan's batches to :meth:`states_many`)."""
-        return False
-
-    def states_packed(self, traces: Sequence[Sequence[tuple[Base, Cell, Metric]]]) -> list[torch.Tensor]:
-        """Each of ``traces`` (``(base, cell, metric)`` entries of several prompts, cut by the
-        engine to :meth:`pack_tokens` positions) as one packed trace, up to the metric's states:
-        per trace [cells, ...], which :meth:`metrics_many` finishes (:attr:`packs_plans`)."""
-        raise NotImplementedError(f"{type(self.backend).__name__} packs one prompt's cells a trace (packs_plans: False)")
-
-    def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
-        """The metric per cell of each ``(metric, states)`` item (states from :meth:`states_many`),
-        in one go."""
-        raise NotImplementedError(f"{type(self.backend).__name__} computes its metrics in its runs (states_many: None)")
-
-
-def hints_of(backend: Any) -> Hints:
-    """``backend.hints`` where it has them, else the defaults (:class:`Hints`)."""
-    hints = getattr(backend, "hints", None)
-    return hints if isinstance(hints, Hints) else Hints(backend)
+    need = f" (it needs {program.needs})" if program.needs else ""
+    return PipatchError(why or f"the {getattr(backend, 'backend_name', type(backend).__name__)} backend cannot run "
+                        f"the {program.name} program{need}: load the model with backend='transformers' (the default)")
 
 
 def _members(cls: type) -> list[str]:
     return sorted(name for name in vars(cls) if not name.startswith("_"))
 
 
-#: The names of the core members and of the hints (the backends package's table lists them).
+#: The names of the core members (the backends package's table lists them).
 CORE: list[str] = _members(Backend)
-HINTS: list[str] = [name for name in _members(Hints) if name != "backend"]
+#: The capability flags (the backends package's second table lists them).
+CAPABILITIES: list[str] = [f.name for f in fields(Capabilities)]

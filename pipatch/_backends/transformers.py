@@ -52,22 +52,27 @@ import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._models import Adapter, _get, adapter_for, dispatched, first
-from .._sites import EMBED, RESID, Site
-from ._contract import Hints
-from ._described import Described
-from ._edges import (
-    ReceiverGradients,
-    SenderWrites,
-    check_circuit_family,
-    circuit_metrics,
-    mean_cache,
-    receiver_gradients,
-    sender_writes,
+from .._programs._edges import check_circuit_family, mean_cache
+from .._programs._program import Program
+from .._programs.capture import CAPTURE, CaptureRequest, capture_body
+from .._programs.circuit import (
+    CIRCUIT_RUN,
+    EDGE_TERMS,
+    CircuitRunRequest,
+    EdgeTermsRequest,
+    circuit_run_body,
+    edge_terms_body,
 )
+from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
+from .._programs.patch import METRICS, PATCH, PatchRequest, patch_body
+from .._sites import RESID, Site
+from ._contract import Capabilities, refuse
+from ._described import Described
+from ._hf_views import PackedView, RowsView
 from ._packing import NO_BOUND, PACK_TOKENS, ROW_TOKENS, Packed, layout, with_hidden
 from ._unembedding import Unembedding, unembedding_input
 
-__all__ = ["TransformersBackend", "TransformersHints"]
+__all__ = ["TransformersBackend"]
 
 # Re-exported: tests and benchmarks read the packing's sizes and layout here.
 _layout, _Packed, _with_hidden = layout, Packed, with_hidden
@@ -156,30 +161,40 @@ class TransformersBackend(Described):
         ``Result.code()`` reads."""
         return {**super().meta(), "model_path": self.path, "adapter": dataclasses.asdict(self.adapter)}
 
-    # -- runs -------------------------------------------------------------------------------
-    def capture(self, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Site] = (), *,
-                ops: Sequence[Sequence[Op]] | None = None) -> Capture:
-        """Run ``input_ids`` ([1, T]) once per list of ``ops`` and keep every block output and site.
+    # -- the transport ----------------------------------------------------------------------
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """Every shortcut (the module docstring), gradients and a circuit's runs; packing where
+        the model takes a 4-D mask and ``position_ids`` (:attr:`_masks`)."""
+        packs = self.pack and self.reuse_prefix and self._masks is not None
+        return Capabilities(
+            gradients=True, circuit_runs=True, skips_blocks=True, reuses_prefix=self.reuse_prefix,
+            pack_tokens=PACK_TOKENS.get(self.device.type, NO_BOUND) if packs else 0, packs_prompts=True,
+            pools_unembedding=True, device_kind="cuda" if self.device.type == "cuda" else "cpu",
+            position_flops=self.position_flops, plans_together=PLANS_TOGETHER)
 
-        ``ops[i]`` are run ``i``'s writes (causal tracing's corrupted runs: seed ``i``'s noise,
-        added at :data:`~pipatch._sites.EMBED`), applied as a patched run applies a cell's;
-        ``None`` is one clean run. ``sites`` lists the site values to keep besides the block
-        outputs.
-        """
-        runs = [[]] if ops is None else [list(run) for run in ops]
-        return self._capture([input_ids] * len(runs), metric, sites, ops=runs)
+    def run(self, program: Program, request: Any) -> Any:
+        """Run ``program`` on ``request`` in this process (:meth:`_routines`)."""
+        routine = self._routines().get(program.name)
+        if routine is None:
+            raise refuse(self, program)
+        return routine(request)
 
-    def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Site] = ()) -> list[Capture]:
-        """Several prompts' runs ([1, T] each, one length), each kept as :meth:`capture` keeps one,
-        in one trace: the model's weights are read once for all of them (a run of a few tokens
-        costs mostly that read on a CPU: two 9-token runs of Gemma 3 270M 0.11 s, one 0.09 s)."""
-        both = self._capture(list(prompts), metric, sites)
-        return [both.run(i) for i in range(len(prompts))]
+    def _routines(self) -> dict[str, Any]:
+        return {CAPTURE.name: self._capture, PATCH.name: self._patch, METRICS.name: self._metrics,
+                GRADIENTS.name: self._gradients, **self._circuit_routines()}
 
-    def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
-                 ops: list[list[Op]] | None = None) -> Capture:
-        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) under ``ops[i]`` (none by default);
-        all of them one batch of one invoke (one intervention per layer, however many runs).
+    def _capture(self, request: CaptureRequest) -> list[Capture]:
+        """The request's runs as one trace (:meth:`_captured`): one capture whose rows are the
+        runs of one prompt under ops, or one capture per prompt."""
+        runs = request.runs
+        both = self._captured([request.prompt_of(i) for i in range(len(runs))], request.metric, request.keep, runs)
+        return [both] if request.ops is not None else [both.run(i) for i in range(len(runs))]
+
+    def _captured(self, prompts: list[torch.Tensor], metric: Metric, keep: list[Site],
+                  runs: list[list[Op]]) -> Capture:
+        """Run ``i`` of one trace: ``prompts[i]`` ([1, T]) under ``runs[i]``, all of them one
+        batch of one invoke (one intervention per layer, however many runs).
 
         A metric that reads a softmax (and causal tracing's P(answer)) is read off the model's
         own logits; a logit difference, off the two rows of the unembedding it needs
@@ -188,48 +203,20 @@ class TransformersBackend(Described):
         model, adapter = self.model, self.adapter
         n, k = len(prompts), metric.n_inputs
         T, m = prompts[0].shape[1], metric.n_read
-        keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)  # blocks: always kept
-        # Each run's writes by (site, layer), in forward order; run ``i`` is rows ``i·k …``.
-        writes: dict[tuple[str, int], list[tuple[Op, int]]] = {}
-        for i, run in enumerate(ops or []):
-            for op in sorted(run, key=lambda op: op.key):
-                writes.setdefault((op.site.name, op.layer), []).append((op, i))
-        written = {op.site for pairs in writes.values() for op, _ in pairs}
-        inside = sorted(set(keep) | {s for s in written if not (s.is_embedding or s.is_block_output)},
-                        key=lambda s: s.order)
-        layers = range(adapter.n_layers)
         softmax = metric.token_ids is None
         unembed = adapter.unembedding(model)
         cache = self._new_cache()
         kwargs: dict[Any, Any] = {adapter.cache_kwarg: cache, "use_cache": True} if cache is not None else {}
-
-        def apply(site: Site, layer: int, value: Any) -> None:
-            for op, i in writes.get((site.name, layer), ()):
-                op.apply(value[i * k : (i + 1) * k])
-
         with torch.no_grad(), model.trace(**adapter.trace_kwargs(m), **kwargs) as tracer:
             saved = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(torch.cat([metric.inputs(prompt) for prompt in prompts])):
-                embedded = EMBED.value(adapter, model, 0)
-                apply(EMBED, 0, embedded)
-                embedded_copy = embedded[::k, :T].clone()
-                blocks = []
-                values: dict[str, list[Any]] = {s.name: [] for s in keep}
-                for layer in layers:
-                    for s in inside:
-                        value = s.value(adapter, model, layer)
-                        apply(s, layer, value)
-                        if s in keep:
-                            values[s.name].append(value[::k, :T].clone())
-                    out = adapter.block(model, layer).output
-                    apply(RESID, layer, first(out))
-                    blocks.append(tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
-                                  if isinstance(out, tuple) else out.clone())
+                view = RowsView(adapter, model, rows_per_job=k)
+                embedded, blocks, values = capture_body(view, runs, keep, T, slice(None, None, k))
                 if softmax:
                     read = model.output.logits[:, -m:].float()
                 else:
                     read = unembedding_input(unembed, (slice(None), slice(-m, None)))
-                saved.append((blocks, values, read, embedded_copy))
+                saved.append((blocks, values, read, embedded))
         blocks, values, read, embedded = saved[0]
         values[RESID.name] = [first(b)[::k, :T] for b in blocks]
         keys = None
@@ -245,6 +232,35 @@ class TransformersBackend(Described):
             score, prob = self.metric_from_hidden(metric, read), None
         return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k, keys=keys,
                        top1=top1)
+
+    def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
+        """Each batch as one trace (packed where :meth:`Capabilities.packed` says so, and
+        always where it holds several bases); with ``fast`` and ``out="metric"`` the metric of
+        every batch's cells in one go from their read positions' states: one product with the
+        unembedding for all of them."""
+        if not request.batches:
+            return [], []
+        metric, fast, out = request.metric, request.fast, request.out
+        if out == "states" and not fast:
+            raise ValueError("states are the fast path's: pass fast=True")
+        outs, reads = [], []
+        for batch in request.batches:
+            value, read = self._trace(batch, fast=fast, full_logits=out == "logits")
+            outs.append(value)
+            reads.append(read)
+        if out == "logits":
+            return [o.float() for o in outs], reads
+        if out == "metric":
+            if fast:
+                outs = list(self.metric_from_hidden(metric, torch.cat(outs)).split([len(o) for o in outs]))
+            else:
+                outs = [metric.score(o) for o in outs]
+        return outs, reads
+
+    def _metrics(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
+        """The metric per cell of each ``(metric, states)`` item, the probabilities' in one pass
+        over the unembedding for all (:meth:`Unembedding.metrics`)."""
+        return self.unembedding.metrics(items)
 
     def _new_cache(self) -> Any:
         """An empty key/value cache for a base run, or ``None`` where the model takes none.
@@ -278,28 +294,9 @@ class TransformersBackend(Described):
         return [op for op in kept if op is not None]
 
     @functools.cached_property
-    def hints(self) -> TransformersHints:
-        """What the engine may schedule by (:class:`TransformersHints`)."""
-        return TransformersHints(self)
-
-    def prefix_reuse(self, base: Base) -> bool:
-        """Whether :meth:`run` can start cells of ``base`` at their first written position."""
-        return self.reuse_prefix and base.capture.keys is not None
-
-    @functools.cached_property
     def position_flops(self) -> int:
         """Two FLOPs per weight of a block (a multiply and an add) for each position it runs."""
         return 2 * sum(p.numel() for p in _get(self._hf, self.adapter.blocks)[0].parameters())
-
-    def pack_tokens(self, base: Base, metric: Metric) -> int:
-        """How many positions a packed trace holds (:class:`~._packing.Packed`: each cell from its own
-        first written position), or 0 where this model's batches are not packed (then a
-        batch's cells start at the smallest first position among them). By the device
-        (:data:`PACK_TOKENS`): 1,024 on the CPU; on a GPU, :data:`NO_BOUND`, the batch size
-        alone bounds a packed trace."""
-        if not (self.pack and self.prefix_reuse(base) and metric.n_inputs == 1 and self._masks is not None):
-            return 0
-        return PACK_TOKENS.get(self.device.type, NO_BOUND)
 
     @functools.cached_property
     def _masks(self) -> tuple[dict[str, int | None], bool] | None:
@@ -325,79 +322,26 @@ class TransformersBackend(Described):
         masks = {kind: window if kind == "sliding_attention" else None for kind in types}
         return (masks if len(set(masks.values())) > 1 else {"": next(iter(masks.values()))}), implementation == "eager"
 
-    def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
-            full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """Run ``cells`` on ``base`` as one batched forward: one trace, one invoke.
-
-        Cell ``i`` is batch rows ``i·n … i·n + n − 1`` (``n = metric.n_inputs``: the prompt and
-        each answer continuation); its ops write and read those rows only, its writes cover
-        each of them. Every op of the batch is applied in forward order (nnsight serves a
-        module's values only in the order the forward pass computes them), so each site is
-        fetched once per batch, not once per cell. With ``fast``, blocks below the cells'
-        smallest ``start`` are skipped with the base runs' outputs, and (when the backend
-        reuses prefixes) the run starts at the cells' smallest first written position.
-
-        Returns the metric per cell ([len(cells)], float32) — or, with ``full_logits``, the
-        last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
-        its recording ops read (in op order).
-        """
-        out, reads = self._trace(base, cells, metric, fast=fast, full_logits=full_logits)
-        if full_logits:
-            return out.float(), reads
-        if fast:
-            return self.metric_from_hidden(metric, out), reads
-        return metric.score(out), reads
-
-    def shares_unembedding(self, metric: Metric) -> bool:
-        """A probability reads every row of the unembedding (:meth:`logsumexp`), a pass that
-        costs about as much for 210 positions as for 70 on this CPU; a logit difference reads
-        two rows."""
-        return metric.token_ids is None and not metric.needs_vocab
-
-    def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
-                 fast: bool = True) -> list[torch.Tensor]:
-        """Several batches, one trace each, as :meth:`run`; with ``fast``, the metric of every
-        batch's cells in one go from their read positions' states: one product with the
-        unembedding for all of them (70 positions run ~1.3× faster per position than 35 here)."""
-        if not fast:
-            return [self.run(base, cells, metric, fast=False)[0] for cells in batches]
-        hidden = self.states_many(base, batches, metric)
-        return list(self.metric_from_hidden(metric, torch.cat(hidden)).split([len(h) for h in hidden]))
-
-    def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor]:
-        """:meth:`run_many`'s traces (``fast``) without their metric: per batch, the
-        unembedding's input at the read positions, [cells, inputs, n_read, d]."""
-        return [self._trace(base, cells, metric, fast=True)[0] for cells in batches]
-
-    def states_packed(self, traces: Sequence[Sequence[tuple[Base, Cell, Metric]]]) -> list[torch.Tensor]:
-        """Cells of several prompts (a study's facts run as one), each trace of ``traces`` one
-        packed trace of ``(base, cell, metric)`` entries whose metrics read as many positions:
-        per trace, the unembedding's input at its cells' read positions, [cells, 1, n_read, d]
-        (as :meth:`states_many`'s; the cells of a row share its attention, each masked to
-        its own run and its own base's cached positions)."""
-        return [self._isolate_nonfinite(trace, *self._trace_packed(trace))[0] for trace in traces]
-
-    def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
-        """The metric per cell of each ``(metric, states)`` item of :meth:`states_many`, the
-        probabilities' in one pass over the unembedding for all (:meth:`Unembedding.metrics`)."""
-        return self.unembedding.metrics(items)
-
-    def _trace(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool,
-               full_logits: bool = False, pack: bool = True) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """The trace of :meth:`run`: per cell, the unembedding's input at the read positions
-        ([cells, inputs, n_read, d]; ``fast``), or the last prompt position's logits
-        (``full_logits``), or the logits at the read positions; and the recorded values.
-        ``pack=False``: not packed, even where :meth:`pack_tokens` would pack."""
+    def _trace(self, entries: Sequence[tuple[Base, Cell, Metric]], *, fast: bool, full_logits: bool = False,
+               pack: bool = True) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """One trace of ``(base, cell, metric)`` entries (one base unless packed): per cell,
+        the unembedding's input at the read positions ([cells, inputs, n_read, d]; ``fast``),
+        or the last prompt position's logits (``full_logits``), or the logits at the read
+        positions; and the recorded values. Packed (:meth:`_trace_packed`) where the
+        capabilities say so for its base, and always for several bases; ``pack=False``: not
+        packed."""
+        base, _, metric = entries[0]
+        last_only = fast and not full_logits
+        several = any(other is not base for other, _, _ in entries)
+        if last_only and pack and (several or self.capabilities.packed(base, metric)):
+            return self._isolate_nonfinite(entries, *self._trace_packed(entries))
         model, adapter = self.model, self.adapter
+        cells = [cell for _, cell, _ in entries]
         unembed = adapter.unembedding(model)
         run_ids = metric.inputs(base.input_ids)
         n, L, m = metric.n_inputs, run_ids.shape[1], metric.n_read
-        last_only = fast and not full_logits
-        if last_only and pack and self.pack_tokens(base, metric):
-            entries = [(base, cell, metric) for cell in cells]
-            return self._isolate_nonfinite(entries, *self._trace_packed(entries))
         # Prefix reuse: start every cell at the batch's first written position.
-        start = min(cell.first_position for cell in cells) if last_only and self.prefix_reuse(base) else 0
+        start = min(cell.first_position for cell in cells) if last_only and self.capabilities.prefix(base) else 0
         below = min(cell.start for cell in cells) if fast else 0
         seeds = [cell.seed for cell in cells]
         kwargs: dict[Any, Any] = {}
@@ -408,30 +352,18 @@ class TransformersBackend(Described):
             # of the input's width only).
             invoke = {"input_ids": invoke["input_ids"][:, start:],
                       "attention_mask": torch.ones(len(cells) * n, L, dtype=torch.long, device=run_ids.device)}
-        # Every op of the batch in forward order, each with its index in this run's positions;
-        # a cell's ops keep their own order. Its seed's base ops (noise) come first, where the
-        # run computes what they feed: from position ``start`` on (the positions before are
-        # the base run's, already under them), and only when the block they feed is not
-        # skipped (a skipped block's output is the base run's, already under them).
-        ops = sorted(((op, i, op.index_from(start)) for i, cell in enumerate(cells)
-                      for op in self._base_ops(base, cell, start, below) + cell.sorted_ops()),
-                     key=lambda item: item[0].key)
+        # Each cell's seed's base ops (noise) first, where the run computes what they feed:
+        # from position ``start`` on (the positions before are the base run's, already under
+        # them), and only when the block they feed is not skipped (a skipped block's output is
+        # the base run's, already under them).
+        jobs = [self._base_ops(base, cell, start, below) + cell.sorted_ops() for cell in cells]
+        skipped = [_cat([base.capture.block_for(layer, seed, start) for seed in seeds]) for layer in range(below)]
         with torch.no_grad(), model.trace(**kwargs) as tracer:
             outs = list().save()  # type: ignore[attr-defined]  # nnsight's
             recorded = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(**invoke):
-                for layer in range(below):
-                    adapter.block(model, layer).skip(_cat([base.capture.block_for(layer, seed, start) for seed in seeds]))
-                values: dict[tuple[str, int], Any] = {}
-                reads: list[list[Any]] = [[] for _ in cells]
-                for op, i, index in ops:
-                    key = (op.site.name, op.layer)
-                    if key not in values:
-                        values[key] = op.site.value(adapter, model, op.layer)
-                    read = op.apply(values[key][i * n : (i + 1) * n], index)
-                    if read is not None:
-                        reads[i].append(read)
-                recorded.extend(reads)
+                view = RowsView(adapter, model, rows_per_job=n, start=start, below=below, skipped=skipped)
+                recorded.extend(patch_body(view, jobs))
                 if last_only:
                     outs.append(unembedding_input(unembed, (slice(None), slice(-m, None))))
                 elif full_logits:
@@ -458,7 +390,7 @@ class TransformersBackend(Described):
         for key in sorted({(entries[i][1].start, id(entries[i][0])) for i in bad}):
             again = [i for i in bad if (entries[i][1].start, id(entries[i][0])) == key]
             base, _, metric = entries[again[0]]
-            values, again_reads = self._trace(base, [entries[i][1] for i in again], metric, fast=True, pack=False)
+            values, again_reads = self._trace([entries[i] for i in again], fast=True, pack=False)
             out[again] = values.to(out.dtype)
             for i, recorded in zip(again, again_reads):
                 reads[i] = recorded
@@ -470,21 +402,14 @@ class TransformersBackend(Described):
         own first written position and its own ``start`` layer (:class:`~._packing.Packed`)."""
         model, adapter = self.model, self.adapter
         unembed = adapter.unembedding(model)
-        assert self._masks is not None  # packed only where pack_tokens says so
+        assert self._masks is not None  # packed only where the capabilities say so
         windows, eager = self._masks
         pack = Packed(entries, windows, self.dtype if eager else None)
-        cells = [cell for _, cell, _ in entries]
-        # Each cell's ops (its seed's base ops first, from its own start on) by layer, in
-        # forward order, with their index in the cell's span; the embedding's before block 0,
-        # and only where some row runs block 0.
+        # Each cell's ops, its seed's base ops first, from its own start on; the embedding's
+        # only where some row runs block 0.
         below = 0 if pack.active[0] < pack.n_rows else 1
-        embedding: list[tuple[Op, int, tuple]] = []
-        ops: dict[int, list[tuple[Op, int, tuple]]] = {}
-        every = sorted(((op, i, op.index_from(pack.starts[i])) for i, (base, cell, _) in enumerate(entries)
-                        for op in self._base_ops(base, cell, pack.starts[i], below) + cell.sorted_ops()),
-                       key=lambda item: item[0].key)
-        for item in every:
-            (embedding if item[0].site.is_embedding else ops.setdefault(item[0].layer, [])).append(item)
+        jobs = [self._base_ops(base, cell, pack.starts[i], below) + cell.sorted_ops()
+                for i, (base, cell, _) in enumerate(entries)]
         # The masks and positions go to the forward as they are (a trace's keyword arguments;
         # an invoke's would be batched by nnsight, which takes no dict of masks).
         kwargs: dict[Any, Any] = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
@@ -494,39 +419,9 @@ class TransformersBackend(Described):
             outs = list().save()  # type: ignore[attr-defined]  # nnsight's
             recorded = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(input_ids=pack.input_ids):
-                reads: list[list[Any]] = [[] for _ in cells]
-                if embedding:
-                    embedded = EMBED.value(adapter, model, 0)
-                    for op, i, index in embedding:
-                        row, span = pack.spans[i]
-                        op.apply(embedded[row : row + 1, span], index)
-                for layer in range(adapter.n_layers):
-                    block = adapter.block(model, layer)
-                    # The block runs the rows whose cells start at or below it: rows ``active``
-                    # on; the rows before take the base runs' output of the block.
-                    active = pack.active[layer]
-                    partly = 0 < active < pack.n_rows
-                    if active == pack.n_rows:
-                        block.skip(pack.base_output(layer))
-                    elif partly:
-                        args, kw = block.inputs
-                        block.inputs = pack.narrowed(args, active), pack.narrowed(kw, active)
-                    values: dict[str, Any] = {}
-                    for op, i, index in ops.get(layer, ()):
-                        inside = not op.site.is_block_output  # a site the block computes: its rows only
-                        if op.site.name not in values:
-                            values[op.site.name] = (pack.widen(block, layer) if partly and not inside
-                                                    else op.site.value(adapter, model, layer))
-                        row, span = pack.spans[i]
-                        row -= active if inside else 0
-                        read = op.apply(values[op.site.name][row : row + 1, span], index)
-                        if read is not None:
-                            reads[i].append(read)
-                    if partly and not any(op.site.is_block_output for op, _, _ in ops.get(layer, ())):
-                        pack.widen(block, layer)
-                recorded.extend(reads)
+                recorded.extend(patch_body(PackedView(adapter, model, pack), jobs))
                 outs.append(unembedding_input(unembed, pack.read_at))
-        return outs[0].reshape(len(cells), 1, pack.runs.n_read, -1), list(recorded)
+        return outs[0].reshape(len(entries), 1, pack.runs.n_read, -1), list(recorded)
 
     # -- the unembedding arithmetic (:mod:`._unembedding`) ------------------------------------
     @property
@@ -547,74 +442,41 @@ class TransformersBackend(Described):
         """The log-sum-exp of every logit at each position, [..., d] → [...], in slices."""
         return self.unembedding.logsumexp(hidden, budget)
 
-    def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
-        """One forward with gradient tracking and one backward on ``input_ids``.
+    def _gradients(self, request: GradientRequest) -> tuple[list[Any], list[Any], Any]:
+        """The gradient pass (:func:`~pipatch._programs.gradients.gradients_body`) as one
+        trace of the run's input, with gradients enabled."""
+        model, adapter, metric = self.model, self.adapter, request.metric
+        with torch.enable_grad(), model.trace(**adapter.trace_kwargs(metric.n_read)) as tracer:
+            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
+            with tracer.invoke(metric.inputs(request.input_ids)):
+                saved.append(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1]))
+        return saved[0]
 
-        Returns (site value per layer [1, T, width], d metric / d value per layer, metric).
-        The embedding output is swapped for a detached leaf and the backward is restricted to
-        it (``inputs=[leaf]``), so autograd walks every activation between the embedding and
-        the metric but never computes a parameter gradient: no ``.grad`` is left on the
-        model, and a frozen model (``requires_grad=False``) works too.
-        """
-        model, adapter = self.model, self.adapter
-        T, m = input_ids.shape[1], metric.n_read
-        with torch.enable_grad(), model.trace(**adapter.trace_kwargs(m)) as tracer:
-            values = list().save()  # type: ignore[attr-defined]  # nnsight's
-            grads = list().save()  # type: ignore[attr-defined]  # nnsight's
-            with tracer.invoke(metric.inputs(input_ids)):
-                embedding = adapter.embedding(model)
-                leaf = embedding.output.detach().requires_grad_(True)
-                embedding.output = leaf
-                acts = []
-                for layer in range(adapter.n_layers):
-                    act = site.value(adapter, model, layer)
-                    acts.append(act)
-                    values.append(act[:1, :T].detach().clone())
-                score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
-                value = score.detach().save()  # type: ignore[attr-defined]  # nnsight's
-                # nnsight serves .grad in the reverse of the forward order. A prompt position's
-                # activation is shared by every input of the run: its gradients add up.
-                with score.backward(inputs=[leaf]):
-                    for act in reversed(acts):
-                        grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
-        return list(values), list(reversed(list(grads))), float(value)
+    # -- a circuit's programs: run on this process's torch modules ---------------------------
+    @property
+    def torch_model(self) -> Any:
+        """The transformers model under the nnsight wrapper (a circuit's programs call its modules)."""
+        return self._hf
 
+    def _circuit_routines(self) -> dict[str, Any]:
+        return {EDGE_TERMS.name: self._edge_terms, CIRCUIT_RUN.name: self._circuit_runs}
 
-    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
-                   corrupt: Capture, steps: int) -> tuple[SenderWrites, ReceiverGradients]:
-        """The two factors of every circuit edge's score (:mod:`pipatch._backends._edges`):
-        each sender's write, clean minus corrupt, from the captures ``clean`` and ``corrupt``
-        (sites ``head`` and ``mlp``), and each receiver's gradient, averaged over ``steps``
-        points from the corrupt input embeddings towards the clean ones (EAP-IG; ``steps=1``:
-        the corrupt run alone, EAP)."""
-        adapter, hf = self.adapter, self._hf
-        check_circuit_family(adapter)
-        embedding = adapter.embedding(hf)
-        with torch.no_grad():
-            e_clean = embedding(metric.inputs(clean_ids).to(self.device))
-            e_corrupt = embedding(metric.inputs(corrupt_ids).to(self.device))
-        points = [e_corrupt + (k / steps) * (e_clean - e_corrupt) for k in range(steps)]
-        return (sender_writes(hf, adapter, clean, corrupt),
-                receiver_gradients(self.model, hf, adapter, metric, points, corrupt_ids.to(self.device)))
+    def _edge_terms(self, request: EdgeTermsRequest) -> Any:
+        check_circuit_family(self.adapter)
+        return edge_terms_body(self, request)
 
-
-    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """The clean prompt's metric run as each circuit of ``keep`` ([P, receivers, senders]:
-        which edges carry their sender's value; the others the corrupt run's, or with
-        ``mean_of`` (run input ids of one length) their mean over those prompts), [P]
-        (:func:`pipatch._backends._edges.circuit_metrics`). The means of the last ``mean_of``
-        are kept: a faithfulness curve asks for the same ones at every point."""
+    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
+        """:data:`~pipatch._programs.circuit.CIRCUIT_RUN` here. The means of the last
+        ``mean_of`` are kept: a faithfulness curve asks for the same ones at every point."""
         check_circuit_family(self.adapter)
         ablated = None
-        if mean_of is not None:
-            key = tuple(tuple(ids.flatten().tolist()) for ids in mean_of)
+        if request.mean_of is not None:
+            key = tuple(tuple(ids.flatten().tolist()) for ids in request.mean_of)
             if self._means is None or self._means[0] != key:
                 self._means = None  # the old means go before the new ones are computed
-                self._means = (key, mean_cache(self._hf, self.adapter, [ids.to(self.device) for ids in mean_of]))
+                self._means = (key, mean_cache(self._hf, self.adapter, [ids.to(self.device) for ids in request.mean_of]))
             ablated = self._means[1]
-        return circuit_metrics(self._hf, self.adapter, metric, clean_ids.to(self.device), corrupt_ids.to(self.device),
-                               keep, ablated)
+        return circuit_run_body(self, request, ablated)
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -624,48 +486,3 @@ def _cat(parts: list[Any]) -> Any:
             for i in range(len(parts[0]))
         )
     return torch.cat(parts)
-
-
-class TransformersHints(Hints):
-    """The transformers backend's shortcuts, as the engine reads them: each a member of the
-    backend (:meth:`TransformersBackend.prefix_reuse`, ...), which tests may replace."""
-
-    backend: TransformersBackend
-
-    @property
-    def starts_at_layer(self) -> bool:
-        return True
-
-    @property
-    def position_flops(self) -> int:
-        return self.backend.position_flops
-
-    def prefix_reuse(self, base: Base) -> bool:
-        return self.backend.prefix_reuse(base)
-
-    def pack_tokens(self, base: Base, metric: Metric) -> int:
-        return self.backend.pack_tokens(base, metric)
-
-    def shares_unembedding(self, metric: Metric) -> bool:
-        return self.backend.shares_unembedding(metric)
-
-    def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
-                 fast: bool = True) -> list[torch.Tensor]:
-        return self.backend.run_many(base, batches, metric, fast=fast)
-
-    def states_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric) -> list[torch.Tensor] | None:
-        return self.backend.states_many(base, batches, metric)
-
-    @property
-    def packs_plans(self) -> bool:
-        return True
-
-    def states_packed(self, traces: Sequence[Sequence[tuple[Base, Cell, Metric]]]) -> list[torch.Tensor]:
-        return self.backend.states_packed(traces)
-
-    def metrics_many(self, items: Sequence[tuple[Metric, torch.Tensor]]) -> list[torch.Tensor]:
-        return self.backend.metrics_many(items)
-
-    @property
-    def plans_together(self) -> int:
-        return PLANS_TOGETHER

@@ -51,7 +51,8 @@ Its parts: :mod:`._sweeps` (grids of cells), :mod:`._plans` (plans, chains, clic
 from ._execute import EngineError, execute, stop_check
 from ._plans import POOL_POSITIONS, Chain, Plan, Predictor
 from ._schedule import JOIN_COST, RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS, TRACE_COST, batches
-from ._sizing import auto_batch_size, batch_size_for_memory, check_batch_size
+from .._backends._sizing import auto_batch_size, batch_size_for_memory
+from ._sizing import check_batch_size
 from ._sweeps import SiteSweep, Sweep
 
 __all__ = ["Sweep", "SiteSweep", "Plan", "Chain", "Predictor", "execute", "stop_check", "batches", "EngineError",

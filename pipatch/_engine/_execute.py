@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .._backends._contract import Hints
 from .._cells import Cell
 from .._models import PipatchError
+from .._programs.patch import PatchRequest, metrics, patch
 from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, batches
 from ._sweeps import Sweep
 
@@ -49,21 +49,23 @@ class EngineError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 
 
-def _run_batch(backend: Any, sweep: Sweep, cells: list[Cell], fast: bool, full_logits: bool = False) -> torch.Tensor:
-    """One batch on the backend; a two-stage batch (cells with ``then``) runs twice."""
+def _run_batch(backend: Any, sweep: Sweep, cells: list[Cell], fast: bool, out: str = "metric") -> torch.Tensor:
+    """One batch on the backend (the ``patch`` program); a two-stage batch (cells with ``then``)
+    runs twice."""
     if _two_stage(cells):
-        _, reads = backend.run(sweep.base, cells, sweep.metric, fast=fast)
+        _, (reads,) = patch(backend, PatchRequest.of(sweep.base, [cells], sweep.metric, fast))
         cells = [cell.then(values) if cell.then is not None else cell for cell, values in zip(cells, reads)]
-    values, _ = backend.run(sweep.base, cells, sweep.metric, fast=fast, full_logits=full_logits)
+    (values,), _ = patch(backend, PatchRequest.of(sweep.base, [cells], sweep.metric, fast, out))
     return values
 
 
-def _run_batches(backend: Any, hints: Hints, sweep: Sweep, group: list[list[Cell]], fast: bool) -> list[torch.Tensor]:
-    """Batches of one row → the metric per cell of each: one ``run_many`` call (each batch one
-    trace), or a two-stage batch alone (:func:`_run_batch`)."""
+def _run_batches(backend: Any, sweep: Sweep, group: list[list[Cell]], fast: bool) -> list[torch.Tensor]:
+    """Batches of one row → the metric per cell of each: one ``patch`` request (each batch one
+    trace, their metrics computed together where the backend pools them), or a two-stage
+    batch alone (:func:`_run_batch`)."""
     if len(group) == 1:
         return [_run_batch(backend, sweep, group[0], fast)]
-    return hints.run_many(sweep.base, group, sweep.metric, fast=fast)
+    return patch(backend, PatchRequest.of(sweep.base, group, sweep.metric, fast))[0]
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -91,7 +93,7 @@ def _run_cells(plan: Any, rowgroup: _RowGroup, should_stop: Callable[[], bool] |
         for cell in rowgroup.filled:
             plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
         return True
-    reuse = fast and plan.hints.prefix_reuse(sweep.base)
+    reuse = fast and plan.capabilities.prefix(sweep.base)
     pack = _pack_tokens(plan, sweep)
     n_positions = sweep.base.input_ids.shape[1]
     queue = collections.deque(batch for part in rowgroup.parts
@@ -116,7 +118,7 @@ def _run_cells(plan: Any, rowgroup: _RowGroup, should_stop: Callable[[], bool] |
             group.append(queue.popleft())
         try:
             states = pool.states(sweep, group) if pool is not None and not alone else None
-            values = _run_batches(plan.backend, plan.hints, sweep, group, fast) if states is None else []
+            values = _run_batches(plan.backend, sweep, group, fast) if states is None else []
         except Exception as error:  # noqa: BLE001 - re-raised with the batch named
             if _is_oom(error) and total > 1:
                 size = together = max(1, min(total, size) // 2)  # and every later batch of the rowgroup
@@ -187,8 +189,8 @@ class _Pool:
 
     def defers(self, sweep: Sweep, rowgroup: _RowGroup) -> bool:
         """Whether ``rowgroup``'s cells wait to run packed with other plans' (:meth:`defer`)."""
-        hints = self.plan.hints
-        return (hints.packs_plans and bool(_pack_tokens(self.plan, sweep)) and hints.shares_unembedding(sweep.metric)
+        capabilities = self.plan.capabilities
+        return (capabilities.packs_prompts and bool(_pack_tokens(self.plan, sweep)) and capabilities.pooled(sweep.metric)
                 and not any(_two_stage(part) for part in rowgroup.parts))
 
     def defer(self, sweep: Sweep, cells: list[Cell]) -> None:
@@ -199,7 +201,7 @@ class _Pool:
     def _run_deferred(self) -> None:
         """Run the waiting cells, every plan's together, as packed traces (cells of one number
         of read positions a trace); their states join :attr:`items`."""
-        hints, stats = self.plan.hints, self.stats
+        capabilities, stats = self.plan.capabilities, self.stats
         entries = [(sweep, cell) for sweep, cells in self.deferred for cell in cells]
         traces: list[list[int]] = []
         for n_read in sorted({sweep.metric.n_read for sweep, _ in entries}):
@@ -208,11 +210,12 @@ class _Pool:
             lengths = [max(1, entries[i][0].base.input_ids.shape[1] - entries[i][1].first_position) for i in mine]
             size = min(self.plan.owner(entries[i][0]).batch_size for i in mine)
             cut = _packed_traces([entries[i][1].start for i in mine], lengths, size,
-                                 hints.pack_tokens(first.base, first.metric))
+                                 capabilities.packed(first.base, first.metric))
             traces += [[mine[j] for j in trace] for trace in cut]
         try:
-            states = hints.states_packed([[(entries[i][0].base, entries[i][1], entries[i][0].metric) for i in trace]
-                                          for trace in traces])
+            request = PatchRequest([[(entries[i][0].base, entries[i][1], entries[i][0].metric) for i in trace]
+                                    for trace in traces], out="states")
+            states, _ = patch(self.plan.backend, request)
         except Exception as error:  # noqa: BLE001 - re-raised with the traces named
             views = sorted({sweep.view for sweep, _ in self.deferred})
             raise EngineError(f"{', '.join(views)}: {len(traces)} packed traces of {len(self.deferred)} row groups "
@@ -230,8 +233,9 @@ class _Pool:
 
     def states(self, sweep: Sweep, group: list[list[Cell]]) -> list[torch.Tensor] | None:
         """The batches' states, or ``None`` where they run as usual (a metric that gains nothing)."""
-        hints = self.plan.hints
-        return hints.states_many(sweep.base, group, sweep.metric) if hints.shares_unembedding(sweep.metric) else None
+        if not self.plan.capabilities.pooled(sweep.metric):
+            return None
+        return patch(self.plan.backend, PatchRequest.of(sweep.base, group, sweep.metric, out="states"))[0]
 
     def add(self, sweep: Sweep, group: list[list[Cell]], states: list[torch.Tensor]) -> None:
         self.items.append((sweep, group, states))
@@ -243,7 +247,7 @@ class _Pool:
             self._run_deferred()
         if self.items:
             pieces = [(sweep.metric, s) for sweep, _, states in self.items for s in states]
-            values = iter(self.plan.hints.metrics_many(pieces))
+            values = iter(metrics(self.plan.backend, pieces))
             for sweep, group, states in self.items:
                 _store_values(self.plan, sweep, group, [next(values) for _ in states], self.stats)
         done, self.items, self.waiting, self.positions = self.waiting, [], [], 0

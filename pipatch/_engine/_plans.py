@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._backends._contract import hints_of
 from .._cells import Cell
 from .._models import PipatchError
 from ._execute import _run_batch, execute
@@ -37,10 +36,10 @@ class Plan:
         self.sweeps = sweeps
         self.batch_size = batch_size
         self.fast = fast
-        #: What the backend says the engine may schedule by (:class:`~pipatch._backends._contract.Hints`).
-        self.hints = hints_of(backend)
+        #: What the backend can do and the engine may schedule by (:class:`~pipatch._backends._contract.Capabilities`).
+        self.capabilities = backend.capabilities
         #: How many FLOPs rows sharing traces may hold, about (:data:`RUN_FLOPS`).
-        self.run_flops = RUN_FLOPS.get(self.hints.device_kind, RUN_FLOPS["cpu"])
+        self.run_flops = RUN_FLOPS.get(self.capabilities.device_kind, RUN_FLOPS["cpu"])
         #: Read positions whose metrics wait to finish together (:class:`_Pool`); 0: each
         #: row group finishes as it runs, so its rows show at once (every plan but a :class:`Chain`).
         self.pool_positions = 0
@@ -51,7 +50,7 @@ class Plan:
         backend starts a cell's run at its first patched layer (``fast``): a higher row then
         costs less, so the first finished row shows soonest (layer 17 of a 10-seed trace in
         0.2 s, where layer 0 takes 2 s); else ``1``, from layer 0."""
-        return -1 if self.fast and self.hints.starts_at_layer else 1
+        return -1 if self.fast and self.capabilities.skips_blocks else 1
 
     def owner(self, sweep: Sweep) -> Plan:
         """The plan whose result ``sweep`` fills: this one (a :class:`Chain`: one of its plans)."""
@@ -186,7 +185,7 @@ class Predictor:
 
     def __call__(self, view: str, row: int, col: int, seed: int = 0, k: int = 5) -> list[tuple[str, float]]:
         sweep, cell = self.locate(view, row, col, seed)
-        logits = _run_batch(self.backend, sweep, [cell], fast=False, full_logits=True)
+        logits = _run_batch(self.backend, sweep, [cell], fast=False, out="logits")
         probs = logits.float().softmax(-1)[0]
         best = probs.topk(k)
         return list(zip(self.backend.decode(best.indices.tolist()), best.values.tolist()))

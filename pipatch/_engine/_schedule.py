@@ -43,7 +43,7 @@ TRACE_COST = 32
 # more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
 JOIN_COST = 16
 # How much arithmetic a group of rows that share their traces may hold (:func:`_joins`), by the
-# device the model runs on (:attr:`Hints.device_kind`): a group's rows show when it ends, and a
+# device the model runs on (:attr:`~pipatch._backends._contract.Capabilities.device_kind`): a group's rows show when it ends, and a
 # click is answered between groups, so a slow model's grid still fills a row or two at a time. About a second's work (this
 # CPU runs a block's matrix products at 100-200 GFLOP/s), counted rather than timed, so the same
 # sweep always runs in the same traces and gives the same numbers to the last bit.
@@ -147,14 +147,14 @@ def _joins(plan: Any, sweep: Sweep, held: _RowGroup, cells: list[Cell]) -> bool:
     group = held.parts[-1]
     if not group or not cells or _two_stage(group) or _two_stage(cells):
         return False
-    if (held.work + _work(sweep, cells)) * plan.hints.position_flops > plan.run_flops:
+    if (held.work + _work(sweep, cells)) * plan.capabilities.position_flops > plan.run_flops:
         return False
-    if plan.hints.pack_tokens(sweep.base, sweep.metric):
+    if plan.capabilities.packed(sweep.base, sweep.metric):
         return held.n_pending + len(cells) <= plan.owner(sweep).batch_size  # each cell keeps its own start
     if len(group) + len(cells) > plan.owner(sweep).batch_size:
         return False
     n_positions = sweep.base.input_ids.shape[1]
-    reuse = plan.hints.prefix_reuse(sweep.base)
+    reuse = plan.capabilities.prefix(sweep.base)
 
     def extra(part: list[Cell]) -> tuple[int, int]:
         """The part's lowest start, and its cells' blocks below their own start, times positions."""
@@ -222,7 +222,7 @@ def _shares(plan: Any, held: _RowGroup, cells: list[Cell]) -> bool:
     what it costs for 70 here), up to :data:`SHARE_POSITIONS` read positions and
     :data:`SHARE_ROWS` rows. The rows then show together, a few at a time."""
     metric = held.sweep.metric
-    return (plan.fast and plan.hints.shares_unembedding(metric) and bool(cells) and len(held.rows) < SHARE_ROWS
+    return (plan.fast and plan.capabilities.pooled(metric) and bool(cells) and len(held.rows) < SHARE_ROWS
             and (held.n_pending + len(cells)) * metric.n_inputs * metric.n_read <= SHARE_POSITIONS
             and not _two_stage(cells) and not any(_two_stage(part) for part in held.parts))
 
@@ -243,7 +243,7 @@ def _row_groups(plan: Any, stats: dict) -> Iterator[_RowGroup]:
         if held is not None and groups and held.sweep is sweep and not first:
             if plan.row_order == -1 and _joins(plan, sweep, held, pending):
                 held.add(row, pending, filled, join=True,
-                         lower=not plan.hints.pack_tokens(sweep.base, sweep.metric))
+                         lower=not plan.capabilities.packed(sweep.base, sweep.metric))
                 continue
             if _shares(plan, held, pending):
                 held.add(row, pending, filled, join=False)
@@ -261,5 +261,4 @@ def _row_groups(plan: Any, stats: dict) -> Iterator[_RowGroup]:
 def _pack_tokens(plan: Any, sweep: Sweep) -> int:
     """Positions per packed trace of ``sweep``'s cells, or 0 where they do not run packed (the
     fast paths off, or a backend that does not start cells at their first written position)."""
-    fast = plan.fast and plan.hints.prefix_reuse(sweep.base)
-    return plan.hints.pack_tokens(sweep.base, sweep.metric) if fast else 0
+    return plan.capabilities.packed(sweep.base, sweep.metric) if plan.fast else 0

@@ -1,0 +1,62 @@
+"""The gradient pass: one forward with gradient tracking and one backward, on one prompt.
+
+Attribution patching (:mod:`pipatch._protocols.attribution`) estimates a whole patching grid
+from ``d metric / d site`` at every layer of the corrupt run. :func:`gradients_body` runs
+inside the backend's trace (an nnsight model in this process, or a request to NDIF): the
+embedding output is swapped for a detached leaf and the backward is restricted to it
+(``inputs=[leaf]``), so autograd walks every activation between the embedding and the metric
+but never computes a parameter gradient: no ``.grad`` is left on the model, and a frozen model
+(``requires_grad=False``) works too. A backend without the capability ``gradients`` (vLLM
+runs inference only) refuses it in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._cells import Metric
+from .._sites import Site
+from ._program import Program, View, register_program
+
+__all__ = ["GRADIENTS", "GradientRequest", "gradients", "gradients_body"]
+
+
+def gradients_body(view: View, site: Site, metric: Metric, prompt: int) -> tuple[list[Any], list[Any], Any]:
+    """Inside a trace of the run's input: ``(values, grads, metric)``: ``site``'s value per
+    layer at the first ``prompt`` positions ([1, T, width], the first input's), ``d metric /
+    d value`` per layer (a prompt position's gradients from every input of the run added up)
+    and the metric. nnsight serves ``.grad`` in the reverse of the forward order."""
+    model, adapter, m = view.model, view.adapter, metric.n_read
+    embedding = adapter.embedding(model)
+    leaf = embedding.output.detach().requires_grad_(True)
+    embedding.output = leaf
+    acts = [site.value(adapter, model, layer) for layer in range(adapter.n_layers)]
+    values = [act[:1, :prompt].detach().clone() for act in acts]
+    score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
+    grads = []
+    with score.backward(inputs=[leaf]):
+        for act in reversed(acts):
+            grads.append(act.grad[:, :prompt].sum(0, keepdim=True).detach().clone())
+    return values, grads[::-1], score.detach()
+
+
+GRADIENTS = register_program(Program("gradients", 1, "gradients", gradients_body,
+                                     "d metric / d site at every layer: one forward, one backward"))
+
+
+@dataclass
+class GradientRequest:
+    """The gradient pass of ``input_ids`` ([1, T]) for ``metric`` at ``site``."""
+
+    input_ids: torch.Tensor
+    metric: Metric
+    site: Site
+
+
+def gradients(backend: Any, input_ids: torch.Tensor, metric: Metric, site: Site) -> tuple[list[Any], list[Any], float]:
+    """``(values, grads, metric)`` of ``site`` at every layer (:func:`gradients_body`)."""
+    values, grads, value = backend.run(GRADIENTS, GradientRequest(input_ids, metric, site))
+    return list(values), list(grads), float(value)
