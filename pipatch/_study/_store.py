@@ -17,8 +17,8 @@ written last, so a process killed at any instant leaves either the whole fact or
 SQLite rolls an unfinished tail of the log back on the next open. ``synchronous=FULL`` also
 syncs the log at every commit, so a committed fact survives a power cut too, not only a
 killed process (with ``NORMAL`` in WAL mode a crash of the machine could lose the last
-commits, never corrupt the file). One fsync per fact costs milliseconds against a fact's
-seconds of compute, so FULL is the choice.
+commits, never corrupt the file). One fsync per fact is small beside the fact's own
+compute, so FULL is the choice.
 """
 
 from __future__ import annotations
