@@ -315,10 +315,18 @@ class Op:
         if self.value is None:
             return where[index].clone()
         if self.add:
-            where[index] += self.value.to(where.dtype)
+            where[index] += self.value.to(where.device, where.dtype)
         else:
-            where[index] = self.value
+            where[index] = self.value.to(where.device, where.dtype)
         return None
+
+    def compact(self) -> Op:
+        """The op with its value on the CPU in storage of its own, as it travels to another
+        process (a donor slice is a view of its whole run's states, and a view pickles with
+        all of its storage)."""
+        if self.value is None:
+            return self
+        return dataclasses.replace(self, value=self.value.detach().cpu().clone())
 
     def from_position(self, start: int) -> Op | None:
         """The op with the positions before ``start`` dropped, for a run that starts at prompt

@@ -164,8 +164,9 @@ def _model(shell: Any, name: str | None, backend: str | None = None, serve: str 
         if not (hasattr(model, "trace") and hasattr(model, "tokenizer")):
             raise UsageError(f"--model {name}: that variable is a {type(model).__name__}, not a loaded model "
                              "(use pipatch.load_model(...)), or pass a hub id / folder")
-        if backend is not None and backend_for(model).backend_name != backend:
-            raise UsageError(f"--model {name} runs on the {backend_for(model).backend_name} backend, not {backend}: "
+        runs_on = backend_for(model).meta()["backend"] if backend is not None else None
+        if backend is not None and runs_on != backend:
+            raise UsageError(f"--model {name} runs on the {runs_on} backend, not {backend}: "
                              "drop --backend / --serve, or load the model with pipatch.load_model(..., "
                              "backend= or serve=)")
         if ranks is not None:

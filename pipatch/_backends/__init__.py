@@ -1,9 +1,11 @@
-"""Backends: the only code that runs a model.
+"""Backends: transports that run pipatch's programs on a model.
 
 A backend wraps one way of running a model and owns every call into it: opening nnsight
-traces, reading the device, dtype and tokenizer, the unembedding arithmetic, gradients. The
-engine, the protocols and the result never touch the model; they hand a backend *cells*
-(:mod:`pipatch._cells`) and get numbers back.
+traces (or requests), reading the device, dtype and tokenizer. It says *where and how* a
+batch of intervention bodies runs and names no experiment: what runs is a program
+(:mod:`pipatch._programs`), each written once, which a backend runs through its own view of
+its trace (``backend.run(program, request)``). The engine, the protocols and the result never
+touch the model.
 
 Every backend offers the core (:class:`~._contract.Backend`, a ``typing.Protocol``):
 
@@ -17,40 +19,34 @@ core member                            what it is
 ``name``                               what results call the model
 ``runs_on``                            where the forward passes run (``"cpu"``, ``"cuda:0"``)
 ``context_length``                     longest run, or ``None``
+``capabilities``                       what it can do, as data (the table below)
 ``meta()``                             what a result records about the model
-``capture(ids, metric, sites, ops=)``  one run per list of ops (causal tracing's noise,
-                                       added at the embedding) keeping every block output
-                                       and the named sites → :class:`Capture`
-``captures(prompts, metric, sites)``   each prompt's capture, maybe in one trace
-``run(base, cells, metric, fast=)``    a batch of patched runs as invokes of one trace →
-                                       (metric per cell, recorded values per cell)
 ``decode(ids)``                        token ids → text
-``gradients(ids, metric, site)``       d metric / d site at every layer (attribution)
-``edge_terms(clean, corrupt, ...)``    a circuit's sender writes and receiver gradients
-``circuit_metrics(clean, corrupt,      the clean prompt run as each circuit of a mask
-metric, keep, mean_of=)``              (faithfulness; ``mean_of``: mean ablation's prompts)
+``batch_size(n_tokens)``               invokes per trace that fit the device
+``run(program, request)``              run a program (:mod:`pipatch._programs`), or refuse
+                                       it in one line
 =====================================  ======================================================
 
-and may tell the engine how to schedule its work, through ``hints``, a
-:class:`~._contract.Hints` whose defaults take no shortcut (a backend without ``hints`` gets
-them: a new backend can start from the core alone):
+and says what it can do and what the engine may rely on in its
+:class:`~._contract.Capabilities`, whose defaults are a new backend's (no shortcut, no
+gradient):
 
 =====================================  ======================================================
-hint                                   what the engine does with it
+capability                             what it means
 =====================================  ======================================================
-``starts_at_layer``                    runs a sweep's rows from the last layer down
+``gradients``                          runs backward passes (attribution, a circuit's scores)
+``circuit_runs``                       feeds each circuit receiver its own input (the curve)
+``skips_blocks``                       starts a run at its first patched layer: the engine
+                                       runs a sweep's rows from the last layer down
+``reuses_prefix``                      starts a run at its first written position: the
+                                       engine groups cells by it
+``pack_tokens``                        positions per packed trace (0: no packing)
+``packs_prompts``                      a packed trace may mix prompts (a study's facts)
+``pools_unembedding``                  many batches' metrics in one pass (``metrics``)
+``device_kind``                        which of the engine's per-device sizes apply
 ``position_flops``                     bounds the work rows that share traces may hold
-``device_kind``                        picks its per-device sizes (``"cpu"``, ``"cuda"``)
-``prefix_reuse(base)``                 groups cells by their first written position
-``pack_tokens(base, metric)``          cuts a row's cells into packed traces of that size
-``shares_unembedding(metric)``         lets rows finish together, one ``run_many`` call
-``run_many(base, batches, metric)``    hands it several batches at once
 ``plans_in_flight``                    a study runs that many facts at once, each on a thread
-``plans_together``                     a study runs that many facts as one engine ``Chain``
-``states_many(base, batches, m)``      runs batches up to their metric's states, which ...
-``metrics_many(items)``                ... it finishes later, with other plans' (a Chain's)
-``packs_plans``                        hands a Chain's packed rows of several plans ...
-``states_packed(traces)``              ... to it in traces that mix their prompts' cells
+``plans_together``                     a study runs that many facts as one engine chain
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a
@@ -74,7 +70,7 @@ def backend_for(model: Any) -> Any:
     any other nnsight model (built by pipatch or by the caller, lazily dispatched or not) or a
     plain transformers model → the transformers backend. Cached on the model so every call
     shares one."""
-    if hasattr(model, "capture") and hasattr(model, "run") and hasattr(model, "adapter"):
+    if hasattr(model, "capabilities") and hasattr(model, "run") and hasattr(model, "adapter"):
         return model
     from .vllm import VLLMBackend, is_vllm_model
 

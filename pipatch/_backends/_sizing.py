@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-
 __all__ = ["auto_batch_size", "batch_size_for_memory"]
 
 

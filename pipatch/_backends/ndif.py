@@ -33,18 +33,22 @@ bytecode of this one).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .._cells import Base, Capture, Cell, Metric, Op
+from .._cells import Capture, Metric, Op
 from .._models import Adapter, PipatchError, adapter_for, first
-from .._sites import EMBED, RESID, Site
-from ._contract import Hints
+from .._programs.capture import CAPTURE, capture_body
+from .._programs.circuit import CIRCUIT_RUN, EDGE_TERMS
+from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
+from .._programs.patch import PATCH, PatchRequest, patch_body
+from .._sites import RESID, Site
+from ._contract import Capabilities
+from ._hf_views import RowsView
 from ._unembedding import Unembedding, unembedding_input
 from .transformers import TransformersBackend
 
@@ -72,8 +76,28 @@ class NDIFBackend(TransformersBackend):
         _ship_pipatch()
 
     @functools.cached_property
-    def hints(self) -> NDIFHints:  # type: ignore[override]  # no shortcut: see the module docstring
-        return NDIFHints(self)
+    def capabilities(self) -> Capabilities:  # type: ignore[override]  # no shortcut: see the module docstring
+        """Gradients, and the work of a position through a block, so the engine sizes batches
+        as for the same model in this process: a sweep is as many requests as the
+        transformers backend's ``fast=False`` has traces, each the same batch."""
+        return Capabilities(gradients=True, position_flops=self.position_flops)
+
+    def _routines(self) -> dict[str, Any]:
+        return {CAPTURE.name: self._capture, PATCH.name: self._patch, GRADIENTS.name: self._gradients}
+
+    def _circuit_routines(self) -> dict[str, Any]:
+        return {}
+
+    def run(self, program: Any, request: Any) -> Any:
+        if program is EDGE_TERMS:
+            raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a "
+                               "remote model does not offer: score it on a local model (pipatch.load_model(name)) and "
+                               "check those here, pipatch.circuit(..., scores=result)")
+        if program is CIRCUIT_RUN:
+            raise PipatchError("a circuit's runs feed each receiver its own input through local hooks, which a remote "
+                               "model does not offer: measure the curve on a local model (pipatch.load_model(name)), "
+                               "or pass curve=0")
+        return super().run(program, request)
 
     @property
     def device(self) -> torch.device:
@@ -87,72 +111,48 @@ class NDIFBackend(TransformersBackend):
         return {**super().meta(), "remote": "ndif" if self.remote is True else "local"}
 
     # -- runs -------------------------------------------------------------------------------
-    def _capture(self, prompts: list[torch.Tensor], metric: Metric, sites: Sequence[Site] = (), *,
-                 ops: list[list[Op]] | None = None) -> Capture:
-        """One request: run ``i`` is ``prompts[i]`` under ``ops[i]`` (as the transformers
+    def _captured(self, prompts: list[torch.Tensor], metric: Metric, keep: list[Site],
+                  runs: list[list[Op]]) -> Capture:
+        """One request: run ``i`` is ``prompts[i]`` under ``runs[i]`` (as the transformers
         backend's capture), its block outputs, kept sites, metric and P(answer) sent back."""
         k, T = metric.n_inputs, prompts[0].shape[1]
-        keep = sorted({s for s in sites if not s.is_block_output}, key=lambda s: s.order)
-        writes: dict[tuple[str, int], list[tuple[Op, int]]] = {}
-        for i, run in enumerate(ops or []):
-            for op in sorted(run, key=lambda op: op.key):
-                writes.setdefault((op.site.name, op.layer), []).append((_compact(op), i))
         batch = torch.cat([metric.inputs(prompt) for prompt in prompts]).cpu()
         blocks, values, score, prob, embedded = self._request(
-            batch, _capture_body, (self.adapter, metric, keep, writes, len(prompts), T), metric.n_read)
+            batch, _capture_remote, (self.adapter, metric, keep, [[op.compact() for op in run] for run in runs],
+                                     len(prompts), T), metric.n_read)
         values[RESID.name] = blocks
         return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k)
 
-    def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
-            full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """``cells`` as one request of one batched invoke: every block at every position; with
-        ``fast``, only the unembedding rows the metric reads. Returns what
-        :meth:`TransformersBackend.run` does."""
-        if not cells:
-            return torch.zeros(0), []
-        ops = sorted(((_compact(op), i) for i, cell in enumerate(cells)
-                      for op in base.ops_of(cell.seed) + cell.sorted_ops()), key=lambda item: item[0].key)
-        batch = metric.inputs(base.input_ids).repeat(len(cells), 1).cpu()
-        out, reads = self._request(batch, _run_body, (self.adapter, metric, ops, len(cells), full_logits, fast),
-                                   metric.n_read, keyword=True)
-        return out.float(), reads
+    def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
+        """Each batch as one request of one batched invoke: every block at every position; with
+        ``fast``, only the unembedding rows the metric reads. Returns what the transformers
+        backend's patch returns (no ``"states"``: the metric is computed on the service)."""
+        if request.out == "states":
+            raise PipatchError("a remote model computes each batch's metric in its request: it returns no states")
+        outs, reads = [], []
+        for batch in request.batches:
+            if not batch:
+                outs.append(torch.zeros(0))
+                reads.append([])
+                continue
+            base, _, metric = batch[0]
+            jobs = [[op.compact() for op in base.ops_of(cell.seed) + cell.sorted_ops()] for _, cell, _ in batch]
+            ids = metric.inputs(base.input_ids).repeat(len(batch), 1).cpu()
+            out, read = self._request(ids, _patch_remote, (self.adapter, metric, jobs, request.out == "logits",
+                                                           request.fast), metric.n_read, keyword=True)
+            outs.append(out.float())
+            reads.append(read)
+        return outs, reads
 
-    def run_many(self, base: Base, batches: Sequence[list[Cell]], metric: Metric, *,
-                 fast: bool = True) -> list[torch.Tensor]:
-        return [self.run(base, cells, metric, fast=fast)[0] for cells in batches]
-
-    def gradients(self, input_ids: torch.Tensor, metric: Metric, site: Site):
-        """:meth:`TransformersBackend.gradients` as one request: the forward and the backward
-        run on the service (the embedding's leaf ``requires_grad`` set explicitly)."""
+    def _gradients(self, request: GradientRequest) -> tuple[list[Any], list[Any], Any]:
+        """The gradient pass as one request: the forward and the backward run on the service."""
         import nnsight
 
-        model, adapter = self.model, self.adapter
-        T, m = input_ids.shape[1], metric.n_read
-        ids = metric.inputs(input_ids).cpu()
-        with _remote_errors(), torch.enable_grad(), model.trace(ids, **self._sent(), **adapter.trace_kwargs(m)):
-            embedding = adapter.embedding(model)
-            leaf = embedding.output.detach().requires_grad_(True)
-            embedding.output = leaf
-            acts = [site.value(adapter, model, layer) for layer in range(adapter.n_layers)]
-            values = nnsight.save([act[:1, :T].detach().clone() for act in acts])
-            score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
-            value = nnsight.save(score.detach())
-            grads = nnsight.save([])
-            with score.backward(inputs=[leaf]):
-                for act in reversed(acts):
-                    grads.append(act.grad[:, :T].sum(0, keepdim=True).detach().clone())
-        return list(values), list(reversed(list(grads))), float(value)
-
-    def edge_terms(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric, clean: Capture,
-                   corrupt: Capture, steps: int) -> tuple[Any, Any]:
-        raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a remote "
-                           "model does not offer: score it on a local model (pipatch.load_model(name)) and check those "
-                           "here, pipatch.circuit(..., scores=result)")
-
-    def circuit_metrics(self, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor, metric: Metric,
-                        keep: torch.Tensor, mean_of: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        raise PipatchError("a circuit's runs feed each receiver its own input through local hooks, which a remote model "
-                           "does not offer: measure the curve on a local model (pipatch.load_model(name)), or pass curve=0")
+        model, adapter, metric = self.model, self.adapter, request.metric
+        ids = metric.inputs(request.input_ids).cpu()
+        with _remote_errors(), torch.enable_grad(), model.trace(ids, **self._sent(), **adapter.trace_kwargs(metric.n_read)):
+            out = nnsight.save(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1]))
+        return out
 
     # -- the requests -------------------------------------------------------------------------
     def _request(self, ids: torch.Tensor, body: Any, args: tuple, n_read: int, *, keyword: bool = False) -> Any:
@@ -180,18 +180,6 @@ class NDIFBackend(TransformersBackend):
 
     def abort_unfinished(self) -> int:
         return 0  # a request in flight finishes on the service; its answer is discarded
-
-
-class NDIFHints(Hints):
-    """No shortcut (each request is a whole forward), but the work of a position through a
-    block, so the engine sizes batches as for the same model in this process: a sweep is as
-    many requests as the transformers backend's ``fast=False`` has traces, each the same batch."""
-
-    backend: NDIFBackend
-
-    @property
-    def position_flops(self) -> int:
-        return self.backend.position_flops
 
 
 #: The backend of each ``remote=`` model, by ``id(model)``: kept off the model, whose attributes
@@ -244,14 +232,6 @@ def _remote_errors() -> Iterator[None]:
             raise
         raise PipatchError(f"cannot reach NDIF at {_host()} ({type(error).__name__}: {_first_line(error)}): "
                            "check the connection, or NDIF_HOST") from None
-
-
-def _compact(op: Op) -> Op:
-    """``op`` with its value in storage of its own: a donor slice is a view of its whole run's
-    states, and a view pickles with all of its storage."""
-    if op.value is None:
-        return op
-    return dataclasses.replace(op, value=op.value.detach().cpu().clone())
 
 
 def _first_line(error: BaseException) -> str:
@@ -332,63 +312,46 @@ def version_drift(local: dict, remote: dict) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _capture_body(model: Any, adapter: Adapter, metric: Metric, keep: list[Site],
-                  writes: dict[tuple[str, int], list[tuple[Op, int]]], n_runs: int, T: int) -> tuple:
-    """The transformers backend's capture, as a request's body: run ``i`` is rows ``i·k …``
-    (``k = metric.n_inputs``) under its writes; returns the block outputs and kept sites at
-    the prompt's positions ([runs, T, width] per layer), the metric and P(answer) per run, and
-    the embedding output."""
+class _RemoteView(RowsView):
+    """The transformers backend's view on the service, whose blocks' states travel back as
+    the first input's hidden states at the prompt's positions (a remote run skips nothing)."""
+
+    def __init__(self, adapter: Adapter, model: Any, rows_per_job: int, prompt: int):
+        super().__init__(adapter, model, rows_per_job)
+        self.prompt = prompt
+
+    def block_state(self, layer: int) -> Any:
+        return first(self.adapter.block(self.model, layer).output)[:: self.n, : self.prompt].clone()
+
+
+def _capture_remote(model: Any, adapter: Adapter, metric: Metric, keep: list[Site], runs: list[list[Op]], n_runs: int,
+                    T: int) -> tuple:
+    """The capture program (:func:`~pipatch._programs.capture.capture_body`) as a request's
+    body: run ``i`` is rows ``i·k …`` (``k = metric.n_inputs``) under its writes; returns the
+    block outputs and kept sites at the prompt's positions ([runs, T, width] per layer), the
+    metric and P(answer) per run, and the embedding output."""
     k, m = metric.n_inputs, metric.n_read
-
-    def apply(site: Site, layer: int, value: Any) -> None:
-        for op, i in writes.get((site.name, layer), ()):
-            op.apply(value[i * k : (i + 1) * k])
-
-    written = {op.site for pairs in writes.values() for op, _ in pairs}
-    inside = sorted(set(keep) | {s for s in written if not (s.is_embedding or s.is_block_output)},
-                    key=lambda s: s.order)
-    embedded = EMBED.value(adapter, model, 0)
-    apply(EMBED, 0, embedded)
-    embedded_copy = embedded[::k, :T].clone()
-    blocks: list[torch.Tensor] = []
-    values: dict[str, list[torch.Tensor]] = {s.name: [] for s in keep}
-    for layer in range(adapter.n_layers):
-        for s in inside:
-            value = s.value(adapter, model, layer)
-            apply(s, layer, value)
-            if s in keep:
-                values[s.name].append(value[::k, :T].clone())
-        out = first(adapter.block(model, layer).output)
-        apply(RESID, layer, out)
-        blocks.append(out[::k, :T].clone())
+    embedded, blocks, values = capture_body(_RemoteView(adapter, model, k, T), runs, keep, T, slice(None, None, k))
     if metric.token_ids is not None:  # a logit difference: two rows of the unembedding
-        return blocks, values, _from_states(model, adapter, metric, n_runs), None, embedded_copy
+        return blocks, values, _from_states(model, adapter, metric, n_runs), None, embedded
     logits = model.output.logits[:, -m:].float().reshape(n_runs, k, m, -1)
-    return blocks, values, metric.score(logits), metric.answer_prob(logits), embedded_copy
+    return blocks, values, metric.score(logits), metric.answer_prob(logits), embedded
 
 
-def _run_body(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple[Op, int]], n_cells: int,
-              full_logits: bool, fast: bool) -> tuple:
-    """The transformers backend's forward of a batch of cells, as a request's body: cell ``i``
-    is rows ``i·n …``; ``ops`` are ``(op, cell)`` in forward order. Returns the metric per cell
-    (or, ``full_logits``, the logits after the prompt per cell) and each cell's reads. With
-    ``fast``, the metric comes from the read positions' states and just the unembedding rows
-    it needs (:class:`~._unembedding.Unembedding`), as the transformers backend's fast path."""
+def _patch_remote(model: Any, adapter: Adapter, metric: Metric, jobs: list[list[Op]], full_logits: bool,
+                  fast: bool) -> tuple:
+    """The patch program (:func:`~pipatch._programs.patch.patch_body`) as a request's body:
+    cell ``i`` is rows ``i·n …``. Returns the metric per cell (or, ``full_logits``, the logits
+    after the prompt per cell) and each cell's reads. With ``fast``, the metric comes from the
+    read positions' states and just the unembedding rows it needs, as the transformers
+    backend's fast path."""
     n, m = metric.n_inputs, metric.n_read
-    values: dict[tuple[str, int], Any] = {}
-    reads: list[list[Any]] = [[] for _ in range(n_cells)]
-    for op, i in ops:
-        key = (op.site.name, op.layer)
-        if key not in values:
-            values[key] = op.site.value(adapter, model, op.layer)
-        read = op.apply(values[key][i * n : (i + 1) * n])
-        if read is not None:
-            reads[i].append(read)
+    reads = patch_body(RowsView(adapter, model, n), jobs)
     if full_logits:
         return model.output.logits[::n, -m].clone(), reads
     if fast:
-        return _from_states(model, adapter, metric, n_cells), reads
-    return metric.score(model.output.logits[:, -m:].reshape(n_cells, n, m, -1)), reads
+        return _from_states(model, adapter, metric, len(jobs)), reads
+    return metric.score(model.output.logits[:, -m:].reshape(len(jobs), n, m, -1)), reads
 
 
 def _from_states(model: Any, adapter: Adapter, metric: Metric, runs: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ another transport, so it is not offered.
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import io
 import threading
 import weakref
@@ -52,9 +52,10 @@ from typing import Any
 import torch
 
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .vllm import _SAMPLING, INVOKES_PER_REQUEST, VLLMBackend, VLLMHints, _vllm_adapter, tree_by_reference
+from ._contract import Capabilities
+from .vllm import _SAMPLING, INVOKES_PER_REQUEST, VLLMBackend, _vllm_adapter, tree_by_reference
 
-__all__ = ["ServedBackend", "ServedHints", "connect", "Server", "served_backend"]
+__all__ = ["ServedBackend", "connect", "Server", "served_backend"]
 
 #: Requests in flight at once per client: enough for the server to fill an engine step.
 CONCURRENCY = 32
@@ -211,9 +212,11 @@ class ServedBackend(VLLMBackend):
         to cover every one of them: a server that admits one skip at a time says so."""
         return bool(self.server.info.get("skip_rooms"))
 
-    @functools.cached_property
-    def hints(self) -> ServedHints:
-        return ServedHints(self)
+    @property
+    def capabilities(self) -> Capabilities:
+        """The vLLM backend's, and a study's facts in flight (:data:`FACTS_IN_FLIGHT`): while
+        one fact's request runs on the server, the next ones' are built and sent."""
+        return dataclasses.replace(super().capabilities, plans_in_flight=FACTS_IN_FLIGHT)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -271,14 +274,6 @@ class ServedBackend(VLLMBackend):
 
     def abort_unfinished(self) -> int:
         return 0  # requests in flight finish on the server; their answers are discarded
-
-
-class ServedHints(VLLMHints):
-    """The vLLM backend's hints, and a study's facts in flight (:data:`FACTS_IN_FLIGHT`)."""
-
-    @property
-    def plans_in_flight(self) -> int:
-        return FACTS_IN_FLIGHT
 
 
 def _reason(error: BaseException) -> str:

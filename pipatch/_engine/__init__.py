@@ -48,10 +48,10 @@ Its parts: :mod:`._sweeps` (grids of cells), :mod:`._plans` (plans, chains, clic
 (running, storing, stopping) and :mod:`._sizing` (batch sizes).
 """
 
+from .._backends._sizing import auto_batch_size, batch_size_for_memory
 from ._execute import EngineError, execute, stop_check
 from ._plans import POOL_POSITIONS, Chain, Plan, Predictor
 from ._schedule import JOIN_COST, RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS, TRACE_COST, batches
-from .._backends._sizing import auto_batch_size, batch_size_for_memory
 from ._sizing import check_batch_size
 from ._sweeps import SiteSweep, Sweep
 

@@ -46,6 +46,8 @@ from .._cells import Base, Cell
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count
 from .._engine import Plan, SiteSweep, check_batch_size
+from .._programs.capture import capture
+from .._programs.gradients import gradients
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import (
@@ -93,8 +95,8 @@ def plan_attribute(
     batch = check_batch_size(batch_size, T, backend)
     scorer = pair.metric
 
-    clean_run = backend.capture(pair.clean_ids, scorer, [target])
-    corrupt_acts, grads, corrupt_value = backend.gradients(pair.corrupt_ids, scorer, target)
+    clean_run = capture(backend, pair.clean_ids, scorer, [target])
+    corrupt_acts, grads, corrupt_value = gradients(backend, pair.corrupt_ids, scorer, target)
     clean_value = float(clean_run.metric[0])
 
     columns = target.columns(adapter, pair.clean_tokens, cols)
@@ -124,7 +126,7 @@ def plan_attribute(
     chosen = [(i // len(columns), i % len(columns)) for i in order]
     # The corrupt run's cached blocks (reused below each patch, by verification and by clicks on
     # any cell) come from a plain capture: the gradient run keeps only the site values.
-    base = backend.capture(pair.corrupt_ids, scorer, [target])
+    base = capture(backend, pair.corrupt_ids, scorer, [target])
     sweep = _VerifySweep(view=target.name, base=Base(pair.corrupt_ids, base), metric=scorer,
                          n_rows=adapter.n_layers, n_cols=len(columns), only=set(chosen), site=target, adapter=adapter,
                          donor=clean_run.sites[target.name], columns=cols, positions=cols)

@@ -69,6 +69,8 @@ from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
 from .._engine import Plan, Predictor, Sweep, check_batch_size, stop_check
 from .._models import Adapter, PipatchError
+from .._programs.capture import captures
+from .._programs.circuit import CircuitRunRequest, EdgeTermsRequest, circuit_runs, edge_terms
 from .._result import VIEW_EDGES, Result, load_result
 from .._sites import ATTN, EMBED, HEAD, MLP, MLP_IN, QKV, projection
 from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
@@ -328,8 +330,8 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
     def recovery(sizes: list[int]) -> list[float]:
         value = torch.zeros(len(sizes), dtype=torch.float64)
         for pair, _, _ in runs:
-            value += backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks(sizes),
-                                             mean_of).double()
+            value += circuit_runs(backend, CircuitRunRequest(pair.clean_ids, pair.corrupt_ids, pair.metric,
+                                                             masks(sizes), mean_of)).double()
         mean = value / len(runs)
         return [float((v - corrupt_value) / span) if span else float("nan") for v in mean]
 
@@ -450,10 +452,10 @@ def plan_circuit(
     runs: list[tuple[Any, Capture, Capture]] = []
     cleans, corrupts = [], []
     for pair in pairs:
-        clean_run, corrupt_run = backend.captures([pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
+        clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
         if given is None:
-            writes, grads = backend.edge_terms(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run, corrupt_run,
-                                               steps if method == "eap-ig" else 1)
+            writes, grads = edge_terms(backend, EdgeTermsRequest(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run,
+                                                                 corrupt_run, steps if method == "eap-ig" else 1))
             total += torch.einsum("rtd,std->rs", _gradients(grads, adapter).double(), _writes(writes, adapter).double())
         runs.append((pair, clean_run, corrupt_run))
         cleans.append(float(clean_run.metric[0]))

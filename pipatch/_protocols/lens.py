@@ -35,6 +35,7 @@ import torch
 from .._cells import Base, Cell, Metric, Op
 from .._declare import PROMPT, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
+from .._programs.capture import capture
 from .._result import Result
 from .._sites import RESID
 from ._inputs import (
@@ -93,7 +94,7 @@ def plan_lens(
     batch = check_batch_size(batch_size, T, backend)
     scorer = Metric(metric, answer_ids(backend, answer, "answer"))
     check_run_length(backend, input_ids, scorer)
-    run = backend.capture(input_ids, scorer, [RESID])
+    run = capture(backend, input_ids, scorer, [RESID])
     output = float(run.metric[0])
     meta = model_meta(backend)
     meta.update({

@@ -37,6 +37,7 @@ from .._checks import flag
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
+from .._programs.capture import captures
 from .._result import Result
 from .._sites import site as site_named
 from ._inputs import (
@@ -150,7 +151,7 @@ def plan_patch(
                     "mean ablation needs prompts of the same token length"
                 )
             means.append(ids)
-    clean_run, corrupt_run, *mean_runs = backend.captures([pair.clean_ids, pair.corrupt_ids, *means], scorer, [target])
+    clean_run, corrupt_run, *mean_runs = captures(backend, [pair.clean_ids, pair.corrupt_ids, *means], scorer, [target])
     if direction == "denoise":
         base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run.sites[target.name]
     elif direction == "noise":

@@ -75,6 +75,7 @@ from .._checks import flag, whole_number
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, Sweep, check_batch_size
 from .._models import Adapter, PipatchError
+from .._programs.capture import captures
 from .._result import Result
 from .._sites import ATTN, HEAD, MLP, QKV, Site, projection
 from .._sites import site as site_named
@@ -213,7 +214,7 @@ def plan_path_patch(
     scorer = pair.metric
 
     sites = [HEAD, ATTN, MLP]
-    clean_run, corrupt_run = backend.captures([pair.clean_ids, pair.corrupt_ids], scorer, sites)
+    clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], scorer, sites)
     if direction == "denoise":
         base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run
     else:

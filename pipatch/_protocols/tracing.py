@@ -48,6 +48,7 @@ from .._checks import flag, whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
 from .._models import PipatchError
+from .._programs.capture import capture
 from .._result import Result
 from .._sites import ATTN, EMBED, MLP, RESID
 from .._sites import site as site_named
@@ -135,7 +136,7 @@ def plan_trace(
     scorer = Metric(metric, answer_ids(backend, answer, "answer"))
     check_run_length(backend, input_ids, scorer)
 
-    clean = backend.capture(input_ids, scorer, sites)
+    clean = capture(backend, input_ids, scorer, sites)
     sigma = float(clean.embedded[0, positions].float().std())
     clean_prob = float(clean.prob[0])
     threshold = COLLAPSE_FRACTION * clean_prob
@@ -145,7 +146,7 @@ def plan_trace(
     def corrupt_at(value: float):
         noise = noise_draws(seeds, len(positions), adapter.d_model, value, sigma).to(input_ids.device)
         ops = noise_ops(noise, positions)
-        return ops, backend.capture(input_ids, scorer, sites, ops=ops)
+        return ops, capture(backend, input_ids, scorer, sites, ops=ops)
 
     if scale == "auto":
         chosen = None

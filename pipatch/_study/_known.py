@@ -21,12 +21,12 @@ study catches it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from .._cells import Base, Cell, Metric
+from .._programs.capture import CAPTURE
+from .._programs.capture import capture as capture_run
+from .._programs.patch import PatchRequest, patch
 from .._protocols._inputs import answer_ids, encode
 
 __all__ = ["known_fact", "KnownCheck", "UnknownFact"]
@@ -59,15 +59,13 @@ class KnownCheck:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
-    def capture(self, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Any] = (), *, ops: Any = None) -> Any:
-        run = self._backend.capture(input_ids, metric, sites, ops=ops)
-        self._check(run if ops is None else None)
-        return run
-
-    def captures(self, prompts: Sequence[torch.Tensor], metric: Metric, sites: Sequence[Any] = ()) -> Any:
-        runs = self._backend.captures(prompts, metric, sites)
-        self._check(runs[0])  # the clean prompt comes first
-        return runs
+    def run(self, program: Any, request: Any) -> Any:
+        """The backend's own run; the first capture's clean run (the clean prompt comes
+        first; runs under ops are noised, never checked) is the check."""
+        out = self._backend.run(program, request)
+        if program is CAPTURE:
+            self._check(out[0] if request.ops is None else None)
+        return out
 
     def _check(self, run: Any) -> None:
         if self._seen:
@@ -91,14 +89,15 @@ def known_fact(backend: Any, prompt: str, answer: str | None) -> tuple[bool | No
     """
     ids, _, _ = encode(backend, prompt)
     first = 0 if answer is None else answer_ids(backend, answer, "answer")[0]
-    capture = backend.capture(ids, Metric("prob", (first,)))
+    capture = capture_run(backend, ids, Metric("prob", (first,)))
     if getattr(capture, "top1", None) is not None:
         top = int(capture.top1[0])
         return (None if answer is None else top == first), backend.decode([top])[0]
     metric = Metric("rank", (first,))
-    capture = backend.capture(ids, metric)
+    capture = capture_run(backend, ids, metric)
     if answer is not None and float(capture.metric[0]) == 0:
         return True, backend.decode([first])[0]
-    logits, _ = backend.run(Base(ids, capture), [Cell(0, 0, 0, start=0)], metric, fast=False, full_logits=True)
+    (logits,), _ = patch(backend, PatchRequest.of(Base(ids, capture), [[Cell(0, 0, 0, start=0)]], metric, fast=False,
+                                                  out="logits"))
     top = int(logits.float().reshape(-1, logits.shape[-1])[0].argmax())
     return (None if answer is None else top == first), backend.decode([top])[0]

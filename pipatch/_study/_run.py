@@ -63,7 +63,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._backends._contract import hints_of
 from .._checks import whole_number
 from .._declare import Experiment, text
 from .._engine import Chain, EngineError, Plan
@@ -188,17 +187,17 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
 
 def _in_flight(backend: Any, asked: int | None) -> tuple[int, int]:
     """How many facts run at once, as ``(threads, facts run as one by each)``: the backend's
-    hint, or ``asked`` up to it. A served model batches what several threads send it
+    capability, or ``asked`` up to it. A served model batches what several threads send it
     (``plans_in_flight``); a model in this process runs one trace at a time (threads would
     only queue, or collide), but several facts may run as one :class:`~pipatch._engine.Chain`
     (``plans_together``)."""
-    hints = hints_of(backend)
-    threads = hints.plans_in_flight > 1
-    most = hints.plans_in_flight if threads else hints.plans_together
+    capabilities = backend.capabilities
+    threads = capabilities.plans_in_flight > 1
+    most = capabilities.plans_in_flight if threads else capabilities.plans_together
     if asked is not None:
         asked = whole_number(asked, "in_flight (facts run at once)", minimum=1)
         if asked > most:
-            raise PipatchError(f"in_flight={asked}: the {backend.backend_name} backend runs {most} fact"
+            raise PipatchError(f"in_flight={asked}: the {backend.meta()['backend']} backend runs {most} fact"
                                f"{'s' if most > 1 else ''} at a time at most: leave in_flight out, or give "
                                f"{'1' if most == 1 else f'1 to {most}'}")
     n = most if asked is None else asked
