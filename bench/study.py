@@ -95,8 +95,8 @@ def _model(backend: str):
 
 def _measure(model, facts: list[dict], options: dict, args: argparse.Namespace, out: Path) -> int:
     backend = pipatch._backends.backend_for(model)
-    hints = pipatch._backends._contract.hints_of(backend)
-    in_flight, together = max(hints.plans_in_flight, hints.plans_together), hints.plans_together
+    capabilities = backend.capabilities
+    in_flight, together = max(capabilities.plans_in_flight, capabilities.plans_together), capabilities.plans_together
     torch.set_grad_enabled(False)
     pipatch.trace(model, facts[0]["prompt"], subject=facts[0]["subject"], answer=" " + facts[0]["attribute"],
                   **options)  # warm-up: first-call costs belong to neither side

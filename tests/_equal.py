@@ -122,6 +122,7 @@ def assert_same_circuit_runs(other, model, pair: dict, prompts: list[str]) -> No
     graph's edges, every edge; each against the corrupt run's values and against the mean over
     ``prompts`` (mean ablation; equal token counts)."""
     from pipatch._backends import backend_for
+    from pipatch._programs import CircuitRunRequest, circuit_runs
     from pipatch._protocols.circuits import graph
     from pipatch._protocols.patching import pair_inputs
 
@@ -138,7 +139,7 @@ def assert_same_circuit_runs(other, model, pair: dict, prompts: list[str]) -> No
     means = [[b.tokenizer(t, return_tensors="pt").input_ids for t in prompts] for b in (mine, theirs)]
     assert len({ids.shape[1] for ids in means[0]}) == 1
     for mean in (False, True):
-        got, want = (b.circuit_metrics(r.clean_ids, r.corrupt_ids, r.metric, masks, m if mean else None)
+        got, want = (circuit_runs(b, CircuitRunRequest(r.clean_ids, r.corrupt_ids, r.metric, masks, m if mean else None))
                      for b, r, m in zip((mine, theirs), runs, means))
         print(f"circuit runs ({'mean' if mean else 'corrupt'} ablation): max |Δ| {float((got - want).abs().max()):.2g}")
         assert_close(got, want)

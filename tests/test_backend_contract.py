@@ -1,10 +1,13 @@
-"""The backend seam: the table in ``pipatch._backends``' docstring lists exactly the core
-members of :class:`~pipatch._backends._contract.Backend` and the members of its
-:class:`~pipatch._backends._contract.Hints`; every real backend has the core; and a backend
-that offers the core alone (no hints) runs every experiment, with the same numbers."""
+"""The backend seam: the tables in ``pipatch._backends``' docstring list exactly the core
+members of :class:`~pipatch._backends._contract.Backend` and the capability flags of its
+:class:`~pipatch._backends._contract.Capabilities`; the protocol names no experiment (a
+backend is a transport: what runs is a program); every real backend has the core; and a
+backend that offers the core alone, with the default capabilities (no shortcut), runs every
+experiment with the same numbers."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -13,7 +16,8 @@ import torch
 import pipatch
 import pipatch._backends as backends_package
 from pipatch._backends import backend_for
-from pipatch._backends._contract import CORE, HINTS, Backend, Hints, hints_of
+from pipatch._backends._contract import CAPABILITIES, CORE, Backend, Capabilities
+from pipatch._registry import EXPERIMENTS
 from tests._tiny import tiny_model
 
 CLEAN = "The Eiffel Tower is in the city of"
@@ -38,12 +42,27 @@ def _tables(doc: str) -> list[list[str]]:
     return tables
 
 
-def test_the_docstring_table_lists_the_protocol_and_the_hints():
-    core, hints = _tables(backends_package.__doc__)
+def test_the_docstring_tables_list_the_protocol_and_the_capabilities():
+    core, capabilities = _tables(backends_package.__doc__)
     assert sorted(core) == CORE and len(core) == len(set(core))
-    assert sorted(hints) == HINTS and len(hints) == len(set(hints))
-    # ... and the hints are what the engine may read: none is also a core member.
-    assert not set(CORE) & set(HINTS)
+    assert sorted(capabilities) == sorted(CAPABILITIES) and len(capabilities) == len(set(capabilities))
+    assert not set(CORE) & set(CAPABILITIES)
+
+
+def test_the_protocol_names_no_experiment():
+    """No core member, nor any of its parameters, is named for an experiment (its name, command
+    or result kind) or for gradients, edges or circuits: those are programs and capability
+    flags (which may name them: a backend says what it can run)."""
+    experiments = {word for e in EXPERIMENTS.values() for word in (e.name, e.command, e.kind)}
+    words = ("gradient", "edge", "circuit")
+    names = list(CORE)
+    for member in CORE:
+        value = getattr(Backend, member)
+        function = value.fget if isinstance(value, property) else value
+        names += [p for p in inspect.signature(function).parameters if p != "self"]
+    for name in names:
+        assert name not in experiments and not any(w in name.lower() for w in words), name
+    assert any(w in flag for flag in CAPABILITIES for w in words)  # ... where the flags do
 
 
 def _has(cls: type, name: str) -> bool:
@@ -64,24 +83,22 @@ def test_every_backend_class_has_the_core():
         assert not missing, (cls.__name__, missing)
 
 
-def test_hints_default_to_no_shortcut_and_the_transformers_backend_says_its_own():
+def test_capabilities_default_to_no_shortcut_and_the_transformers_backend_says_its_own():
     backend = backend_for(tiny_model("llama"))
     assert isinstance(backend, Backend)
-    hints = hints_of(backend)
-    assert hints is backend.hints and hints.starts_at_layer and hints.position_flops > 0
-    assert hints.device_kind == "cpu"
-
-    class Core:  # the core alone
-        runs_on = "cuda:0"
-
-    default = hints_of(Core())
-    assert type(default) is Hints and not default.starts_at_layer and default.position_flops == 0
-    assert default.device_kind == "cuda" and not default.prefix_reuse(None) and not default.pack_tokens(None, None)
-    assert not default.shares_unembedding(None)
+    own = backend.capabilities
+    assert own.skips_blocks and own.position_flops > 0 and own.gradients and own.pack_tokens
+    assert own.device_kind == "cpu"
+    default = Capabilities()
+    assert not default.skips_blocks and default.position_flops == 0 and not default.gradients
+    assert default.device_kind == "cpu" and not default.pack_tokens and not default.pools_unembedding
 
 
 class CoreOnly:
-    """A backend offering the core members only: the transformers backend's, no hints."""
+    """A backend offering the core members only, the transformers backend's, with the default
+    capabilities: the engine takes no shortcut."""
+
+    capabilities = Capabilities()
 
     def __init__(self, inner):
         self._inner = inner
@@ -94,11 +111,11 @@ class CoreOnly:
 
 @pytest.mark.parametrize("experiment", ["trace", "patch"])
 def test_a_backend_with_the_core_alone_runs_an_experiment_with_the_same_numbers(experiment):
-    """No hints: the engine takes no shortcut (rows from layer 0, no prefix reuse, no packing,
-    one ``run`` per batch), and the numbers are the transformers backend's own."""
+    """No capability: the engine takes no shortcut (rows from layer 0, no prefix reuse, no
+    packing, no pooled unembedding), and the numbers are the transformers backend's own."""
     backend = backend_for(tiny_model("llama"))
     core = CoreOnly(backend)
-    assert backend_for(core) is core and not hasattr(core, "hints")
+    assert backend_for(core) is core and core.capabilities == Capabilities()
     if experiment == "trace":
         args = dict(prompt=CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=2, scale=3.0, kind="resid,mlp")
         run = pipatch.trace

@@ -15,6 +15,7 @@ import pipatch
 from pipatch import PipatchError
 from pipatch._backends import backend_for
 from pipatch._models import adapter_for
+from pipatch._programs import CircuitRunRequest, captures, circuit_runs
 from pipatch._protocols.circuits import graph
 from pipatch._protocols.patching import pair_inputs
 from tests._reference import (
@@ -24,6 +25,11 @@ from tests._reference import (
     reference_mean_ablated,
 )
 from tests._tiny import tiny_model
+
+
+def runs(backend, clean_ids, corrupt_ids, metric, keep, mean_of=None):
+    """The circuit runs program on ``backend``: the metric of each mask of ``keep``."""
+    return circuit_runs(backend, CircuitRunRequest(clean_ids, corrupt_ids, metric, keep, mean_of))
 
 FAMILIES = ["gpt2", "llama", "gemma3"]  # fused q/k/v; grouped-query attention; GQA with post norms
 PAIR = dict(clean="When Mary and John went to the store, John gave a book to",
@@ -168,7 +174,7 @@ def test_a_circuits_run_keeps_exactly_its_edges(family):
     backend = backend_for(model)
     senders, receivers, valid = graph(backend.adapter)
     pair = pair_inputs(backend, PAIR["clean"], PAIR["corrupt"], PAIR["answer"], PAIR["foil"], "logit_diff")
-    clean, corrupt = (float(c.metric[0]) for c in backend.captures([pair.clean_ids, pair.corrupt_ids], pair.metric))
+    clean, corrupt = (float(c.metric[0]) for c in captures(backend, [pair.clean_ids, pair.corrupt_ids], pair.metric))
     r_names, s_names = [r.name for r in receivers], [s.name for s in senders]
     candidates = [(layer, head, which) for layer in (1, 2) for head in range(backend.adapter.n_heads) for which in "kv"]
     paths = []
@@ -177,8 +183,8 @@ def test_a_circuits_run_keeps_exactly_its_edges(family):
         path[r_names.index(f"{layer}.{head}.{which}"), s_names.index("emb")] = True
         path[r_names.index("logits"), s_names.index(f"{layer}.{head}")] = True
         paths.append(path)
-    none, every, *two = backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric,
-                                                torch.stack([torch.zeros_like(valid), valid, *paths])).tolist()
+    none, every, *two = runs(backend, pair.clean_ids, pair.corrupt_ids, pair.metric,
+                             torch.stack([torch.zeros_like(valid), valid, *paths])).tolist()
     assert none == pytest.approx(corrupt, abs=1e-5)
     if backend.adapter.attn_post_norm is None:
         assert every == pytest.approx(clean, abs=1e-4)
@@ -204,20 +210,20 @@ def test_mean_ablation_reads_the_datasets_mean(family):
     emb_edge = torch.zeros_like(valid)
     emb_edge[-1, 0] = True  # receivers end with the logits, senders start with the embeddings
     masks = torch.stack([torch.zeros_like(valid), emb_edge, valid])
-    as_corrupt = backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks)
-    one = backend.circuit_metrics(pair.clean_ids, pair.corrupt_ids, pair.metric, masks, [pair.corrupt_ids])
+    as_corrupt = runs(backend, pair.clean_ids, pair.corrupt_ids, pair.metric, masks)
+    one = runs(backend, pair.clean_ids, pair.corrupt_ids, pair.metric, masks, [pair.corrupt_ids])
     torch.testing.assert_close(one, as_corrupt, atol=1e-5, rtol=0)
     # A clean prompt whose last token none of the four has: the edge emb → logits carries something.
     other = PAIR["clean"].replace(" to", " on")
     other_ids = backend.tokenizer(other, return_tensors="pt").input_ids
-    none, emb, every = backend.circuit_metrics(other_ids, pair.corrupt_ids, pair.metric, masks, prompts).tolist()
+    none, emb, every = runs(backend, other_ids, pair.corrupt_ids, pair.metric, masks, prompts).tolist()
     for value, edge in ((none, False), (emb, True)):
         want = reference_mean_ablated(model, prompts=texts, clean=other, answer=PAIR["answer"],
                                       foil=PAIR["foil"], emb_edge=edge)
         assert value == pytest.approx(want, abs=1e-4), (edge, value, want)
     assert abs(none - float(as_corrupt[0])) > 1e-3 and abs(emb - none) > 1e-3  # the mean is not the corrupt run
     if backend.adapter.attn_post_norm is None:
-        clean = float(backend.captures([other_ids], pair.metric)[0].metric[0])
+        clean = float(captures(backend, [other_ids], pair.metric)[0].metric[0])
         assert every == pytest.approx(clean, abs=1e-4)
 
 

@@ -43,7 +43,7 @@ from pipatch._sites import RESID
 def plan_ablate(backend, prompt, *, answer, batch_size):
     ids, tokens, _ = encode(backend, prompt)
     scorer = Metric("prob", answer_ids(backend, answer, "answer"))
-    run = backend.capture(ids, scorer, [RESID])
+    run = capture(backend, ids, scorer, [RESID])
     n_layers, T = backend.adapter.n_layers, ids.shape[1]
     meta = {**model_meta(backend), "prompt": prompt, "answer": answer, "site": "resid"}
     clean = float(run.metric[0])

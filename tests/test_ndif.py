@@ -27,6 +27,7 @@ from pipatch import cli
 from pipatch._backends import backend_for
 from pipatch._backends.ndif import NDIFBackend, version_drift
 from pipatch._models import PipatchError
+from pipatch._programs import gradients
 from tests._equal import assert_close
 from tests._experiments import EMBEDDED, TINY, python_result
 from tests._tiny import tiny_model
@@ -122,9 +123,9 @@ def test_attribution_runs_its_gradients_as_a_request(simulated, model):
 
     metric = Metric("logit_diff", simulated.tokenizer(" Paris").input_ids[-1:], simulated.tokenizer(" Rome").input_ids[-1:])
     before = backend.requests
-    got_values, got_grads, got_score = backend.gradients(ids, metric, site_named("mlp"))
+    got_values, got_grads, got_score = gradients(backend, ids, metric, site_named("mlp"))
     assert backend.requests == before + 1
-    want_values, want_grads, want_score = backend_for(model).gradients(ids, metric, site_named("mlp"))
+    want_values, want_grads, want_score = gradients(backend_for(model), ids, metric, site_named("mlp"))
     assert got_score == pytest.approx(want_score, abs=1e-6)
     for got, want in zip(got_grads, want_grads, strict=True):
         assert_close(got, want, 1e-6, rtol=0)

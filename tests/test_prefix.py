@@ -30,6 +30,7 @@ from pipatch._cells import Base, Cell, Metric, Op
 from pipatch._engine import TRACE_COST, auto_batch_size, batches
 from pipatch._engine._sweeps import _is_unread
 from pipatch._models import _get
+from pipatch._programs import PatchRequest, capture, patch
 from pipatch._sites import SITES, projection
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
 
@@ -146,28 +147,18 @@ def exact_cost(backend, plan):
     own positions (from its first written one) through the blocks from its ``start`` up —
     plus the padding of their rows (:func:`_layout`: a row is padded to the widest, and runs
     the blocks from its cells' ``start`` up); and whether a trace held cells of different
-    ``start``."""
+    ``start``. The packed traces are read off the backend's call log."""
     n_layers, needed, mixed = backend.adapter.n_layers, [], []
-    packed = backend._trace_packed
-
-    def counting(entries):
-        [(base, metric)] = {(id(base), id(metric)): (base, metric) for base, _, metric in entries}.values()
-        cells = [cell for _, cell, _ in entries]
-        L = metric.inputs(base.input_ids).shape[1]
-        lengths = [L - min(c.first_position, L - metric.n_read) for c in cells]
-        rows = _layout([c.start for c in cells], lengths)
+    with backend.log.recording() as log, run_lengths(backend, every_block=True) as seen:
+        result = plan.run()
+    for trace in (event for event in log if event["event"] == "packed"):
+        starts, lengths = trace["starts"], trace["lengths"]
+        assert trace["bases"] == 1
+        rows = _layout(starts, lengths)
         width = max(sum(lengths[i] for i in row) for row in rows)
-        pad = sum((width - sum(lengths[i] for i in row)) * (n_layers - cells[row[0]].start) for row in rows)
-        needed.append(sum(n * (n_layers - c.start) for n, c in zip(lengths, cells)) + pad)
-        mixed.append(len({c.start for c in cells}) > 1)
-        return packed(entries)
-
-    backend._trace_packed = counting
-    try:
-        with run_lengths(backend, every_block=True) as seen:
-            result = plan.run()
-    finally:
-        del backend._trace_packed
+        pad = sum((width - sum(lengths[i] for i in row)) * (n_layers - starts[row[0]]) for row in rows)
+        needed.append(sum(n * (n_layers - start) for n, start in zip(lengths, starts)) + pad)
+        mixed.append(len(set(starts)) > 1)
     return result, sum(rows * length for rows, length in seen), sum(needed), any(mixed)
 
 
@@ -314,7 +305,7 @@ def test_a_key_written_at_the_last_layer_is_still_run():
     adapter = backend.adapter
     ids = backend.tokenizer(CLEAN, return_tensors="pt").input_ids
     metric = Metric("logprob", backend.tokenizer(" Paris", add_special_tokens=False).input_ids[:1])
-    base = Base(ids, backend.capture(ids, metric))
+    base = Base(ids, capture(backend, ids, metric))
     last, T = adapter.n_layers - 1, ids.shape[1]
     key = projection(adapter.qkv[1], 1)
     generator = torch.Generator().manual_seed(0)
@@ -324,8 +315,8 @@ def test_a_key_written_at_the_last_layer_is_still_run():
     resid_cell = Cell(last, 2, 0, start=last, ops=[Op(SITES["resid"], last, (slice(None), [2]),
                                                       torch.randn(1, 1, adapter.d_model, generator=generator) * 5)])
     assert not _is_unread(base, key_cell) and _is_unread(base, resid_cell)
-    moved, _ = backend.run(base, [key_cell], metric, fast=False)
-    still, _ = backend.run(base, [resid_cell], metric, fast=False)
+    (moved,), _ = patch(backend, PatchRequest.of(base, [[key_cell]], metric, fast=False))
+    (still,), _ = patch(backend, PatchRequest.of(base, [[resid_cell]], metric, fast=False))
     assert abs(float(moved[0]) - float(base.capture.metric[0])) > 1e-3, "the key write did not reach the metric"
     assert abs(float(still[0]) - float(base.capture.metric[0])) < 1e-6
     # At the last position the block's output is read: not filled.
@@ -336,7 +327,7 @@ def test_a_key_written_at_the_last_layer_is_still_run():
 @pytest.mark.parametrize("family", ["gemma3", "gpt2"])
 def test_a_rows_batches_finish_together_with_the_same_numbers(family):
     """A row's batches (one trace each, by first written position) go to the backend as one
-    ``run_many`` call, which computes every cell's probability in one product with the
+    ``patch`` request, which computes every cell's probability in one product with the
     unembedding: the same numbers as each batch run alone."""
     backend = backends(family)[0]
     # Ten seeds: ten cells per position, too many to start every position's cells at one;
@@ -345,19 +336,14 @@ def test_a_rows_batches_finish_together_with_the_same_numbers(family):
     sweep = plan.sweeps[0]
     groups = batches(list(sweep.cells(0)), 256, prefix_reuse=True)
     assert len(groups) > 1 and sweep.metric.token_ids is None  # several traces; a full softmax
-    together = backend.run_many(sweep.base, groups, sweep.metric)
-    alone = [backend.run(sweep.base, cells, sweep.metric)[0] for cells in groups]
+    together = patch(backend, PatchRequest.of(sweep.base, groups, sweep.metric))[0]
+    alone = [patch(backend, PatchRequest.of(sweep.base, [cells], sweep.metric))[0][0] for cells in groups]
     assert [len(v) for v in together] == [len(c) for c in groups]
     assert torch.allclose(torch.cat(together), torch.cat(alone), atol=1e-6, rtol=0)
-    # ... and the engine hands a row's batches over in one call.
-    calls = []
-    runner = plan.backend
-    run_many = runner.run_many
-    runner.run_many = lambda base, group, metric, **kw: calls.append(len(group)) or run_many(base, group, metric, **kw)
-    try:
+    # ... and the engine hands a row's batches over in one request (the backend's call log).
+    with plan.backend.log.recording() as log:
         plan.run()
-    finally:
-        del runner.run_many
+    calls = [event["batches"] for event in log if event["event"] == "patch"]
     assert max(calls) > 1 and plan.result.status == "done"
     slow = pipatch.trace(backend, CLEAN, subject="Eiffel Tower", answer=" Paris", seeds=10, scale=3.0, fast=False)
     same(plan.result, slow, ["resid"], "grouped")
@@ -458,9 +444,9 @@ def test_a_packed_trace_holds_pack_tokens_on_the_cpu_and_the_memory_sized_batch_
     backend = backends("llama")[0]
     sweep = plan_patch(backend, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome").sweeps[0]
     base, metric = sweep.base, sweep.metric
-    assert backend.pack_tokens(base, metric) == PACK_TOKENS["cpu"] == 1024
+    assert backend.capabilities.packed(base, metric) == PACK_TOKENS["cpu"] == 1024
     on_gpu = type("OnGpu", (TransformersBackend,), {"device": torch.device("cuda")})(backend.model)
-    assert on_gpu.pack_tokens(base, metric) == NO_BOUND
+    assert on_gpu.capabilities.packed(base, metric) == NO_BOUND
 
     T, GB = 128, 10**9
     gemma = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32, tokenizer=[None] * 262144,

@@ -36,6 +36,7 @@ from pipatch._backends.served import ServedBackend, Server  # noqa: E402
 from pipatch._cells import Cell, Op  # noqa: E402
 from pipatch._engine import EngineError  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
+from pipatch._programs import PatchRequest, patch  # noqa: E402
 from pipatch._serve import Spawned  # noqa: E402
 from pipatch._sites import RESID  # noqa: E402
 from tests._equal import (  # noqa: E402
@@ -178,7 +179,7 @@ def test_a_failing_request_is_one_line_and_the_next_one_works(served):
     bad = Cell(row=5, col=0, seed=0, start=5, ops=[Op(RESID, 5, (slice(None), slice(-1, None)), wrong_shape)])
     started = time.perf_counter()
     with pytest.raises(PipatchError) as error:
-        backend_for(served).run(sweep.base, [bad], sweep.metric)
+        patch(backend_for(served), PatchRequest.of(sweep.base, [[bad]], sweep.metric))
     message = str(error.value)
     print(f"bad request answered in {time.perf_counter() - started:.2f} s: {message}")
     assert "\n" not in message and message.startswith("the server failed the request: RuntimeError: ")
@@ -300,7 +301,7 @@ def test_a_study_runs_facts_in_flight_each_its_single_trace(served, tmp_path):
     data = json.loads(pipatch.known_facts().read_text())
     facts = [data[i] for i in (3, 21, 25, 32)]  # facts the embedded model knows
     cheap = {"sites": "resid", "seeds": 1, "scale": 3.0}
-    assert backend_for(served).hints.plans_in_flight == 4
+    assert backend_for(served).capabilities.plans_in_flight == 4
     started = time.perf_counter()
     found = pipatch.study(served, facts, store=tmp_path / "served.sqlite", **cheap)
     wall = time.perf_counter() - started

@@ -78,39 +78,31 @@ def test_each_fact_of_a_study_is_its_single_trace(model, six, tmp_path):
             assert mine.tokens == single.tokens
 
 
-def test_facts_run_as_one_share_packed_traces_and_the_unembedding_pass_and_repeat_their_bits(
-        model, tmp_path, monkeypatch):
+def test_facts_run_as_one_share_packed_traces_and_the_unembedding_pass_and_repeat_their_bits(model, tmp_path):
     """Four facts run as one (a Chain): their cells run in fewer packed traces than the same
     traces one by one, most of them holding cells of several facts, and their metrics take
     fewer, larger passes over the unembedding; a second run (a resume gives each fact the
     same company) stores the same bits."""
-    from pipatch._backends._unembedding import Unembedding
-    from pipatch._backends.transformers import TransformersBackend
+    from pipatch._backends import backend_for
 
-    passes: list[int] = []
-    traces: list[tuple[int, int]] = []  # per packed trace: its facts (bases) and its positions
-    logsumexp, trace_packed = Unembedding.logsumexp, TransformersBackend._trace_packed
+    log = backend_for(model).log
 
-    def counted(self, hidden, budget=1 << 20):
-        passes.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
-        return logsumexp(self, hidden, budget)
+    def counted(events):
+        """Per pass over the unembedding its positions; per packed trace its facts and cells."""
+        return ([e["positions"] for e in events if e["event"] == "unembedding"],
+                [(e["bases"], e["cells"]) for e in events if e["event"] == "packed"])
 
-    def packed(self, entries):
-        out = trace_packed(self, entries)
-        traces.append((len({id(base) for base, _, _ in entries}), len(entries)))
-        return out
-
-    monkeypatch.setattr(Unembedding, "logsumexp", counted)
-    monkeypatch.setattr(TransformersBackend, "_trace_packed", packed)
     facts, options = records(KNOWN[:4]), {"sites": "resid,mlp", "seeds": 2, "scale": 3.0}
-    for fact in facts:
-        pipatch.trace(model, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **options)
-    alone, passes[:] = list(passes), []
-    alone_traces, traces[:] = list(traces), []
-    first = pipatch.study(model, facts, store=tmp_path / "a.sqlite", **options)
-    together, passes[:] = list(passes), []
-    together_traces = list(traces)
-    again = pipatch.study(model, facts, store=tmp_path / "b.sqlite", **options)
+    with log.recording() as events:
+        for fact in facts:
+            pipatch.trace(model, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **options)
+    alone, alone_traces = counted(events)
+    with log.recording() as events:
+        first = pipatch.study(model, facts, store=tmp_path / "a.sqlite", **options)
+    together, together_traces = counted(events)
+    with log.recording() as events:
+        again = pipatch.study(model, facts, store=tmp_path / "b.sqlite", **options)
+    passes = counted(events)[0]
     assert passes == together and sum(together) == sum(alone)  # the same positions, in fewer passes
     assert len(together) < len(alone) / 2, (together, alone)
     # The same cells in fewer traces, and most traces hold several facts' cells.

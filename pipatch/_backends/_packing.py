@@ -65,7 +65,7 @@ class Packed:
         runs = self.runs = _Runs(entries)
         cells = [cell for _, cell, _ in entries]
         m, device = runs.n_read, runs.ids.device
-        ends = [runs.length[runs.base_of(base)] for base, _, _ in entries]  # each cell's run length
+        ends = self.run_lengths = [runs.length[runs.base_of(base)] for base, _, _ in entries]  # each cell's run's
         self.starts = [min(cell.first_position, L - m) for cell, L in zip(cells, ends)]
         rows = layout([cell.start for cell in cells], [L - b for L, b in zip(ends, self.starts)])
         self.n_rows, width = len(rows), max(sum(ends[i] - self.starts[i] for i in row) for row in rows)

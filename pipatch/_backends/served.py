@@ -242,6 +242,7 @@ class ServedBackend(VLLMBackend):
         (module docstring), each request saying how many blocks its invokes skip (the server
         runs it only beside requests that skip as many); what each job's invoke returned, in
         order."""
+        self.log.add("requests", invokes=len(jobs), skip=skip)
         parts = [jobs[i : i + INVOKES_PER_REQUEST] for i in range(0, len(jobs), INVOKES_PER_REQUEST)]
         with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
             blobs = [self._request(body, part) for part in parts]

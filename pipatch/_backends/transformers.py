@@ -178,6 +178,7 @@ class TransformersBackend(Described):
         routine = self._routines().get(program.name)
         if routine is None:
             raise refuse(self, program)
+        self.log.add("program", name=program.name)
         return routine(request)
 
     def _routines(self) -> dict[str, Any]:
@@ -243,6 +244,7 @@ class TransformersBackend(Described):
         metric, fast, out = request.metric, request.fast, request.out
         if out == "states" and not fast:
             raise ValueError("states are the fast path's: pass fast=True")
+        self.log.add("patch", batches=len(request.batches), out=out)
         outs, reads = [], []
         for batch in request.batches:
             value, read = self._trace(batch, fast=fast, full_logits=out == "logits")
@@ -357,6 +359,7 @@ class TransformersBackend(Described):
         # them), and only when the block they feed is not skipped (a skipped block's output is
         # the base run's, already under them).
         jobs = [self._base_ops(base, cell, start, below) + cell.sorted_ops() for cell in cells]
+        self.log.add("trace", cells=len(cells), start=start, below=below)
         skipped = [_cat([base.capture.block_for(layer, seed, start) for seed in seeds]) for layer in range(below)]
         with torch.no_grad(), model.trace(**kwargs) as tracer:
             outs = list().save()  # type: ignore[attr-defined]  # nnsight's
@@ -410,6 +413,8 @@ class TransformersBackend(Described):
         below = 0 if pack.active[0] < pack.n_rows else 1
         jobs = [self._base_ops(base, cell, pack.starts[i], below) + cell.sorted_ops()
                 for i, (base, cell, _) in enumerate(entries)]
+        self.log.add("packed", cells=len(entries), bases=len(pack.runs.bases), starts=[cell.start for _, cell, _ in entries],
+                     lengths=[length - first for length, first in zip(pack.run_lengths, pack.starts)])
         # The masks and positions go to the forward as they are (a trace's keyword arguments;
         # an invoke's would be batched by nnsight, which takes no dict of masks).
         kwargs: dict[Any, Any] = {"position_ids": pack.position_ids, "attention_mask": pack.mask}
@@ -427,7 +432,7 @@ class TransformersBackend(Described):
     @property
     def unembedding(self) -> Unembedding:
         """The unembedding's weights and the model's soft-cap, for metrics outside a trace."""
-        return Unembedding(_get(self._hf, self.adapter.unembed), self.adapter.softcap)
+        return Unembedding(_get(self._hf, self.adapter.unembed), self.adapter.softcap, self.log)
 
     def metric_from_hidden(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
         """The metric from the unembedding's input at the read positions, [batch, inputs,

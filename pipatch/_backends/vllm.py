@@ -383,6 +383,7 @@ class VLLMBackend(Described):
         the engine runs, nothing to arrange)."""
         import nnsight
 
+        self.log.add("requests", invokes=len(jobs), skip=skip)
         model = self.model
         with (self._requests_aborted_on_interrupt(), self._tree_by_reference(), torch.no_grad(),
               model.trace(**_SAMPLING) as tracer):
