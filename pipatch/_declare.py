@@ -36,6 +36,7 @@ from typing import Any
 
 from ._checks import whole_number
 from ._models import PipatchError
+from ._sites import Site
 
 __all__ = ["Param", "PromptForm", "Experiment", "PROMPT", "PAIR", "REQUIRED", "register", "experiment",
            "declared", "unregister", "EXPERIMENTS", "text", "positive_int", "count", "positions"]
@@ -307,7 +308,8 @@ class Experiment:
         The shell command (``pipatch path-patch``); default the name with dashes.
     code
         ``code(result, adapter) -> (function, source, sites, summary)``, or ``None``: the
-        experiment's part of :meth:`pipatch.Result.code`'s script (:mod:`pipatch._code`).
+        experiment's part of :meth:`pipatch.Result.code`'s script, kept beside its protocol
+        (:mod:`pipatch._code` assembles it).
     code_inputs
         ``code_inputs(meta) -> dict``: one example's inputs to the script's function.
     whole_dataset
@@ -326,7 +328,7 @@ class Experiment:
     doc: str = ""
     noun: str = ""
     command: str = ""
-    code: Callable[..., tuple[str, str, list[str], str]] | None = None
+    code: Callable[..., tuple[str, str, list[Site], str]] | None = None
     code_inputs: Callable[[dict], dict[str, Any]] | None = None
     whole_dataset: bool = False
     _by_keyword: dict[str, Param] = field(init=False, repr=False, compare=False, default_factory=dict)

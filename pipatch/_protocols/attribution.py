@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from string import Template
 from typing import Any
 
 import torch
@@ -46,9 +47,11 @@ from .._cells import Base, Cell
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count
 from .._engine import Plan, SiteSweep, check_batch_size
+from .._models import Adapter
 from .._programs.capture import capture
 from .._programs.gradients import gradients
 from .._result import Result
+from .._sites import Site
 from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
@@ -202,8 +205,62 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# The declaration
+# The declaration, and its part of ``Result.code()``'s script
 # --------------------------------------------------------------------------------------------
+
+_ATTRIBUTE = Template('''
+
+SITE = $site
+
+
+def attribution(clean_prompt, corrupt_prompt, answer, foil, positions):
+    """Attribution patching: every cell of a denoising grid estimated to first order,
+    metric(clean act) − metric(corrupt act) ≈ grad · (clean − corrupt), the gradient taken once
+    at the corrupt run. Two forwards and one backward. Returns ({SITE: corrupt metric +
+    estimate [1, layers, columns]}, clean metric, corrupt metric [1])."""
+$baselines\
+    # The corrupt run with gradients. The embedding output becomes a leaf that needs a gradient
+    # and the backward stops there: activations get gradients, the weights none.
+    with torch.enable_grad(), model.trace(corrupt_ids, **LAST_ONLY):
+        embed = model.$embed
+        leaf = embed.output.detach().requires_grad_(True)
+        embed.output = leaf
+        acts = [site(SITE, layer) for layer in range(n_layers)]
+        corrupt_acts = nnsight.save([act.detach().clone() for act in acts])
+        value = metric(model.output.logits[0, -1], answer, foil)
+        corrupt = value.detach().save()
+        grads = nnsight.save([])
+        with value.backward(inputs=[leaf]):
+            for act in reversed(acts):  # nnsight serves gradients in reverse forward order
+                grads.append(act.grad.detach().clone())
+    grads = list(grads)[::-1]
+
+    raw = torch.zeros(1, n_layers, $n_columns)
+    for layer in range(n_layers):
+        product = (grads[layer][0].float() * (clean_acts[layer][0].float() - corrupt_acts[layer][0].float()))[positions]
+$estimate
+    return {SITE: raw}, clean, corrupt.reshape(1)
+''')
+
+
+def _code_part(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
+    """Attribution patching's part of ``Result.code()``'s script (assembled by
+    :func:`pipatch._code.script`): the name of the script's function, its code, the site it
+    reads and a summary for the script's docstring.
+
+    ``attribution`` runs the clean prompt, then the corrupt one with gradients (the embedding
+    output made a leaf, so the backward reaches activations, never weights), and writes every
+    cell as gradient × (clean − corrupt) summed over the width (a head: over its slice of ``z``
+    and the positions).
+    """
+    target, heads, n_columns, _ = _code.pair_site(result)
+    estimate = ("        raw[0, layer] = corrupt + product.reshape(len(positions), N_HEADS, HEAD_DIM).sum(dim=(0, 2))"
+                if heads else "        raw[0, layer] = corrupt + product.sum(-1)")
+    code = _ATTRIBUTE.substitute(site=repr(target.name), baselines=_code.PAIR_BASELINES, n_columns=n_columns,
+                                 embed=_code.dotted_path(adapter.embed, "embedding"), estimate=estimate)
+    summary = ("attribution patching, gradient × (clean − corrupt) activation at every cell from two\n"
+               "forwards and one backward, as normalized recovery.")
+    return "attribution", code, [target], summary
 
 
 def _title(meta: dict) -> str:
@@ -250,5 +307,5 @@ DECLARATION = Experiment(
     ...                       answer=" Paris", foil=" Rome", site="head", verify=5)
     >>> r.meta["agreement"]
     """,
-    code=_code.attribution_code, code_inputs=_code.pair_inputs,
+    code=_code_part, code_inputs=_code.pair_inputs,
 )

@@ -63,7 +63,6 @@ from typing import Any
 
 import torch
 
-from .. import _code
 from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
@@ -73,6 +72,7 @@ from .._programs.capture import captures
 from .._programs.circuit import CircuitRunRequest, EdgeTermsRequest, circuit_runs, edge_terms
 from .._result import VIEW_EDGES, Result, load_result
 from .._sites import ATTN, EMBED, HEAD, MLP, MLP_IN, QKV, projection
+from . import _circuit_code
 from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
 from .attribution import spearman
 from .patching import pair_inputs
@@ -543,7 +543,7 @@ DECLARATION = Experiment(
     example='%%circuit --answer " Mary" --foil " John" --verify 10 -o circ\n'
             "clean: When Mary and John went to the store, John gave a drink to\n"
             "corrupt: When Mary and John went to the store, Mary gave a drink to",
-    code=_code.circuit_code, code_inputs=_code.circuit_inputs,
+    code=_circuit_code.circuit_code, code_inputs=_circuit_code.circuit_inputs,
     doc="""
     See :mod:`pipatch._protocols.circuits` for the graph, the scores and the checks.
 

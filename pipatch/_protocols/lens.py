@@ -35,9 +35,10 @@ import torch
 from .._cells import Base, Cell, Metric, Op
 from .._declare import PROMPT, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
+from .._models import Adapter
 from .._programs.capture import capture
 from .._result import Result
-from .._sites import RESID
+from .._sites import RESID, Site
 from ._inputs import (
     BATCH_SIZE,
     FAST,
@@ -145,7 +146,7 @@ def logit_lens(prompt, answer):
 ''')
 
 
-def _code_part(result, adapter) -> tuple[str, str, list[str], str]:
+def _code_part(result: Result, adapter: Adapter) -> tuple[str, str, list[Site], str]:
     summary = ("one run keeping every block's output, then one run per (layer, position) with that state\n"
                "written into the last block's output at the last position: the metric read through the head.")
     return "logit_lens", _LENS.template, [RESID], summary

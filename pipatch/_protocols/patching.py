@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from string import Template
+from typing import Any
 
 import torch
 
@@ -36,9 +38,10 @@ from .._cells import METRICS, Base, Metric
 from .._checks import flag
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
-from .._models import PipatchError
+from .._models import Adapter, PipatchError
 from .._programs.capture import captures
 from .._result import Result
+from .._sites import Site
 from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
@@ -185,8 +188,83 @@ def plan_patch(
 
 
 # --------------------------------------------------------------------------------------------
-# The declaration
+# The declaration, and its part of ``Result.code()``'s script
 # --------------------------------------------------------------------------------------------
+
+_PATCH = Template('''
+
+SITE = $site
+DIRECTION = $direction
+
+
+def activation_patch(clean_prompt, corrupt_prompt, answer, foil, positions$mean_arg):
+    """Activation patching of SITE at every layer × $columns_doc.
+    Returns ({SITE: metric [1, layers, columns]}, clean metric, corrupt metric [1])."""
+$baselines\
+    with model.trace(corrupt_ids, **LAST_ONLY):
+        corrupt_acts = nnsight.save([site(SITE, layer).clone() for layer in range(n_layers)])
+        corrupt = metric(model.output.logits[0, -1], answer, foil).save()
+
+$donor
+    raw = torch.zeros(1, n_layers, $n_columns)
+    for layer in range(n_layers):
+        with model.trace(**LAST_ONLY) as tracer:
+            row = nnsight.save([])
+$cells
+        raw[0, layer] = torch.stack(list(row))
+    return {SITE: raw}, clean, corrupt.reshape(1)
+''')
+
+_DONORS = {
+    "denoise": "    # denoise: run the corrupt prompt, paste in the clean activation (is the site sufficient?)\n"
+               "    base_ids, donor = corrupt_ids, clean_acts\n",
+    "noise": "    # noise: run the clean prompt, paste in the corrupt activation (is the site necessary?)\n"
+             "    base_ids, donor = clean_ids, corrupt_acts\n",
+    "zero": "    # zero ablation: run the clean prompt with the activation set to zeros\n"
+            "    base_ids, donor = clean_ids, [torch.zeros_like(act) for act in clean_acts]\n",
+    "mean": "    # mean ablation: run the clean prompt with the activation replaced by its mean over mean_prompts\n"
+            "    runs = []\n"
+            "    for text in mean_prompts:\n"
+            "        with model.trace(tokens(text), **LAST_ONLY):\n"
+            "            runs.append(nnsight.save([site(SITE, layer).clone() for layer in range(n_layers)]))\n"
+            "    donor = [torch.stack([run[layer][0] for run in runs]).mean(0, keepdim=True) for layer in range(n_layers)]\n"
+            "    base_ids = clean_ids\n",
+}
+
+_POSITION_CELLS = '''\
+            for pos in positions:
+                with tracer.invoke(base_ids):
+                    site(SITE, layer)[:, pos] = donor[layer][:, pos]
+                    row.append(metric(model.output.logits[0, -1], answer, foil))'''
+
+_HEAD_CELLS = '''\
+            for head in range(N_HEADS):
+                cols = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
+                with tracer.invoke(base_ids):
+                    site(SITE, layer)[:, positions, cols] = donor[layer][:, positions, cols]
+                    row.append(metric(model.output.logits[0, -1], answer, foil))'''
+
+
+def _code_part(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
+    """Activation patching's part of ``Result.code()``'s script (assembled by
+    :func:`pipatch._code.script`): the name of the script's function, its code, the site it
+    reads and a summary for the script's docstring.
+
+    ``activation_patch`` runs both prompts, builds the donor of the direction (the other run's
+    activation, zeros, or the mean over ``mean_prompts``), then one invoke per cell, a layer's
+    cells one trace. A site or direction it does not know raises :class:`PipatchError`.
+    """
+    target, heads, n_columns, columns_doc = _code.pair_site(result)
+    direction = result.meta.get("direction", "denoise")
+    if direction not in _DONORS:
+        raise PipatchError(f"code(): unknown patching direction {direction!r}")
+    code = _PATCH.substitute(site=repr(target.name), direction=repr(direction), columns_doc=columns_doc,
+                             mean_arg=", mean_prompts" if direction == "mean" else "",
+                             baselines=_code.PAIR_BASELINES, donor=_DONORS[direction], n_columns=n_columns,
+                             cells=_HEAD_CELLS if heads else _POSITION_CELLS)
+    summary = (f"clean and corrupt runs, then one {direction} patch of the {target.name} site per cell, normalized\n"
+               "recovery (patched − corrupt) / (clean − corrupt).")
+    return "activation_patch", code, [target], summary
 
 
 def _title(meta: dict) -> str:
@@ -216,5 +294,5 @@ DECLARATION = Experiment(
         ``result.grid``: tensor[layers, positions] (or [layers, heads]) of normalized recovery
         ``(patched − corrupt) / (clean − corrupt)``; raw values in ``result.raw``.
     """,
-    code=_code.patch_code, code_inputs=lambda meta: _code.pair_inputs(meta, means=True),
+    code=_code_part, code_inputs=lambda meta: _code.pair_inputs(meta, means=True),
 )

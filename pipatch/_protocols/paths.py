@@ -89,6 +89,7 @@ from ._inputs import (
     pair_title,
     undefined_recovery_warning,
 )
+from ._paths_code import path_code
 from .patching import pair_inputs
 
 __all__ = ["plan_path_patch", "DIRECTIONS"]
@@ -387,5 +388,5 @@ DECLARATION = Experiment(
     ...                    corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome",
     ...                    sender=("head", 12, 2)).grid
     """,
-    code=_code.path_code, code_inputs=lambda meta: _code.pair_inputs(meta, positions=False),
+    code=path_code, code_inputs=lambda meta: _code.pair_inputs(meta, positions=False),
 )

@@ -39,6 +39,8 @@ reproduces the donor by construction, whichever run the donor came from.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from string import Template
+from typing import Any
 
 import torch
 
@@ -47,10 +49,10 @@ from .._cells import Base, Metric, Op
 from .._checks import flag, whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
-from .._models import PipatchError
+from .._models import Adapter, PipatchError
 from .._programs.capture import capture
 from .._result import Result
-from .._sites import ATTN, EMBED, MLP, RESID
+from .._sites import ATTN, EMBED, MLP, RESID, Site
 from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
@@ -205,8 +207,106 @@ def plan_trace(
 
 
 # --------------------------------------------------------------------------------------------
-# The declaration
+# The declaration, and its part of ``Result.code()``'s script
 # --------------------------------------------------------------------------------------------
+
+_TRACE = Template('''
+
+KINDS = $kinds  # in forward order: attention, MLP, then the block's output
+WINDOW = $window  # layers restored together for the attn / mlp kinds (ROME's severed traces)
+SEEDS = $seeds
+CONTROL = $control  # True: restore from the corrupt run's own states (recovery must stay 0)
+
+
+def causal_trace(prompt, subject, answer, scale):
+    """ROME causal tracing of `prompt`: noise the `subject` token positions' embeddings, restore
+    one clean state per (layer, position). Returns ({kind: metric [seeds, layers, T]}, clean
+    metric, corrupt metric [seeds])."""
+    input_ids = tokens(prompt)
+    T = input_ids.shape[1]
+    embed = model.$embed
+
+    # 1. Clean run: every state a restoration writes back, and the embeddings the subject uses.
+    with model.trace(input_ids, **LAST_ONLY):
+        embedded = embed.output.clone().save()
+        clean_states = nnsight.save({kind: [] for kind in KINDS})
+        for layer in range(n_layers):
+            for kind in KINDS:
+                clean_states[kind].append(site(kind, layer).clone())
+        clean = metric(model.output.logits[0, -1], answer).save()
+
+    # 2. Noise of scale × σ on the subject's embedding outputs, σ their spread in the clean run;
+    #    one seeded draw per seed, made once, so every restoration of a seed sees the same noise.
+    sigma = float(embedded[0, subject].float().std())
+    d_model = embedded.shape[-1]
+    noise = [
+        (torch.randn(len(subject), d_model, generator=torch.Generator().manual_seed(seed)) * (scale * sigma))
+        .to(DEVICE)
+        for seed in range(SEEDS)
+    ]
+    with model.trace(**LAST_ONLY) as tracer:
+        corrupt = nnsight.save([])
+        corrupt_states = nnsight.save([])
+        for seed in range(SEEDS):
+            with tracer.invoke(input_ids):
+                embedded = embed.output
+                embedded[:, subject] += noise[seed].to(embedded.dtype)
+                states = {kind: [] for kind in KINDS}
+                for layer in range(n_layers):
+                    for kind in KINDS:
+                        states[kind].append(site(kind, layer).clone())
+                corrupt_states.append(states)
+                corrupt.append(metric(model.output.logits[0, -1], answer))
+    corrupt = torch.stack(list(corrupt))
+
+    # 3. Restore: the noised run with one clean state (or a window of sublayer outputs) written
+    #    back at one position; every (seed, position) of a layer as invokes of one trace.
+    raw = {kind: torch.zeros(SEEDS, n_layers, T) for kind in KINDS}
+    for kind in KINDS:
+        for layer in range(n_layers):
+            window = [layer] if kind == "resid" else range(layer, min(layer + WINDOW, n_layers))
+            with model.trace(**LAST_ONLY) as tracer:
+                row = nnsight.save([])
+                for seed in range(SEEDS):
+                    donor = corrupt_states[seed][kind] if CONTROL else clean_states[kind]
+                    for pos in range(T):
+                        with tracer.invoke(input_ids):
+                            embedded = embed.output
+                            embedded[:, subject] += noise[seed].to(embedded.dtype)
+                            for w in window:
+                                site(kind, w)[:, pos] = donor[w][:, pos]
+                            row.append(metric(model.output.logits[0, -1], answer))
+            raw[kind][:, layer] = torch.stack(list(row)).reshape(SEEDS, T)
+    return raw, clean, corrupt
+''')
+
+
+def _code_part(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], str]:
+    """Causal tracing's part of ``Result.code()``'s script (assembled by :func:`pipatch._code.script`):
+    the name of the script's function, its code, the sites it reads (in forward order, as its
+    ``KINDS``), and a summary for the script's docstring.
+
+    ``causal_trace`` does the three runs the plain way. Its noise is drawn as :func:`noise_draws`
+    draws it (one ``torch.Generator().manual_seed(seed)`` per seed, ``randn × scale × σ``), with σ
+    recomputed from the clean run's embedding outputs on the subject, as :func:`plan_trace`
+    measures it; each restoration is one invoke, a layer's (seed, position) cells one trace.
+    """
+    meta = result.meta
+    # In forward order (attention, MLP, then the block's output), as the script's KINDS say.
+    traced = sorted((site_named(name) for name in meta.get("kinds") or result.views), key=lambda s: s.order)
+    code = _TRACE.substitute(kinds=repr([s.name for s in traced]), window=int(meta["window"]),
+                             seeds=int(meta["seeds"]), control=bool(meta.get("control")),
+                             embed=_code.dotted_path(adapter.embed, "embedding"))
+    summary = (f"noise the subject's embeddings ({int(meta['seeds'])} seeded draws), restore one clean state per\n"
+               "(layer, position), average normalized recovery over the seeds.")
+    return "causal_trace", code, traced, summary
+
+
+def _code_inputs(meta: dict) -> dict[str, Any]:
+    """One causal trace's inputs to the script's ``causal_trace``: the prompt, the subject's
+    token positions, the answer's id and the noise scale."""
+    return {"prompt": meta["prompt"], "subject": list(meta["subject_positions"]), "answer": int(meta["answer_id"]),
+            "scale": float(meta["scale"])}
 
 
 def parse_scale(value: str) -> float | str:
@@ -254,5 +354,5 @@ DECLARATION = Experiment(
         ``result.grid`` is tensor[layers, tokens] of mean normalized recovery (see
         :mod:`pipatch._protocols.tracing`); ``result.per_seed`` keeps every seed's grid.
     """,
-    code=_code.trace_code, code_inputs=_code.trace_inputs,
+    code=_code_part, code_inputs=_code_inputs,
 )
