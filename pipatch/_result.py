@@ -32,7 +32,6 @@ from ._views import (
     MIME_TYPE,
     SCHEMA_VERSION,
     TOP_EDGES,
-    circuit_part,
     clean_text,
     conform_state,
     done_span,
@@ -42,10 +41,6 @@ from ._views import (
 )
 
 __all__ = ["Result", "load_result", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE"]
-
-
-#: A circuit's one grid: receivers × senders (:mod:`pipatch._protocols.circuits`).
-VIEW_EDGES = "edges"
 
 
 def recovery_undefined(clean: float, corrupt: float) -> bool:
@@ -100,9 +95,9 @@ class Result:
     message: str = ""
     warnings: list[str] = field(default_factory=list)
 
-    #: Subclasses that read and write their own files, by the ``kind`` those files hold
-    #: (``class Comparison(Result, file_kind="compare")``): :func:`load_result` hands such a
-    #: file to the subclass's ``from_parts`` / ``parts_from_json``.
+    #: Subclasses of their own, by the ``kind`` their files hold (``class Comparison(Result,
+    #: file_kind="compare")``): :func:`load_result` hands such a file to the subclass's
+    #: ``parts_from_json`` / ``from_parts`` (those of :class:`Result`, unless it has its own).
     FILE_KINDS: ClassVar[dict[str, type[Result]]] = {}
 
     def __init_subclass__(cls, file_kind: str | None = None, **kwargs: Any) -> None:
@@ -265,18 +260,9 @@ class Result:
                       top=top)
 
     def graph(self, top: int | None = None) -> dict[str, Any]:
-        """A circuit's graph as plain JSON (``json.dumps`` writes it as it is): ``nodes`` (``name``,
-        ``kind``: emb / head / mlp / logits, ``layer``, drawing position ``x``, ``y``) and ``edges``,
-        largest ``|score|`` first, at most ``top`` (``None``: every edge), each ``sender``,
-        ``receiver``, ``score`` (estimated change of the metric, as in :meth:`edges`),
-        ``recovery`` (the same, normalized) and ``exact`` (the exact edge patch's change, ``None``
-        where not checked); plus ``title``, ``model``, ``metric``, ``baselines``, ``agreement``
-        and ``faithfulness`` (where the result has a curve)."""
-        from ._views.circuit import graph_document
-
-        if self.kind != "circuit":
-            raise PipatchError(f"graph() is a circuit's; this is a {self.kind} result: run pipatch.circuit")
-        return graph_document(self.to_state(live=True), top)
+        """A circuit's graph as JSON (:meth:`pipatch._circuit_result.CircuitResult.graph`);
+        any other result refuses it in one line."""
+        raise PipatchError(f"graph() is a circuit's; this is a {self.kind} result: run pipatch.circuit")
 
     def to_dataframe(self):
         """A long pandas DataFrame: one row per (view, layer, column) with mean, std, raw."""
@@ -295,22 +281,9 @@ class Result:
         return pd.DataFrame(rows)
 
     def edges(self):
-        """A circuit's edges (``kind="circuit"``), one row each, largest ``|score|`` first: ``sender``,
-        ``receiver``, ``score`` (the estimated change of the metric when that edge alone carries
-        the clean value, in the metric's units; a dataset's mean over pairs) and ``exact`` (the
-        exact edge patch's change; NaN where not checked)."""
-        import pandas as pd
-
-        if VIEW_EDGES not in self.raw:
-            raise PipatchError(f"edges() is a circuit's table; this is a {self.kind} result: run pipatch.circuit")
-        change = (self.raw[VIEW_EDGES][0] - float(self.corrupt.mean())).double()
-        exact = {(c["sender"], c["receiver"]): c["exact"] for c in self.meta.get("checked", [])}
-        rows = [{"sender": sender, "receiver": receiver, "score": float(change[r, s]),
-                 "exact": float("nan") if exact.get((sender, receiver)) is None else float(exact[(sender, receiver)])}
-                for r, receiver in enumerate(self.layers) for s, sender in enumerate(self.columns)
-                if not math.isnan(float(change[r, s]))]
-        table = pd.DataFrame(rows, columns=["sender", "receiver", "score", "exact"])
-        return table.reindex(table["score"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
+        """A circuit's table of edges (:meth:`pipatch._circuit_result.CircuitResult.edges`);
+        any other result refuses it in one line."""
+        raise PipatchError(f"edges() is a circuit's table; this is a {self.kind} result: run pipatch.circuit")
 
     def code(self) -> str:
         """A short Python script, using nnsight and transformers only (no pipatch), that recomputes
@@ -378,6 +351,55 @@ class Result:
                 header["clean_scalar"] = True
         return header, tensors
 
+    @staticmethod
+    def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The file parts (header, tensors) of a result's :meth:`to_json` document."""
+        views = doc["views"]
+        header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
+                                                "row_order", "status", "message", "warnings", "meta")}
+        header["views"] = list(views)
+        tensors = {"corrupt": _tensor(doc["corrupt"])}
+        for view, grids in views.items():
+            if "raw_seeds" not in grids:
+                raise ValueError(f"view {view!r} holds only means (no raw_seeds): write it again with this pipatch")
+            tensors[f"raw/{view}"] = _tensor(grids["raw_seeds"])
+        clean = doc.get("clean")
+        if isinstance(clean, (int, float)):
+            header["clean"] = float(clean)
+        else:  # per-row baselines (a dataset), or a non-finite one written as null
+            tensors["clean"] = _tensor(clean if isinstance(clean, list) else [float("nan")])
+            header["clean_scalar"] = not isinstance(clean, list)
+        return header, tensors
+
+    @classmethod
+    def from_parts(cls, header: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> Result:
+        """The result a file's header and tensors describe, checked whole (``where`` names the file)."""
+        views = header.get("views") or []
+        raw = {}
+        corrupt = tensors.get("corrupt")
+        for view in views:
+            t = tensors.get(f"raw/{view}")
+            expected = (corrupt.numel() if corrupt is not None else -1, len(header["layers"]), len(header["columns"]))
+            if t is None or tuple(t.shape) != expected:
+                raise PipatchError(
+                    f"{where} is inconsistent: view {view!r} has shape "
+                    f"{None if t is None else tuple(t.shape)}, labels say {expected}; re-save the result"
+                )
+            raw[view] = t
+        if header.get("clean") is None and tensors.get("clean") is None:
+            raise PipatchError(f"{where} has no clean baseline: re-save the result")
+        if not raw or corrupt is None:
+            raise PipatchError(f"{where} holds no grid: re-save the result")
+        return cls(
+            kind=header["kind"], tokens=header["tokens"], columns=header["columns"], layers=header["layers"],
+            metric=header["metric"], raw=raw, corrupt=corrupt,
+            clean=(float(header["clean"]) if header.get("clean") is not None
+                   else float(tensors["clean"].reshape(-1)[0]) if header.get("clean_scalar") else tensors["clean"]),
+            meta=header.get("meta") or {}, rows_done=header.get("rows_done") or {},
+            row_order=header.get("row_order") or {}, status=header.get("status") or "done",
+            message=header.get("message") or "", warnings=header.get("warnings") or [],
+        )
+
     def save(self, path: str | Path) -> Path:
         """Write the result as one safetensors file (tensors + JSON metadata in its header).
 
@@ -435,7 +457,7 @@ class Result:
             "code": self._code_or_empty(),
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
             "values": "" if self.normalized else "metric",
-            "circuit": circuit_part(self.layers, self.columns, meta) if self.kind == "circuit" else {},
+            "circuit": {},  # a circuit's graph: pipatch._circuit_result
         })
 
     def _seed_axis(self) -> dict[str, Any]:
@@ -523,25 +545,8 @@ def _read_json(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The file parts (header, tensors) of a :meth:`Result.to_json` document."""
-    if doc.get("kind") in Result.FILE_KINDS:
-        return Result.FILE_KINDS[doc["kind"]].parts_from_json(doc)
-    views = doc["views"]
-    header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
-                                            "row_order", "status", "message", "warnings", "meta")}
-    header["views"] = list(views)
-    tensors = {"corrupt": _tensor(doc["corrupt"])}
-    for view, grids in views.items():
-        if "raw_seeds" not in grids:
-            raise ValueError(f"view {view!r} holds only means (no raw_seeds): write it again with this pipatch")
-        tensors[f"raw/{view}"] = _tensor(grids["raw_seeds"])
-    clean = doc.get("clean")
-    if isinstance(clean, (int, float)):
-        header["clean"] = float(clean)
-    else:  # per-row baselines (a dataset), or a non-finite one written as null
-        tensors["clean"] = _tensor(clean if isinstance(clean, list) else [float("nan")])
-        header["clean_scalar"] = not isinstance(clean, list)
-    return header, tensors
+    """The file parts (header, tensors) of a :meth:`Result.to_json` document, as its kind reads them."""
+    return Result.FILE_KINDS.get(doc.get("kind") or "", Result).parts_from_json(doc)
 
 
 def _tensor(values: Any) -> torch.Tensor:
@@ -553,31 +558,6 @@ def _tensor(values: Any) -> torch.Tensor:
 
 
 def result_from_parts(header: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> Result:
-    """The result a file's header and tensors describe, checked whole (``where`` names the file)."""
-    if header.get("kind") in Result.FILE_KINDS:
-        return Result.FILE_KINDS[header["kind"]].from_parts(header, tensors, where)
-    views = header.get("views") or []
-    raw = {}
-    corrupt = tensors.get("corrupt")
-    for view in views:
-        t = tensors.get(f"raw/{view}")
-        expected = (corrupt.numel() if corrupt is not None else -1, len(header["layers"]), len(header["columns"]))
-        if t is None or tuple(t.shape) != expected:
-            raise PipatchError(
-                f"{where} is inconsistent: view {view!r} has shape "
-                f"{None if t is None else tuple(t.shape)}, labels say {expected}; re-save the result"
-            )
-        raw[view] = t
-    if header.get("clean") is None and tensors.get("clean") is None:
-        raise PipatchError(f"{where} has no clean baseline: re-save the result")
-    if not raw or corrupt is None:
-        raise PipatchError(f"{where} holds no grid: re-save the result")
-    return Result(
-        kind=header["kind"], tokens=header["tokens"], columns=header["columns"], layers=header["layers"],
-        metric=header["metric"], raw=raw, corrupt=corrupt,
-        clean=(float(header["clean"]) if header.get("clean") is not None
-               else float(tensors["clean"].reshape(-1)[0]) if header.get("clean_scalar") else tensors["clean"]),
-        meta=header.get("meta") or {}, rows_done=header.get("rows_done") or {},
-        row_order=header.get("row_order") or {}, status=header.get("status") or "done",
-        message=header.get("message") or "", warnings=header.get("warnings") or [],
-    )
+    """The result a file's header and tensors describe, checked whole (``where`` names the
+    file), as its kind reads them."""
+    return Result.FILE_KINDS.get(header.get("kind") or "", Result).from_parts(header, tensors, where)

@@ -30,6 +30,11 @@ name        value                                                axis        ord
 ``resid``   the block's output: the residual stream after it     token       7
 ==========  ===================================================  ==========  =========
 
+Three kin are no grid's sites: the embedding output (:data:`EMBED`, where causal tracing adds
+its noise), the MLP's input (:data:`MLP_IN`) and the final norm's input (:data:`LOGITS`). With
+:data:`HEAD` and :data:`MLP` they are the kinds of a circuit's nodes (:mod:`pipatch._graph`),
+which code tells apart by identity (``node.site is HEAD``), never by a name.
+
 A head ``h`` is the slice ``[h·head_dim, (h+1)·head_dim)`` of ``z``'s width; a GQA model's ``z``
 still has one slice per *query* head.
 
@@ -86,8 +91,8 @@ import torch
 
 from ._models import Adapter, PipatchError, _get, first
 
-__all__ = ["Site", "Place", "TensorPlace", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "MLP_IN", "QKV", "projection", "axis_of",
-           "TOKEN_AXIS", "HEAD_AXIS", "BATCH", "POSITION", "WIDTH", "HEADS", "KEY"]
+__all__ = ["Site", "Place", "TensorPlace", "site", "SITES", "RESID", "ATTN", "MLP", "HEAD", "EMBED", "MLP_IN", "LOGITS",
+           "QKV", "projection", "axis_of", "TOKEN_AXIS", "HEAD_AXIS", "BATCH", "POSITION", "WIDTH", "HEADS", "KEY"]
 
 #: Column axes: what one grid column over a site is. A result records its own as ``col_axis``.
 TOKEN_AXIS = "token"  # a prompt position (or, in a dataset, a named group of positions)
@@ -101,7 +106,7 @@ QKV = ("q", "k", "v")
 
 # The modules that can hold a site (:attr:`Site.holder`).
 _BLOCK, _ATTN, _MLP, _OUT_PROJ, _PROJ, _EMBEDDING = "block", "attn", "mlp", "out_proj", "proj", "embed"
-_MLP_IN = "mlp_in"
+_MLP_IN, _FINAL_NORM = "mlp_in", "final_norm"
 _ALL = slice(None)  # an index part that takes the whole dimension
 
 
@@ -157,8 +162,9 @@ class Site:
     holder
         Which module holds it: ``"block"`` (its output), ``"attn"`` / ``"mlp"`` (the sublayer's
         output), ``"out_proj"`` (the attention output projection's *input*), ``"mlp_in"`` (the
-        MLP's *input*), or ``"proj"``
-        (the output of the projection module under the attention called :attr:`name`).
+        MLP's *input*), ``"proj"`` (the output of the projection module under the attention
+        called :attr:`name`); and, for the kin no grid sweeps, ``"embed"`` (the embedding
+        output) and ``"final_norm"`` (the final norm's *input*).
     axis
         :data:`TOKEN_AXIS` or :data:`HEAD_AXIS`: what one grid column over this site is (a
         position, or a head).
@@ -264,8 +270,8 @@ class Site:
     @property
     def reads_input(self) -> bool:
         """Whether the value is its module's *input* (``z``, read before the output
-        projection; the MLP's normed input) rather than its output."""
-        return self.holder in (_OUT_PROJ, _MLP_IN)
+        projection; the MLP's normed input; the final norm's) rather than its output."""
+        return self.holder in (_OUT_PROJ, _MLP_IN, _FINAL_NORM)
 
     def start_layer(self, layer: int) -> int:
         """The first layer whose input a write at ``layer`` can change: a block output's write
@@ -418,3 +424,18 @@ class _Embedding(Site):
 
 #: The embedding output (see :class:`_Embedding`); never in :data:`SITES`.
 EMBED: Site = _Embedding("embed", order=-1, holder=_EMBEDDING, sublayer=False, about="the embedding output")
+
+
+@dataclass(frozen=True)
+class _Logits(Site):
+    """The final norm's input: the residual stream after the last block, which the logits are
+    read from. Not a grid's site, and no op reads or writes it: the kin of a site that a
+    circuit's last receiver is (:mod:`pipatch._graph`), as :data:`EMBED` is its first sender."""
+
+    def module(self, adapter: Adapter, model: Any, layer: int) -> Any:
+        return _get(model, adapter.final_norm)
+
+
+#: What the logits read (see :class:`_Logits`); never in :data:`SITES`.
+LOGITS: Site = _Logits("logits", order=8, holder=_FINAL_NORM, sublayer=False,
+                       about="the final norm's input: the residual stream the logits are read from")

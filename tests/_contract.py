@@ -54,10 +54,11 @@ def example_circuit():
 
     import torch
 
-    from pipatch._protocols.circuits import graph
-    from pipatch._result import Result
+    from pipatch._circuit_result import CircuitResult
+    from pipatch._graph import graph
 
-    senders, receivers, valid = graph(SimpleNamespace(n_layers=2, n_heads=2, parallel=False))
+    edge_graph = graph(SimpleNamespace(n_layers=2, n_heads=2, parallel=False))
+    senders, receivers, valid = edge_graph.senders, edge_graph.receivers, edge_graph.valid
     scores = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0)) * 0.1
     scores[-1, 0], scores[-1, 1] = 0.5, -0.5  # emb → logits and 0.0 → logits: the same |score|
     scores[~valid] = float("nan")
@@ -72,7 +73,7 @@ def example_circuit():
         "faithfulness": {"sizes": [0, 1, 3, 10, 30], "recovery": [0.0, 0.2, float("nan"), 0.6, 0.7], "share": 0.8,
                          "size": None, "edges": 30},
     }
-    return Result(kind="circuit", tokens=["When", " Mary"], columns=names_s, layers=names_r, metric="logit_diff",
+    return CircuitResult(kind="circuit", tokens=["When", " Mary"], columns=names_s, layers=names_r, metric="logit_diff",
                   raw={"edges": (corrupt + scores).unsqueeze(0)}, clean=clean, corrupt=torch.tensor([corrupt]),
                   meta=meta, rows_done={"edges": len(names_r)})
 

@@ -122,18 +122,18 @@ def assert_same_circuit_runs(other, model, pair: dict, prompts: list[str]) -> No
     graph's edges, every edge; each against the corrupt run's values and against the mean over
     ``prompts`` (mean ablation; equal token counts)."""
     from pipatch._backends import backend_for
+    from pipatch._graph import graph
     from pipatch._programs import CircuitRunRequest, circuit_runs
-    from pipatch._protocols.circuits import graph
     from pipatch._protocols.patching import pair_inputs
 
     mine, theirs = backend_for(other), backend_for(model)
-    _, _, valid = graph(theirs.adapter)
+    valid = graph(theirs.adapter).valid
     emb_edge = torch.zeros_like(valid)
     emb_edge[-1, 0] = True  # receivers end with the logits, senders start with the embeddings
     half = valid & (torch.rand(valid.shape, generator=torch.Generator().manual_seed(0)) < 0.5)
     masks = torch.stack([torch.zeros_like(valid), emb_edge, half, valid])
     for backend in (mine, theirs):
-        assert graph(backend.adapter)[2].equal(valid)
+        assert graph(backend.adapter).valid.equal(valid)
     runs = [pair_inputs(b, pair["clean"], pair["corrupt"], pair["answer"], pair["foil"], "logit_diff")
             for b in (mine, theirs)]
     means = [[b.tokenizer(t, return_tensors="pt").input_ids for t in prompts] for b in (mine, theirs)]

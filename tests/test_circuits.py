@@ -14,9 +14,9 @@ import torch
 import pipatch
 from pipatch import PipatchError
 from pipatch._backends import backend_for
+from pipatch._graph import graph
 from pipatch._models import adapter_for
 from pipatch._programs import CircuitRunRequest, captures, circuit_runs
-from pipatch._protocols.circuits import graph
 from pipatch._protocols.patching import pair_inputs
 from tests._reference import (
     reference_circuit_path,
@@ -89,7 +89,8 @@ def test_checked_edges_equal_the_hook_reference_edge_patch(family):
 def test_the_graph():
     model = tiny_model("llama")
     a = adapter_for(model)
-    senders, receivers, edges = graph(a)
+    edge_graph = graph(a)
+    senders, receivers, edges = edge_graph.senders, edge_graph.receivers, edge_graph.valid
     assert [s.name for s in senders[:6]] == ["emb", "0.0", "0.1", "0.2", "0.3", "mlp0"]
     assert [r.name for r in receivers[:3]] == ["0.0.q", "0.0.k", "0.0.v"] and receivers[-1].name == "logits"
     assert len(senders) == 1 + a.n_layers * (a.n_heads + 1)
@@ -101,7 +102,8 @@ def test_the_graph():
     assert {senders[s].name for s in range(len(senders)) if edges[q, s]} == {"emb", "0.0", "0.1", "0.2", "0.3", "mlp0"}
     assert edges[-1].all()  # everything writes to the logits
     # Parallel attention and MLP (GPT-NeoX): a layer's heads do not feed its own MLP.
-    _, receivers_p, edges_p = graph(adapter_for(tiny_model("gpt_neox")))
+    parallel = graph(adapter_for(tiny_model("gpt_neox")))
+    receivers_p, edges_p = parallel.receivers, parallel.valid
     r = [x.name for x in receivers_p].index("mlp1")
     assert not edges_p[r, [s.name for s in senders].index("1.0")]
 
@@ -172,7 +174,8 @@ def test_a_circuits_run_keeps_exactly_its_edges(family):
     by its query head alone)."""
     name, model = family
     backend = backend_for(model)
-    senders, receivers, valid = graph(backend.adapter)
+    edge_graph = graph(backend.adapter)
+    senders, receivers, valid = edge_graph.senders, edge_graph.receivers, edge_graph.valid
     pair = pair_inputs(backend, PAIR["clean"], PAIR["corrupt"], PAIR["answer"], PAIR["foil"], "logit_diff")
     clean, corrupt = (float(c.metric[0]) for c in captures(backend, [pair.clean_ids, pair.corrupt_ids], pair.metric))
     r_names, s_names = [r.name for r in receivers], [s.name for s in senders]
@@ -202,7 +205,7 @@ def test_mean_ablation_reads_the_datasets_mean(family):
     the hook reference of the mean; every edge is still the clean run."""
     name, model = family
     backend = backend_for(model)
-    senders, receivers, valid = graph(backend.adapter)
+    valid = graph(backend.adapter).valid
     pair = pair_inputs(backend, PAIR["clean"], PAIR["corrupt"], PAIR["answer"], PAIR["foil"], "logit_diff")
     texts = [PAIR["clean"], PAIR["corrupt"], PAIR2["clean"], PAIR2["corrupt"]]
     prompts = [backend.tokenizer(t, return_tensors="pt").input_ids for t in texts]

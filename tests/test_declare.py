@@ -34,6 +34,7 @@ import torch
 
 from pipatch._cells import Base, Metric
 from pipatch._declare import PROMPT, Experiment, Param
+from pipatch._programs import capture
 from pipatch._engine import Plan, SiteSweep, check_batch_size
 from pipatch._protocols._inputs import answer_ids, encode, layer_labels, model_meta
 from pipatch._result import Result

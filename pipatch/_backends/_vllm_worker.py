@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._cells import Metric, Op
+from .._graph import graph
 from .._models import TREE_ID, Adapter, _get, first
 from .._programs._edges import head_writes
 from .._programs._program import View
@@ -241,10 +242,10 @@ def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
 def _circuit_cache(model: Any, adapter: Adapter) -> dict[str, torch.Tensor]:
     """One baseline request of a circuit's runs (the corrupt prompt, or a prompt of mean
     ablation's): the values an ablated edge carries, float32 on the CPU: the embeddings
-    (``emb`` [T, d]); per layer ([L, T, ...]) the stream into the attention's norm (``x``),
+    (``embedded`` [T, d]); per layer ([L, T, ...]) the stream into the attention's norm (``x``),
     the heads' outputs (``z``), the stream into the MLP's norm (``x_mid``) and the MLP's
     output (``mlp``); and the stream into the final norm (``x_final``)."""
-    out: dict[str, Any] = {"emb": _block_input(adapter, model).float().clone()}
+    out: dict[str, Any] = {"embedded": _block_input(adapter, model).float().clone()}
     layers: dict[str, list[torch.Tensor]] = {"x": [], "z": [], "x_mid": [], "mlp": []}
     assert adapter.attn_norm and adapter.mlp_norm and adapter.final_norm  # check_circuit_family's promise
     for layer in range(adapter.n_layers):
@@ -286,25 +287,24 @@ def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tenso
     if baselines is not None:
         shared["baselines"] = baselines
     H, L = adapter.n_heads, adapter.n_layers
-    group, per_layer = H // max(1, adapter.n_kv_heads), 3 * H + 1
+    group, edge_graph = H // max(1, adapter.n_kv_heads), graph(adapter)
     embedded = _block_input(adapter, model).float()  # [T, d]
     device = embedded.device
     base = {name: value.to(device) for name, value in shared["baselines"][row].items()}
     keep = keep.to(device, torch.float32)
     deltas = torch.zeros(keep.shape[1], *embedded.shape, device=device)  # [senders, T, d]
-    deltas[0] = embedded - base["emb"]
+    deltas[edge_graph.emb] = embedded - base["embedded"]
 
     def fed(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return value[None] + torch.einsum("rs,std->rtd", rows, deltas)
 
-    mine = [(head, which, *adapter.qkv_columns(QKV[which], head)) for head in range(H) if head % group == member
-            for which in range(3)]
+    mine = [(head, which, *adapter.qkv_columns(which, head)) for head in range(H) if head % group == member
+            for which in QKV]
     for layer in range(L):
         block = adapter.block(model, layer)
         attn = _get(block, adapter.attn)
-        row0, sender = layer * per_layer, 1 + layer * (H + 1)
         normed = _normed(_get(block, adapter.attn_norm),
-                         fed(base["x"][layer], keep[[row0 + 3 * head + which for head, which, *_ in mine]]))
+                         fed(base["x"][layer], keep[[edge_graph.qkv(layer, head, which) for head, which, *_ in mine]]))
         for name in adapter.qkv:  # in forward order
             mine_here = [(i, lo, hi) for i, (_, _, module, lo, hi) in enumerate(mine) if module == name]
             if not mine_here:
@@ -328,14 +328,14 @@ def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tenso
         post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
         write, each = head_writes(adapter, lambda x: _linear(out_proj, x),
                                   None if post is None else (lambda x: _normed(post, x)), z[None], base["z"][layer][None])
-        deltas[sender : sender + H] = each[0] - write
-        x = fed(base["x_mid"][layer], keep[row0 + 3 * H : row0 + 3 * H + 1])[0]
+        deltas[edge_graph.heads(layer)] = each[0] - write
+        x = fed(base["x_mid"][layer], keep[edge_graph.mlp_in(layer), None])[0]
         mlp.input = _normed(_get(block, adapter.mlp_norm), x).to(mlp_input.dtype)
         both = torch.stack([first(mlp.output).float(), base["mlp"][layer]])
         if adapter.mlp_post_norm:
             both = _normed(_get(block, adapter.mlp_post_norm), both)
-        deltas[sender + H] = both[0] - both[1]
-    x = fed(base["x_final"], keep[L * per_layer : L * per_layer + 1])[0]
+        deltas[edge_graph.mlp(layer)] = both[0] - both[1]
+    x = fed(base["x_final"], keep[edge_graph.logits, None])[0]
     normed = _normed(_get(model, adapter.final_norm), x[-metric.n_read :])
     pieces = metric.pieces(_own_logits(model._module, normed)).cpu()
     shared["done"] += 1

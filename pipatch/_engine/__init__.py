@@ -23,29 +23,28 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
   their ``start`` layer (and, where the backend reuses prefixes, about the same first
   written position). Each batch is one nnsight trace (the transformers backend: one invoke
   holding every cell's rows; vLLM: one invoke per cell), and the backend gets a row's
-  consecutive batches of at most ``batch_size`` cells in all at once (the hints' ``run_many``:
-  the transformers backend then computes all their metrics in one product with the
+  consecutive batches of at most ``batch_size`` cells in all as one ``patch`` request (the
+  transformers backend then computes all their metrics in one product with the
   unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
   row so a front end can draw it live, and checks ``stop`` between batches;
 * runs a :class:`Chain` (several plans in turn, each into its own result: a study's facts,
-  never drawn row by row) with their metrics pooled (:class:`_Pool`): each batch runs up to
-  its metric's states (the hints' ``states_many``), and the pool finishes a thousand read
-  positions of them at once (``metrics_many``: one pass over the unembedding for all).
+  never drawn row by row) with their metrics pooled (:class:`~._execute._Pool`): each batch
+  runs up to its metric's states (``out="states"``), and the pool finishes a thousand read
+  positions of them at once (the ``metrics`` program: one pass over the unembedding for all).
 
-**The backend seam.** The engine and the protocols never touch a model: every call into it
-goes through the backend object (:mod:`pipatch._backends`; its core members typed by
-:class:`~pipatch._backends._contract.Backend`), which turns cells into invokes. What the
-engine schedules by (layer order, prefix reuse, packing, pooled unembedding, the device's
-sizes) it reads only from the backend's hints (:attr:`Plan.hints`, the defaults where a
-backend gives none). A new way of running models is one new module there; nothing here
-changes.
-changes.
+**The backend seam.** The engine and the protocols never touch a model: every run goes to
+the backend object as a program (:mod:`pipatch._programs`: the patched run, the capture, the
+metrics), which the backend runs as its kind of trace. What the engine schedules by (layer
+order, prefix reuse, packing, pooled unembedding, the device's sizes) it reads only from the
+backend's capabilities (:attr:`Plan.capabilities`, data: the defaults take no shortcut). A
+new way of running models is one new module there; nothing here changes.
 
 
 Its parts: :mod:`._sweeps` (grids of cells), :mod:`._plans` (plans, chains, clicks),
 :mod:`._schedule` (which cells share a trace: pure, tested without a model), :mod:`._execute`
-(running, storing, stopping) and :mod:`._sizing` (batch sizes).
+(running, storing, stopping) and :mod:`._sizing` (the batch size: the caller's, or the
+backend's).
 """
 
 from .._backends._sizing import auto_batch_size, batch_size_for_memory

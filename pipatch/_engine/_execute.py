@@ -72,13 +72,6 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-# What one more trace costs, counted in positions one more batch row would cost instead: a
-# trace's fixed part (nnsight's set-up, and reading every weight once however few rows run)
-# is worth about 32 more positions in a batch. Measured on Gemma 3 270M on this CPU: a
-# one-position cell alone 78 ms at layer 0, eight in one trace 182 ms; a GPU's fixed part
-# weighs more still.
-
-
 def _run_cells(plan: Any, rowgroup: _RowGroup, should_stop: Callable[[], bool] | None, stats: dict,
                pool: _Pool | None = None) -> bool:
     """Fill ``rowgroup``'s rows: its ``filled`` cells with the base metric, its pending cells run

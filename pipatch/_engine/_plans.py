@@ -96,8 +96,8 @@ class Plan:
 
 
 #: Read positions a :class:`Chain` pools before finishing their metrics (:class:`_Pool`): a
-#: pass over Gemma's 262k-row unembedding costs, per position, 3.1 ms for 35 positions, 2.3
-#: for 70, 1.2 for 448 and 1.18 for 896 on this CPU.
+#: pass over the unembedding (Gemma's 262k rows) costs less per position the more positions
+#: share it, flattening out near a thousand (``bench/study.py``).
 POOL_POSITIONS = 1024
 
 

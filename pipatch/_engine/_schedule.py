@@ -34,26 +34,30 @@ def _two_stage(cells: list[Cell]) -> bool:
     return any(cell.then is not None for cell in cells)
 
 
+# The sizes below are counted, not timed, so the same sweep always runs in the same traces and
+# gives the same numbers to the last bit. ``bench/run.py`` measures what they trade (the README's
+# benchmark table); each comment says what the number weighs.
+
+#: What one more trace costs, counted in positions one more batch row would cost instead: a
+#: trace's fixed part (nnsight's set-up, and reading every weight once however few rows run),
+#: about 32 positions in a batch on a CPU; a GPU's fixed part weighs more still.
 TRACE_COST = 32
-# What one more trace costs when a row could join the traces of the rows above it instead
-# (:func:`_joins`), counted in positions through one more block per block the trace runs.
-# Measured on Gemma 3 270M on this CPU, the benchmark's resid patching grid (7 cells a row),
-# its rows' time after the baselines: each row alone 3.7 s; joined at 4: 2.9 s, 8: 2.45 s,
-# 12 to 24: 2.3 s, 32: 2.6 s. Rows that share traces run each block's matrix products on
-# more rows at once, nearer the machine's peak (28 rows: 35 GFLOP/s; 476: 62).
+#: What one more trace costs when a row could join the traces of the rows above it instead
+#: (:func:`_joins`), counted in positions through one more block per block the trace runs:
+#: rows that share their traces run each block's matrix products on more rows at once, nearer
+#: the machine's peak, until the group grows so large that its rows show late.
 JOIN_COST = 16
-# How much arithmetic a group of rows that share their traces may hold (:func:`_joins`), by the
-# device the model runs on (:attr:`~pipatch._backends._contract.Capabilities.device_kind`): a group's rows show when it ends, and a
-# click is answered between groups, so a slow model's grid still fills a row or two at a time. About a second's work (this
-# CPU runs a block's matrix products at 100-200 GFLOP/s), counted rather than timed, so the same
-# sweep always runs in the same traces and gives the same numbers to the last bit.
+#: How much arithmetic a group of rows that share their traces may hold (:func:`_joins`), by
+#: the device the model runs on (:attr:`~pipatch._backends._contract.Capabilities.device_kind`):
+#: about a second's work, so a slow model's grid still fills a row or two at a time and a
+#: click is answered between groups.
 RUN_FLOPS = {"cpu": 1e11, "cuda": 1e13}
-# How many read positions consecutive rows may pool for one pass over the unembedding
-# (:func:`_shares`). A probability reads all of it (Gemma: 262k rows); measured on this CPU,
-# a pass costs per position 3.2 ms for 70 positions, 2.1 for 210, 1.8 for 420, 2.0 for 630.
+#: How many read positions consecutive rows may pool for one pass over the unembedding
+#: (:func:`_shares`): a probability reads all of it (Gemma: 262k rows), and a pass costs about
+#: as much for a few hundred positions as for a few dozen.
 SHARE_POSITIONS = 448
-# ... and at most this many rows: the grid still fills a few rows at a time (a 2-seed trace's
-# rows hold 14 read positions), and a Stop, checked between backend calls, answers soon.
+#: ... and at most this many rows: the grid still fills a few rows at a time (a 2-seed trace's
+#: rows hold 14 read positions), and a Stop, checked between backend calls, answers soon.
 SHARE_ROWS = 4
 
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from .._cells import Capture, Metric
+from .._graph import graph
 from .._models import Adapter, PipatchError, _get, first
 from .._sites import HEAD, MLP, QKV
 
@@ -225,7 +226,7 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
             else:
                 share = g_proj
             for which in range(3):
-                module, lo, hi = adapter.qkv_columns("qkv"[which], head)
+                module, lo, hi = adapter.qkv_columns(QKV[which], head)
                 i = adapter.qkv.index(module)
                 cots[i][head * 3 + which, ..., lo:hi] = share[i][..., lo:hi].float()
         block = _get(hf, adapter.blocks)[layer]
@@ -253,7 +254,7 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
 def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor,
                     keep: torch.Tensor, ablated: dict[str, Any] | None = None) -> torch.Tensor:
     """The metric of the clean prompt run as a circuit, once per mask of ``keep``
-    ([P, receivers, senders], bool, in :func:`pipatch._protocols.circuits.graph` order).
+    ([P, receivers, senders], bool, in :func:`pipatch._graph.graph` order).
 
     In the run each receiver reads its own input: the corrupt run's residual stream at its place,
     plus what each kept edge's sender writes in *this* run minus what it wrote in the corrupt
@@ -274,14 +275,14 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
     """
     P, H, L = keep.shape[0], adapter.n_heads, adapter.n_layers
     group = H // max(1, adapter.n_kv_heads)
+    edge_graph = graph(adapter)
     inputs = metric.inputs(clean_ids)
     k = inputs.shape[0]
     corrupt = _corrupt_cache(hf, adapter, metric.inputs(corrupt_ids)) if ablated is None else _rows(ablated, k)
-    device = corrupt["emb"].device
+    device = corrupt["embedded"].device
     keep = keep.to(device=device, dtype=torch.float32).repeat_interleave(k, dim=0)  # row b reads mask b // k
-    deltas = torch.zeros(P * k, keep.shape[2], *corrupt["emb"].shape[1:], device=device)  # [B, senders, T', d]
+    deltas = torch.zeros(P * k, keep.shape[2], *corrupt["embedded"].shape[1:], device=device)  # [B, senders, T', d]
     blocks = _get(hf, adapter.blocks)
-    per_layer = 3 * H + 1  # receivers per layer: each head's q, k, v, then the MLP
     state: dict[str, Any] = {"busy": 0, "member": 0, "layer": None}
 
     def computing():
@@ -302,7 +303,7 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
     hooks: list[tuple[Any, str, Any]] = []
 
     def on_embedding(module, args, out):
-        deltas[:, 0] = out.float() - corrupt["emb"].float().repeat(P, 1, 1)
+        deltas[:, edge_graph.emb] = out.float() - corrupt["embedded"].float().repeat(P, 1, 1)
 
     hooks.append((adapter.embedding(hf), "post", on_embedding))
     for layer in range(L):
@@ -310,13 +311,13 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
         attn = _get(block, adapter.attn)
         out_proj = _get(attn, adapter.out_proj)
         projections = [_get(attn, name) for name in adapter.qkv]
-        row, sender = layer * per_layer, 1 + layer * (H + 1)
 
-        def on_projection(module, args, out, layer=layer, block=block, projections=projections, row=row):
+        def on_projection(module, args, out, layer=layer, block=block, projections=projections):
             if state["busy"]:
                 return None
+            qkvs = edge_graph.qkvs(layer)
             if state["layer"] != layer:  # every q/k/v receiver's normed input at this layer, once
-                x = fed(corrupt["x"][layer], keep[:, row : row + 3 * H])  # [B, 3H, T', d]
+                x = fed(corrupt["x"][layer], keep[:, qkvs])  # [B, 3H, T', d]
                 with computing():
                     normed = first(_get(block, adapter.attn_norm)(x.flatten(0, 1).to(out.dtype)))
                 state["normed"] = normed.reshape(x.shape)
@@ -326,10 +327,10 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
             # call gives (a group's member: ``z`` of the others comes from their own calls).
             mine = []
             for head in range(H):
-                for which in range(3):
-                    name, lo, hi = adapter.qkv_columns(QKV[which], head)
+                for which in QKV:
+                    name, lo, hi = adapter.qkv_columns(which, head)
                     if adapter.qkv.index(name) == index and head % group == state["member"]:
-                        mine.append((head * 3 + which, lo, hi))
+                        mine.append((edge_graph.qkv(layer, head, which) - qkvs.start, lo, hi))
             normed = state["normed"][:, [r for r, _, _ in mine]]  # [B, n, T', d]
             with computing():
                 projected = first(module(normed.flatten(0, 1))).reshape(*normed.shape[:3], -1)
@@ -342,7 +343,7 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
             if not state["busy"]:
                 state["z"] = args[0]
 
-        def on_attention(module, args, kwargs, out, layer=layer, block=block, out_proj=out_proj, sender=sender):
+        def on_attention(module, args, kwargs, out, layer=layer, block=block, out_proj=out_proj):
             if state["busy"] or state["member"]:
                 return None
             z = state.pop("z")
@@ -362,18 +363,18 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
                 write, each = head_writes(adapter, lambda x: first(out_proj(x)), post, z,
                                           corrupt["z"][layer].repeat(P, 1, 1).to(z.dtype))
                 result = first(out_proj(z))
-            deltas[:, sender : sender + H] = each - write[:, None]
+            deltas[:, edge_graph.heads(layer)] = each - write[:, None]
             return (result,) + tuple(out[1:]) if isinstance(out, tuple) else result
 
-        def on_mlp_input(module, args, layer=layer, block=block, row=row):
+        def on_mlp_input(module, args, layer=layer, block=block):
             if state["busy"]:
                 return None
-            x = fed(corrupt["x_mid"][layer], keep[:, row + 3 * H : row + 3 * H + 1])[:, 0]
+            x = fed(corrupt["x_mid"][layer], keep[:, edge_graph.mlp_in(layer), None])[:, 0]
             with computing():
                 normed = first(_get(block, adapter.mlp_norm)(x.to(args[0].dtype)))
             return (normed,) + tuple(args[1:])
 
-        def on_mlp_output(module, args, out, block=block, layer=layer, sender=sender):
+        def on_mlp_output(module, args, out, block=block, layer=layer):
             if state["busy"]:
                 return
             post = _get(block, adapter.mlp_post_norm) if adapter.mlp_post_norm else None
@@ -381,14 +382,14 @@ def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.
             pair = torch.cat([live, corrupt["mlp"][layer].to(live.dtype)])
             with computing():
                 pair = (post(pair) if post is not None else pair).float()
-            deltas[:, sender + H] = pair[: live.shape[0]] - pair[live.shape[0]:].repeat(P, 1, 1)
+            deltas[:, edge_graph.mlp(layer)] = pair[: live.shape[0]] - pair[live.shape[0]:].repeat(P, 1, 1)
 
         hooks += [(p, "post", on_projection) for p in projections]
         hooks += [(out_proj, "pre", on_out_proj), (attn, "post_kw", on_attention),
                   (_get(block, adapter.mlp), "pre", on_mlp_input), (_get(block, adapter.mlp), "post", on_mlp_output)]
 
     def on_final(module, args):
-        x = fed(corrupt["x_final"], keep[:, L * per_layer : L * per_layer + 1])[:, 0]
+        x = fed(corrupt["x_final"], keep[:, edge_graph.logits, None])[:, 0]
         return (x.to(args[0].dtype),) + tuple(args[1:])
 
     hooks.append((_get(hf, _named(adapter.final_norm)), "pre", on_final))
@@ -471,12 +472,13 @@ def _rows(cache: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 def _corrupt_cache(hf: Any, adapter: Adapter, inputs: torch.Tensor) -> dict[str, Any]:
-    """The corrupt run's values a circuit's run reads: the embeddings, each layer's attention-norm
-    input (``x``), ``z``, MLP-norm input (``x_mid``) and MLP output, and the final norm's input."""
+    """The corrupt run's values a circuit's run reads: the embeddings (``embedded``), each layer's
+    attention-norm input (``x``), ``z``, MLP-norm input (``x_mid``) and MLP output (``mlp``), and
+    the final norm's input (``x_final``)."""
     cache: dict[str, Any] = {"x": {}, "z": {}, "x_mid": {}, "mlp": {}}
     blocks = _get(hf, adapter.blocks)
     hooks: list[tuple[Any, str, Any]] = [
-        (adapter.embedding(hf), "post", lambda m, a, o: cache.__setitem__("emb", o.detach().clone()))]
+        (adapter.embedding(hf), "post", lambda m, a, o: cache.__setitem__("embedded", o.detach().clone()))]
     for layer in range(adapter.n_layers):
         block = blocks[layer]
         attn = _get(block, adapter.attn)

@@ -132,7 +132,7 @@ def _sender_heads(result: Any) -> list[int | None]:
 def _receivers(meta: dict, adapter: Adapter) -> str:
     """``{layer: [(projection, [(lo, hi), ...]), ...]}`` in forward order, as a literal."""
     receivers = meta.get("receivers", "logits")
-    if receivers == "logits" or not receivers:
+    if isinstance(receivers, str) or not receivers:
         return "{}"
     by_layer: dict[int, dict[str, list[tuple[int, int]]]] = {}
     for _, layer, head, which in receivers:

@@ -2,7 +2,8 @@
 checked by exact edge patches.
 
 A grid says *where* something is carried (a head, an MLP). A circuit says *which edges* carry
-it: which sender's write reaches which receiver. The graph (as in Hanna et al.'s EAP-IG):
+it: which sender's write reaches which receiver. The graph (as in Hanna et al.'s EAP-IG;
+:mod:`pipatch._graph` holds its nodes, edges and indices):
 
 * **senders**: the embeddings (``emb``), each attention head's write (``12.2``: layer 12,
   head 2) and each MLP's write (``mlp12``);
@@ -49,9 +50,10 @@ the curve one warning (``curve=0`` asks for none).
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
 
-The result is a :class:`~pipatch.Result` (``kind="circuit"``): one grid ``raw["edges"]``,
-receivers × senders, of ``corrupt metric + estimated change`` (NaN where no edge exists), so
-its normalized recovery reads on the patching scale; :meth:`pipatch.Result.edges` is the table.
+The result is a :class:`~pipatch._circuit_result.CircuitResult` (``kind="circuit"``): one grid
+``raw["edges"]``, receivers × senders, of ``corrupt metric + estimated change`` (NaN where no
+edge exists), so its normalized recovery reads on the patching scale; its ``edges()`` is the
+table and its ``graph()`` the graph as JSON.
 """
 
 from __future__ import annotations
@@ -65,19 +67,21 @@ import torch
 
 from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
+from .._circuit_result import VIEW_EDGES, CircuitResult
 from .._declare import PAIR, Experiment, Param, count, positive_int
 from .._engine import Plan, Predictor, Sweep, check_batch_size, stop_check
+from .._graph import Node, graph
 from .._models import Adapter, PipatchError
 from .._programs.capture import captures
 from .._programs.circuit import CircuitRunRequest, EdgeTermsRequest, circuit_runs, edge_terms
-from .._result import VIEW_EDGES, Result, load_result
-from .._sites import ATTN, EMBED, HEAD, MLP, MLP_IN, QKV, projection
+from .._result import load_result
+from .._sites import ATTN, EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV, projection
 from . import _circuit_code
 from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
 from .attribution import spearman
 from .patching import pair_inputs
 
-__all__ = ["plan_circuit", "graph", "METHODS", "DECLARATION"]
+__all__ = ["plan_circuit", "METHODS", "DECLARATION"]
 
 METHODS = ("eap-ig", "eap")
 #: What an edge outside a circuit carries: its sender's corrupt value, or its mean over the
@@ -85,61 +89,6 @@ METHODS = ("eap-ig", "eap")
 ABLATIONS = ("corrupt", "mean")
 #: The one grid a circuit result holds.
 VIEW = VIEW_EDGES
-
-
-# --------------------------------------------------------------------------------------------
-# The graph
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Node:
-    """A sender or a receiver. ``kind``: ``emb`` / ``head_out`` / ``mlp_out`` (senders),
-    ``qkv`` / ``mlp_in`` / ``logits`` (receivers; ``which`` says a ``qkv`` receiver's input:
-    one of :data:`~pipatch._sites.QKV`); ``layer`` (``-1`` for the embeddings, ``L`` for the
-    logits) and ``head`` where it is a head's."""
-
-    name: str
-    kind: str
-    layer: int
-    head: int | None = None
-    which: str | None = None
-
-
-def graph(adapter: Adapter) -> tuple[list[Node], list[Node], torch.Tensor]:
-    """``(senders, receivers, edges)``: the nodes in forward order, and ``edges[r, s]`` True
-    where sender ``s`` writes to the residual stream before receiver ``r`` reads it."""
-    L, H = adapter.n_layers, adapter.n_heads
-    senders = [Node("emb", "emb", -1)]
-    receivers = []
-    for layer in range(L):
-        senders += [Node(f"{layer}.{h}", "head_out", layer, h) for h in range(H)] + [
-            Node(f"mlp{layer}", "mlp_out", layer)]
-        receivers += [Node(f"{layer}.{h}.{w}", "qkv", layer, h, w) for h in range(H) for w in QKV] + [
-            Node(f"mlp{layer}", "mlp_in", layer)]
-    receivers.append(Node("logits", "logits", L))
-    edges = torch.zeros(len(receivers), len(senders), dtype=torch.bool)
-    for r, receiver in enumerate(receivers):
-        for s, sender in enumerate(senders):
-            same_layer_ok = sender.kind == "head_out" and receiver.kind == "mlp_in" and not adapter.parallel
-            edges[r, s] = sender.layer < receiver.layer or (sender.layer == receiver.layer and same_layer_ok)
-    return senders, receivers, edges
-
-
-def _writes(terms: Any, adapter: Adapter) -> torch.Tensor:
-    """Every sender's write difference in :func:`graph` order: [senders, T, d]."""
-    rows = [terms.emb[None]]
-    for layer in range(adapter.n_layers):
-        rows += [terms.heads[layer], terms.mlps[layer][None]]
-    return torch.cat(rows)
-
-
-def _gradients(terms: Any, adapter: Adapter) -> torch.Tensor:
-    """Every receiver's gradient in :func:`graph` order: [receivers, T, d]."""
-    rows = []
-    for layer in range(adapter.n_layers):
-        rows += [terms.qkv[layer].flatten(0, 1), terms.mlps[layer][None]]
-    return torch.cat(rows + [terms.logits[None]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,9 +117,9 @@ class _EdgeSweep(Sweep):
         adapter, donor, base = self.adapter, self.donor, self.base.capture
         prompt = slice(0, self.base.input_ids.shape[1])
         ops = []
-        if sender.kind == "emb":
+        if sender.site is EMBED:
             ops.append(Op(EMBED, 0, EMBED.index(prompt), donor.embedded[:1]))
-        elif sender.kind == "head_out":
+        elif sender.site is HEAD:
             index = HEAD.head_index(adapter, sender.head, prompt)
             ops.append(Op(HEAD, sender.layer, index, donor.sites[HEAD.name][sender.layer][index]))
         # Every later attention and MLP output is frozen to the base run's (the sender's own
@@ -178,10 +127,10 @@ class _EdgeSweep(Sweep):
         for later in range(max(sender.layer, 0), adapter.n_layers):
             if later > sender.layer:
                 ops.append(Op(ATTN, later, ATTN.index(prompt), base.sites[ATTN.name][later]))
-            mlp = donor if (later == sender.layer and sender.kind == "mlp_out") else base
+            mlp = donor if (later == sender.layer and sender.site is MLP) else base
             ops.append(Op(MLP, later, MLP.index(prompt), mlp.sites[MLP.name][later]))
         start = max(sender.layer, 0)
-        if receiver.kind == "logits":
+        if receiver.site is LOGITS:
             return Cell(row, col, seed, start=start, ops=ops)
         site, index, writes = self._receiver(receiver, prompt)
         ops.append(Op(site, receiver.layer, index))
@@ -196,7 +145,7 @@ class _EdgeSweep(Sweep):
         """``(site, index, other writes)`` of a receiver's exact patch: where it reads, and for a
         grouped-query key or value the group's other query heads kept at the base run's ``z``."""
         adapter, base = self.adapter, self.base.capture
-        if receiver.kind == "mlp_in":
+        if receiver.site is MLP_IN:
             return MLP_IN, MLP_IN.index(prompt), []
         module, lo, hi = adapter.qkv_columns(receiver.which, receiver.head)
         site = projection(module, adapter.qkv.index(module))
@@ -222,7 +171,7 @@ class _CircuitPlan(Plan):
     """The exact patches run like any sweep; their means and agreement are summarised at the end.
     A click on grid cell (receiver, sender) runs that edge's exact patch on the first pair."""
 
-    def __init__(self, *args: Any, clicks: list[_EdgeSweep], senders: list[Node], receivers: list[Node],
+    def __init__(self, *args: Any, clicks: list[_EdgeSweep], senders: Sequence[Node], receivers: Sequence[Node],
                  valid: torch.Tensor, curve: Iterator[dict[str, Any]] | None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._clicks, self._senders, self._receivers, self._valid = clicks, senders, receivers, valid
@@ -366,13 +315,13 @@ def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, poin
 # --------------------------------------------------------------------------------------------
 
 
-def _given_scores(value: Any, senders: list[Node], receivers: list[Node]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``scores=``: the edge scores of a circuit computed elsewhere (a circuit
-    :class:`~pipatch.Result`, or the file it was saved to), for a backend that takes no
-    gradients (vLLM, a served model) to check and measure: ([receivers, senders], its meta).
-    Its graph must be this model's, node for node."""
+def _given_scores(value: Any, senders: Sequence[Node], receivers: Sequence[Node]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``scores=``: the edge scores of a circuit computed elsewhere (a circuit's result, or the
+    file it was saved to), for a backend that takes no gradients (vLLM, a served model) to
+    check and measure: ([receivers, senders], its meta). Its graph must be this model's, node
+    for node."""
     found = load_result(value) if isinstance(value, (str, os.PathLike)) else value
-    if not isinstance(found, Result) or found.kind != "circuit":
+    if not isinstance(found, CircuitResult):
         raise PipatchError(f"scores={type(value).__name__}: give the result of pipatch.circuit (or the file it was "
                            "saved to) computed on a model that takes gradients (backend='transformers')")
     theirs = (found.meta.get("senders"), found.meta.get("receivers"))
@@ -444,7 +393,8 @@ def plan_circuit(
     adapter = backend.adapter
     pairs = [pair_inputs(backend, *one, metric) for one in _pairs(clean, corrupt, answer, foil)]
     mean_of = _mean_prompts(pairs) if ablation == "mean" and curve else None
-    senders, receivers, valid = graph(adapter)
+    edge_graph = graph(adapter)
+    senders, receivers, valid = edge_graph.senders, edge_graph.receivers, edge_graph.valid
     batch = check_batch_size(batch_size, max(p.clean_ids.shape[1] for p in pairs), backend)
     given = _given_scores(scores, senders, receivers) if scores is not None else None
 
@@ -456,7 +406,8 @@ def plan_circuit(
         if given is None:
             writes, grads = edge_terms(backend, EdgeTermsRequest(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run,
                                                                  corrupt_run, steps if method == "eap-ig" else 1))
-            total += torch.einsum("rtd,std->rs", _gradients(grads, adapter).double(), _writes(writes, adapter).double())
+            total += torch.einsum("rtd,std->rs", edge_graph.stack_gradients(grads).double(),
+                                  edge_graph.stack_writes(writes).double())
         runs.append((pair, clean_run, corrupt_run))
         cleans.append(float(clean_run.metric[0]))
         corrupts.append(float(corrupt_run.metric[0]))
@@ -485,7 +436,7 @@ def plan_circuit(
         meta["scores_from"] = {k: given[1].get(k) for k in ("model", "backend", "dtype", "method", "steps")}
     if len(pairs) > 1:
         meta["pairs"] = [{"clean": p.clean, "corrupt": p.corrupt, "answer": p.answer, "foil": p.foil} for p in pairs]
-    result = Result(
+    result = CircuitResult(
         kind="circuit", tokens=first.clean_tokens, columns=[s.name for s in senders],
         layers=[r.name for r in receivers], metric=first.metric.label,
         raw={VIEW: (corrupt_value + scores).unsqueeze(0)}, clean=clean_value,
@@ -495,10 +446,10 @@ def plan_circuit(
     )
     flat = scores.abs().nan_to_num(-1.0).flatten()
     order = flat.argsort(descending=True, stable=True)[: min(verify, int(valid.sum()))].tolist()
-    chosen = [(receivers[i // len(senders)], senders[i % len(senders)]) for i in order]
-    meta["checked"] = [{"sender": s.name, "receiver": r.name, "estimate": float(scores[receivers.index(r),
-                        senders.index(s)]), "exact": None, "exact_runs": [None] * len(pairs)} for r, s in chosen]
-    edges = [(s, r) for r, s in chosen]
+    chosen = [divmod(i, len(senders)) for i in order]  # (receiver, sender)
+    meta["checked"] = [{"sender": senders[s].name, "receiver": receivers[r].name, "estimate": float(scores[r, s]),
+                        "exact": None, "exact_runs": [None] * len(pairs)} for r, s in chosen]
+    edges = [(senders[s], receivers[r]) for r, s in chosen]
     # One sweep per pair: a click's (no rows: it patches the edge clicked), and the checks'.
     clicks = [_EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=0, n_cols=1,
                          adapter=adapter, donor=clean_run, edges=[], pair=i)
@@ -549,7 +500,7 @@ DECLARATION = Experiment(
 
     Returns
     -------
-    Result
+    CircuitResult
         ``kind="circuit"``; ``raw["edges"]`` ([1, receivers, senders]) holds
         ``corrupt metric + estimated change`` (NaN where there is no edge) and ``result.grid``
         its normalized recovery; ``result.edges()`` is the table (``sender``, ``receiver``,

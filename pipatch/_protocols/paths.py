@@ -74,6 +74,7 @@ from .._cells import Base, Capture, Cell, Op
 from .._checks import flag, whole_number
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, Sweep, check_batch_size
+from .._graph import LOGITS_NAME
 from .._models import Adapter, PipatchError
 from .._programs.capture import captures
 from .._result import Result
@@ -293,7 +294,7 @@ def _sender_labels(heads: list[int | None]) -> list[str]:
 
 def _parse_receivers(receivers: Any, adapter: Adapter) -> list[tuple]:
     if isinstance(receivers, str):
-        if receivers != "logits":
+        if receivers != LOGITS_NAME:
             raise PipatchError(f"receivers {receivers!r}: use 'logits' or a list of ('head', layer, head, 'q'|'k'|'v')")
         return []
     out = []
@@ -335,8 +336,8 @@ def parse_sender(value: str) -> tuple | str | None:
 def parse_receivers(value: str) -> str | list[tuple]:
     """``logits``, or comma-separated ``LAYER.HEAD.q|k|v``: ``13.4.q,14.1.k``."""
     value = value.strip()
-    if value.lower() == "logits":
-        return "logits"
+    if value.lower() == LOGITS_NAME:
+        return LOGITS_NAME
     out = []
     for part in (p.strip() for p in value.split(",")):
         match = _RECEIVER_TEXT.match(part)

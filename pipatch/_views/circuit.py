@@ -9,28 +9,29 @@ view is a graph instead of a heatmap:
   node, drawn as three ports on the node's lower side; an MLP's input is its MLP node.
 * **edges** from a sender's node to a receiver's port, coloured by their score, the
   estimated change of the metric (``raw_mean`` minus the corrupt baseline: what
-  :meth:`pipatch.Result.edges` calls ``score``), on the diverging map of every grid
-  (:mod:`.colors`), scaled by the largest ``|score|``; the ``top`` edges by ``|score|`` are drawn.
+  :meth:`~pipatch._circuit_result.CircuitResult.edges` calls ``score``), on the diverging map
+  of every grid (:mod:`.colors`), scaled by the largest ``|score|``; the ``top`` edges by
+  ``|score|`` are drawn.
 
 :func:`circuit_part` makes the state's ``circuit`` object (``CIRCUIT_SCHEMA`` in
-:mod:`.schema`): the nodes with where they sit (graph units: ``x`` in [0, 1] across a row,
-``y`` the row, 0 = the embeddings), each column's and row's node, each row's port, the checked
-edges, the agreement and the faithfulness curve. The browser (``js/circuit.ts``) and the
+:mod:`.schema`) from the graph's nodes (:mod:`pipatch._graph`): the nodes with where they sit
+(graph units: ``x`` in [0, 1] across a row, ``y`` the row, 0 = the embeddings), each column's
+and row's node, each row's port, the checked edges, the agreement and the faithfulness curve. The browser (``js/circuit.ts``) and the
 matplotlib figure (:mod:`.render`) draw from it and from the state's arrays;
 :func:`circuit_edges` is the ranking both use (``circuitEdges`` in ``js/circuit.ts``, checked
 against this by ``js/__tests__/parity.test.ts``), :func:`graph_document` the JSON export
-(:meth:`pipatch.Result.graph`).
+(:meth:`~pipatch._circuit_result.CircuitResult.graph`).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._graph import MLP_DRAWN, Node
 from .schema import select_matrix
 from .strings import json_safe
 
@@ -41,14 +42,8 @@ MLP_RAISE = 0.4
 #: A head node's ports (q, k, v) spread over this share of its slot's width.
 PORT_SPREAD = 0.5
 
-# The protocol's names (pipatch._protocols.circuits.graph): senders "emb", "<layer>.<head>",
-# "mlp<layer>"; receivers "<layer>.<head>.<input>", "mlp<layer>", "logits".
 #: How much higher than their row a node kind is drawn.
-_RAISED = {"mlp": MLP_RAISE}
-
-_HEAD = re.compile(r"(\d+)\.(\d+)")
-_HEAD_INPUT = re.compile(r"(\d+\.\d+)\.\w+")
-_LAYER_PART = re.compile(r"[^\d.]+(\d+)")
+_RAISED = {MLP_DRAWN: MLP_RAISE}
 
 
 def is_circuit(state: Mapping[str, Any]) -> bool:
@@ -56,47 +51,31 @@ def is_circuit(state: Mapping[str, Any]) -> bool:
     return bool((state.get("circuit") or {}).get("nodes"))
 
 
-def _node_name(receiver: str) -> str:
-    """The node a receiver reads into: a head's input is its head's node."""
-    m = _HEAD_INPUT.fullmatch(receiver)
-    return m.group(1) if m else receiver
+def circuit_part(senders: Sequence[Node], receivers: Sequence[Node], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The state's ``circuit`` object for a grid of ``receivers`` (rows) × ``senders`` (columns),
+    the graph's nodes (:func:`pipatch._graph.named`), and the result's ``meta`` (``checked``,
+    ``agreement``, ``faithfulness``)."""
+    drawn: dict[str, Node] = {}  # each drawn node by name, with one graph node drawn in it
+    for member in [*senders, *receivers]:
+        drawn.setdefault(member.drawn_name, member)
 
+    def head(name: str) -> int:
+        number = drawn[name].head
+        return -1 if number is None else number
 
-def circuit_part(receivers: Sequence[str], senders: Sequence[str], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The state's ``circuit`` object for a grid of ``receivers`` (rows) × ``senders`` (columns)
-    and the result's ``meta`` (``checked``, ``agreement``, ``faithfulness``)."""
-    names: dict[str, dict[str, Any]] = {}
-    for name in list(senders) + [_node_name(r) for r in receivers]:
-        names.setdefault(name, {})
-    sender_set = set(senders)
-    layers = []
-    for name, node in names.items():
-        head, part = _HEAD.fullmatch(name), _LAYER_PART.fullmatch(name)
-        if head:
-            node.update(kind="head", layer=int(head.group(1)), head=int(head.group(2)))
-        elif part:
-            node.update(kind="mlp", layer=int(part.group(1)), head=-1)
-        else:  # no layer: the graph's input (a sender only) or its output (a receiver only)
-            node.update(kind="emb" if name in sender_set else "logits", layer=None, head=-1)
-        if node["layer"] is not None:
-            layers.append(node["layer"])
-    top = max(layers, default=-1) + 1
-    for node in names.values():
-        if node["layer"] is None:
-            node["layer"] = -1 if node["kind"] == "emb" else top
     # Rows of the drawing: the embeddings, each layer (heads by number, then the MLP), the logits.
-    order = sorted(names, key=lambda n: (names[n]["layer"], names[n]["head"] < 0, names[n]["head"], n))
+    order = sorted(drawn, key=lambda n: (drawn[n].layer, head(n) < 0, head(n), n))
     rows: dict[int, list[str]] = {}
     for name in order:
-        rows.setdefault(names[name]["layer"], []).append(name)
+        rows.setdefault(drawn[name].layer, []).append(name)
+    place: dict[str, tuple[float, float]] = {}
     slot: dict[str, float] = {}
-    for members in rows.values():
-        for i, name in enumerate(members):
-            names[name]["x"] = (i + 0.5) / len(members)
-            names[name]["y"] = names[name]["layer"] + 1 + _RAISED.get(names[name]["kind"], 0.0)
-            slot[name] = 1.0 / len(members)
+    for layer, in_row in rows.items():
+        for i, name in enumerate(in_row):
+            place[name] = ((i + 0.5) / len(in_row), layer + 1 + _RAISED.get(drawn[name].drawn, 0.0))
+            slot[name] = 1.0 / len(in_row)
     index = {name: i for i, name in enumerate(order)}
-    row_nodes = [index[_node_name(r)] for r in receivers]
+    row_nodes = [index[r.drawn_name] for r in receivers]
     inputs: dict[int, list[int]] = {}
     for r, node in enumerate(row_nodes):
         inputs.setdefault(node, []).append(r)
@@ -104,16 +83,16 @@ def circuit_part(receivers: Sequence[str], senders: Sequence[str], meta: Mapping
     for node, members in inputs.items():  # a node's inputs, in row order, spread across its lower side
         for k, r in enumerate(members):
             ports[r] = 0.0 if len(members) == 1 else (k / (len(members) - 1) - 0.5) * PORT_SPREAD * slot[order[node]]
-    row_of = {name: i for i, name in enumerate(receivers)}
-    col_of = {name: i for i, name in enumerate(senders)}
+    row_of = {node.name: i for i, node in enumerate(receivers)}
+    col_of = {node.name: i for i, node in enumerate(senders)}
     checked = [
         {"row": row_of[c["receiver"]], "col": col_of[c["sender"]], "estimate": c.get("estimate"), "exact": c.get("exact")}
         for c in meta.get("checked") or [] if c.get("receiver") in row_of and c.get("sender") in col_of
     ]
     part: dict[str, Any] = {
-        "nodes": [{"name": name, "kind": names[name]["kind"], "layer": names[name]["layer"],
-                   "x": names[name]["x"], "y": names[name]["y"]} for name in order],
-        "senders": [index[s] for s in senders],
+        "nodes": [{"name": name, "kind": drawn[name].drawn, "layer": drawn[name].layer,
+                   "x": place[name][0], "y": place[name][1]} for name in order],
+        "senders": [index[s.drawn_name] for s in senders],
         "receivers": row_nodes,
         "ports": ports,
         "checked": checked,
@@ -154,10 +133,11 @@ def circuit_edges(state: Mapping[str, Any], top: int | None = None) -> list[dict
 
 
 def graph_document(state: Mapping[str, Any], top: int | None = None) -> dict[str, Any]:
-    """The graph as plain JSON (:meth:`pipatch.Result.graph`): the nodes (``name``, ``kind``,
-    ``layer``, drawing position ``x``, ``y``) and the ``top`` edges by ``|score|`` (all with
-    ``None``), each ``sender``, ``receiver``, ``score``, ``recovery``, ``exact``; plus the title,
-    model, metric, the checks' agreement and the faithfulness curve where there is one."""
+    """The graph as plain JSON (:meth:`~pipatch._circuit_result.CircuitResult.graph`): the
+    nodes (``name``, ``kind``, ``layer``, drawing position ``x``, ``y``) and the ``top`` edges by
+    ``|score|`` (all with ``None``), each ``sender``, ``receiver``, ``score``, ``recovery``,
+    ``exact``; plus the title, model, metric, the checks' agreement and the faithfulness curve
+    where there is one."""
     part = state.get("circuit") or {}
     rows = [str(x) for x in state.get("row_labels") or []]
     cols = [str(x) for x in state.get("col_labels") or []]

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .._graph import EMB_DRAWN, HEAD_DRAWN, LOGITS_DRAWN, MLP_DRAWN
 from .circuit import circuit_edges, is_circuit
 from .colors import PENDING_RGB, colormap, symmetric_max
 from .schema import done_span, select_matrix
@@ -36,8 +37,8 @@ __all__ = ["TOP_EDGES", "draw", "draw_circuit", "draw_faithfulness", "figure_siz
 TOP_EDGES = 50
 #: Half the height of a node in a circuit's figure (rows).
 _NODE_R = 0.11
-_MARKERS = {"emb": "s", "head": "o", "mlp": "s", "logits": "s"}
-_ROW_NAMES = {"emb": "embeddings", "logits": "logits"}
+_MARKERS = {EMB_DRAWN: "s", HEAD_DRAWN: "o", MLP_DRAWN: "s", LOGITS_DRAWN: "s"}
+_ROW_NAMES = {EMB_DRAWN: "embeddings", LOGITS_DRAWN: "logits"}
 
 
 def tick_text(text: Any, limit: int = 16) -> str:
