@@ -20,7 +20,7 @@ from tests._reference import patch_grid
 from tests._tiny import tiny_model
 from tests._toy_site import toy_site
 
-CLEAN, CORRUPT = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
+CLEAN, CORRUPT = "The Colosseum is in the city of", "The Kremlin is in the city of"
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def test_a_patch_grid_over_an_encoding_site_equals_the_hook_reference(family, do
     model = tiny_model(family)
     tok = model.tokenizer
     ids = [tok(text, return_tensors="pt").input_ids for text in (CLEAN, CORRUPT)]
-    answer, foil = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Paris", " Rome"))
-    result = pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome", site=doubled)
+    answer, foil = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Rome", " Moscow"))
+    result = pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Rome", foil=" Moscow", site=doubled)
     assert result.meta["site"] == "doubled" and result.status == "done"
     want = patch_grid(model, "resid", ids[0], ids[1], answer, foil)
     got = result.raw["doubled"][0]
