@@ -413,3 +413,22 @@ def test_bad_backend_choices_are_one_line():
         pipatch.load_model(backend="vlm")
     with pytest.raises(PipatchError, match="engine_args .* backend='vllm'"):
         pipatch.load_model(engine_args={"max_model_len": 64})
+
+
+def test_a_site_that_encodes_patches_on_vllm_as_the_hook_reference(vllm_model, model, tmp_path):
+    """The site contract on vLLM: the toy site (``tests/_toy_site.py``: the residual stream
+    times two, written back halved, in a module of its own) patches through vLLM's
+    ``(hidden, residual)`` pair, equal to the residual stream's plain-hook reference on the
+    transformers model within the backends' tolerance."""
+    from tests._reference import patch_grid
+    from tests._toy_site import toy_site
+
+    doubled = toy_site(tmp_path)
+    tok = model.tokenizer
+    ids = [tok(text, return_tensors="pt").input_ids for text in (EIFFEL, COLOSSEUM)]
+    answer, foil = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Paris", " Rome"))
+    result = pipatch.patch(vllm_model, **PAIR, site=doubled, positions=[2, 3, -1])
+    assert result.meta["site"] == "doubled" and result.meta["backend"] == "vllm"
+    want = patch_grid(model, "resid", ids[0], ids[1], answer, foil, positions=[2, 3, -1])
+    assert_close(result.raw["doubled"][0], want)
+    assert (want - float(result.corrupt[0])).abs().max() > 1e-2
