@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ._checks import whole_number
+from ._compat import warn_untested
 from ._models import (
     PipatchError,
     _check_backend,
@@ -78,6 +79,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         Dispatched and ready; ``model.tokenizer`` is its tokenizer.
     """
     _check_backend(backend)
+    warn_untested()
     if remote is not False:
         return _load_remote(name, remote, dtype=dtype, device=device, backend=backend, serve=serve,
                             engine_args=engine_args, api_key=api_key)

@@ -76,7 +76,10 @@ def backend_for(model: Any) -> Any:
     shares one."""
     if hasattr(model, "capture") and hasattr(model, "run") and hasattr(model, "adapter"):
         return model
+    from .._compat import warn_untested
     from .vllm import VLLMBackend, is_vllm_model
+
+    warn_untested()
 
     if getattr(model, "_pipatch_serve", None) is not None:
         from .served import served_backend

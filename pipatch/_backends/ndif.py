@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
+from .._compat import nnsight as nnsight_compat
 from .._models import Adapter, PipatchError, adapter_for, first
 from .._sites import EMBED, RESID, Site
 from ._contract import Hints
@@ -176,7 +177,7 @@ class NDIFBackend(TransformersBackend):
         self.requests += 1
         if not self.count_bytes:
             return {"remote": self.remote}
-        return {"backend": _Counted(self.model._remote_backend(self.remote, True, None, False), self)}
+        return {"backend": _Counted(nnsight_compat.remote_backend(self.model, self.remote), self)}
 
     def abort_unfinished(self) -> int:
         return 0  # a request in flight finishes on the service; its answer is discarded
@@ -295,8 +296,10 @@ def check_service(name: str) -> None:
     if host:
         CONFIG.API.HOST = host
     try:
-        status = ndif._get("/status")
+        status = nnsight_compat.ndif_status()
         remote_env = ndif.get_remote_env(force_refresh=True)
+    except PipatchError:
+        raise
     except Exception as error:  # noqa: BLE001 - any transport failure is "unreachable", one line
         raise PipatchError(f"cannot reach NDIF at {CONFIG.API.HOST} ({type(error).__name__}): check the "
                            "connection or NDIF_HOST, or use remote='local' to check the requests offline") from None

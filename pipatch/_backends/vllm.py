@@ -65,6 +65,8 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
+from .._compat import vllm as vllm_compat
+from .._compat.nnsight import name_worker_tree, persistent_id, torch_module
 from .._models import TREE_ID, Adapter, PipatchError, _get, adapter_for, dispatched, first
 from .._sites import EMBED, HEAD, QKV, RESID, Site
 from ._contract import Hints
@@ -111,6 +113,7 @@ class VLLMBackend(Described):
         if getattr(self.model, "vllm_entrypoint", None) is None:
             raise PipatchError("this VLLM model has no engine (built without dispatch, or an nnsight-serve client): "
                                "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
+        vllm_compat.check_engine(self._engine)
         self.adapter = _vllm_adapter(self.model)
         self._quiet_progress()
 
@@ -237,7 +240,7 @@ class VLLMBackend(Described):
     def position_flops(self) -> int:
         """Two FLOPs per weight of a block (a multiply and an add) for each position it runs
         (counted on this process's module tree, whose shapes are the engine's)."""
-        return 2 * sum(p.numel() for p in self.adapter.block(self.model, 0)._module.parameters())
+        return 2 * sum(p.numel() for p in torch_module(self.adapter.block(self.model, 0)).parameters())
 
     #: Whether :meth:`run` skips the blocks below a batch's lowest ``start`` (``fast``). A
     #: skip has to cover every request of the engine's step: here this process's trace is all
@@ -409,22 +412,9 @@ class VLLMBackend(Described):
             raise
 
     def abort_unfinished(self) -> int:
-        """Abort every request the engine still holds; returns how many there were."""
-        engine = self._engine
-        try:
-            pending = list(engine.output_processor.request_states)  # internal request ids
-        except AttributeError:  # a vLLM without this attribute: nothing we can name
-            return 0
-        if pending:
-            engine.abort_request(pending, internal=True)
-            # Step the (now idle) engine so the scheduler tells the worker which requests
-            # ended and nnsight's runner drops what it held for them; bounded, never a hang.
-            with contextlib.suppress(Exception):
-                for _ in range(8):
-                    if not engine.has_unfinished_requests():
-                        break
-                    engine.step()
-        return len(pending)
+        """Abort every request the engine still holds (:func:`pipatch._compat.vllm.abort_unfinished`);
+        returns how many there were."""
+        return vllm_compat.abort_unfinished(self._engine)
 
 
 class VLLMHints(Hints):
@@ -535,7 +525,7 @@ def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
         return model.logits.float()
     assert adapter.final_norm is not None  # every family vLLM runs has one
     hidden = first(_get(model, adapter.final_norm).output)[-n_read:]
-    return model._module.compute_logits(hidden).float()
+    return torch_module(model).compute_logits(hidden).float()
 
 
 def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None, ops: list[tuple]) -> tuple:
@@ -597,7 +587,7 @@ def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple],
     residual)`` (``pairs``); every request of the engine's step skips the same blocks."""
     if skip is not None:
         below, state, pairs = skip
-        state = _on_engine(model._module, state)
+        state = _on_engine(torch_module(model), state)
         replacement = (torch.zeros_like(state), state) if pairs else state
         for layer in range(below):
             adapter.block(model, layer).skip(replacement)
@@ -617,7 +607,7 @@ def _head_run(model: Any, adapter: Adapter, metric: Metric, states: torch.Tensor
     block outputs) through the model's final norm and ``compute_logits`` (soft-capping
     included) → the metric's pieces, [cells, n_read, n_sequences]."""
     assert adapter.final_norm is not None  # every family vLLM runs has one
-    module = model._module
+    module = torch_module(model)
     cells, n_read, d = states.shape
     normed = first(_get(module, adapter.final_norm)(_on_engine(module, states.reshape(-1, d))))
     return metric.pieces(_own_logits(module, normed).reshape(cells, n_read, -1)).cpu()
@@ -635,7 +625,7 @@ def _stream_into(norm: Any) -> torch.Tensor:
 def _normed(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The norm module of ``envoy`` on ``x`` ([..., d]), called outside the model's forward:
     vLLM's own ``forward_native`` where it has one (no fused add, no hook fires)."""
-    module = envoy._module
+    module = torch_module(envoy)
     flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     out = module.forward_native(flat) if hasattr(module, "forward_native") else module(flat)
     return first(out).float().reshape(x.shape)
@@ -645,7 +635,7 @@ def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The linear layer of ``envoy`` (one rank's whole weight) on ``x`` ([..., in]), bias
     included, float32: through the layer's own ``quant_method`` (vLLM's CPU path repacks the
     weight and empties ``weight``), outside the model's forward (no hook fires)."""
-    module = envoy._module
+    module = torch_module(envoy)
     bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
     flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     return module.quant_method.apply(module, flat, bias).float().reshape(*x.shape[:-1], -1)
@@ -750,7 +740,7 @@ def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tenso
         deltas[sender + H] = both[0] - both[1]
     x = fed(base["x_final"], keep[L * per_layer : L * per_layer + 1])[0]
     normed = _normed(_get(model, adapter.final_norm), x[-metric.n_read :])
-    pieces = metric.pieces(_own_logits(model._module, normed)).cpu()
+    pieces = metric.pieces(_own_logits(torch_module(model), normed)).cpu()
     shared["done"] += 1
     if shared["done"] == count:  # the trace's last request: its hand-overs are spent
         _CIRCUITS.pop(key, None)
@@ -774,21 +764,17 @@ def tree_by_reference(model: Any):
     holds the same tree over its own modules and interleaver, which a by-value copy is rebuilt
     into from persistent ids; with the tree named among each worker's persistent objects
     (:func:`register_tree`) and ``model`` tagged with the id, an invoke is a few hundred
-    bytes. The tag comes off after the block: the user's own traces of the model stay
-    nnsight's. (A ``pipatch serve`` server names its tree the same way, for its clients'
-    requests and its engine's.)"""
-    model.__dict__["_persistent_id"] = TREE_ID
-    try:
+    bytes. The tag comes off after the block (:func:`pipatch._compat.nnsight.persistent_id`):
+    the user's own traces of the model stay nnsight's. (A ``pipatch serve`` server names its
+    tree the same way, for its clients' requests and its engine's.)"""
+    with persistent_id(model, TREE_ID):
         yield
-    finally:
-        model.__dict__.pop("_persistent_id", None)
 
 
 def register_tree(worker: Any) -> None:
     """Run on each rank's worker (``collective_rpc``): name its nnsight model tree among the
     persistent objects its requests are unpickled with."""
-    runner = worker.model_runner
-    runner.nnsight_persistent_objects[TREE_ID] = runner.nnsight_model
+    name_worker_tree(worker.model_runner, TREE_ID)
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
