@@ -115,7 +115,6 @@ class VLLMBackend(Described):
                                "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
         vllm_compat.check_engine(self._engine)
         self.adapter = _vllm_adapter(self.model)
-        self._quiet_progress()
 
     # -- what the model is ------------------------------------------------------------------
     @property
@@ -369,8 +368,8 @@ class VLLMBackend(Described):
         import nnsight
 
         model = self.model
-        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(), torch.no_grad(),
-              model.trace(**_SAMPLING) as tracer):
+        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(),
+              vllm_compat.quiet_generate(model.vllm_entrypoint), torch.no_grad(), model.trace(**_SAMPLING) as tracer):
             for ids, args in jobs:
                 with tracer.invoke(ids):
                     out = nnsight.save(body(model, *args))
@@ -387,16 +386,6 @@ class VLLMBackend(Described):
             model.__dict__["_pipatch_tree_registered"] = True
         with tree_by_reference(model):
             yield
-
-    def _quiet_progress(self) -> None:
-        """vLLM draws two tqdm bars per ``generate``; in a notebook each is a widget per batch."""
-        llm = self.model.vllm_entrypoint
-        if getattr(llm, "_pipatch_quiet", False):
-            return
-        import functools
-
-        llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=False)
-        llm._pipatch_quiet = True
 
     @contextlib.contextmanager
     def _requests_aborted_on_interrupt(self):

@@ -21,7 +21,8 @@ Two guards keep a new library version from failing deep inside a sweep:
   are made, not when a sweep reaches them.
 
 A method pipatch replaces on an object it did not create is replaced for the length of
-pipatch's own call and restored after it (:func:`.nnsight.persistent_id`, :func:`.nnsight.worker_class`,
+pipatch's own call and restored after it (:func:`.vllm.quiet_generate`,
+:func:`.nnsight.persistent_id`, :func:`.nnsight.worker_class`,
 :func:`.nnsight.fresh_sources_per_request`).
 """
 

