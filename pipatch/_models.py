@@ -28,6 +28,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from ._compat import nnsight as nnsight_compat
 from ._compat import transformers as transformers_compat
 from ._compat import warn_untested
 from ._errors import PipatchError
+from ._known import known, remember
 
 __all__ = ["Adapter", "adapter_for", "build_vllm", "PipatchError", "default_cache_dir", "BACKENDS"]
 
@@ -236,8 +238,7 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
                            ) from error
     finally:
         torch.random.set_rng_state(rng)
-    model._pipatch_name = label
-    return model
+    return remember(model, name=label)
 
 
 def bind_cpu_threads(ranks: int) -> str:
@@ -524,11 +525,15 @@ def dispatched(model):
     nnsight's default, holds meta tensors until its first trace) is dispatched now, because
     pipatch reads the device, the embeddings' spread and cached activations before tracing.
     A ``serve=`` client stays weightless: its weights are on the server."""
-    if getattr(model, "_pipatch_serve", None) is not None:
+    if known(model).server is not None:
         return model
     if getattr(model, "dispatched", True) is False and callable(getattr(model, "dispatch", None)):
         model.dispatch()
     return model
+
+
+#: Each torch module's adapter, found once (:func:`adapter_for`): beside the module, never on it.
+_ADAPTERS: weakref.WeakKeyDictionary[Any, Adapter] = weakref.WeakKeyDictionary()
 
 
 def adapter_for(model) -> Adapter:
@@ -541,7 +546,7 @@ def adapter_for(model) -> Adapter:
     """
     dispatched(model)
     hf = nnsight_compat.torch_module(model)
-    cached = getattr(hf, "_pipatch_adapter", None)
+    cached = _ADAPTERS.get(hf)
     if cached is not None:
         return cached
     config = hf.config
@@ -624,8 +629,5 @@ def adapter_for(model) -> Adapter:
         mlp_post_norm=_find(block0, ("post_feedforward_layernorm",)) if gemma_norms else None,
         parallel=parallel,
     )
-    try:
-        hf._pipatch_adapter = adapter
-    except Exception:  # noqa: BLE001 - caching is an optimisation only
-        pass
+    _ADAPTERS[hf] = adapter
     return adapter

@@ -6,11 +6,13 @@ No model is loaded but tiny random ones (tests/_tiny.py)."""
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import io
 import pkgutil
 import re
 import tokenize
+import weakref
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,60 @@ def test_a_persistent_id_is_put_back_as_it_was():
     with nnsight_compat.persistent_id(module, "x"):
         pass
     assert vars(module).get("_persistent_id") == before
+
+
+# --------------------------------------------------------------------------------------------
+# No state on the user's objects
+# --------------------------------------------------------------------------------------------
+
+
+def _pipatch_attributes(model) -> list[str]:
+    """Every ``_pipatch*`` attribute on ``model``, its envoys and its torch modules."""
+    module = nnsight_compat.torch_module(model)
+    found = [f"model.{key}" for key in vars(model) if key.startswith("_pipatch")]
+    found += [f"{name or 'module'}.{key}" for name, sub in module.named_modules() for key in vars(sub)
+              if key.startswith("_pipatch")]
+    envoys = [value for value in vars(model).values() if type(value).__name__ == "Envoy"]
+    while envoys:
+        envoy = envoys.pop()
+        found += [f"envoy.{key}" for key in vars(envoy) if key.startswith("_pipatch")]
+        envoys += [value for value in vars(envoy).values() if type(value).__name__ == "Envoy"]
+    return found
+
+
+def test_a_patch_sets_nothing_on_the_model_and_lets_it_go():
+    model = tiny_model("llama")
+    result = pipatch.patch(model, clean=TINY_CLEAN, corrupt=TINY_CORRUPT, answer=" Rome", foil=" Moscow",
+                           site="resid", positions=[-1])
+    assert result.status == "done" and result.meta["model"] == "tiny-llama"  # the name, kept beside the model
+    assert _pipatch_attributes(model) == []
+    assert "_persistent_id" not in vars(model)
+    gone = weakref.ref(model)
+    del model, result
+    gc.collect()
+    assert gone() is None, "something pipatch keeps holds the model"
+
+
+def test_the_backend_is_shared_while_held_and_dispatch_reads_no_attribute():
+    from pipatch._known import known, remember
+
+    model = tiny_model("llama")
+    backend = backend_for(model)
+    assert backend_for(model) is backend and backend.backend_name == "transformers"
+    del backend
+    gc.collect()
+    assert known(model).backend() is None  # held weakly: a backend holds its model
+    remember(model, remote="local")  # what load_model(..., remote="local") records
+    assert backend_for(model).backend_name == "ndif"
+    assert _pipatch_attributes(model) == []
+
+
+def test_no_table_is_keyed_by_id():
+    """A table keyed by ``id(obj)`` outlives the object and hands its entry to the next object
+    with the same id: pipatch keys by the object (weakly) or keeps the value on its own object."""
+    pattern = re.compile(r"\[id\(|\.get\(id\(|pop\(id\(|\{id\(|setdefault\(id\(|\bid\([^)]*\) (?:not )?in\b")
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i + 1}: {line.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(_code(path).splitlines()) if pattern.search(line)]
+    assert not found, "\n".join(found)
+

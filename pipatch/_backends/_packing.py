@@ -179,11 +179,9 @@ class _Runs:
 
     def __init__(self, entries: Sequence[tuple[Base, Cell, Metric]]):
         self.bases: list[Base] = []
-        self._index: dict[int, int] = {}
         metrics: list[Metric] = []
         for base, _, metric in entries:
-            if id(base) not in self._index:
-                self._index[id(base)] = len(self.bases)
+            if not any(seen is base for seen in self.bases):
                 self.bases.append(base)
                 metrics.append(metric)
         reads = {metric.n_read for metric in metrics}
@@ -198,10 +196,11 @@ class _Runs:
         self._states: dict[int, torch.Tensor] = {}
 
     def base_of(self, base: Base) -> int:
-        return self._index[id(base)]
+        """``base``'s number among :attr:`bases` (the same object: bases do not compare by value)."""
+        return next(b for b, seen in enumerate(self.bases) if seen is base)
 
     def run(self, base: Base, seed: int) -> int:
-        return self.offset[self._index[id(base)]] + seed
+        return self.offset[self.base_of(base)] + seed
 
     def _stacked(self, tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Each base's tensor, its positions (``dim``) padded with zeros to the longest, stacked."""

@@ -49,7 +49,7 @@ from ._contract import Hints
 from ._unembedding import Unembedding, unembedding_input
 from .transformers import TransformersBackend
 
-__all__ = ["NDIFBackend", "check_service", "ndif_backend", "REMOTES"]
+__all__ = ["NDIFBackend", "check_service", "REMOTES"]
 
 #: What ``remote=`` takes: NDIF itself, or nnsight's offline simulation of it.
 REMOTES = (True, "local")
@@ -193,19 +193,6 @@ class NDIFHints(Hints):
     @property
     def position_flops(self) -> int:
         return self.backend.position_flops
-
-
-#: The backend of each ``remote=`` model, by ``id(model)``: kept off the model, whose attributes
-#: nnsight pickles into every request (a backend holds locks).
-_BACKENDS: dict[int, NDIFBackend] = {}
-
-
-def ndif_backend(model: Any, remote: bool | str) -> NDIFBackend:
-    """The one :class:`NDIFBackend` of ``model``."""
-    backend = _BACKENDS.get(id(model))
-    if backend is None or backend.model is not model or backend.remote != remote:
-        backend = _BACKENDS[id(model)] = NDIFBackend(model, remote)
-    return backend
 
 
 class _Counted:

@@ -53,6 +53,7 @@ import torch
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._compat import nnsight as nnsight_compat
 from .._compat import transformers as transformers_compat
+from .._known import known
 from .._models import Adapter, _get, adapter_for, dispatched, first
 from .._sites import EMBED, RESID, Site
 from ._contract import Hints
@@ -125,7 +126,7 @@ class TransformersBackend(Described):
     @property
     def name(self) -> str:
         """What results call the model: the name it was loaded by, else its checkpoint's."""
-        label = getattr(self.model, "_pipatch_name", None)
+        label = known(self.model).name
         if label:
             return label
         hf = self._hf
@@ -149,7 +150,7 @@ class TransformersBackend(Described):
     def path(self) -> str:
         """Where the model loads from: the folder or hub id it was loaded from, else its checkpoint's."""
         hf = self._hf
-        return str(getattr(self.model, "_pipatch_path", None) or getattr(hf.config, "name_or_path", "")
+        return str(known(self.model).path or getattr(hf.config, "name_or_path", "")
                    or getattr(hf, "name_or_path", ""))
 
     def meta(self) -> dict[str, Any]:

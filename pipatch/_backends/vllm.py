@@ -67,6 +67,7 @@ import torch
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._compat import vllm as vllm_compat
 from .._compat.nnsight import name_worker_tree, persistent_id, torch_module
+from .._known import known
 from .._models import TREE_ID, Adapter, PipatchError, _get, adapter_for, dispatched, first
 from .._sites import EMBED, HEAD, QKV, RESID, Site
 from ._contract import Hints
@@ -104,9 +105,6 @@ class VLLMBackend(Described):
     model: Any
 
     backend_name = "vllm"
-    #: Whether a block returns ``(hidden, residual)`` (else the stream), as the last capture
-    #: found; ``None`` before one.
-    _block_pairs: bool | None = None
 
     def __init__(self, model: Any):
         self.model = dispatched(model)
@@ -144,7 +142,7 @@ class VLLMBackend(Described):
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "_pipatch_name", None) or str(self._model_config.model)
+        return known(self.model).name or str(self._model_config.model)
 
     @property
     def context_length(self) -> int | None:
@@ -186,13 +184,12 @@ class VLLMBackend(Described):
         for count, n in counts:
             runs, at = outs[at : at + count], at + count
             heads = runs[::n]
-            self._block_pairs = heads[0][5]
             resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
             values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
             values[RESID.name] = resid
             captures.append(Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r[2] for r in runs], n)),
                                     embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads]),
-                                    top1=torch.stack([r[6] for r in heads])))
+                                    top1=torch.stack([r[6] for r in heads]), block_pairs=heads[0][5]))
         return captures
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
@@ -252,7 +249,7 @@ class VLLMBackend(Described):
         prompt position: the capture keeps the prompt's positions only); else 0. Never above
         a block one of the cells' own ops feeds (a ``start`` is a promise; this keeps it)."""
         if not (self.skips_blocks and cells and metric.n_inputs == 1 and metric.n_read == 1
-                and self._block_pairs is not None):
+                and base.capture.block_pairs is not None):
             return 0
         fed = (op.site.start_layer(op.layer) for cell in cells for op in cell.ops)
         return min(min(cell.start for cell in cells), min(fed, default=self.adapter.n_layers), self.adapter.n_layers)
@@ -268,7 +265,7 @@ class VLLMBackend(Described):
         live = [op for op in ops if op.site.start_layer(op.layer) > below
                 or (op.site.start_layer(op.layer) == below and not op.site.is_block_output)]
         reads = [read for op in local if (read := op.apply(state)) is not None]
-        return (below, state[0].contiguous(), self._block_pairs), reads, live
+        return (below, state[0].contiguous(), base.capture.block_pairs), reads, live
 
     def _head_only(self, base: Base, cells: list[Cell], metric: Metric) -> torch.Tensor | None:
         """The metric of ``cells`` that run no block (each starts past the last one and only
@@ -380,10 +377,10 @@ class VLLMBackend(Described):
         """While pipatch's own traces are built, ship the model's envoy tree with each invoke
         by reference (:func:`tree_by_reference`), once each worker knows it by name
         (:func:`register_tree`, once per engine)."""
-        model = self.model
-        if not model.__dict__.get("_pipatch_tree_registered"):
+        model, facts = self.model, known(self.model)
+        if not facts.tree_named:
             model.vllm_entrypoint.collective_rpc(register_tree)
-            model.__dict__["_pipatch_tree_registered"] = True
+            facts.tree_named = True
         with tree_by_reference(model):
             yield
 
