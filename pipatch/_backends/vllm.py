@@ -65,7 +65,10 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
+from .._compat import vllm as vllm_compat
+from .._compat.nnsight import name_worker_tree, persistent_id, torch_module
 from .._graph import graph
+from .._known import known
 from .._models import TREE_ID, Adapter, PipatchError, _get, adapter_for, dispatched, first
 from .._sites import EMBED, HEAD, QKV, RESID, Site
 from ._contract import Hints
@@ -103,17 +106,14 @@ class VLLMBackend(Described):
     model: Any
 
     backend_name = "vllm"
-    #: Whether a block returns ``(hidden, residual)`` (else the stream), as the last capture
-    #: found; ``None`` before one.
-    _block_pairs: bool | None = None
 
     def __init__(self, model: Any):
         self.model = dispatched(model)
         if getattr(self.model, "vllm_entrypoint", None) is None:
             raise PipatchError("this VLLM model has no engine (built without dispatch, or an nnsight-serve client): "
                                "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
+        vllm_compat.check_engine(self._engine)
         self.adapter = _vllm_adapter(self.model)
-        self._quiet_progress()
 
     # -- what the model is ------------------------------------------------------------------
     @property
@@ -143,7 +143,7 @@ class VLLMBackend(Described):
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "_pipatch_name", None) or str(self._model_config.model)
+        return known(self.model).name or str(self._model_config.model)
 
     @property
     def context_length(self) -> int | None:
@@ -185,13 +185,12 @@ class VLLMBackend(Described):
         for count, n in counts:
             runs, at = outs[at : at + count], at + count
             heads = runs[::n]
-            self._block_pairs = heads[0][5]
             resid = [torch.cat([r[0][layer] for r in heads]) for layer in layers]
             values = {s.name: [torch.cat([r[1][s.name][layer] for r in heads]) for layer in layers] for s in keep}
             values[RESID.name] = resid
             captures.append(Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r[2] for r in runs], n)),
                                     embedded=torch.cat([r[4] for r in heads]), prob=torch.cat([r[3] for r in heads]),
-                                    top1=torch.stack([r[6] for r in heads])))
+                                    top1=torch.stack([r[6] for r in heads]), block_pairs=heads[0][5]))
         return captures
 
     def run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
@@ -238,7 +237,7 @@ class VLLMBackend(Described):
     def position_flops(self) -> int:
         """Two FLOPs per weight of a block (a multiply and an add) for each position it runs
         (counted on this process's module tree, whose shapes are the engine's)."""
-        return 2 * sum(p.numel() for p in self.adapter.block(self.model, 0)._module.parameters())
+        return 2 * sum(p.numel() for p in torch_module(self.adapter.block(self.model, 0)).parameters())
 
     #: Whether :meth:`run` skips the blocks below a batch's lowest ``start`` (``fast``). A
     #: skip has to cover every request of the engine's step: here this process's trace is all
@@ -251,7 +250,7 @@ class VLLMBackend(Described):
         prompt position: the capture keeps the prompt's positions only); else 0. Never above
         a block one of the cells' own ops feeds (a ``start`` is a promise; this keeps it)."""
         if not (self.skips_blocks and cells and metric.n_inputs == 1 and metric.n_read == 1
-                and self._block_pairs is not None):
+                and base.capture.block_pairs is not None):
             return 0
         fed = (op.site.start_layer(op.layer) for cell in cells for op in cell.ops)
         return min(min(cell.start for cell in cells), min(fed, default=self.adapter.n_layers), self.adapter.n_layers)
@@ -267,7 +266,7 @@ class VLLMBackend(Described):
         live = [op for op in ops if op.site.start_layer(op.layer) > below
                 or (op.site.start_layer(op.layer) == below and not op.site.is_block_output)]
         reads = [read for op in local if (read := op.apply(state)) is not None]
-        return (below, state[0].contiguous(), self._block_pairs), reads, live
+        return (below, state[0].contiguous(), base.capture.block_pairs), reads, live
 
     def _head_only(self, base: Base, cells: list[Cell], metric: Metric) -> torch.Tensor | None:
         """The metric of ``cells`` that run no block (each starts past the last one and only
@@ -367,8 +366,8 @@ class VLLMBackend(Described):
         import nnsight
 
         model = self.model
-        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(), torch.no_grad(),
-              model.trace(**_SAMPLING) as tracer):
+        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(),
+              vllm_compat.quiet_generate(model.vllm_entrypoint), torch.no_grad(), model.trace(**_SAMPLING) as tracer):
             for ids, args in jobs:
                 with tracer.invoke(ids):
                     out = nnsight.save(body(model, *args))
@@ -379,22 +378,12 @@ class VLLMBackend(Described):
         """While pipatch's own traces are built, ship the model's envoy tree with each invoke
         by reference (:func:`tree_by_reference`), once each worker knows it by name
         (:func:`register_tree`, once per engine)."""
-        model = self.model
-        if not model.__dict__.get("_pipatch_tree_registered"):
+        model, facts = self.model, known(self.model)
+        if not facts.tree_named:
             model.vllm_entrypoint.collective_rpc(register_tree)
-            model.__dict__["_pipatch_tree_registered"] = True
+            facts.tree_named = True
         with tree_by_reference(model):
             yield
-
-    def _quiet_progress(self) -> None:
-        """vLLM draws two tqdm bars per ``generate``; in a notebook each is a widget per batch."""
-        llm = self.model.vllm_entrypoint
-        if getattr(llm, "_pipatch_quiet", False):
-            return
-        import functools
-
-        llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=False)
-        llm._pipatch_quiet = True
 
     @contextlib.contextmanager
     def _requests_aborted_on_interrupt(self):
@@ -410,22 +399,9 @@ class VLLMBackend(Described):
             raise
 
     def abort_unfinished(self) -> int:
-        """Abort every request the engine still holds; returns how many there were."""
-        engine = self._engine
-        try:
-            pending = list(engine.output_processor.request_states)  # internal request ids
-        except AttributeError:  # a vLLM without this attribute: nothing we can name
-            return 0
-        if pending:
-            engine.abort_request(pending, internal=True)
-            # Step the (now idle) engine so the scheduler tells the worker which requests
-            # ended and nnsight's runner drops what it held for them; bounded, never a hang.
-            with contextlib.suppress(Exception):
-                for _ in range(8):
-                    if not engine.has_unfinished_requests():
-                        break
-                    engine.step()
-        return len(pending)
+        """Abort every request the engine still holds (:func:`pipatch._compat.vllm.abort_unfinished`);
+        returns how many there were."""
+        return vllm_compat.abort_unfinished(self._engine)
 
 
 class VLLMHints(Hints):
@@ -536,7 +512,7 @@ def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
         return model.logits.float()
     assert adapter.final_norm is not None  # every family vLLM runs has one
     hidden = first(_get(model, adapter.final_norm).output)[-n_read:]
-    return model._module.compute_logits(hidden).float()
+    return torch_module(model).compute_logits(hidden).float()
 
 
 def _capture_run(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None, ops: list[tuple]) -> tuple:
@@ -598,7 +574,7 @@ def _patched_run(model: Any, adapter: Adapter, metric: Metric, ops: list[tuple],
     residual)`` (``pairs``); every request of the engine's step skips the same blocks."""
     if skip is not None:
         below, state, pairs = skip
-        state = _on_engine(model._module, state)
+        state = _on_engine(torch_module(model), state)
         replacement = (torch.zeros_like(state), state) if pairs else state
         for layer in range(below):
             adapter.block(model, layer).skip(replacement)
@@ -618,7 +594,7 @@ def _head_run(model: Any, adapter: Adapter, metric: Metric, states: torch.Tensor
     block outputs) through the model's final norm and ``compute_logits`` (soft-capping
     included) → the metric's pieces, [cells, n_read, n_sequences]."""
     assert adapter.final_norm is not None  # every family vLLM runs has one
-    module = model._module
+    module = torch_module(model)
     cells, n_read, d = states.shape
     normed = first(_get(module, adapter.final_norm)(_on_engine(module, states.reshape(-1, d))))
     return metric.pieces(_own_logits(module, normed).reshape(cells, n_read, -1)).cpu()
@@ -636,7 +612,7 @@ def _stream_into(norm: Any) -> torch.Tensor:
 def _normed(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The norm module of ``envoy`` on ``x`` ([..., d]), called outside the model's forward:
     vLLM's own ``forward_native`` where it has one (no fused add, no hook fires)."""
-    module = envoy._module
+    module = torch_module(envoy)
     flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     out = module.forward_native(flat) if hasattr(module, "forward_native") else module(flat)
     return first(out).float().reshape(x.shape)
@@ -646,7 +622,7 @@ def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The linear layer of ``envoy`` (one rank's whole weight) on ``x`` ([..., in]), bias
     included, float32: through the layer's own ``quant_method`` (vLLM's CPU path repacks the
     weight and empties ``weight``), outside the model's forward (no hook fires)."""
-    module = envoy._module
+    module = torch_module(envoy)
     bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
     flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     return module.quant_method.apply(module, flat, bias).float().reshape(*x.shape[:-1], -1)
@@ -750,7 +726,7 @@ def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tenso
         deltas[edge_graph.mlp(layer)] = both[0] - both[1]
     x = fed(base["x_final"], keep[edge_graph.logits, None])[0]
     normed = _normed(_get(model, adapter.final_norm), x[-metric.n_read :])
-    pieces = metric.pieces(_own_logits(model._module, normed)).cpu()
+    pieces = metric.pieces(_own_logits(torch_module(model), normed)).cpu()
     shared["done"] += 1
     if shared["done"] == count:  # the trace's last request: its hand-overs are spent
         _CIRCUITS.pop(key, None)
@@ -774,21 +750,17 @@ def tree_by_reference(model: Any):
     holds the same tree over its own modules and interleaver, which a by-value copy is rebuilt
     into from persistent ids; with the tree named among each worker's persistent objects
     (:func:`register_tree`) and ``model`` tagged with the id, an invoke is a few hundred
-    bytes. The tag comes off after the block: the user's own traces of the model stay
-    nnsight's. (A ``pipatch serve`` server names its tree the same way, for its clients'
-    requests and its engine's.)"""
-    model.__dict__["_persistent_id"] = TREE_ID
-    try:
+    bytes. The tag comes off after the block (:func:`pipatch._compat.nnsight.persistent_id`):
+    the user's own traces of the model stay nnsight's. (A ``pipatch serve`` server names its
+    tree the same way, for its clients' requests and its engine's.)"""
+    with persistent_id(model, TREE_ID):
         yield
-    finally:
-        model.__dict__.pop("_persistent_id", None)
 
 
 def register_tree(worker: Any) -> None:
     """Run on each rank's worker (``collective_rpc``): name its nnsight model tree among the
     persistent objects its requests are unpickled with."""
-    runner = worker.model_runner
-    runner.nnsight_persistent_objects[TREE_ID] = runner.nnsight_model
+    name_worker_tree(worker.model_runner, TREE_ID)
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:
