@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pipatch
 from pipatch._api import planner
+from pipatch._known import known
 
 plan_circuit = planner("circuit")
 
@@ -91,7 +92,7 @@ def main() -> None:
         "faithfulness": faithful, "curve_s": t_curve, "one_template_ablations": ablations,
         "peak_rss_gb": peak_gb,
     }
-    print(f"IOI circuit, {model._pipatch_name if hasattr(model, '_pipatch_name') else 'embedded'}: "
+    print(f"IOI circuit, {known(model).name or 'embedded'}: "
           f"{args.pairs} pairs, {n_edges} edges; logit diff clean {checked.clean:.2f}, corrupt "
           f"{float(checked.corrupt[0]):.2f}")
     print(f"  EAP-IG (steps={args.steps}), every edge: {t_scores:7.1f} s")

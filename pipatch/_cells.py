@@ -226,7 +226,10 @@ class Capture:
     the prompt, [n] token ids: what a study's known-fact check reads off the clean run.
     ``keys`` (a backend that reuses prefixes) holds each layer's attention keys and values
     at the prompt's positions, ``(k, v)`` each [n, kv_heads, T, head_dim]: what a patched run
-    that starts at a later position attends to for the positions before it.
+    that starts at a later position attends to for the positions before it. ``block_pairs``
+    (the vLLM backend) says whether the model's blocks returned ``(hidden, residual)`` in
+    this run, whose sum is the stream, rather than the stream: the structure a patched run
+    that skips blocks hands the next one (``None``: not recorded, no skip).
     """
 
     blocks: list[Any]
@@ -237,6 +240,7 @@ class Capture:
     inputs: int = 1
     keys: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     top1: torch.Tensor | None = None
+    block_pairs: bool | None = None
 
     def block_for(self, layer: int, row: int, start: int = 0) -> Any:
         """Block ``layer``'s output for run ``row`` only (its ``inputs`` batch rows), from
@@ -260,7 +264,7 @@ class Capture:
             metric=self.metric[row : row + 1], embedded=self.embedded[row : row + 1], prob=None if self.prob is None else self.prob[row : row + 1],
             inputs=self.inputs,
             keys=None if self.keys is None else [(k[row : row + 1], v[row : row + 1]) for k, v in self.keys],
-            top1=None if self.top1 is None else self.top1[row : row + 1],
+            top1=None if self.top1 is None else self.top1[row : row + 1], block_pairs=self.block_pairs,
         )
 
     def site(self, name: str, layer: int, row: int) -> torch.Tensor | None:

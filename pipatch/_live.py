@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-import weakref
 from collections import deque
 from typing import Any
 
@@ -63,21 +62,20 @@ TOP_K = 5
 # Registry: result → predictor
 # --------------------------------------------------------------------------------------------
 
-#: ``id(result)`` → the plan's predictor, ``(view, row, col, seed, k) -> [(token, prob)]``.
-#: The predictor holds the model and the sweeps, never the result, so an entry does not keep
-#: its result alive; it is dropped when the result is garbage-collected.
-_ORIGINS: dict[int, Predictor] = {}
+#: The attribute a result keeps its plan's predictor in, ``(view, row, col, seed, k) -> [(token,
+#: prob)]``: on the result itself (pipatch's own object), not a field of it, so it is neither
+#: saved nor compared. The predictor holds the model and the sweeps, never the result, so it
+#: goes when its result does.
+_PREDICTOR = "_live_predictor"
 
 
 def _remember(result: Any, predictor: Predictor) -> None:
     """Keep what answering a click on ``result`` needs, for as long as ``result`` lives."""
-    key = id(result)
-    _ORIGINS[key] = predictor
-    weakref.finalize(result, _ORIGINS.pop, key, None)
+    setattr(result, _PREDICTOR, predictor)
 
 
 def _predictor(result: Any) -> Predictor | None:
-    return _ORIGINS.get(id(result)) if result is not None else None
+    return getattr(result, _PREDICTOR, None) if result is not None else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ._checks import whole_number
+from ._compat import warn_untested
+from ._known import remember
 from ._models import (
     PipatchError,
     _check_backend,
@@ -78,6 +80,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         Dispatched and ready; ``model.tokenizer`` is its tokenizer.
     """
     _check_backend(backend)
+    warn_untested()
     if remote is not False:
         return _load_remote(name, remote, dtype=dtype, device=device, backend=backend, serve=serve,
                             engine_args=engine_args, api_key=api_key)
@@ -126,15 +129,13 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     hf_model.eval()
     hf_model.to(device)
     hf_model.name_or_path = label  # shown in results; the checkpoint path is an implementation detail
-    model = TransformersModel(hf_model, tokenizer=tokenizer)
-    model._pipatch_name = label
-    model._pipatch_path = path  # what Result.code()'s script loads (the embedded default's converted folder)
-    return model
+    # Result.code()'s script loads ``path`` (the embedded default's converted folder).
+    return remember(TransformersModel(hf_model, tokenizer=tokenizer), name=label, path=path)
 
 
 def _load_remote(name: Any, remote: Any, **others: Any) -> Any:
-    """:func:`load_model` with ``remote=``: the checks (one line each), then the model, marked
-    for the NDIF backend."""
+    """:func:`load_model` with ``remote=``: the checks (one line each), then the model,
+    remembered as remote (:mod:`pipatch._known`), which sends it to the NDIF backend."""
     from ._backends.ndif import REMOTES, check_service
 
     if remote not in REMOTES:
@@ -155,10 +156,9 @@ def _load_remote(name: Any, remote: Any, **others: Any) -> Any:
         check_service(str(name))
         from nnsight import LanguageModel
 
-        model = LanguageModel(str(name), dtype=_resolve_dtype(others["dtype"]))  # the module tree, no weights
-        model._pipatch_name = str(name)
-    model._pipatch_remote = remote
-    return model
+        model = remember(LanguageModel(str(name), dtype=_resolve_dtype(others["dtype"])),  # the module tree, no weights
+                         name=str(name))
+    return remember(model, remote=remote)
 
 
 _SHARED: dict[tuple, Any] = {}

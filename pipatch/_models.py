@@ -28,21 +28,20 @@ import inspect
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ._compat import nnsight as nnsight_compat
+from ._compat import transformers as transformers_compat
+from ._compat import warn_untested
+from ._errors import PipatchError
+from ._known import known, remember
+
 __all__ = ["Adapter", "adapter_for", "build_vllm", "PipatchError", "default_cache_dir", "BACKENDS"]
-
-
-class PipatchError(ValueError):
-    """A problem with the caller's input or environment, explained in one line.
-
-    The CLI and the magics print ``str(error)`` alone (no traceback): the message names the
-    problem and the fix.
-    """
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,8 +75,8 @@ def _with_bos(tokenizer: Any, gguf: Path) -> Any:
     if field is None or not field.contents() or bos is None:
         return tokenizer
     if tokenizer("a").input_ids[:1] != [tokenizer.bos_token_id]:
-        tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, tokenizer.bos_token_id)])
+        transformers_compat.set_post_processor(tokenizer, processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, tokenizer.bos_token_id)]))
     return tokenizer
 
 
@@ -226,12 +225,11 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         bind_cpu_threads(ranks)
     if mode != "sync":
         args["mode"] = mode
-    previous = VLLM._WORKER_CLS
+    warn_untested()
     rng = torch.random.get_rng_state()  # the engine seeds torch's global generator; give it back
     try:
-        if device.type == "cpu":
-            VLLM._WORKER_CLS = cpu_worker.WORKER_CLS
-        model = VLLM(path, dispatch=dispatch, **args)  # undispatched: the same config, no weights
+        with nnsight_compat.worker_class(VLLM, cpu_worker.WORKER_CLS if device.type == "cpu" else None):
+            model = VLLM(path, dispatch=dispatch, **args)  # undispatched: the same config, no weights
     except PipatchError:
         raise
     except Exception as error:  # noqa: BLE001 - one line naming the cause
@@ -239,10 +237,8 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         raise PipatchError(f"cannot start vLLM for {label!r}: {text[0][:200] if text else type(error).__name__}"
                            ) from error
     finally:
-        VLLM._WORKER_CLS = previous
         torch.random.set_rng_state(rng)
-    model._pipatch_name = label
-    return model
+    return remember(model, name=label)
 
 
 def bind_cpu_threads(ranks: int) -> str:
@@ -529,11 +525,15 @@ def dispatched(model):
     nnsight's default, holds meta tensors until its first trace) is dispatched now, because
     pipatch reads the device, the embeddings' spread and cached activations before tracing.
     A ``serve=`` client stays weightless: its weights are on the server."""
-    if getattr(model, "_pipatch_serve", None) is not None:
+    if known(model).server is not None:
         return model
     if getattr(model, "dispatched", True) is False and callable(getattr(model, "dispatch", None)):
         model.dispatch()
     return model
+
+
+#: Each torch module's adapter, found once (:func:`adapter_for`): beside the module, never on it.
+_ADAPTERS: weakref.WeakKeyDictionary[Any, Adapter] = weakref.WeakKeyDictionary()
 
 
 def adapter_for(model) -> Adapter:
@@ -545,8 +545,8 @@ def adapter_for(model) -> Adapter:
         When some site cannot be found; the message lists the module names it looked for.
     """
     dispatched(model)
-    hf = getattr(model, "_module", model)
-    cached = getattr(hf, "_pipatch_adapter", None)
+    hf = nnsight_compat.torch_module(model)
+    cached = _ADAPTERS.get(hf)
     if cached is not None:
         return cached
     config = hf.config
@@ -629,8 +629,5 @@ def adapter_for(model) -> Adapter:
         mlp_post_norm=_find(block0, ("post_feedforward_layernorm",)) if gemma_norms else None,
         parallel=parallel,
     )
-    try:
-        hf._pipatch_adapter = adapter
-    except Exception:  # noqa: BLE001 - caching is an optimisation only
-        pass
+    _ADAPTERS[hf] = adapter
     return adapter

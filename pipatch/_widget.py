@@ -60,6 +60,7 @@ from typing import Any
 import anywidget
 import traitlets as t
 
+from ._compat.ipykernel import answer_on_the_front_ends_subshell
 from ._views import MIME_TYPE, STATE_KEYS, conform_state, mime_bundle, mime_document
 
 __all__ = ["MIME_TYPE", "STATE_KEYS", "GridWidget"]
@@ -79,19 +80,6 @@ _FRONTEND_SEEN = threading.Event()
 
 
 # --------------------------------------------------------------------------- widget
-
-
-def _prefer_frontend_subshell(comm: Any) -> None:
-    """Let the front end's subshell handle this comm's messages.
-
-    ipykernel >= 7.3 routes an incoming ``comm_msg`` to the subshell that last *published*
-    on the comm (``BaseComm._reply_subshell_for``), so that request/reply widgets answer the
-    loop that asked. A grid widget is created and updated from the main shell, so every click
-    would be routed back to the main shell and wait for the running cell to end. The grid
-    has no request/reply traffic: keep the subshell JupyterLab chose (``default``).
-    """
-    if comm is not None and hasattr(comm, "_reply_subshell_for"):
-        comm._reply_subshell_for = lambda data, default: default
 
 
 class GridWidget(anywidget.AnyWidget):
@@ -184,7 +172,8 @@ class GridWidget(anywidget.AnyWidget):
 
     @t.observe("comm")
     def _observe_comm(self, change: dict[str, Any]) -> None:
-        _prefer_frontend_subshell(change["new"])
+        # Clicks are answered on the subshell JupyterLab sends them on, not after the running cell.
+        answer_on_the_front_ends_subshell(change["new"])
 
     # ---- state in
 

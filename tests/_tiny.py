@@ -295,9 +295,9 @@ def tiny_model(family: str, seed: int = 0):
 
     hf = tiny_hf_model(family, seed)
     tokenizer = tiny_tokenizer(add_bos=family in _ADDS_BOS)
-    model = TransformersModel(hf, tokenizer=tokenizer)
-    model._pipatch_name = f"tiny-{family}"
-    return model
+    from pipatch._known import remember
+
+    return remember(TransformersModel(hf, tokenizer=tokenizer), name=f"tiny-{family}")
 
 
 def save_tiny(family: str, path):

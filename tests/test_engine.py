@@ -13,6 +13,7 @@ import torch
 import pipatch
 from pipatch._api import plan_patch, plan_trace
 from pipatch._engine import RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS
+from pipatch._known import known
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -190,7 +191,7 @@ def test_the_predictor_does_not_keep_the_result_alive(model):
 
 def test_a_model_name_or_folder_is_loaded_and_a_bad_one_is_one_line(model, tmp_path):
     r = pipatch.patch(None, **PAIR, positions=[-1])  # None: the embedded default, the session's model
-    assert r.status == "done" and r.meta["model"] == model._pipatch_name
+    assert r.status == "done" and r.meta["model"] == known(model).name
     with pytest.raises(pipatch.PipatchError, match="does not exist") as info:
         pipatch.patch(str(tmp_path / "no-such-model"), **PAIR)
     assert "\n" not in str(info.value)

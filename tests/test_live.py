@@ -11,12 +11,13 @@ import gc
 import threading
 import time
 import types
+import weakref
 
 import pytest
 import torch
 
 from pipatch._api import plan_patch, plan_trace
-from pipatch._live import _ORIGINS, PatchGrid, run_live
+from pipatch._live import PatchGrid, _predictor, run_live
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -179,16 +180,16 @@ def test_registry_entry_goes_with_its_result(model):
     plan = plan_patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome", positions=[-1])
     widget = PatchGrid()
     result = run_live(plan, widget=widget, show=False)
-    key = id(result)
-    assert key in _ORIGINS
-    predictor = _ORIGINS[key]
+    predictor = _predictor(result)
+    assert predictor is not None
     # The model is not searched: it is big (its tokenizer alone) and never holds a result.
     assert not _reaches(predictor, result, skip=model), "the stored predictor keeps the result alive"
+    entry = weakref.ref(predictor)
     widget.close()
-    del plan, widget, result
+    del plan, widget, result, predictor
     time.sleep(0.3)  # a cancelled coalescing timer's thread holds the widget until it exits
     gc.collect()
-    assert key not in _ORIGINS
+    assert entry() is None
 
 
 def _reaches(root, target, skip=None, limit: int = 500_000) -> bool:

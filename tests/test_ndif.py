@@ -26,6 +26,7 @@ import pipatch
 from pipatch import cli
 from pipatch._backends import backend_for
 from pipatch._backends.ndif import NDIFBackend, version_drift
+from pipatch._known import remember
 from pipatch._models import PipatchError
 from pipatch._programs import gradients
 from tests._equal import assert_close
@@ -87,7 +88,7 @@ def test_the_fast_paths_equal_the_local_backend_within_the_backends_tolerance(si
 @pytest.mark.parametrize("name", REMOTE_EXPERIMENTS)
 def test_every_experiment_equals_the_local_backend_on_a_tiny_family(name):
     local, remote = tiny_model("qwen2"), tiny_model("qwen2")  # grouped-query attention
-    remote._pipatch_remote = "local"
+    remember(remote, remote="local")
     kwargs = {**TINY[name], **SLOW[name]}
     assert_equal_results(python_result(remote, name, kwargs), python_result(local, name, kwargs), atol=1e-6)
 
@@ -97,7 +98,7 @@ def test_a_circuit_is_scored_locally_and_checked_remotely():
     ``scores=``. Given a local circuit's scores, the remote runs the exact edge patches (each
     equal to the local one's) and says in one warning that the curve needs a local model."""
     local, remote = tiny_model("qwen2"), tiny_model("qwen2")
-    remote._pipatch_remote = "local"
+    remember(remote, remote="local")
     with pytest.raises(PipatchError, match=r"score it on a local model .*scores=result\)$") as caught:
         pipatch.circuit(remote, **TINY["circuit"])
     assert "\n" not in str(caught.value)

@@ -100,12 +100,13 @@ def test_errors_are_one_line(tiny):
     # A family whose q/k/v layout the adapter does not know refuses q/k/v receivers in one line.
     import dataclasses
 
-    from pipatch._models import adapter_for
+    from pipatch._known import known as known_of
+    from pipatch._models import _ADAPTERS, adapter_for
 
     hf = tiny._module
     known = adapter_for(tiny)
-    hf._pipatch_adapter = dataclasses.replace(known, qkv=(), qkv_layout=None)
-    tiny._pipatch_backend = None  # the backend caches the adapter it was built with
+    _ADAPTERS[hf] = dataclasses.replace(known, qkv=(), qkv_layout=None)
+    known_of(tiny).backend = None  # the backend caches the adapter it was built with
     try:
         with pytest.raises(pipatch.PipatchError, match="lays out queries, keys and values") as info:
             pipatch.path_patch(tiny, sender=("head", 0, 0), receivers=[("head", 1, 0, "q")], **kwargs)
@@ -113,8 +114,8 @@ def test_errors_are_one_line(tiny):
         # ... while the direct path, which needs no layout, still runs.
         assert abs(effect(pipatch.path_patch(tiny, sender=("head", 0, 0), receivers="logits", **kwargs))) > 1e-6
     finally:
-        hf._pipatch_adapter = known
-        tiny._pipatch_backend = None
+        _ADAPTERS[hf] = known
+        known_of(tiny).backend = None
 
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])

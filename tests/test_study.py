@@ -85,7 +85,8 @@ def test_facts_run_as_one_share_packed_traces_and_the_unembedding_pass_and_repea
     same company) stores the same bits."""
     from pipatch._backends import backend_for
 
-    log = backend_for(model).log
+    backend = backend_for(model)  # held: every run below shares it, and its call log
+    log = backend.log
 
     def counted(events):
         """Per pass over the unembedding its positions; per packed trace its facts and cells."""

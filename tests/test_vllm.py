@@ -200,6 +200,36 @@ def test_the_tree_goes_by_reference_and_the_users_own_traces_are_nnsights(vllm_m
     assert 0.4 < float(logits[0].float().softmax(-1)[paris]) < 0.6  # P(" Paris") ≈ 0.50
 
 
+def test_no_method_stays_replaced_and_nothing_is_left_on_the_model_or_engine(vllm_model):
+    """pipatch's traces draw no progress bars (``llm.generate`` without tqdm while they run),
+    and after a sweep ``generate`` is the class's again: no method of the engine stays
+    replaced, and no attribute of pipatch's is left on the model, its module or the engine."""
+    from pipatch._compat.nnsight import torch_module
+
+    llm = vllm_model.vllm_entrypoint
+    objects = {"model": vllm_model, "module": torch_module(vllm_model), "llm": llm, "engine": llm.llm_engine}
+    before = {name: set(vars(obj)) for name, obj in objects.items()}
+    seen = []
+
+    def on_row(result, view, layer):
+        seen.append(llm.generate)  # between traces: the class's method
+
+    r = pipatch.patch(vllm_model, **PAIR, site="resid", positions=[-1], on_row=on_row)
+    assert r.status == "done" and seen
+    assert "generate" not in vars(llm) and llm.generate.__func__ is type(llm).generate
+    assert all(getattr(method, "__func__", None) is type(llm).generate for method in seen)
+    for name, obj in objects.items():
+        added = set(vars(obj)) - before[name]
+        assert not [key for key in vars(obj) if key.startswith("_pipatch")], (name, sorted(vars(obj)))
+        assert not {"generate", "_persistent_id"} & added, (name, added)
+    # ... while one of pipatch's traces runs, generate is the quiet one.
+    from pipatch._compat.vllm import quiet_generate
+
+    with quiet_generate(llm):
+        assert vars(llm)["generate"].keywords == {"use_tqdm": False}
+    assert "generate" not in vars(llm)
+
+
 # --------------------------------------------------------------------------------------------
 # Every experiment: the transformers backend's numbers
 # --------------------------------------------------------------------------------------------

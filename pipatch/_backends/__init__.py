@@ -58,6 +58,7 @@ line in :func:`backend_for`. Today: :mod:`.transformers` (the default), :mod:`.v
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 __all__ = ["backend_for"]
@@ -68,33 +69,38 @@ def backend_for(model: Any) -> Any:
     a ``remote=`` model → the NDIF backend;
     nnsight's ``VLLM`` → the vLLM backend;
     any other nnsight model (built by pipatch or by the caller, lazily dispatched or not) or a
-    plain transformers model → the transformers backend. Cached on the model so every call
-    shares one."""
+    plain transformers model → the transformers backend.
+
+    Which one is read from what pipatch knows about the model (:func:`pipatch._known.known`:
+    the server or remote it was loaded for) and its type, never from attributes on it. Every
+    call shares one backend while something holds it (a running sweep, a result's clicks, the
+    caller); it is held beside the model, weakly (:attr:`~pipatch._known.Known.backend`)."""
     if hasattr(model, "capabilities") and hasattr(model, "run") and hasattr(model, "adapter"):
         return model
-    from .vllm import VLLMBackend, is_vllm_model
+    from .._compat import warn_untested
+    from .._known import known
 
-    if getattr(model, "_pipatch_serve", None) is not None:
-        from .served import served_backend
+    warn_untested()
+    facts = known(model)
+    backend = facts.backend() if facts.backend is not None else None
+    if backend is not None:
+        return backend
+    if facts.server is not None:
+        from .served import ServedBackend
 
-        return served_backend(model)  # kept apart: nnsight ships the model's attributes
-    remote = getattr(model, "_pipatch_remote", None)
-    if remote is not None:
-        from .ndif import ndif_backend
+        backend = ServedBackend(model, facts.server)
+    elif facts.remote is not None:
+        from .ndif import NDIFBackend
 
-        return ndif_backend(model, remote)
-    if is_vllm_model(model):
-        cls: type = VLLMBackend
+        backend = NDIFBackend(model, facts.remote)
     else:
-        from .transformers import TransformersBackend
+        from .vllm import VLLMBackend, is_vllm_model
 
-        cls = TransformersBackend
-    cached = getattr(model, "_pipatch_backend", None)
-    if isinstance(cached, cls):
-        return cached
-    backend = cls(model)
-    try:
-        model._pipatch_backend = backend
-    except Exception:  # noqa: BLE001 - caching is an optimisation only
-        pass
+        if is_vllm_model(model):
+            backend = VLLMBackend(model)
+        else:
+            from .transformers import TransformersBackend
+
+            backend = TransformersBackend(model)
+    facts.backend = weakref.ref(backend)
     return backend

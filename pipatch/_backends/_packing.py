@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._cells import Base, Cell, Metric
+from .._compat import transformers as transformers_compat
 from .._models import first
 
 __all__ = ["Packed", "PACK_TOKENS", "NO_BOUND", "ROW_TOKENS", "layout", "with_hidden"]
@@ -130,8 +131,6 @@ class Packed:
     def cache(self) -> Any:
         """The cached keys and values, per layer for the rows its block runs: each row's
         runs before their cells' starts (zeros, masked, to the longest row's)."""
-        from transformers import DynamicCache
-
         layers = []
         for layer in range(self.runs.n_layers):
             k, v = self.runs.keys(layer)
@@ -139,7 +138,7 @@ class Packed:
             seeds, positions = self.cache_seed[rows], self.cache_pos[rows]
             # [rows, K, kv_heads, head_dim] → [rows, kv_heads, K, head_dim]
             layers.append((k[seeds, :, positions].transpose(1, 2), v[seeds, :, positions].transpose(1, 2)))
-        return DynamicCache(ddp_cache_data=layers)
+        return transformers_compat.filled_cache(layers)
 
     def base_states(self, layer: int, upto: int | None = None) -> torch.Tensor:
         """The base runs' hidden states out of block ``layer`` in the layout's first ``upto``
@@ -180,11 +179,9 @@ class _Runs:
 
     def __init__(self, entries: Sequence[tuple[Base, Cell, Metric]]):
         self.bases: list[Base] = []
-        self._index: dict[int, int] = {}
         metrics: list[Metric] = []
         for base, _, metric in entries:
-            if id(base) not in self._index:
-                self._index[id(base)] = len(self.bases)
+            if not any(seen is base for seen in self.bases):
                 self.bases.append(base)
                 metrics.append(metric)
         reads = {metric.n_read for metric in metrics}
@@ -199,10 +196,11 @@ class _Runs:
         self._states: dict[int, torch.Tensor] = {}
 
     def base_of(self, base: Base) -> int:
-        return self._index[id(base)]
+        """``base``'s number among :attr:`bases` (the same object: bases do not compare by value)."""
+        return next(b for b, seen in enumerate(self.bases) if seen is base)
 
     def run(self, base: Base, seed: int) -> int:
-        return self.offset[self._index[id(base)]] + seed
+        return self.offset[self.base_of(base)] + seed
 
     def _stacked(self, tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Each base's tensor, its positions (``dim``) padded with zeros to the longest, stacked."""

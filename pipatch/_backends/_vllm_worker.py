@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._cells import Metric, Op
+from .._compat.nnsight import name_worker_tree, torch_module
 from .._graph import graph
 from .._models import TREE_ID, Adapter, _get, first
 from .._programs._edges import head_writes
@@ -101,7 +102,7 @@ class RequestView(View):
         if self.skip is not None and layer < self.skip[0]:
             below, state, pairs = self.skip
             if layer == 0:
-                state = _on_engine(_torch_module(self.model), state)
+                state = _on_engine(torch_module(self.model), state)
                 self._replacement = (torch.zeros_like(state), state) if pairs else state
             self.adapter.block(self.model, layer).skip(self._replacement)
 
@@ -165,10 +166,6 @@ def patch_request(model: Any, adapter: Adapter, metric: Metric, ops: list[Op], f
     return PatchOut(out.cpu(), [read.cpu() for read in reads])
 
 
-def _torch_module(model: Any) -> Any:
-    return model._module
-
-
 def _block_input(adapter: Adapter, model: Any) -> torch.Tensor:
     """Block 0's hidden-state input, [T, d]: the (scaled) embeddings every block builds on."""
     args, kwargs = adapter.block(model, 0).inputs
@@ -192,7 +189,7 @@ def _read_logits(model: Any, adapter: Adapter, n_read: int) -> torch.Tensor:
         return model.logits.float()
     assert adapter.final_norm is not None  # every family vLLM runs has one
     hidden = first(_get(model, adapter.final_norm).output)[-n_read:]
-    return _torch_module(model).compute_logits(hidden).float()
+    return torch_module(model).compute_logits(hidden).float()
 
 
 #: Cells per head-only request: their logits, [cells · n_read, vocab] float32, are what it holds
@@ -205,7 +202,7 @@ def head_request(model: Any, adapter: Adapter, metric: Metric, states: torch.Ten
     block outputs) through the model's final norm and ``compute_logits`` (soft-capping
     included) → the metric's pieces, [cells, n_read, n_sequences]."""
     assert adapter.final_norm is not None  # every family vLLM runs has one
-    module = model._module
+    module = torch_module(model)
     cells, n_read, d = states.shape
     normed = first(_get(module, adapter.final_norm)(_on_engine(module, states.reshape(-1, d))))
     return metric.pieces(_own_logits(module, normed).reshape(cells, n_read, -1)).cpu()
@@ -223,7 +220,7 @@ def _stream_into(norm: Any) -> torch.Tensor:
 def _normed(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The norm module of ``envoy`` on ``x`` ([..., d]), called outside the model's forward:
     vLLM's own ``forward_native`` where it has one (no fused add, no hook fires)."""
-    module = envoy._module
+    module = torch_module(envoy)
     flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     out = module.forward_native(flat) if hasattr(module, "forward_native") else module(flat)
     return first(out).float().reshape(x.shape)
@@ -233,7 +230,7 @@ def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     """The linear layer of ``envoy`` (one rank's whole weight) on ``x`` ([..., in]), bias
     included, float32: through the layer's own ``quant_method`` (vLLM's CPU path repacks the
     weight and empties ``weight``), outside the model's forward (no hook fires)."""
-    module = envoy._module
+    module = torch_module(envoy)
     bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
     flat = _on_engine(module, x.reshape(-1, x.shape[-1]))
     return module.quant_method.apply(module, flat, bias).float().reshape(*x.shape[:-1], -1)
@@ -337,7 +334,7 @@ def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tenso
         deltas[edge_graph.mlp(layer)] = both[0] - both[1]
     x = fed(base["x_final"], keep[edge_graph.logits, None])[0]
     normed = _normed(_get(model, adapter.final_norm), x[-metric.n_read :])
-    pieces = metric.pieces(_own_logits(model._module, normed)).cpu()
+    pieces = metric.pieces(_own_logits(torch_module(model), normed)).cpu()
     shared["done"] += 1
     if shared["done"] == count:  # the trace's last request: its hand-overs are spent
         _CIRCUITS.pop(key, None)
@@ -353,8 +350,7 @@ def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:
 def register_tree(worker: Any) -> None:
     """Run on each rank's worker (``collective_rpc``): name its nnsight model tree among the
     persistent objects its requests are unpickled with."""
-    runner = worker.model_runner
-    runner.nnsight_persistent_objects[TREE_ID] = runner.nnsight_model
+    name_worker_tree(worker.model_runner, TREE_ID)
 
 
 def _worker_memory(worker: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .._cells import Capture, Metric, Op
+from .._compat import nnsight as nnsight_compat
 from .._models import Adapter, PipatchError, adapter_for, first
 from .._programs.capture import CAPTURE, capture_body
 from .._programs.circuit import CIRCUIT_RUN, EDGE_TERMS
@@ -52,7 +53,7 @@ from ._hf_views import RowsView
 from ._unembedding import Unembedding, unembedding_input
 from .transformers import TransformersBackend
 
-__all__ = ["NDIFBackend", "check_service", "ndif_backend", "REMOTES"]
+__all__ = ["NDIFBackend", "check_service", "REMOTES"]
 
 #: What ``remote=`` takes: NDIF itself, or nnsight's offline simulation of it.
 REMOTES = (True, "local")
@@ -138,7 +139,7 @@ class NDIFBackend(TransformersBackend):
             base, _, metric = batch[0]
             jobs = [[op.compact() for op in base.ops_of(cell.seed) + cell.sorted_ops()] for _, cell, _ in batch]
             ids = metric.inputs(base.input_ids).repeat(len(batch), 1).cpu()
-            out, read = self._request(ids, _patch_remote, (self.adapter, metric, jobs, request.out == "logits",
+            out, read = self._request(ids, _patch_remote, (self.adapter, metric, jobs, request.out == "next_logits",
                                                            request.fast), metric.n_read, keyword=True)
             outs.append(out.float())
             reads.append(read)
@@ -176,23 +177,12 @@ class NDIFBackend(TransformersBackend):
         self.requests += 1
         if not self.count_bytes:
             return {"remote": self.remote}
-        return {"backend": _Counted(self.model._remote_backend(self.remote, True, None, False), self)}
+        return {"backend": _Counted(nnsight_compat.remote_backend(self.model, self.remote), self)}
 
     def abort_unfinished(self) -> int:
         return 0  # a request in flight finishes on the service; its answer is discarded
 
 
-#: The backend of each ``remote=`` model, by ``id(model)``: kept off the model, whose attributes
-#: nnsight pickles into every request (a backend holds locks).
-_BACKENDS: dict[int, NDIFBackend] = {}
-
-
-def ndif_backend(model: Any, remote: bool | str) -> NDIFBackend:
-    """The one :class:`NDIFBackend` of ``model``."""
-    backend = _BACKENDS.get(id(model))
-    if backend is None or backend.model is not model or backend.remote != remote:
-        backend = _BACKENDS[id(model)] = NDIFBackend(model, remote)
-    return backend
 
 
 class _Counted:
@@ -275,8 +265,10 @@ def check_service(name: str) -> None:
     if host:
         CONFIG.API.HOST = host
     try:
-        status = ndif._get("/status")
+        status = nnsight_compat.ndif_status()
         remote_env = ndif.get_remote_env(force_refresh=True)
+    except PipatchError:
+        raise
     except Exception as error:  # noqa: BLE001 - any transport failure is "unreachable", one line
         raise PipatchError(f"cannot reach NDIF at {CONFIG.API.HOST} ({type(error).__name__}): check the "
                            "connection or NDIF_HOST, or use remote='local' to check the requests offline") from None

@@ -51,11 +51,12 @@ from typing import Any
 
 import torch
 
+from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
 from ._contract import Capabilities
 from .vllm import _SAMPLING, INVOKES_PER_REQUEST, VLLMBackend, _vllm_adapter, tree_by_reference
 
-__all__ = ["ServedBackend", "connect", "Server", "served_backend"]
+__all__ = ["ServedBackend", "connect", "Server"]
 
 #: Requests in flight at once per client: enough for the server to fill an engine step.
 CONCURRENCY = 32
@@ -168,32 +169,12 @@ def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = Non
                            "(results use the server's), or start a server with --dtype")
     length = {"max_model_len": int(info["max_model_len"])} if info.get("max_model_len") else {}
     model = build_vllm(name, dtype=served_dtype, engine_args=length, dispatch=False)  # the server's config
-    # A plain string on the model (nnsight pickles the model's attributes into every request);
-    # the connection and its backend live here, by the model's id, as long as the model does.
-    model._pipatch_serve = server.url
-    backend = ServedBackend(model, server)
-    _BACKENDS[id(model)] = backend
-    weakref.finalize(model, _forget, id(model))
+    # The connection is kept beside the model (nnsight pickles the model's attributes into
+    # every request), as long as the model lives, and closed when it goes.
+    remember(model, server=server)
+    weakref.finalize(model, server.close)
+    ServedBackend(model, server)  # its adapter found (and kept) now: a family pipatch cannot map fails at load
     return model
-
-
-#: The backend of each live ``serve=`` client model, by ``id(model)``.
-_BACKENDS: dict[int, ServedBackend] = {}
-
-
-def _forget(key: int) -> None:
-    backend = _BACKENDS.pop(key, None)
-    if backend is not None:
-        backend.server.close()
-
-
-def served_backend(model: Any) -> ServedBackend:
-    """The backend :func:`connect` made for ``model``."""
-    backend = _BACKENDS.get(id(model))
-    if backend is None:
-        raise PipatchError("this serve= client has lost its connection: load it again with "
-                           "pipatch.load_model(name, serve=URL)")
-    return backend
 
 
 class ServedBackend(VLLMBackend):
@@ -228,7 +209,7 @@ class ServedBackend(VLLMBackend):
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "_pipatch_name", None) or str(self.server.info.get("model"))
+        return known(self.model).name or str(self.server.info.get("model"))
 
     @property
     def context_length(self) -> int | None:

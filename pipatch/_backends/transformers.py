@@ -51,6 +51,9 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
+from .._compat import nnsight as nnsight_compat
+from .._compat import transformers as transformers_compat
+from .._known import known
 from .._models import Adapter, _get, adapter_for, dispatched, first
 from .._programs._edges import check_circuit_family, mean_cache
 from .._programs._program import Program
@@ -105,7 +108,7 @@ class TransformersBackend(Described):
     # -- what the model is ------------------------------------------------------------------
     @property
     def _hf(self) -> Any:
-        return getattr(self.model, "_module", self.model)
+        return nnsight_compat.torch_module(self.model)
 
     @property
     def tokenizer(self) -> Any:
@@ -128,11 +131,11 @@ class TransformersBackend(Described):
     @property
     def name(self) -> str:
         """What results call the model: the name it was loaded by, else its checkpoint's."""
-        label = getattr(self.model, "_pipatch_name", None)
+        label = known(self.model).name
         if label:
             return label
         hf = self._hf
-        return str(getattr(hf, "name_or_path", "") or getattr(hf.config, "_name_or_path", "") or type(hf).__name__)
+        return str(getattr(hf, "name_or_path", "") or getattr(hf.config, "name_or_path", "") or type(hf).__name__)
 
     @property
     def context_length(self) -> int | None:
@@ -152,7 +155,7 @@ class TransformersBackend(Described):
     def path(self) -> str:
         """Where the model loads from: the folder or hub id it was loaded from, else its checkpoint's."""
         hf = self._hf
-        return str(getattr(self.model, "_pipatch_path", None) or getattr(hf.config, "_name_or_path", "")
+        return str(known(self.model).path or getattr(hf.config, "name_or_path", "")
                    or getattr(hf, "name_or_path", ""))
 
     def meta(self) -> dict[str, Any]:
@@ -247,10 +250,10 @@ class TransformersBackend(Described):
         self.log.add("patch", batches=len(request.batches), out=out)
         outs, reads = [], []
         for batch in request.batches:
-            value, read = self._trace(batch, fast=fast, full_logits=out == "logits")
+            value, read = self._trace(batch, fast=fast, full_logits=out == "next_logits")
             outs.append(value)
             reads.append(read)
-        if out == "logits":
+        if out == "next_logits":
             return [o.float() for o in outs], reads
         if out == "metric":
             if fast:
@@ -279,13 +282,11 @@ class TransformersBackend(Described):
     def _prefix_cache(self, base: Base, seeds: list[int], inputs: int, start: int) -> Any:
         """The base runs' keys and values before position ``start``, one batch row per input
         of each cell (its seed's run), as the model's cache."""
-        from transformers import DynamicCache
-
         keys = base.capture.keys
         assert keys is not None  # prefix reuse only runs on a capture with its keys
         rows = torch.tensor(seeds, device=keys[0][0].device).repeat_interleave(inputs)
-        return DynamicCache(ddp_cache_data=[(k[:, :, :start].index_select(0, rows), v[:, :, :start].index_select(0, rows))
-                                            for k, v in keys])
+        return transformers_compat.filled_cache([(k[:, :, :start].index_select(0, rows),
+                                                  v[:, :, :start].index_select(0, rows)) for k, v in keys])
 
     @staticmethod
     def _base_ops(base: Base, cell: Cell, start: int, below: int) -> list[Op]:
@@ -311,7 +312,7 @@ class TransformersBackend(Described):
         config = self._hf.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         parameters = inspect.signature(self._hf.forward).parameters
-        implementation = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
+        implementation = transformers_compat.attention_implementation(text, config)
         if ("position_ids" not in parameters or self.adapter.cache_kwarg is None or getattr(text, "alibi", False)
                 or implementation not in ("sdpa", "eager")):
             return None

@@ -46,6 +46,9 @@ from typing import Any
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
+from .._compat import vllm as vllm_compat
+from .._compat.nnsight import persistent_id, torch_module
+from .._known import known
 from .._models import TREE_ID, Adapter, PipatchError, adapter_for, dispatched
 from .._programs.capture import CAPTURE, CaptureRequest
 from .._programs.circuit import CIRCUIT_RUN, EDGE_TERMS, CircuitRunRequest
@@ -99,17 +102,14 @@ class VLLMBackend(Described):
     model: Any
 
     backend_name = "vllm"
-    #: Whether a block returns ``(hidden, residual)`` (else the stream), as the last capture
-    #: found; ``None`` before one.
-    _block_pairs: bool | None = None
 
     def __init__(self, model: Any):
         self.model = dispatched(model)
         if getattr(self.model, "vllm_entrypoint", None) is None:
             raise PipatchError("this VLLM model has no engine (built without dispatch, or an nnsight-serve client): "
                                "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
+        vllm_compat.check_engine(self._engine)
         self.adapter = _vllm_adapter(self.model)
-        self._quiet_progress()
 
     # -- what the model is ------------------------------------------------------------------
     @property
@@ -139,7 +139,7 @@ class VLLMBackend(Described):
 
     @property
     def name(self) -> str:
-        return getattr(self.model, "_pipatch_name", None) or str(self._model_config.model)
+        return known(self.model).name or str(self._model_config.model)
 
     @property
     def context_length(self) -> int | None:
@@ -195,13 +195,12 @@ class VLLMBackend(Described):
         for count, n in counts:
             runs_out, at = outs[at : at + count], at + count
             heads = runs_out[::n]
-            self._block_pairs = heads[0].pairs
             resid = [torch.cat([r.blocks[layer] for r in heads]) for layer in layers]
             values = {s.name: [torch.cat([r.values[s.name][layer] for r in heads]) for layer in layers] for s in keep}
             values[RESID.name] = resid
             captures.append(Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r.pieces for r in runs_out], n)),
                                     embedded=torch.cat([r.embedded for r in heads]), prob=torch.cat([r.prob for r in heads]),
-                                    top1=torch.stack([r.top1 for r in heads])))
+                                    top1=torch.stack([r.top1 for r in heads]), block_pairs=heads[0].pairs))
         return captures
 
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
@@ -217,7 +216,7 @@ class VLLMBackend(Described):
                 continue
             base, _, metric = batch[0]
             value, read = self._run(base, [cell for _, cell, _ in batch], metric, fast=request.fast,
-                                    full_logits=request.out == "logits")
+                                    full_logits=request.out == "next_logits")
             outs.append(value)
             reads.append(read)
         return outs, reads
@@ -261,7 +260,7 @@ class VLLMBackend(Described):
     def position_flops(self) -> int:
         """Two FLOPs per weight of a block (a multiply and an add) for each position it runs
         (counted on this process's module tree, whose shapes are the engine's)."""
-        return 2 * sum(p.numel() for p in self.adapter.block(self.model, 0)._module.parameters())
+        return 2 * sum(p.numel() for p in torch_module(self.adapter.block(self.model, 0)).parameters())
 
     #: Whether :meth:`run` skips the blocks below a batch's lowest ``start`` (``fast``). A
     #: skip has to cover every request of the engine's step: here this process's trace is all
@@ -274,7 +273,7 @@ class VLLMBackend(Described):
         prompt position: the capture keeps the prompt's positions only); else 0. Never above
         a block one of the cells' own ops feeds (a ``start`` is a promise; this keeps it)."""
         if not (self.skips_blocks and cells and metric.n_inputs == 1 and metric.n_read == 1
-                and self._block_pairs is not None):
+                and base.capture.block_pairs is not None):
             return 0
         fed = (op.site.start_layer(op.layer) for cell in cells for op in cell.ops)
         return min(min(cell.start for cell in cells), min(fed, default=self.adapter.n_layers), self.adapter.n_layers)
@@ -291,7 +290,7 @@ class VLLMBackend(Described):
                 or (op.site.start_layer(op.layer) == below and not op.site.is_block_output)]
         place = TensorPlace(state)
         reads = [read for op in local if (read := op.site.apply(op, place, slice(None), op.index)) is not None]
-        return (below, state[0].contiguous(), self._block_pairs), reads, live
+        return (below, state[0].contiguous(), base.capture.block_pairs), reads, live
 
     def _head_only(self, base: Base, cells: list[Cell], metric: Metric) -> torch.Tensor | None:
         """The metric of ``cells`` that run no block (each starts past the last one and only
@@ -385,8 +384,8 @@ class VLLMBackend(Described):
 
         self.log.add("requests", invokes=len(jobs), skip=skip)
         model = self.model
-        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(), torch.no_grad(),
-              model.trace(**_SAMPLING) as tracer):
+        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(),
+              vllm_compat.quiet_generate(model.vllm_entrypoint), torch.no_grad(), model.trace(**_SAMPLING) as tracer):
             for ids, args in jobs:
                 with tracer.invoke(ids):
                     out = nnsight.save(body(model, *args))
@@ -397,22 +396,12 @@ class VLLMBackend(Described):
         """While pipatch's own traces are built, ship the model's envoy tree with each invoke
         by reference (:func:`tree_by_reference`), once each worker knows it by name
         (:func:`register_tree`, once per engine)."""
-        model = self.model
-        if not model.__dict__.get("_pipatch_tree_registered"):
+        model, facts = self.model, known(self.model)
+        if not facts.tree_named:
             model.vllm_entrypoint.collective_rpc(register_tree)
-            model.__dict__["_pipatch_tree_registered"] = True
+            facts.tree_named = True
         with tree_by_reference(model):
             yield
-
-    def _quiet_progress(self) -> None:
-        """vLLM draws two tqdm bars per ``generate``; in a notebook each is a widget per batch."""
-        llm = self.model.vllm_entrypoint
-        if getattr(llm, "_pipatch_quiet", False):
-            return
-        import functools
-
-        llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=False)
-        llm._pipatch_quiet = True
 
     @contextlib.contextmanager
     def _requests_aborted_on_interrupt(self):
@@ -428,22 +417,9 @@ class VLLMBackend(Described):
             raise
 
     def abort_unfinished(self) -> int:
-        """Abort every request the engine still holds; returns how many there were."""
-        engine = self._engine
-        try:
-            pending = list(engine.output_processor.request_states)  # internal request ids
-        except AttributeError:  # a vLLM without this attribute: nothing we can name
-            return 0
-        if pending:
-            engine.abort_request(pending, internal=True)
-            # Step the (now idle) engine so the scheduler tells the worker which requests
-            # ended and nnsight's runner drops what it held for them; bounded, never a hang.
-            with contextlib.suppress(Exception):
-                for _ in range(8):
-                    if not engine.has_unfinished_requests():
-                        break
-                    engine.step()
-        return len(pending)
+        """Abort every request the engine still holds (:func:`pipatch._compat.vllm.abort_unfinished`);
+        returns how many there were."""
+        return vllm_compat.abort_unfinished(self._engine)
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,14 +438,11 @@ def tree_by_reference(model: Any):
     holds the same tree over its own modules and interleaver, which a by-value copy is rebuilt
     into from persistent ids; with the tree named among each worker's persistent objects
     (:func:`register_tree`) and ``model`` tagged with the id, an invoke is a few hundred
-    bytes. The tag comes off after the block: the user's own traces of the model stay
-    nnsight's. (A ``pipatch serve`` server names its tree the same way, for its clients'
-    requests and its engine's.)"""
-    model.__dict__["_persistent_id"] = TREE_ID
-    try:
+    bytes. The tag comes off after the block (:func:`pipatch._compat.nnsight.persistent_id`):
+    the user's own traces of the model stay nnsight's. (A ``pipatch serve`` server names its
+    tree the same way, for its clients' requests and its engine's.)"""
+    with persistent_id(model, TREE_ID):
         yield
-    finally:
-        model.__dict__.pop("_persistent_id", None)
 
 
 def _inputs(metric: Metric, input_ids: torch.Tensor) -> list[list[int]]:

@@ -130,7 +130,7 @@ class Chain(Plan):
         first = plans[0]
         super().__init__(first.backend, _Status(), [s for p in plans for s in p.sweeps], first.batch_size, first.fast)
         self.plans = plans
-        self._owner = {id(sweep): plan for plan in plans for sweep in plan.sweeps}
+        self._owner = [(sweep, plan) for plan in plans for sweep in plan.sweeps]  # sweeps compare by value
         self.pool_positions = POOL_POSITIONS
 
     def tasks(self) -> Iterator[tuple[Sweep, int]]:
@@ -142,13 +142,13 @@ class Chain(Plan):
             plan.begin()
 
     def owner(self, sweep: Sweep) -> Plan:
-        return self._owner[id(sweep)]
+        return next(plan for each, plan in self._owner if each is sweep)
 
     def store(self, sweep: Sweep, cell: Cell, value: float) -> None:
-        self._owner[id(sweep)].store(sweep, cell, value)
+        self.owner(sweep).store(sweep, cell, value)
 
     def row_done(self, sweep: Sweep, row: int) -> None:
-        self._owner[id(sweep)].row_done(sweep, row)
+        self.owner(sweep).row_done(sweep, row)
 
     def finish(self) -> None:
         for plan in self.plans:
@@ -185,7 +185,7 @@ class Predictor:
 
     def __call__(self, view: str, row: int, col: int, seed: int = 0, k: int = 5) -> list[tuple[str, float]]:
         sweep, cell = self.locate(view, row, col, seed)
-        logits = _run_batch(self.backend, sweep, [cell], fast=False, out="logits")
+        logits = _run_batch(self.backend, sweep, [cell], fast=False, out="next_logits")
         probs = logits.float().softmax(-1)[0]
         best = probs.topk(k)
         return list(zip(self.backend.decode(best.indices.tolist()), best.values.tolist()))

@@ -18,7 +18,7 @@ What a batch gives back (``out``):
   ``[cells, inputs, n_read, d]``, for a backend that pools the unembedding (its capability
   ``pools_unembedding``): the metric of many batches is then one pass over it
   (:func:`metrics`);
-* ``"logits"``: the logits after the prompt per cell, ``[cells, vocab]`` (a click's top
+* ``"next_logits"``: the logits of the next token after the prompt per cell, ``[cells, vocab]`` (a click's top
   tokens).
 
 and, per cell, what its recording ops read (in op order).
@@ -38,7 +38,7 @@ from ._program import Program, View, in_forward_order, register_program
 __all__ = ["PATCH", "METRICS", "PatchRequest", "patch", "metrics", "patch_body", "OUTS"]
 
 #: What a batch of patched runs can give back (the module docstring).
-OUTS = ("metric", "states", "logits")
+OUTS = ("metric", "states", "next_logits")
 
 
 def patch_body(view: View, jobs: Sequence[Sequence[Op]]) -> list[list[torch.Tensor]]:

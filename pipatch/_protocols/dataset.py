@@ -145,7 +145,7 @@ class DatasetPlan(Plan):
         self.offsets = [0]
         for plan in plans:
             self.offsets.append(self.offsets[-1] + plan.result.n_seeds)
-        self._owner = {id(sweep): i for i, plan in enumerate(plans) for sweep in plan.sweeps}
+        self._owner = [(sweep, i) for i, plan in enumerate(plans) for sweep in plan.sweeps]  # sweeps compare by value
         results = [p.result for p in plans]
         meta = dict(first.result.meta)
         shared = set(model_meta(backend))
@@ -182,11 +182,15 @@ class DatasetPlan(Plan):
             plan.begin()
         super().begin()
 
+    def _plan_of(self, sweep: Sweep) -> int:
+        """The number of the prompt's plan that ``sweep`` belongs to."""
+        return next(i for each, i in self._owner if each is sweep)
+
     def store(self, sweep: Sweep, cell: Cell, value: float) -> None:
-        sweep.store(self.plans[self._owner[id(sweep)]].result, cell, value)
+        sweep.store(self.plans[self._plan_of(sweep)].result, cell, value)
 
     def row_done(self, sweep: Sweep, row: int) -> None:
-        i = self._owner[id(sweep)]
+        i = self._plan_of(sweep)
         plan = self.plans[i]
         plan.row_done(sweep, row)
         lo, hi = self.offsets[i], self.offsets[i + 1]

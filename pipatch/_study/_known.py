@@ -98,6 +98,6 @@ def known_fact(backend: Any, prompt: str, answer: str | None) -> tuple[bool | No
     if answer is not None and float(capture.metric[0]) == 0:
         return True, backend.decode([first])[0]
     (logits,), _ = patch(backend, PatchRequest.of(Base(ids, capture), [[Cell(0, 0, 0, start=0)]], metric, fast=False,
-                                                  out="logits"))
+                                                  out="next_logits"))
     top = int(logits.float().reshape(-1, logits.shape[-1])[0].argmax())
     return (None if answer is None else top == first), backend.decode([top])[0]

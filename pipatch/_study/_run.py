@@ -276,7 +276,7 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
         planned = _plan_fact(target, entry, backend, plan, fact, bound, known_only)
         if planned is not None:
             ready.append((fact, *planned, time.perf_counter() - started))
-    out: dict[int, Result | None] = {}
+    out: dict[int, Result | None] = {}  # by the fact's index
     chained = len(ready) > 1 and all(type(p).run is Plan.run for _, p, _, _, _ in ready)
     groups = [ready] if chained else [[one] for one in ready]
     for group in groups:
@@ -294,8 +294,8 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
             target.put_many([(fact, "error", {"message": _failure(fact, error)}) for fact, *_ in group])
             continue
         target.put_many(rows)
-        out.update({id(fact): result for (fact, *_), result in zip(group, results)})
-    return [out.get(id(fact)) for fact in facts]
+        out.update({fact.index: result for (fact, *_), result in zip(group, results)})
+    return [out.get(fact.index) for fact in facts]
 
 
 def _plan_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact, bound: dict[str, Any],

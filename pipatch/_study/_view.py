@@ -48,8 +48,8 @@ class StudyView:
     def __init__(self, read: Callable[[], Any], total: int) -> None:
         import ipywidgets
 
+        from .._compat.ipykernel import answer_on_the_front_ends_subshell
         from .._live import PatchGrid
-        from .._widget import _prefer_frontend_subshell
 
         self.read, self.total = read, int(total)  # read(): the Study, as the store holds it now
         self.stop = threading.Event()
@@ -59,7 +59,8 @@ class StudyView:
         self.facts = ipywidgets.Select(options=[("average over the finished facts", AGGREGATE)], value=AGGREGATE,
                                        rows=8, description="facts", layout=ipywidgets.Layout(width="auto"))
         self.facts.observe(lambda change: self.show_fact(change["new"]), names="value")
-        _prefer_frontend_subshell(getattr(self.facts, "comm", None))  # a click is heard while the study runs
+        # A click is heard while the study runs (the list's comm is pipatch's own).
+        answer_on_the_front_ends_subshell(getattr(self.facts, "comm", None))
         self.box = ipywidgets.VBox([self.grid, self.facts])
         self._lock = threading.RLock()
         self._started, self._since = time.perf_counter(), time.time()  # the rate counts this run's facts only

@@ -1,0 +1,269 @@
+"""nnsight's internals that pipatch uses, each behind one function.
+
+Checked on nnsight 0.8.1 (the version ``pyproject.toml`` pins; :data:`pipatch._compat.TESTED`).
+What pipatch needs of nnsight beyond its public API, and why:
+
+* the torch module behind an envoy (:func:`torch_module`): weights, devices, configs and
+  the engine's own heads are the module's, not the envoy's;
+* naming a model's envoy tree by a persistent id instead of pickling it into every invoke
+  (:func:`persistent_id`, :func:`name_worker_tree`, :func:`serve_tree_by_reference`);
+* the server of ``nnsight-serve``, which ``pipatch serve`` extends (:func:`fresh_sources_per_request`,
+  :func:`served_model`, :func:`build_request`, :func:`answer`, :func:`vllm_engine_args`,
+  :func:`require_api_key`);
+* the worker class a ``VLLM`` model's engine runs (:func:`worker_class`);
+* NDIF's status and nnsight's remote backend itself (:func:`ndif_status`, :func:`remote_backend`).
+
+Every function raises :class:`~pipatch._errors.PipatchError` in one line where its name is
+missing (:func:`pipatch._compat.missing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from . import missing
+
+__all__ = ["PRIVATE_NAMES", "torch_module", "persistent_id", "name_worker_tree", "serve_tree_by_reference",
+           "fresh_sources_per_request", "check_server", "served_model", "build_request", "answer",
+           "vllm_engine_args", "require_api_key", "worker_class", "ndif_status", "remote_backend"]
+
+#: nnsight's private names used here and nowhere else in pipatch (``tests/test_compat.py``).
+PRIVATE_NAMES = (
+    "_module", "_persistent_id", "nnsight_persistent_objects", "_persistent_objects", "_build_tracer",
+    "SOURCES", "BLOCKS", "clear_shared_locals", "_ready", "_attach_mediators", "_payload",
+    "_parse_vllm_args", "_add_api_key_middleware", "_WORKER_CLS", "_remote_backend", "_get",
+)
+
+
+def _need(owner: Any, name: str, where: str) -> Any:
+    """``owner.name``, or the one-line error naming ``where.name`` and the versions."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise missing("nnsight", f"{where}.{name}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Envoys
+# --------------------------------------------------------------------------------------------
+
+
+def torch_module(envoy: Any) -> Any:
+    """The torch module an nnsight envoy wraps (a model's or any of its modules'); a plain
+    torch module, or anything that is no envoy, as is.
+
+    Private name: ``Envoy._module`` (the attribute the envoy keeps its module in). pipatch
+    reads through it what the envoy does not pass on while no trace runs: parameters (device,
+    dtype, counts), the transformers config and forward signature, vLLM's ``compute_logits``
+    and ``quant_method`` inside a worker's invoke. Read from the instance's ``__dict__`` (as
+    nnsight's own ``Envoy.__getattr__`` does), so it never falls through to the module.
+    """
+    import torch
+
+    if isinstance(envoy, torch.nn.Module):
+        return envoy
+    module = getattr(envoy, "__dict__", {}).get("_module")
+    if module is not None:
+        return module
+    from nnsight.intervention.envoy import Envoy
+
+    if isinstance(envoy, Envoy):
+        raise missing("nnsight", "Envoy._module")
+    return envoy
+
+
+# --------------------------------------------------------------------------------------------
+# Persistent ids: the envoy tree by name
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def persistent_id(obj: Any, pid: str) -> Iterator[None]:
+    """Within this block, nnsight's pickler names ``obj`` by ``pid`` instead of carrying it.
+
+    Private name: ``_persistent_id`` in an object's ``__dict__``, which nnsight's request
+    pickler (``nnsight.intervention.serialization``) writes as a reference; the unpickling
+    side resolves it among its persistent objects (:func:`name_worker_tree`,
+    :func:`serve_tree_by_reference`). pipatch tags the user's model for the length of its own
+    trace's build only: the tag, and any tag that was there before, is as it was after.
+    """
+    state = obj.__dict__
+    before = state.get("_persistent_id", _NONE)
+    state["_persistent_id"] = pid
+    try:
+        yield
+    finally:
+        if before is _NONE:
+            state.pop("_persistent_id", None)
+        else:
+            state["_persistent_id"] = before
+
+
+_NONE = object()
+
+
+def name_worker_tree(runner: Any, pid: str) -> None:
+    """Name a vLLM worker's nnsight model tree ``pid`` among the objects its requests are
+    unpickled with (run on the worker).
+
+    Private names: the runner's ``nnsight_persistent_objects`` (the table) and
+    ``nnsight_model`` (its envoy tree), attributes of nnsight's ``NNsightGPUModelRunner``.
+    A request that names the tree (:func:`persistent_id`) then finds this worker's own, where
+    carrying it costs 264 pickled envoys an invoke (Gemma 3 270M)."""
+    table = _need(runner, "nnsight_persistent_objects", "NNsightGPUModelRunner")
+    table[pid] = _need(runner, "nnsight_model", "NNsightGPUModelRunner")
+
+
+@contextlib.contextmanager
+def serve_tree_by_reference(server: Any, model: Any, pid: str) -> Iterator[None]:
+    """While the server runs, ``pid`` names ``model`` (the server's own, built by ``pipatch
+    serve``) in the requests it unpickles, and ``model`` goes on to the engine by that name.
+
+    Private names: ``nnsight.modeling.vllm.serve.server._persistent_objects`` (the table
+    ``set_model`` fills, which ``_build_tracer`` unpickles requests with) and the model's
+    ``_persistent_id`` (:func:`persistent_id`). Both are undone when the block ends."""
+    table = _need(server, "_persistent_objects", "nnsight.modeling.vllm.serve.server")
+    if table is None:
+        raise missing("nnsight", "serve.server._persistent_objects (set by set_model)")
+    table[pid] = model
+    try:
+        with persistent_id(model, pid):
+            yield
+    finally:
+        table.pop(pid, None)
+
+
+# --------------------------------------------------------------------------------------------
+# nnsight's server (pipatch serve)
+# --------------------------------------------------------------------------------------------
+
+
+def check_server(server: Any) -> None:
+    """Before ``pipatch serve`` accepts a request: every private name of nnsight's server that
+    it calls per request is there (else one line, at start)."""
+    for name in ("_build_tracer", "_ready", "_payload", "_persistent_objects"):
+        _need(server, name, "nnsight.modeling.vllm.serve.server")
+
+
+@contextlib.contextmanager
+def fresh_sources_per_request(server: Any) -> Iterator[None]:
+    """While the server runs, nnsight's source memos and the last request's shared invoke
+    scope are dropped before each request is built; put back as they were when it ends.
+
+    Private names: ``server._build_tracer`` (replaced for the block by one that clears
+    first), ``nnsight.tracing.globals.SOURCES`` / ``BLOCKS`` (the per-file source and
+    ``with``-block memos) and ``nnsight.intervention.util.clear_shared_locals``.
+
+    Why: nnsight memoizes each traced file's source by file name, and the server registers
+    each request's shipped source under the *client's* file name, so a second, different
+    trace from one client file was parsed against the first one's source
+    (``WithBlockNotFoundError``). And a multi-invoke trace registers its frame in the
+    thread-local shared scope, which ``execute`` clears at a trace's end; the server calls
+    only ``prepare``, so every request's frame (its body, its rebuilt tracer) stayed alive.
+    Builds run one at a time (no ``await`` inside), so clearing before each is safe.
+    """
+    build = _need(server, "_build_tracer", "nnsight.modeling.vllm.serve.server")
+    try:
+        from nnsight.intervention.util import clear_shared_locals
+        from nnsight.tracing import globals as memos
+    except ImportError as error:
+        raise missing("nnsight", f"{error.name}.clear_shared_locals") from None
+    sources, blocks = _need(memos, "SOURCES", "nnsight.tracing.globals"), _need(memos, "BLOCKS", "nnsight.tracing.globals")
+
+    def build_fresh(body: bytes, compress: bool) -> Any:
+        sources.clear()
+        blocks.clear()
+        clear_shared_locals()
+        return build(body, compress)
+
+    server._build_tracer = build_fresh
+    try:
+        yield
+    finally:
+        server._build_tracer = build
+
+
+def served_model(server: Any) -> Any:
+    """The server's dispatched model, or the HTTP 503 nnsight's routes answer before it is
+    ready. Private name: ``server._ready``."""
+    return server._ready()
+
+
+def build_request(server: Any, model: Any, body: bytes, compress: bool) -> tuple[list, list, list | None]:
+    """nnsight's generate route's build, as pipatch's route needs it: the request's trace
+    rebuilt from ``body``, prepared, and its workers attached to its engine requests;
+    returns ``(prompts, params, loras)``, one per invoke. Raises what the build raised.
+
+    Private names: ``server._build_tracer`` and ``VLLM._attach_mediators`` (the same steps
+    as nnsight's ``/v1/nnsight/generate``); the tracer's ``prepare`` and ``info.code`` and
+    the model's ``interleaver``, whose workers ride the engine requests after this (or the
+    build failed), so it is cancelled either way."""
+    try:
+        tracer = server._build_tracer(body, compress)
+        _, (prompts, params, loras), kwargs = tracer.prepare(tracer.info.code)
+        model._attach_mediators(params, **kwargs)
+    finally:
+        model.interleaver.cancel()
+    return prompts, params, loras
+
+
+def answer(server: Any, saves: dict[str, Any], error: Any) -> Any:
+    """The HTTP answer nnsight's routes send: ``torch.save`` of the saves and the deferred
+    error (what the client's ``raise_deferred`` reads). Private name: ``server._payload``."""
+    return server._payload(saves, error)
+
+
+def vllm_engine_args(words: list[str]) -> dict[str, Any]:
+    """``--flag value`` words → vLLM engine keywords, parsed as ``nnsight-serve`` parses them.
+    Private name: ``nnsight.modeling.vllm.serve.cli._parse_vllm_args``."""
+    from nnsight.modeling.vllm.serve import cli
+
+    return _need(cli, "_parse_vllm_args", "nnsight.modeling.vllm.serve.cli")(words)
+
+
+def require_api_key(app: Any, key: str) -> None:
+    """Refuse requests to ``app`` without the header ``ndif-api-key: key``, as ``nnsight-serve
+    --api-key`` does. Private name: ``nnsight.modeling.vllm.serve.cli._add_api_key_middleware``."""
+    from nnsight.modeling.vllm.serve import cli
+
+    _need(cli, "_add_api_key_middleware", "nnsight.modeling.vllm.serve.cli")(app, key)
+
+
+# --------------------------------------------------------------------------------------------
+# Building a VLLM model; NDIF
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def worker_class(vllm_cls: Any, name: str | None) -> Iterator[None]:
+    """Within this block, ``VLLM`` models build their engine with the worker class ``name``
+    (a dotted path; ``None``: nnsight's own); put back after it.
+
+    Private name: ``VLLM._WORKER_CLS``, the class attribute nnsight hands vLLM as
+    ``worker_cls``. On a machine without CUDA pipatch names its CPU worker there
+    (:mod:`pipatch._vllm_cpu_worker`) for the one model it builds."""
+    before = _need(vllm_cls, "_WORKER_CLS", "VLLM")
+    if name is not None:
+        vllm_cls._WORKER_CLS = name
+    try:
+        yield
+    finally:
+        vllm_cls._WORKER_CLS = before
+
+
+def ndif_status() -> dict[str, Any]:
+    """NDIF's ``/status`` (the models it hosts now), through nnsight's own HTTP call and
+    config (host, key). Private name: ``nnsight.ndif._get``."""
+    from nnsight import ndif
+
+    return _need(ndif, "_get", "nnsight.ndif")("/status")
+
+
+def remote_backend(model: Any, remote: bool | str) -> Any:
+    """nnsight's backend for a remote trace of ``model`` (``remote``: ``True`` for NDIF,
+    ``"local"`` for its offline simulation), blocking and quiet, as ``model.trace(remote=...)``
+    builds it. Private name: ``RemoteableMixin._remote_backend``; pipatch wraps it to count
+    a request's serialized bytes (the NDIF bench)."""
+    return _need(model, "_remote_backend", "RemoteableMixin")(remote, True, None, False)
