@@ -36,7 +36,7 @@ class Known:
         NDIF, ``"local"``: its offline simulation).
     tree_named
         Whether the vLLM engine's workers name this model's envoy tree
-        (:func:`pipatch._backends.vllm.register_tree`).
+        (:func:`pipatch._backends._vllm_worker.register_tree`).
     backend
         A weak reference to the backend :func:`pipatch._backends.backend_for` made for it,
         shared by every call while something holds it (a backend holds its model: a strong

@@ -182,7 +182,7 @@ VLLM_DEFAULTS: dict[str, Any] = {"max_model_len": 2048, "kv_cache_memory_bytes":
 
 #: The persistent id under which pipatch's requests name the model's envoy tree instead of
 #: pickling it into every invoke: each vLLM worker resolves it to its own tree
-#: (:func:`pipatch._backends.vllm.tree_by_reference`; a ``pipatch serve`` server to its model).
+#: (:func:`pipatch._backends._vllm_engine.tree_by_reference`; a ``pipatch serve`` server to its model).
 TREE_ID = "pipatch:model"
 
 

@@ -94,7 +94,8 @@ def backend_for(model: Any) -> Any:
 
         backend = NDIFBackend(model, facts.remote)
     else:
-        from .vllm import VLLMBackend, is_vllm_model
+        from ._vllm_engine import is_vllm_model
+        from .vllm import VLLMBackend
 
         if is_vllm_model(model):
             backend = VLLMBackend(model)

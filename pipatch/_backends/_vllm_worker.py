@@ -141,11 +141,13 @@ def capture_request(model: Any, adapter: Adapter, metric: Metric, keep: list[Sit
     embedding): the capture program with ``keep`` (a run's first input), or (``keep is
     None``, a further input) its ops alone; then the metric's pieces and P(answer)."""
     view = RequestView(adapter, model, prompt=prompt)
+    embedded: torch.Tensor | None = None
+    blocks: list[Any] | None = None
+    values: dict[str, list[torch.Tensor]] | None = None
     if keep is not None:
         embedded, blocks, values = capture_body(view, [ops], keep, prompt, slice(None))
     else:
         patch_body(view, [ops])
-        embedded = blocks = values = None
     logits = _read_logits(model, adapter, metric.n_read)
     # The model's top next token after the prompt (the first read position): a study's
     # known-fact check, read off the run every planner starts with.

@@ -77,7 +77,7 @@ class NDIFBackend(TransformersBackend):
         _ship_pipatch()
 
     @functools.cached_property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]  # no shortcut: see the module docstring
+    def capabilities(self) -> Capabilities:
         """Gradients, and the work of a position through a block, so the engine sizes batches
         as for the same model in this process: a sweep is as many requests as the
         transformers backend's ``fast=False`` has traces, each the same batch."""
@@ -130,7 +130,8 @@ class NDIFBackend(TransformersBackend):
         backend's patch returns (no ``"states"``: the metric is computed on the service)."""
         if request.out == "states":
             raise PipatchError("a remote model computes each batch's metric in its request: it returns no states")
-        outs, reads = [], []
+        outs: list[torch.Tensor] = []
+        reads: list[list[list[torch.Tensor]]] = []
         for batch in request.batches:
             if not batch:
                 outs.append(torch.zeros(0))

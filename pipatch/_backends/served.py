@@ -54,7 +54,8 @@ import torch
 from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
 from ._contract import Capabilities
-from .vllm import _SAMPLING, INVOKES_PER_REQUEST, VLLMBackend, _vllm_adapter, tree_by_reference
+from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING, tree_by_reference, vllm_adapter
+from .vllm import VLLMBackend
 
 __all__ = ["ServedBackend", "connect", "Server"]
 
@@ -185,7 +186,7 @@ class ServedBackend(VLLMBackend):
     def __init__(self, model: Any, server: Server):  # no engine here: not VLLMBackend.__init__
         self.model = model
         self.server = server
-        self.adapter = _vllm_adapter(model, int(server.info.get("tensor_parallel_size") or 1))
+        self.adapter = vllm_adapter(model, int(server.info.get("tensor_parallel_size") or 1))
 
     @property
     def skips_blocks(self) -> bool:  # type: ignore[override]  # the server's to say
@@ -242,7 +243,7 @@ class ServedBackend(VLLMBackend):
 
         model, request = self.model, _Serialized()
         named = tree_by_reference(model) if self.server.info.get("tree_by_reference") else contextlib.nullcontext()
-        with named, torch.no_grad(), model.trace(backend=request, **_SAMPLING) as tracer:
+        with named, torch.no_grad(), model.trace(backend=request, **SAMPLING) as tracer:
             for ids, args in jobs:
                 with tracer.invoke(ids):
                     out = nnsight.save(body(model, *args))  # noqa: F841 - the server returns it by this name

@@ -19,7 +19,7 @@ answers. What it adds:
   ``pipatch serve`` server admits requests of one skip at a time (:attr:`VLLMBackend.skips_blocks`,
   the capability the engine reads). Positions before a patch are still computed (a request is
   a whole sequence).
-* **The model's tree goes by reference** (:meth:`VLLMBackend._tree_by_reference`): nnsight
+* **The model's tree goes by reference** (:func:`~._vllm_engine.tree_by_reference`): nnsight
   pickles each invoke for the workers, and by default the whole envoy tree with it.
 * **The head alone.** A cell that starts past the last block (the logit lens: it writes the
   last block's output) runs no block at all: with ``fast`` its states, the base run's with its
@@ -37,19 +37,18 @@ answers. What it adds:
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._compat import vllm as vllm_compat
-from .._compat.nnsight import persistent_id, torch_module
+from .._compat.nnsight import torch_module
 from .._known import known
-from .._models import TREE_ID, Adapter, PipatchError, adapter_for, dispatched
+from .._models import Adapter, PipatchError, dispatched
 from .._programs.capture import CAPTURE, CaptureRequest
 from .._programs.circuit import CIRCUIT_RUN, EDGE_TERMS, CircuitRunRequest
 from .._programs.gradients import GRADIENTS
@@ -57,6 +56,7 @@ from .._programs.patch import PATCH, PatchRequest
 from .._sites import RESID, Site, TensorPlace
 from ._contract import Capabilities, refuse
 from ._described import Described
+from ._vllm_engine import INVOKES_PER_REQUEST, LocalEngine, vllm_adapter
 from ._vllm_worker import (
     _HEAD_CELLS,
     CaptureOut,
@@ -68,31 +68,13 @@ from ._vllm_worker import (
     capture_request,
     head_request,
     patch_request,
-    register_tree,
 )
 
-__all__ = ["VLLMBackend", "is_vllm_model", "register_tree", "tree_by_reference"]
+__all__ = ["VLLMBackend"]
 
-#: Every pipatch run is one prefill and one greedy step; nothing is generated, and the one
-#: sampled token is never read as text (pipatch's invoke bodies save what they read).
-_SAMPLING = {"temperature": 0.0, "max_tokens": 1, "detokenize": False}
-
-#: Invokes per request to a server, and per trace where a trace's requests must share an
-#: engine step (a circuit's masks): a batch of cells is one request as a rule (a grid's
-#: batches hold up to a few dozen), which the server starts in one engine step
-#: (:func:`pipatch._serve._together`); a batch split over requests that arrive apart runs as
-#: more steps (measured: 16 a request put the resid grid's two 28-cell batches 50 ms each above
-#: the in-process engine's).
-INVOKES_PER_REQUEST = 64
 #: Prompt tokens a trace that must run as one engine step holds at most: the scheduler's
 #: budget per step is at least the context length (pipatch leaves chunked prefill off).
 _STEP_TOKENS = 2048
-
-
-def is_vllm_model(model: Any) -> bool:
-    """Whether ``model`` is nnsight's ``VLLM`` (checked without importing vLLM)."""
-    return any(cls.__module__.startswith("nnsight.modeling.vllm") and cls.__name__ == "VLLM"
-               for cls in type(model).__mro__)
 
 
 class VLLMBackend(Described):
@@ -109,12 +91,13 @@ class VLLMBackend(Described):
             raise PipatchError("this VLLM model has no engine (built without dispatch, or an nnsight-serve client): "
                                "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
         vllm_compat.check_engine(self._engine)
-        self.adapter = _vllm_adapter(self.model)
+        self.adapter = vllm_adapter(self.model)
+        self.engine = LocalEngine(self.model)
 
     # -- what the model is ------------------------------------------------------------------
     @property
     def _engine(self) -> Any:
-        return self.model.vllm_entrypoint.llm_engine
+        return self.engine.llm_engine
 
     @property
     def _model_config(self) -> Any:
@@ -163,8 +146,9 @@ class VLLMBackend(Described):
             raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: score it on "
                                "backend='transformers' (the default) and check those here, "
                                "pipatch.circuit(..., scores=result)")
-        routine = {CAPTURE.name: self._capture, PATCH.name: self._patch,
-                   CIRCUIT_RUN.name: self._circuit_runs}.get(program.name)
+        routines: dict[str, Callable[[Any], Any]] = {CAPTURE.name: self._capture, PATCH.name: self._patch,
+                                                     CIRCUIT_RUN.name: self._circuit_runs}
+        routine = routines.get(program.name)
         if routine is None:
             raise refuse(self, program)
         return routine(request)
@@ -194,13 +178,17 @@ class VLLMBackend(Described):
         captures, at = [], 0
         for count, n in counts:
             runs_out, at = outs[at : at + count], at + count
-            heads = runs_out[::n]
-            resid = [torch.cat([r.blocks[layer] for r in heads]) for layer in layers]
-            values = {s.name: [torch.cat([r.values[s.name][layer] for r in heads]) for layer in layers] for s in keep}
+            heads = runs_out[::n]  # each run's first input: the one that kept its states
+            blocks = [r.blocks for r in heads if r.blocks is not None]
+            kept = [r.values for r in heads if r.values is not None]
+            resid = [torch.cat([b[layer] for b in blocks]) for layer in layers]
+            values = {s.name: [torch.cat([v[s.name][layer] for v in kept]) for layer in layers] for s in keep}
             values[RESID.name] = resid
             captures.append(Capture(blocks=resid, sites=values, metric=metric.combine(_by_run([r.pieces for r in runs_out], n)),
-                                    embedded=torch.cat([r.embedded for r in heads]), prob=torch.cat([r.prob for r in heads]),
-                                    top1=torch.stack([r.top1 for r in heads]), block_pairs=heads[0].pairs))
+                                    embedded=torch.cat([r.embedded for r in heads if r.embedded is not None]),
+                                    prob=torch.cat([r.prob for r in heads]),
+                                    top1=torch.stack([r.top1 for r in heads if r.top1 is not None]),
+                                    block_pairs=heads[0].pairs))
         return captures
 
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
@@ -208,7 +196,8 @@ class VLLMBackend(Described):
         in the worker)."""
         if request.out == "states":
             raise PipatchError("the vLLM backend reads each cell's metric in its request: it returns no states")
-        outs, reads = [], []
+        outs: list[torch.Tensor] = []
+        reads: list[list[list[torch.Tensor]]] = []
         for batch in request.batches:
             if not batch:
                 outs.append(torch.zeros(0))
@@ -317,7 +306,7 @@ class VLLMBackend(Described):
     def logits(self, hidden: torch.Tensor, token_ids: list[int] | None = None) -> torch.Tensor:
         """Logits from the unembedding's input (final-normed states), [batch, d] → [batch, vocab or
         len(token_ids)], computed by the engine's own ``compute_logits`` (soft-capping included)."""
-        rows = self.model.vllm_entrypoint.collective_rpc(_compute_logits, args=(hidden.detach().cpu(),))
+        rows = self.engine.collective_rpc(_compute_logits, args=(hidden.detach().cpu(),))
         out = rows[0].float()
         return out if token_ids is None else out[:, token_ids]
 
@@ -325,7 +314,7 @@ class VLLMBackend(Described):
         """Each tensor-parallel rank's resident memory, asked of its worker (``collective_rpc``):
         ``[{"rank": 0, "pid": ..., "rss_gb": ...}, ...]`` in rank order. On the CPU a rank holds
         its shard of the weights and its own KV cache (pipatch sets 1 GiB)."""
-        return list(self.model.vllm_entrypoint.collective_rpc(_worker_memory))
+        return self.engine.collective_rpc(_worker_memory)
 
     def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
         """The metric of the clean prompt run as a circuit, once per mask of ``keep`` ([P,
@@ -376,73 +365,20 @@ class VLLMBackend(Described):
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
         """``body(model, *args)`` for each job ``(ids, args)``, each in its own invoke (request)
-        of one trace on the token list ``ids``; returns what each returned, in order. The one
-        place this backend opens a trace (the served backend sends the same invokes over HTTP
-        instead). ``skip``: how many blocks every invoke skips (here, where this trace is all
-        the engine runs, nothing to arrange)."""
-        import nnsight
-
+        of one trace on the token list ``ids``; what each returned, in order. The one place this
+        backend opens a trace (:meth:`~._vllm_engine.LocalEngine.invokes`; the served backend
+        sends the same invokes over HTTP instead). ``skip``: how many blocks every invoke skips."""
         self.log.add("requests", invokes=len(jobs), skip=skip)
-        model = self.model
-        with (self._requests_aborted_on_interrupt(), self._tree_by_reference(),
-              vllm_compat.quiet_generate(model.vllm_entrypoint), torch.no_grad(), model.trace(**_SAMPLING) as tracer):
-            for ids, args in jobs:
-                with tracer.invoke(ids):
-                    out = nnsight.save(body(model, *args))
-        return _per_invoke(out, len(jobs))
-
-    @contextlib.contextmanager
-    def _tree_by_reference(self):
-        """While pipatch's own traces are built, ship the model's envoy tree with each invoke
-        by reference (:func:`tree_by_reference`), once each worker knows it by name
-        (:func:`register_tree`, once per engine)."""
-        model, facts = self.model, known(self.model)
-        if not facts.tree_named:
-            model.vllm_entrypoint.collective_rpc(register_tree)
-            facts.tree_named = True
-        with tree_by_reference(model):
-            yield
-
-    @contextlib.contextmanager
-    def _requests_aborted_on_interrupt(self):
-        """On any exception (Kernel ▸ Interrupt above all) abort the engine's unfinished requests.
-
-        ``LLM.generate`` steps the engine until its requests finish; an interrupt between steps
-        leaves them queued, and the next trace would run (and be handed the outputs of) them.
-        """
-        try:
-            yield
-        except BaseException:
-            self.abort_unfinished()
-            raise
+        return self.engine.invokes(body, jobs)
 
     def abort_unfinished(self) -> int:
-        """Abort every request the engine still holds (:func:`pipatch._compat.vllm.abort_unfinished`);
-        returns how many there were."""
-        return vllm_compat.abort_unfinished(self._engine)
+        """Abort every request the engine still holds; returns how many there were."""
+        return self.engine.abort_unfinished()
 
 
 # --------------------------------------------------------------------------------------------
 # Helpers on the client side
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def tree_by_reference(model: Any):
-    """Within this block, a pickled invoke names ``model``'s envoy tree by :data:`TREE_ID`
-    instead of carrying it.
-
-    nnsight pickles every invoke for the engine's workers (``extra_args`` of its request), and
-    an invoke body that names ``model`` carries the whole envoy tree with it: 264 envoys for
-    Gemma 3 270M, about 8 ms an invoke here, a third of a resid grid. Each worker already
-    holds the same tree over its own modules and interleaver, which a by-value copy is rebuilt
-    into from persistent ids; with the tree named among each worker's persistent objects
-    (:func:`register_tree`) and ``model`` tagged with the id, an invoke is a few hundred
-    bytes. The tag comes off after the block (:func:`pipatch._compat.nnsight.persistent_id`):
-    the user's own traces of the model stay nnsight's. (A ``pipatch serve`` server names its
-    tree the same way, for its clients' requests and its engine's.)"""
-    with persistent_id(model, TREE_ID):
-        yield
 
 
 def _inputs(metric: Metric, input_ids: torch.Tensor) -> list[list[int]]:
@@ -455,39 +391,3 @@ def _by_run(pieces: list[torch.Tensor], n: int) -> torch.Tensor:
     """Each request's metric pieces, ``n`` requests (a run's inputs) after another →
     ``[runs, n, n_read, n_sequences]`` for :meth:`Metric.combine`."""
     return torch.stack([torch.stack(pieces[i : i + n]) for i in range(0, len(pieces), n)])
-
-
-def _per_invoke(saved: Any, n: int) -> list:
-    """nnsight hands back a name saved in ``n`` invokes as a list of ``n``, but a single one as is."""
-    if n == 1:
-        return [saved]
-    if not isinstance(saved, list) or len(saved) != n:
-        raise RuntimeError(f"pipatch: expected {n} values back from the vLLM engine, got "
-                           f"{len(saved) if isinstance(saved, list) else 1}")
-    return saved
-
-
-def _tp_ranks(model: Any) -> int:
-    """The engine's tensor-parallel size (1 for a model without an engine config)."""
-    engine = getattr(getattr(model, "vllm_entrypoint", None), "llm_engine", None)
-    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
-    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-
-
-def _vllm_adapter(model: Any, ranks: int | None = None) -> Adapter:
-    """The family adapter over vLLM's module tree.
-
-    vLLM keeps transformers' module names for most families (``model.layers``, ``self_attn``,
-    ``mlp``, ``o_proj``), so the transformers adapter's lookup finds them; what differs is the
-    query/key/value projection: vLLM fuses it into ``qkv_proj``, always laid out
-    ``[q × n_heads | k × n_kv | v × n_kv]`` (``QKVParallelLinear``) on each tensor-parallel
-    rank, which nnsight gathers rank after rank (``"stacked_by_rank"`` from TP = 2 up).
-    ``ranks``: the engine's tensor-parallel size where ``model`` has no engine (a served
-    client's module tree; the server says its size).
-    """
-    adapter = adapter_for(model)
-    if adapter.qkv == ("qkv_proj",):
-        ranks = _tp_ranks(model) if ranks is None else ranks
-        adapter = dataclasses.replace(adapter, qkv_layout="stacked" if ranks == 1 else "stacked_by_rank",
-                                      tp_ranks=ranks)
-    return dataclasses.replace(adapter, last_logits_only=False)

@@ -19,7 +19,7 @@ import torch
 
 from .._cells import Capture, Metric
 from ._edges import ReceiverGradients, SenderWrites, circuit_metrics, receiver_gradients, sender_writes
-from ._program import Program, View, register_program
+from ._program import Program, register_program
 
 __all__ = ["EDGE_TERMS", "CIRCUIT_RUN", "EdgeTermsRequest", "CircuitRunRequest", "edge_terms", "circuit_runs"]
 
@@ -37,7 +37,7 @@ class EdgeTermsRequest:
     steps: int
 
 
-def edge_terms_body(view: View, request: EdgeTermsRequest) -> tuple[SenderWrites, ReceiverGradients]:
+def edge_terms_body(view: Any, request: EdgeTermsRequest) -> tuple[SenderWrites, ReceiverGradients]:
     """Sender writes from the captures, receiver gradients from ``steps`` forward and backward
     passes (:mod:`._edges`), on the view's model (an nnsight model) and its torch modules."""
     adapter, hf, device = view.adapter, view.torch_model, view.device
@@ -68,7 +68,7 @@ class CircuitRunRequest:
     mean_of: Sequence[torch.Tensor] | None = None
 
 
-def circuit_run_body(view: View, request: CircuitRunRequest, ablated: dict[str, Any] | None) -> torch.Tensor:
+def circuit_run_body(view: Any, request: CircuitRunRequest, ablated: dict[str, Any] | None) -> torch.Tensor:
     """The circuit runs of ``request`` on the view's torch modules (:func:`._edges.circuit_metrics`);
     ``ablated``: mean ablation's baseline values. Returns ``[P]``."""
     device = view.device
