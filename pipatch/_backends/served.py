@@ -154,7 +154,7 @@ class Server:
 def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = None, timeout: float = 600.0) -> Any:
     """A weightless ``VLLM`` client for ``name`` whose experiments run on the server at ``url``.
 
-    Checks first (one line each, before the ~20 s module-tree build): the server answers, takes
+    Checks first (one line each, before the module tree, which takes a while, is built): the server answers, takes
     the key, serves ``name`` (``None``: the embedded model) in ``dtype`` (if given).
     """
     server = Server(url, api_key, timeout)

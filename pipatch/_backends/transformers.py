@@ -83,8 +83,8 @@ __all__ += ["PACK_TOKENS", "NO_BOUND", "ROW_TOKENS"]
 
 #: How many of a study's facts run as one (:class:`~pipatch._engine.Chain`), committed
 #: together: their cells' metrics take one pass over the unembedding per ~1,000 read
-#: positions, where a fact alone takes seven (a 3-kind trace), each costing 60 ms of reading
-#: the 262k rows. A kill loses at most these.
+#: positions, where a fact alone takes seven (a 3-kind trace), each reading all 262k rows
+#: (``bench/study.py`` measures the gain). A kill loses at most these.
 PLANS_TOGETHER = 4
 
 class TransformersBackend(Described):

@@ -48,8 +48,8 @@ class Plan:
     def row_order(self) -> int:
         """The order every sweep's rows run in: ``-1``, from the last layer down, where the
         backend starts a cell's run at its first patched layer (``fast``): a higher row then
-        costs less, so the first finished row shows soonest (layer 17 of a 10-seed trace in
-        0.2 s, where layer 0 takes 2 s); else ``1``, from layer 0."""
+        costs less, so the first finished row shows soonest (the last layer's row costs a
+        fraction of the first's); else ``1``, from layer 0."""
         return -1 if self.fast and self.capabilities.skips_blocks else 1
 
     def owner(self, sweep: Sweep) -> Plan:
