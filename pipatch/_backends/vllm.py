@@ -90,9 +90,9 @@ class VLLMBackend(Described):
         if getattr(self.model, "vllm_entrypoint", None) is None:
             raise PipatchError("this VLLM model has no engine (built without dispatch, or an nnsight-serve client): "
                                "build it with dispatch=True, or use pipatch.load_model(name, backend='vllm')")
+        self.engine = LocalEngine(self.model)
         vllm_compat.check_engine(self._engine)
         self.adapter = vllm_adapter(self.model)
-        self.engine = LocalEngine(self.model)
 
     # -- what the model is ------------------------------------------------------------------
     @property
