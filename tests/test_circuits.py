@@ -321,3 +321,25 @@ def test_the_curve_fills_row_by_row_and_stop_keeps_what_it_has():
     assert result.meta["agreement"]["n"] == 2  # the exact checks before it are kept
     whole = pipatch.circuit(model, **PAIR, verify=2, curve=12)
     assert whole.meta["faithfulness"]["recovery"][:4] == result.meta["faithfulness"]["recovery"]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_ungrouped_attention_is_the_models_own_when_a_group_reads_one_input(name):
+    """A circuit run's attention has one key/value head per query head; fed the group's own
+    keys and values for every query head of the group, it is the model's grouped attention:
+    every head's output at every layer (Llama: rotary; Gemma 3: q/k norms, sliding window)."""
+    from pipatch._backends._hf_views import CircuitTraceView
+    from tests._equal import attention_both_ways
+
+    model = tiny_model(name)
+    backend = backend_for(model)
+    adapter = backend.adapter
+    assert adapter.n_kv_heads < adapter.n_heads  # grouped
+    ids = backend.tokenizer(PAIR["clean"], return_tensors="pt").input_ids
+    with torch.no_grad(), model.trace(ids, use_cache=False):
+        saved = attention_both_ways(CircuitTraceView(adapter, model, backend.dtype, 1), model, adapter).save()
+    assert len(saved) == adapter.n_layers
+    for ungrouped, grouped in saved:
+        torch.testing.assert_close(ungrouped, grouped, atol=1e-6, rtol=0)
+        assert grouped.abs().max() > 1e-3
+
