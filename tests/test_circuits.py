@@ -343,3 +343,49 @@ def test_the_ungrouped_attention_is_the_models_own_when_a_group_reads_one_input(
         torch.testing.assert_close(ungrouped, grouped, atol=1e-6, rtol=0)
         assert grouped.abs().max() > 1e-3
 
+
+def test_the_curve_halves_its_masks_on_out_of_memory_and_names_a_failing_point():
+    """The curve runs as the engine's work: a point's masks that run out of memory are run in
+    halves, to the same numbers; a point that fails is named, the curve before it kept."""
+    from pipatch._api import plan
+    from pipatch._engine import EngineError
+
+    model = tiny_model("llama")
+    whole = pipatch.circuit(model, **PAIR, verify=0, curve=8)
+    mlp = model._module.model.layers[0].mlp
+    raised = []
+
+    def small_memory(module, args, output):
+        if args[0].shape[0] > 1:  # the MLP called on more than one mask's rows
+            raised.append(args[0].shape[0])
+            raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 1 GiB")
+
+    circuit = plan("circuit", model, **PAIR, verify=0, curve=8)  # its captures run one prompt a row
+    handle = mlp.register_forward_hook(small_memory)
+    try:
+        halved = circuit.run()
+    finally:
+        handle.remove()
+    assert halved.status == "done" and raised[:2] == [4, 2]
+    mine, theirs = halved.meta["faithfulness"], whole.meta["faithfulness"]
+    assert mine["sizes"] == theirs["sizes"] and mine["size"] == theirs["size"]
+    assert mine["recovery"] == pytest.approx(theirs["recovery"], abs=1e-5)  # float32 rows, batched otherwise
+
+    def fault(module, args, output):
+        if args[0].shape[0] > 1:
+            raised.append(args[0].shape[0])
+            if len(raised) == 2:  # the curve's second row
+                raise RuntimeError("injected fault")
+
+    raised.clear()
+    circuit = plan("circuit", model, **PAIR, verify=0, curve=8)
+    handle = mlp.register_forward_hook(fault)
+    try:
+        with pytest.raises(EngineError, match=r"the faithfulness curve's circuits of [\d, ]+ edges failed: "
+                                              r"RuntimeError: injected fault") as info:
+            circuit.run()
+    finally:
+        handle.remove()
+    partial = info.value.partial
+    assert partial.status == "failed" and partial.meta["faithfulness"]["size"] is None
+    assert partial.meta["faithfulness"]["sizes"] == theirs["sizes"][:4]
