@@ -53,6 +53,7 @@ import torch
 
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
 from ._contract import Capabilities
+from ._vllm_worker import ANSWERS
 from .vllm import _SAMPLING, INVOKES_PER_REQUEST, VLLMBackend, _vllm_adapter, tree_by_reference
 
 __all__ = ["ServedBackend", "connect", "Server", "served_backend"]
@@ -126,7 +127,9 @@ class Server:
 
         response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
-        # bodies save, and nnsight's error dict); no object the server names is ever built.
+        # bodies save, and nnsight's error dict), and the named tuples pipatch's request bodies
+        # answer with (ANSWERS); no other object the server names is ever built.
+        torch.serialization.add_safe_globals(list(ANSWERS))
         answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
         try:
             raise_deferred(answer.get("error"))
