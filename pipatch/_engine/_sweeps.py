@@ -105,7 +105,7 @@ class SiteSweep(Sweep):
         return Cell(row, col, seed, start=site.start_layer(row), ops=ops)
 
 
-@dataclass
+@dataclass(eq=False)  # told apart by identity, as the engine holds them
 class Work:
     """Rows that are program requests, not cells: run like a sweep's (``on_row`` after each,
     Stop and an interrupt between them, a failure an :class:`~._execute.EngineError` naming

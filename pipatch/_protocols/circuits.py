@@ -219,11 +219,12 @@ class _CircuitPlan(Plan):
         super().__init__(*args, **kwargs)
         self._runs, self._clicks, self._graph, self._verify = runs, clicks, edge_graph, verify
         self._gradients, self._curve = gradients, curve
+        self.scores = torch.full(edge_graph.valid.shape, float("nan"))  # the edge scores, once known
 
     @property
     def total_rows(self) -> int:
-        """The grid's rows, drawn once the scores are in."""
-        return len(self._graph.receivers)
+        """The exact patches' rows (a progress bar's count; the grid is whole once scored)."""
+        return min(self._verify, int(self._graph.valid.sum())) * len(self._runs)
 
     def scored(self, scores: torch.Tensor) -> None:
         """The edge scores known ([receivers, senders]): the grid, the edges to check and their
