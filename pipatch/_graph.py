@@ -26,8 +26,8 @@ an earlier one's.
 **Order and indices.** Senders: the embeddings, then layer by layer each head (by number) and
 the MLP. Receivers: layer by layer each head's q, k, v (head by head) and the MLP's input,
 then the logits. A :class:`Graph` answers every index into that order (:meth:`Graph.head`,
-:meth:`Graph.qkv`, ...), which the programs that run a circuit (:mod:`pipatch._backends._edges`,
-the vLLM backend) read rather than compute, and stacks a run's sender writes and receiver
+:meth:`Graph.qkv`, ...), which the programs that run a circuit (:mod:`pipatch._programs._edges`,
+:mod:`pipatch._programs.circuit`) read rather than compute, and stacks a run's sender writes and receiver
 gradients in it.
 """
 
@@ -204,7 +204,7 @@ class Graph:
     def stack_writes(self, writes: Any) -> torch.Tensor:
         """Every sender's write in graph order, [senders, T, d], from a run's writes by kind:
         ``emb`` [T, d], ``heads`` [L, H, T, d], ``mlps`` [L, T, d]
-        (:class:`~pipatch._backends._edges.SenderWrites`)."""
+        (:class:`~pipatch._programs._edges.SenderWrites`)."""
         rows = [writes.emb[None]]
         for layer in range(self.n_layers):
             rows += [writes.heads[layer], writes.mlps[layer][None]]
@@ -213,7 +213,7 @@ class Graph:
     def stack_gradients(self, gradients: Any) -> torch.Tensor:
         """Every receiver's gradient in graph order, [receivers, T, d], from a run's gradients
         by kind: ``qkv`` [L, H, 3, T, d], ``mlps`` [L, T, d], ``logits`` [T, d]
-        (:class:`~pipatch._backends._edges.ReceiverGradients`)."""
+        (:class:`~pipatch._programs._edges.ReceiverGradients`)."""
         rows = []
         for layer in range(self.n_layers):
             rows += [gradients.qkv[layer].flatten(0, 1), gradients.mlps[layer][None]]

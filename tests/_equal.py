@@ -144,3 +144,24 @@ def assert_same_circuit_runs(other, model, pair: dict, prompts: list[str]) -> No
         print(f"circuit runs ({'mean' if mean else 'corrupt'} ablation): max |Δ| {float((got - want).abs().max()):.2g}")
         assert_close(got, want)
         assert (want[2:] - want[0]).abs().min() > 1e-2  # half the edges, and all, move the metric
+
+
+def attention_both_ways(view, model, adapter) -> list:
+    """Inside a run of ``model`` (an nnsight trace, or a vLLM request's body), at every layer:
+    ``(ungrouped, grouped)``, the circuit view's ungrouped attention
+    (:meth:`~pipatch._programs.circuit.CircuitView.attention`) fed each query head's query and
+    its group's key and value (every query head of a group the same input), and the layer's own
+    output of its heads (``z``), each ``[1, T, H·head_dim]`` float32 on the CPU."""
+    from pipatch._models import _get, first
+    from pipatch._sites import QKV
+
+    out = []
+    for layer in range(adapter.n_layers):
+        normed = first(_get(adapter.block(model, layer), adapter.attn_norm).output).float()
+        normed = normed if normed.dim() == 3 else normed[None]  # vLLM: [T, d]
+        projected = {name: view.project(layer, name, normed) for name in adapter.qkv}
+        q, k, v = (torch.cat([projected[name][..., lo:hi] for name, lo, hi in
+                              (adapter.qkv_columns(which, head) for head in range(adapter.n_heads))], dim=-1)
+                   for which in QKV)
+        out.append((view.attention(layer, q, k, v).cpu(), view.z(layer).cpu()))
+    return out

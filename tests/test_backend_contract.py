@@ -126,3 +126,72 @@ def test_a_backend_with_the_core_alone_runs_an_experiment_with_the_same_numbers(
     assert got.meta["engine"]["traces"] > 0
     for view in want.raw:
         assert torch.allclose(got.raw[view], want.raw[view], atol=1e-4, rtol=0, equal_nan=True), view
+
+
+# --------------------------------------------------------------------------------------------
+# Worker-side code keeps nothing across requests
+# --------------------------------------------------------------------------------------------
+
+_MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "add", "discard",
+             "remove", "__setitem__"}
+
+
+def _state_written_by_functions(source: str) -> list[str]:
+    """Where a function of ``source`` writes a module-level mutable container (a dict, list or
+    set made at the top level) or declares a ``global``: ``["name:line", ...]``."""
+    import ast
+
+    tree = ast.parse(source)
+    mutable = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        containers = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+        made = isinstance(value, containers) or (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                                                 and value.func.id in {"dict", "list", "set", "defaultdict", "OrderedDict"})
+        if made:
+            mutable |= {t.id for t in targets if isinstance(t, ast.Name)}
+    found = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                found += [f"global {name}:{node.lineno}" for name in node.names]
+            written = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for target in getattr(node, "targets", None) or [node.target]:
+                    while isinstance(target, (ast.Subscript, ast.Attribute)):
+                        target = target.value
+                    written = target.id if isinstance(target, ast.Name) else written
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+                holder = node.func.value
+                while isinstance(holder, ast.Subscript):
+                    holder = holder.value
+                written = holder.id if isinstance(holder, ast.Name) else None
+            if written in mutable:
+                found.append(f"{written}:{node.lineno}")
+    return found
+
+
+def test_the_vllm_worker_keeps_no_state_across_requests():
+    """What runs in the engine's worker (every function of ``_vllm_worker``: the request bodies
+    and what they call) writes no module-level table: a request never hands a value to another
+    (a circuit's runs ungroup grouped-query attention instead), so requests need not share an
+    engine step. The hand-over table and the step budget it relied on are gone. The check
+    itself finds the pattern it forbids."""
+    import pipatch._backends._vllm_worker as worker
+    import pipatch._backends.vllm as vllm_backend
+
+    assert _state_written_by_functions(inspect.getsource(worker)) == []
+    for module in (worker, vllm_backend):
+        assert not hasattr(module, "_CIRCUITS") and not hasattr(module, "_STEP_TOKENS"), module.__name__
+    handed_over = (
+        "_CIRCUITS: dict[str, dict] = {}\n"
+        "def body(key, z):\n"
+        "    shared = _CIRCUITS.setdefault(key, {})\n"
+        "    _CIRCUITS[key]['z'] = z\n"
+        "    _CIRCUITS.pop(key, None)\n"
+        "def other():\n"
+        "    global _COUNT\n"
+    )
+    assert sorted(_state_written_by_functions(handed_over)) == ["_CIRCUITS:3", "_CIRCUITS:4", "_CIRCUITS:5",
+                                                                "global _COUNT:7"]

@@ -321,3 +321,71 @@ def test_the_curve_fills_row_by_row_and_stop_keeps_what_it_has():
     assert result.meta["agreement"]["n"] == 2  # the exact checks before it are kept
     whole = pipatch.circuit(model, **PAIR, verify=2, curve=12)
     assert whole.meta["faithfulness"]["recovery"][:4] == result.meta["faithfulness"]["recovery"]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_ungrouped_attention_is_the_models_own_when_a_group_reads_one_input(name):
+    """A circuit run's attention has one key/value head per query head; fed the group's own
+    keys and values for every query head of the group, it is the model's grouped attention:
+    every head's output at every layer (Llama: rotary; Gemma 3: q/k norms, sliding window)."""
+    from pipatch._backends._hf_views import CircuitTraceView
+    from tests._equal import attention_both_ways
+
+    model = tiny_model(name)
+    backend = backend_for(model)
+    adapter = backend.adapter
+    assert adapter.n_kv_heads < adapter.n_heads  # grouped
+    ids = backend.tokenizer(PAIR["clean"], return_tensors="pt").input_ids
+    with torch.no_grad(), model.trace(ids, use_cache=False):
+        saved = attention_both_ways(CircuitTraceView(adapter, model, backend.dtype, 1), model, adapter).save()
+    assert len(saved) == adapter.n_layers
+    for ungrouped, grouped in saved:
+        torch.testing.assert_close(ungrouped, grouped, atol=1e-6, rtol=0)
+        assert grouped.abs().max() > 1e-3
+
+
+def test_the_curve_halves_its_masks_on_out_of_memory_and_names_a_failing_point():
+    """The curve runs as the engine's work: a point's masks that run out of memory are run in
+    halves, to the same numbers; a point that fails is named, the curve before it kept."""
+    from pipatch._api import plan
+    from pipatch._engine import EngineError
+
+    model = tiny_model("llama")
+    whole = pipatch.circuit(model, **PAIR, verify=0, curve=8)
+    mlp = model._module.model.layers[0].mlp
+    raised = []
+
+    def small_memory(module, args, output):
+        if args[0].shape[0] > 1:  # the MLP called on more than one mask's rows
+            raised.append(args[0].shape[0])
+            raise torch.OutOfMemoryError("out of memory (injected): tried to allocate 1 GiB")
+
+    circuit = plan("circuit", model, **PAIR, verify=0, curve=8)  # its captures run one prompt a row
+    handle = mlp.register_forward_hook(small_memory)
+    try:
+        halved = circuit.run()
+    finally:
+        handle.remove()
+    assert halved.status == "done" and raised[:2] == [4, 2]
+    mine, theirs = halved.meta["faithfulness"], whole.meta["faithfulness"]
+    assert mine["sizes"] == theirs["sizes"] and mine["size"] == theirs["size"]
+    assert mine["recovery"] == pytest.approx(theirs["recovery"], abs=1e-5)  # float32 rows, batched otherwise
+
+    def fault(module, args, output):
+        if args[0].shape[0] > 1:
+            raised.append(args[0].shape[0])
+            if len(raised) == 2:  # the curve's second row
+                raise RuntimeError("injected fault")
+
+    raised.clear()
+    circuit = plan("circuit", model, **PAIR, verify=0, curve=8)
+    handle = mlp.register_forward_hook(fault)
+    try:
+        with pytest.raises(EngineError, match=r"the faithfulness curve's circuits of [\d, ]+ edges failed: "
+                                              r"RuntimeError: injected fault") as info:
+            circuit.run()
+    finally:
+        handle.remove()
+    partial = info.value.partial
+    assert partial.status == "failed" and partial.meta["faithfulness"]["size"] is None
+    assert partial.meta["faithfulness"]["sizes"] == theirs["sizes"][:4]

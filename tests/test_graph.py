@@ -154,7 +154,7 @@ def test_the_nodes_and_edges_are_the_old_graphs_with_typed_kinds(L, H, parallel)
 @pytest.mark.parametrize("L, H, parallel", SHAPES)
 def test_every_index_is_the_hand_formulas(L, H, parallel):
     g = graph(SimpleNamespace(n_layers=L, n_heads=H, parallel=parallel))
-    per_layer = 3 * H + 1  # as _edges.circuit_metrics and vllm._circuit_run computed them
+    per_layer = 3 * H + 1  # each head's q, k and v, then the MLP's input
     assert g.receivers_per_layer == per_layer and g.senders_per_layer == H + 1
     assert g.emb == 0 and g.senders[g.emb].site is EMBED
     assert g.logits == L * per_layer == len(g.receivers) - 1 and g.receivers[g.logits].site is LOGITS

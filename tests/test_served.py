@@ -161,6 +161,30 @@ def test_a_circuits_runs_through_the_server_equal_the_transformers_backends(serv
     assert_same_circuit_runs(served, model, PAIR, MEAN_PROMPTS)
 
 
+def test_two_circuits_at_once_on_one_server_each_get_their_own_curve(served, model):
+    """Two circuits' curves (corrupt and mean ablation of one pair: different values at every
+    point) measured from two threads at once, their requests interleaved on the one server:
+    each equals the transformers curve of the same circuit. No request reads another's
+    values, so they may share engine steps in any order."""
+    options = {**PAIR, "method": "eap", "verify": 0, "curve": 6}
+    scored = {ablation: pipatch.circuit(model, **options, ablation=ablation) for ablation in ("corrupt", "mean")}
+    started = threading.Barrier(2)
+
+    def measure(ablation: str) -> dict:
+        started.wait()
+        return pipatch.circuit(served, **options, ablation=ablation, scores=scored[ablation]).meta["faithfulness"]
+
+    with ThreadPoolExecutor(2) as pool:
+        curves = dict(zip(scored, pool.map(measure, scored)))
+    assert curves["corrupt"]["recovery"] != curves["mean"]["recovery"]
+    for ablation, curve in curves.items():
+        want = scored[ablation].meta["faithfulness"]
+        assert curve["ablation"] == ablation and curve["sizes"] == want["sizes"] and curve["size"] == want["size"]
+        print(f"{ablation} curve beside another on one server: max |Δ| "
+              f"{max(abs(a - b) for a, b in zip(curve['recovery'], want['recovery'])):.2g}")
+        assert_close(torch.tensor(curve["recovery"]), torch.tensor(want["recovery"]))
+
+
 def test_attribution_is_refused_in_one_line(served):
     with pytest.raises(PipatchError) as error:
         pipatch.attribute(served, **PAIR)

@@ -36,6 +36,7 @@ from tests._equal import (  # noqa: E402
     assert_same_circuit_runs,
     assert_same_click,
     assert_same_multi_token,
+    attention_both_ways,
 )
 from tests.conftest import COLOSSEUM, EIFFEL, MEAN_PROMPTS  # noqa: E402
 
@@ -335,9 +336,34 @@ def test_a_circuit_scored_on_transformers_is_checked_here(vllm_model, model):
 
 
 def test_a_circuits_runs_equal_the_transformers_backends(vllm_model, model):
-    """Each receiver fed its own input in vLLM's requests (a member of Gemma's query-head group
-    per request): every mask's metric, corrupt- and mean-ablated, equals transformers'."""
+    """Each receiver fed its own input in vLLM's requests (one request a run input, every mask
+    in it, Gemma's query-head group ungrouped): every mask's metric, corrupt- and mean-ablated,
+    equals transformers'."""
     assert_same_circuit_runs(vllm_model, model, PAIR, MEAN_PROMPTS)
+
+
+def _attention_both_ways(model, adapter):
+    """A request's body, in the engine's worker: :func:`tests._equal.attention_both_ways`."""
+    from pipatch._backends._vllm_worker import RequestCircuitView
+
+    return attention_both_ways(RequestCircuitView(adapter, model), model, adapter)
+
+
+def test_the_ungrouped_attention_is_the_engines_own_when_a_group_reads_one_input(vllm_model):
+    """A circuit request's attention (one key/value head per query head, in plain torch)
+    fed the group's own keys and values for every query head is the engine's paged attention
+    over Gemma 3's one key/value head: every head's output at every layer."""
+    backend = backend_for(vllm_model)
+    adapter = backend.adapter
+    assert adapter.n_kv_heads < adapter.n_heads  # grouped
+    [layers] = backend._invokes(_attention_both_ways, [(backend.tokenizer(EIFFEL).input_ids, (adapter,))])
+    assert len(layers) == adapter.n_layers
+    worst = max(float((ungrouped - grouped).abs().max()) for ungrouped, grouped in layers)
+    print(f"ungrouped attention vs the engine's: max |Δ| {worst:.2g}, "
+          f"|z| up to {max(float(grouped.abs().max()) for _, grouped in layers):.3g}")
+    for ungrouped, grouped in layers:  # the engine's CPU kernel sums in its own order
+        assert_close(ungrouped, grouped)
+        assert float(grouped.abs().max()) > 1e-3
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""What runs inside a vLLM request, in the engine's worker: the view a program's body sees,
-and the request bodies.
+"""What runs inside a vLLM request, in the engine's worker: the views a program's body sees
+(:class:`RequestView`; a circuit's, :class:`RequestCircuitView`), and the request bodies.
 
 Module-level functions, shipped by reference with each invoke (nnsight pickles an invoke's
 body for the workers), taking the model and small per-job data; what they return travels back
-on the CPU as named tuples (:class:`CaptureOut`, :class:`PatchOut`). Inside a request a
+on the CPU as named tuples (:class:`CaptureOut`, :class:`PatchOut`,
+:class:`~pipatch._programs.circuit.Baselines`). Nothing is kept here from one request to the
+next: a request reads only its own run and what it carries. Inside a request a
 module's value is the request's rows, ``[T, width]``, with no batch dimension:
 :class:`RequestView` shows it to a program as ``[1, T, width]`` (a view), so an op's index
 means the same as on the transformers backend. Where vLLM differs from transformers:
@@ -29,16 +31,23 @@ import torch
 
 from .._cells import Metric, Op
 from .._compat.nnsight import name_worker_tree, torch_module
-from .._graph import graph
 from .._models import TREE_ID, Adapter, _get, first
-from .._programs._edges import head_writes
 from .._programs._program import View
 from .._programs.capture import capture_body
+from .._programs.circuit import (
+    Baselines,
+    CircuitView,
+    Ungrouped,
+    baselines_body,
+    circuit_run_body,
+    returning,
+    widened,
+)
 from .._programs.patch import patch_body
-from .._sites import HEAD, QKV, Place, Site, TensorPlace
+from .._sites import Place, Site, TensorPlace
 
-__all__ = ["RequestView", "PairPlace", "CaptureOut", "PatchOut", "capture_request", "patch_request", "head_request",
-           "register_tree", "TREE_ID"]
+__all__ = ["RequestView", "RequestCircuitView", "PairPlace", "CaptureOut", "PatchOut", "ANSWERS", "capture_request",
+           "patch_request", "head_request", "circuit_baselines_request", "circuit_request", "register_tree", "TREE_ID"]
 
 
 class PairPlace:
@@ -133,6 +142,11 @@ class PatchOut(NamedTuple):
 
     out: torch.Tensor
     reads: list[torch.Tensor]
+
+
+#: The named tuples a request answers with: tensors and plain values only, which a served
+#: client's ``torch.load(weights_only=True)`` may build (:meth:`~.served.Server.generate`).
+ANSWERS = (CaptureOut, PatchOut, Baselines)
 
 
 def capture_request(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None, ops: list[Op],
@@ -238,109 +252,160 @@ def _linear(envoy: Any, x: torch.Tensor) -> torch.Tensor:
     return module.quant_method.apply(module, flat, bias).float().reshape(*x.shape[:-1], -1)
 
 
-def _circuit_cache(model: Any, adapter: Adapter) -> dict[str, torch.Tensor]:
-    """One baseline request of a circuit's runs (the corrupt prompt, or a prompt of mean
-    ablation's): the values an ablated edge carries, float32 on the CPU: the embeddings
-    (``embedded`` [T, d]); per layer ([L, T, ...]) the stream into the attention's norm (``x``),
-    the heads' outputs (``z``), the stream into the MLP's norm (``x_mid``) and the MLP's
-    output (``mlp``); and the stream into the final norm (``x_final``)."""
-    out: dict[str, Any] = {"embedded": _block_input(adapter, model).float().clone()}
-    layers: dict[str, list[torch.Tensor]] = {"x": [], "z": [], "x_mid": [], "mlp": []}
-    assert adapter.attn_norm and adapter.mlp_norm and adapter.final_norm  # check_circuit_family's promise
-    for layer in range(adapter.n_layers):
-        block = adapter.block(model, layer)
-        attn = _get(block, adapter.attn)
-        layers["x"].append(_stream_into(_get(block, adapter.attn_norm)))
-        layers["z"].append(_get(attn, adapter.out_proj).input.float().clone())
-        layers["x_mid"].append(_stream_into(_get(block, adapter.mlp_norm)))
-        layers["mlp"].append(first(_get(block, adapter.mlp).output).float().clone())
-    out["x_final"] = _stream_into(_get(model, adapter.final_norm))
-    out.update({name: torch.stack(values) for name, values in layers.items()})
-    return {name: value.cpu() for name, value in out.items()}
+class RequestCircuitView(CircuitView):
+    """A circuit's bodies (:mod:`pipatch._programs.circuit`) in one request of one run input:
+    values ``[1, T, width]``, the rows a body computes ``[rows, T, width]``, flattened to vLLM's
+    ``[rows · T, width]`` for each module call.
+
+    A live value is read at its module's call (the residual stream into a norm: the sum vLLM
+    fuses into it, :func:`_stream_into`). The norms and linear layers are called outside the
+    forward (:func:`_normed`, :func:`_linear`); the MLP, and the attention's own submodules,
+    through their envoys (nnsight's ad-hoc call). :meth:`attention` calls the attention
+    module's class forward with an :class:`~pipatch._programs.circuit.Ungrouped` stand-in: the
+    fused ``qkv_proj`` returns the fed ``[q | k_H | v_H]`` (``num_kv_heads = H``), the paged
+    attention is :func:`_causal` and the output projection hands back ``z``.
+    """
+
+    def __init__(self, adapter: Adapter, model: Any):
+        self.adapter, self.model = adapter, model
+
+    def _block(self, layer: int) -> Any:
+        return self.adapter.block(self.model, layer)
+
+    def _at(self, layer: int, path: str | None) -> Any:
+        assert path is not None, "a circuit needs its family's norms (check_circuit_family)"
+        return _get(self._block(layer), path)
+
+    @staticmethod
+    def _flat(function: Any, x: torch.Tensor) -> torch.Tensor:
+        """``function`` ([N, width] → [N, width']) on ``x`` [..., T, width]."""
+        return function(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+    # -- live values ------------------------------------------------------------------------
+    def embedded(self) -> torch.Tensor:
+        return _block_input(self.adapter, self.model).float().clone()[None]
+
+    def attn_in(self, layer: int) -> torch.Tensor:
+        return _stream_into(self._at(layer, self.adapter.attn_norm))[None]
+
+    def z(self, layer: int) -> torch.Tensor:
+        return _get(self._at(layer, self.adapter.attn), self.adapter.out_proj).input.float().clone()[None]
+
+    def mlp_in(self, layer: int) -> torch.Tensor:
+        return _stream_into(self._at(layer, self.adapter.mlp_norm))[None]
+
+    def mlp_out(self, layer: int) -> torch.Tensor:
+        return first(self._at(layer, self.adapter.mlp).output).float().clone()[None]
+
+    def final_in(self) -> torch.Tensor:
+        assert self.adapter.final_norm is not None  # every family vLLM runs has one
+        return _stream_into(_get(self.model, self.adapter.final_norm))[None]
+
+    # -- module calls -------------------------------------------------------------------------
+    def attn_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return _normed(self._at(layer, self.adapter.attn_norm), x)
+
+    def project(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        return _linear(_get(self._at(layer, self.adapter.attn), name), x)
+
+    def out_proj(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        return _linear(_get(self._at(layer, self.adapter.attn), self.adapter.out_proj), z)
+
+    def attn_post_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return _normed(self._at(layer, self.adapter.attn_post_norm), x)
+
+    def mlp_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return _normed(self._at(layer, self.adapter.mlp_norm), x)
+
+    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        envoy = self._at(layer, self.adapter.mlp)
+        return self._flat(lambda flat: first(envoy(_on_engine(torch_module(envoy), flat))).float(), x)
+
+    def mlp_post_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return _normed(self._at(layer, self.adapter.mlp_post_norm), x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.adapter.final_norm is not None  # every family vLLM runs has one
+        return _normed(_get(self.model, self.adapter.final_norm), x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        module = torch_module(self.model)
+        return self._flat(lambda flat: _own_logits(module, flat), x)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        adapter = self.adapter
+        envoy = self._at(layer, adapter.attn)
+        module = torch_module(envoy)
+        args, kwargs = envoy.inputs  # the real call's: this request's positions
+        rows, T = q.shape[0], q.shape[1]
+        paged = module.attn
+        scale, cap = paged.impl.scale, getattr(paged.impl, "logits_soft_cap", None)
+        dtype = next(module.parameters()).dtype
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return _on_engine(module, t.reshape(rows * T, -1))
+
+        dummy = flat(q).new_zeros(()).expand(rows * T, adapter.d_model)  # read for its shape only
+
+        def batched(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.shape[:1] == (T,):
+                return value.repeat(rows)  # the positions, for every row
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return dummy
+            return value
+
+        taken: dict[str, torch.Tensor] = {}
+
+        def out_proj(z: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, None]:
+            taken["z"] = z
+            return z, None
+
+        def attend(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+            return _causal(q_, k_, v_, rows, adapter.n_heads, scale, paged.sliding_window, cap).to(dtype)
+
+        fed = {name: returning((flat(value), None)) for name, value in widened(adapter, q, k, v).items()}
+        stand_in = Ungrouped(module, envoy, {**fed, "attn": attend, adapter.out_proj: out_proj,
+                                             **Ungrouped.counts(module, adapter)})
+        Ungrouped.forward(module)(stand_in, *(batched(a) for a in args),
+                                  **{name: batched(value) for name, value in kwargs.items()})
+        return taken["z"].float().reshape(rows, T, -1)
 
 
-#: What the requests of one circuit trace hand each other in the worker, by the trace's key:
-#: its baselines (sent once, with its first invoke) and each member's head outputs per layer.
-#: All of a trace's requests run in one engine step, each module call taking them in invoke
-#: order, so a member's ``z`` is here before any request reads it at the layer's MLP.
-_CIRCUITS: dict[str, dict[str, Any]] = {}
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, heads: int, scale: float,
+            window: int | None, cap: float | None) -> torch.Tensor:
+    """Causal attention of ``rows`` sequences laid one after another, ``[rows · T, heads ·
+    head_dim]`` each of ``q``, ``k``, ``v`` (one key/value head per query head), in float32:
+    scores scaled by ``scale``, soft-capped at ``cap`` (``tanh(s / cap) · cap``), each position
+    attending to itself and the ``window − 1`` before it (``None``: all before it)."""
+    def split(t: torch.Tensor) -> torch.Tensor:  # → [rows, heads, T, head_dim]
+        return t.float().reshape(rows, -1, heads, t.shape[-1] // heads).transpose(1, 2)
+
+    q, k, v = split(q), split(k), split(v)
+    scores = q @ k.transpose(-1, -2) * scale
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    T = q.shape[2]
+    at, to = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None]
+    seen = to <= at
+    if window:
+        seen &= at - to < window
+    out = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+    return out.transpose(1, 2).reshape(rows * T, -1)
 
 
-def _circuit_run(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tensor, row: int, member: int,
-                 trace: tuple[str, int, int], baselines: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
-    """One request of a circuit's run (:meth:`VLLMBackend.circuit_metrics`): input ``row`` of
-    the run under mask ``keep`` ([receivers, senders]), as member ``member`` of its grouped-query
-    groups; returns the metric's pieces.
+def circuit_baselines_request(model: Any, adapter: Adapter) -> Baselines:
+    """One request of :data:`~pipatch._programs.circuit.CIRCUIT_BASELINES`: its run input's
+    baselines, ``[1, ...]`` each, on the CPU."""
+    return Baselines(*(value.cpu() for value in baselines_body(RequestCircuitView(adapter, model))))
 
-    Each receiver reads its baseline value plus its kept senders' ``deltas`` (what each wrote
-    in this run minus in the baseline). The request feeds the query, key and value columns of
-    the heads of its member (``qkv_proj``'s output, whose attention then runs on them), leaves
-    its heads' outputs for the other members' requests and takes theirs, feeds the MLP its
-    input, and reads the logits off the final norm of its own fed stream. ``trace``: the
-    trace's key, this mask's index in it and its number of requests."""
-    key, mask, count = trace
-    assert adapter.attn_norm and adapter.mlp_norm and adapter.final_norm  # check_circuit_family's promise
-    while len(_CIRCUITS) > 8 and key not in _CIRCUITS:  # left by traces that failed
-        _CIRCUITS.pop(next(iter(_CIRCUITS)))
-    shared = _CIRCUITS.setdefault(key, {"z": {}, "done": 0})
-    if baselines is not None:
-        shared["baselines"] = baselines
-    H, L = adapter.n_heads, adapter.n_layers
-    group, edge_graph = H // max(1, adapter.n_kv_heads), graph(adapter)
-    embedded = _block_input(adapter, model).float()  # [T, d]
-    device = embedded.device
-    base = {name: value.to(device) for name, value in shared["baselines"][row].items()}
-    keep = keep.to(device, torch.float32)
-    deltas = torch.zeros(keep.shape[1], *embedded.shape, device=device)  # [senders, T, d]
-    deltas[edge_graph.emb] = embedded - base["embedded"]
 
-    def fed(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return value[None] + torch.einsum("rs,std->rtd", rows, deltas)
-
-    mine = [(head, which, *adapter.qkv_columns(which, head)) for head in range(H) if head % group == member
-            for which in QKV]
-    for layer in range(L):
-        block = adapter.block(model, layer)
-        attn = _get(block, adapter.attn)
-        normed = _normed(_get(block, adapter.attn_norm),
-                         fed(base["x"][layer], keep[[edge_graph.qkv(layer, head, which) for head, which, *_ in mine]]))
-        for name in adapter.qkv:  # in forward order
-            mine_here = [(i, lo, hi) for i, (_, _, module, lo, hi) in enumerate(mine) if module == name]
-            if not mine_here:
-                continue
-            projection = _get(attn, name)
-            out = first(projection.output)
-            projected = _linear(projection, normed[[i for i, _, _ in mine_here]])
-            for j, (_, lo, hi) in enumerate(mine_here):
-                out[:, lo:hi] = projected[j, :, lo:hi].to(out.dtype)
-        out_proj = _get(attn, adapter.out_proj)
-        shared["z"][mask, row, layer, member] = out_proj.input.float().clone()
-        mlp = _get(block, adapter.mlp)
-        mlp_input = mlp.input  # every member's request has left its heads' outputs by now
-        z = torch.empty_like(base["z"][layer])  # every head's output, each from its member's request
-        for head in range(H):
-            cut = HEAD.head_slice(adapter, head)
-            theirs = shared["z"].get((mask, row, layer, head % group))
-            if theirs is None:
-                raise RuntimeError("pipatch: a circuit's requests ran in different engine steps; run fewer at once")
-            z[:, cut] = theirs[:, cut]
-        post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
-        write, each = head_writes(adapter, lambda x: _linear(out_proj, x),
-                                  None if post is None else (lambda x: _normed(post, x)), z[None], base["z"][layer][None])
-        deltas[edge_graph.heads(layer)] = each[0] - write
-        x = fed(base["x_mid"][layer], keep[edge_graph.mlp_in(layer), None])[0]
-        mlp.input = _normed(_get(block, adapter.mlp_norm), x).to(mlp_input.dtype)
-        both = torch.stack([first(mlp.output).float(), base["mlp"][layer]])
-        if adapter.mlp_post_norm:
-            both = _normed(_get(block, adapter.mlp_post_norm), both)
-        deltas[edge_graph.mlp(layer)] = both[0] - both[1]
-    x = fed(base["x_final"], keep[edge_graph.logits, None])[0]
-    normed = _normed(_get(model, adapter.final_norm), x[-metric.n_read :])
-    pieces = metric.pieces(_own_logits(torch_module(model), normed)).cpu()
-    shared["done"] += 1
-    if shared["done"] == count:  # the trace's last request: its hand-overs are spent
-        _CIRCUITS.pop(key, None)
-    return pieces
+def circuit_request(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tensor, embedded: torch.Tensor,
+                    means: Baselines | None) -> torch.Tensor:
+    """One request of :data:`~pipatch._programs.circuit.CIRCUIT_RUN`: every mask of ``keep``
+    ([P, receivers, senders]) on this request's run input, whose clean run's embedding output
+    is ``embedded`` ([1, T, d]); the metric's pieces ``[P, n_read, n_sequences]`` on the CPU."""
+    embedded = _on_engine(torch_module(model), embedded).float()
+    return circuit_run_body(RequestCircuitView(adapter, model), metric, keep, embedded, means).cpu()
 
 
 def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from .._cells import Capture, Metric, Op
 from .._compat import nnsight as nnsight_compat
 from .._models import Adapter, PipatchError, adapter_for, first
 from .._programs.capture import CAPTURE, capture_body
-from .._programs.circuit import CIRCUIT_RUN, EDGE_TERMS
+from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS
 from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
 from .._programs.patch import PATCH, PatchRequest, patch_body
 from .._sites import RESID, Site
@@ -94,8 +94,8 @@ class NDIFBackend(TransformersBackend):
             raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a "
                                "remote model does not offer: score it on a local model (pipatch.load_model(name)) and "
                                "check those here, pipatch.circuit(..., scores=result)")
-        if program is CIRCUIT_RUN:
-            raise PipatchError("a circuit's runs feed each receiver its own input through local hooks, which a remote "
+        if program in (CIRCUIT_RUN, CIRCUIT_BASELINES):
+            raise PipatchError("a circuit's runs feed each receiver its own input through local module calls, which a remote "
                                "model does not offer: measure the curve on a local model (pipatch.load_model(name)), "
                                "or pass curve=0")
         return super().run(program, request)

@@ -55,6 +55,7 @@ from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
 from ._contract import Capabilities
 from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING, tree_by_reference, vllm_adapter
+from ._vllm_worker import ANSWERS
 from .vllm import VLLMBackend
 
 __all__ = ["ServedBackend", "connect", "Server"]
@@ -128,8 +129,10 @@ class Server:
 
         response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
-        # bodies save, and nnsight's error dict); no object the server names is ever built.
-        answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
+        # bodies save, and nnsight's error dict), and the named tuples pipatch's request bodies
+        # answer with (ANSWERS); no other object the server names is ever built.
+        with torch.serialization.safe_globals(list(ANSWERS)):  # for this load only
+            answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
         try:
             raise_deferred(answer.get("error"))
         except Exception as error:  # noqa: BLE001 - the server's exception, named in one line

@@ -55,14 +55,17 @@ from .._compat import nnsight as nnsight_compat
 from .._compat import transformers as transformers_compat
 from .._known import known
 from .._models import Adapter, _get, adapter_for, dispatched, first
-from .._programs._edges import check_circuit_family, mean_cache
+from .._programs._edges import check_circuit_family
 from .._programs._program import Program
 from .._programs.capture import CAPTURE, CaptureRequest, capture_body
 from .._programs.circuit import (
+    CIRCUIT_BASELINES,
     CIRCUIT_RUN,
     EDGE_TERMS,
+    Baselines,
     CircuitRunRequest,
     EdgeTermsRequest,
+    baselines_body,
     circuit_run_body,
     edge_terms_body,
 )
@@ -71,7 +74,7 @@ from .._programs.patch import METRICS, PATCH, PatchRequest, patch_body
 from .._sites import RESID, Site
 from ._contract import Capabilities, refuse
 from ._described import Described
-from ._hf_views import PackedView, RowsView
+from ._hf_views import CircuitTraceView, PackedView, RowsView
 from ._packing import NO_BOUND, PACK_TOKENS, ROW_TOKENS, Packed, layout, with_hidden
 from ._unembedding import Unembedding, unembedding_input
 
@@ -103,7 +106,6 @@ class TransformersBackend(Described):
         self.adapter = adapter_for(self.model)
         self.reuse_prefix = reuse_prefix
         self.pack = pack
-        self._means: tuple[Any, dict[str, Any]] | None = None  # mean ablation's last baseline
 
     # -- what the model is ------------------------------------------------------------------
     @property
@@ -458,31 +460,43 @@ class TransformersBackend(Described):
                 saved.append(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1]))
         return saved[0]
 
-    # -- a circuit's programs: run on this process's torch modules ---------------------------
+    # -- a circuit's programs ------------------------------------------------------------------
     @property
     def torch_model(self) -> Any:
-        """The transformers model under the nnsight wrapper (a circuit's programs call its modules)."""
+        """The transformers model under the nnsight wrapper (the edge terms call its modules)."""
         return self._hf
 
     def _circuit_routines(self) -> dict[str, Any]:
-        return {EDGE_TERMS.name: self._edge_terms, CIRCUIT_RUN.name: self._circuit_runs}
+        return {EDGE_TERMS.name: self._edge_terms, CIRCUIT_BASELINES.name: self._circuit_baselines,
+                CIRCUIT_RUN.name: self._circuit_runs}
 
     def _edge_terms(self, request: EdgeTermsRequest) -> Any:
         check_circuit_family(self.adapter)
         return edge_terms_body(self, request)
 
-    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
-        """:data:`~pipatch._programs.circuit.CIRCUIT_RUN` here. The means of the last
-        ``mean_of`` are kept: a faithfulness curve asks for the same ones at every point."""
+    def _circuit_trace(self, run_ids: torch.Tensor, body: Any, *args: Any) -> Any:
+        """``body(view, *args)`` in one trace of the run inputs ``run_ids`` ([k, T]): one invoke,
+        no key/value cache, the unembedding run at the last position only."""
         check_circuit_family(self.adapter)
-        ablated = None
-        if request.mean_of is not None:
-            key = tuple(tuple(ids.flatten().tolist()) for ids in request.mean_of)
-            if self._means is None or self._means[0] != key:
-                self._means = None  # the old means go before the new ones are computed
-                self._means = (key, mean_cache(self._hf, self.adapter, [ids.to(self.device) for ids in request.mean_of]))
-            ablated = self._means[1]
-        return circuit_run_body(self, request, ablated)
+        model, adapter = self.model, self.adapter
+        with torch.no_grad(), model.trace(use_cache=False, **adapter.trace_kwargs(1)) as tracer:
+            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
+            with tracer.invoke(run_ids.to(self.device)):
+                saved.append(body(CircuitTraceView(adapter, model, self.dtype, run_ids.shape[0]), *args))
+        return saved[0]
+
+    def _circuit_baselines(self, run_ids: torch.Tensor) -> Baselines:
+        """:data:`~pipatch._programs.circuit.CIRCUIT_BASELINES`: every row of ``run_ids`` in one trace."""
+        return self._circuit_trace(run_ids, baselines_body)
+
+    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
+        """:data:`~pipatch._programs.circuit.CIRCUIT_RUN`: every mask of the request in one
+        trace of its run inputs (:attr:`CircuitRunRequest.run_ids`), ``[P]``."""
+        metric, keep, embedded = request.metric, request.keep, request.embedded
+        assert embedded is not None  # circuit_runs computes it first
+        pieces = self._circuit_trace(request.run_ids, circuit_run_body, metric, keep, embedded.to(self.device),
+                                     request.means)
+        return metric.combine(pieces.reshape(keep.shape[0], -1, *pieces.shape[1:]).cpu())
 
 
 def _cat(parts: list[Any]) -> Any:

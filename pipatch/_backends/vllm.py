@@ -9,8 +9,9 @@ embedding at block 0's input, the logits); this module builds the requests and r
 answers. What it adds:
 
 * **No values across invokes.** Each invoke is its own request, so a donor is never read from
-  another invoke (a circuit's runs excepted, below): every cell's donor values and noise
-  draw are shipped with its request (they are small: a position's or a head's slice).
+  another invoke: every cell's donor values and noise draw are shipped with its request (they
+  are small: a position's or a head's slice), and worker-side code keeps nothing from one
+  request to the next.
 * **Blocks below a patch are skipped** (``fast``; :meth:`VLLMBackend._run`): every request of
   a trace skips the blocks below the batch's lowest ``start`` with nnsight's ``.skip()``, the
   last skipped block's output being the base run's states of the cell's seed (with the cell's
@@ -26,10 +27,9 @@ answers. What it adds:
   writes, go through the model's own final norm and ``compute_logits`` in one request for the
   whole batch (:func:`~._vllm_worker.head_request`), instead of one forward each.
 * **No gradients.** vLLM runs inference only: attribution and a circuit's scores are refused
-  in one line. A circuit's runs (its faithfulness curve: each receiver fed its own input) are
-  requests (:meth:`VLLMBackend._circuit_runs`), whose requests of one engine step hand each
-  other a grouped-query group's head outputs in the worker: the one place values cross
-  invokes, each trace's under its own key.
+  in one line. A circuit's runs (its faithfulness curve: each receiver fed its own input) run
+  as one request per run input carrying every mask of a batch (:meth:`VLLMBackend._circuit_runs`),
+  grouped-query attention ungrouped in the request (:class:`~._vllm_worker.RequestCircuitView`).
 * **Interrupts.** Kernel ▸ Interrupt can land while the engine still holds this trace's
   requests; they are aborted before the ``KeyboardInterrupt`` propagates, so the engine is idle
   and the next sweep in the same kernel runs normally.
@@ -38,7 +38,6 @@ answers. What it adds:
 from __future__ import annotations
 
 import functools
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -49,32 +48,30 @@ from .._compat import vllm as vllm_compat
 from .._compat.nnsight import torch_module
 from .._known import known
 from .._models import Adapter, PipatchError, dispatched
+from .._programs._edges import check_circuit_family
 from .._programs.capture import CAPTURE, CaptureRequest
-from .._programs.circuit import CIRCUIT_RUN, EDGE_TERMS, CircuitRunRequest
+from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS, Baselines, CircuitRunRequest
 from .._programs.gradients import GRADIENTS
 from .._programs.patch import PATCH, PatchRequest
 from .._sites import RESID, Site, TensorPlace
 from ._contract import Capabilities, refuse
 from ._described import Described
-from ._vllm_engine import INVOKES_PER_REQUEST, LocalEngine, vllm_adapter
+from ._vllm_engine import LocalEngine, vllm_adapter
 from ._vllm_worker import (
     _HEAD_CELLS,
     CaptureOut,
     PatchOut,
-    _circuit_cache,
-    _circuit_run,
     _compute_logits,
     _worker_memory,
     capture_request,
+    circuit_baselines_request,
+    circuit_request,
     head_request,
     patch_request,
 )
 
 __all__ = ["VLLMBackend"]
 
-#: Prompt tokens a trace that must run as one engine step holds at most: the scheduler's
-#: budget per step is at least the context length (pipatch leaves chunked prefill off).
-_STEP_TOKENS = 2048
 
 
 class VLLMBackend(Described):
@@ -146,8 +143,9 @@ class VLLMBackend(Described):
             raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: score it on "
                                "backend='transformers' (the default) and check those here, "
                                "pipatch.circuit(..., scores=result)")
-        routines: dict[str, Callable[[Any], Any]] = {CAPTURE.name: self._capture, PATCH.name: self._patch,
-                                                     CIRCUIT_RUN.name: self._circuit_runs}
+        routines: dict[str, Callable[[Any], Any]] = {
+            CAPTURE.name: self._capture, PATCH.name: self._patch, CIRCUIT_BASELINES.name: self._circuit_baselines,
+            CIRCUIT_RUN.name: self._circuit_runs}
         routine = routines.get(program.name)
         if routine is None:
             raise refuse(self, program)
@@ -316,51 +314,36 @@ class VLLMBackend(Described):
         its shard of the weights and its own KV cache (pipatch sets 1 GiB)."""
         return self.engine.collective_rpc(_worker_memory)
 
-    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
-        """The metric of the clean prompt run as a circuit, once per mask of ``keep`` ([P,
-        receivers, senders], bool): the transformers backend's
-        :func:`~pipatch._backends._edges.circuit_metrics`, as invokes of this engine.
-
-        Every receiver reads the corrupt run's value at its place (or, with ``mean_of``, the
-        mean over those run inputs) plus its kept senders' writes in this run minus theirs
-        there (:func:`_circuit_run`). A grouped-query model's query heads each read their own
-        keys and values: a mask runs as one request per member of a group, member ``m``'s
-        request feeding the keys and values of the heads ``h`` with ``h % group == m``, and
-        each head's output is taken from its member's request, which the requests of one
-        engine step hand each other in the worker (:data:`_CIRCUITS`). A trace holds whole
-        masks and fits one step; its first invoke carries the baseline values for all. Returns
-        ``[P]``."""
-        adapter = self.adapter
-        clean_ids, corrupt_ids, metric, keep, mean_of = (request.clean_ids, request.corrupt_ids, request.metric,
-                                                         request.keep, request.mean_of)
-        if adapter.tp_ranks > 1:
+    def _check_circuit(self) -> None:
+        """One line for a family pipatch cannot run circuits of, or an engine that splits the
+        layers' weights over ranks (a circuit's runs compute each receiver's input from the
+        whole weights)."""
+        check_circuit_family(self.adapter)
+        if self.adapter.tp_ranks > 1:
             raise PipatchError(f"a circuit's runs compute each receiver's input from the layer's whole weights, which "
-                               f"this engine splits over {adapter.tp_ranks} ranks: measure the curve on one rank "
+                               f"this engine splits over {self.adapter.tp_ranks} ranks: measure the curve on one rank "
                                "(tensor_parallel_size=1) or on backend='transformers', or pass curve=0")
-        inputs = _inputs(metric, clean_ids)
-        k, group = len(inputs), adapter.n_heads // max(1, adapter.n_kv_heads)
-        if mean_of is None:
-            baselines = self._invokes(_circuit_cache, [(ids, (adapter,)) for ids in _inputs(metric, corrupt_ids)])
-        else:
-            runs = self._invokes(_circuit_cache, [(row.tolist(), (adapter,)) for ids in mean_of for row in ids])
-            if not runs:
-                raise PipatchError("mean ablation needs at least one prompt to average over")
-            mean = {name: (sum(run[name].double() for run in runs) / len(runs)).float() for name in runs[0]}
-            baselines = [mean] * k
-        tokens = len(inputs[0]) * k * group  # one mask's requests
-        budget = min(self.context_length or 2048, _STEP_TOKENS)
-        per_trace = max(1, min(INVOKES_PER_REQUEST // (k * group), budget // tokens))
-        values = []
-        for lo in range(0, keep.shape[0], per_trace):
-            masks = keep[lo : lo + per_trace]
-            key = uuid.uuid4().hex
-            jobs: list[tuple[list[int], tuple]] = [
-                (inputs[i], (adapter, metric, masks[p], i, member, (key, p, len(masks) * k * group)))
-                for p in range(len(masks)) for i in range(k) for member in range(group)]
-            jobs[0] = (jobs[0][0], (*jobs[0][1], baselines))
-            pieces = self._invokes(_circuit_run, jobs)[::group]  # every member's run ends the same
-            values.append(metric.combine(_by_run(pieces, k)))
-        return torch.cat(values)
+
+    def _circuit_baselines(self, run_ids: torch.Tensor) -> Baselines:
+        """:data:`~pipatch._programs.circuit.CIRCUIT_BASELINES`: one request per row of
+        ``run_ids`` ([n, T]), all in one trace."""
+        self._check_circuit()
+        outs = self._invokes(circuit_baselines_request, [(row.tolist(), (self.adapter,)) for row in run_ids])
+        return Baselines(*(torch.cat(values) for values in zip(*outs)))
+
+    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
+        """:data:`~pipatch._programs.circuit.CIRCUIT_RUN` as one request per run input (of
+        :attr:`~pipatch._programs.circuit.CircuitRunRequest.run_ids`), all in one trace: each
+        carries every mask of the request, the clean run's embedding output for its input and
+        (mean ablation) the means, and answers the metric's pieces of every mask. Nothing
+        passes between requests. Returns ``[P]``."""
+        self._check_circuit()
+        metric, keep = request.metric, request.keep
+        assert request.embedded is not None  # circuit_runs computes it first
+        jobs = [(ids, (self.adapter, metric, keep, request.embedded[i : i + 1].cpu(), request.means))
+                for i, ids in enumerate(_inputs(metric, request.run_ids))]
+        pieces = self._invokes(circuit_request, jobs)  # each [P, n_read, n_sequences]
+        return metric.combine(torch.stack(pieces, dim=1))
 
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:

@@ -28,6 +28,9 @@ and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipat
   unembedding);
 * stores each value where the sweep says (:meth:`Sweep.store`), calls ``on_row`` after each
   row so a front end can draw it live, and checks ``stop`` between batches;
+* runs :class:`Work` rows, program requests rather than cells (a circuit's gradient passes
+  and faithfulness curve), the same way: each as soon as its plan makes it, after the rows
+  before it, so a plan may make a row from what the rows before it found;
 * runs a :class:`Chain` (several plans in turn, each into its own result: a study's facts,
   never drawn row by row) with their metrics pooled (:class:`~._execute._Pool`): each batch
   runs up to its metric's states (``out="states"``), and the pool finishes a thousand read
@@ -52,8 +55,8 @@ from ._execute import EngineError, execute, stop_check
 from ._plans import POOL_POSITIONS, Chain, Plan, Predictor
 from ._schedule import JOIN_COST, RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS, TRACE_COST, batches
 from ._sizing import check_batch_size
-from ._sweeps import SiteSweep, Sweep
+from ._sweeps import SiteSweep, Sweep, Work
 
-__all__ = ["Sweep", "SiteSweep", "Plan", "Chain", "Predictor", "execute", "stop_check", "batches", "EngineError",
+__all__ = ["Sweep", "SiteSweep", "Work", "Plan", "Chain", "Predictor", "execute", "stop_check", "batches", "EngineError",
            "auto_batch_size", "batch_size_for_memory", "check_batch_size", "POOL_POSITIONS", "TRACE_COST", "JOIN_COST",
            "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS"]

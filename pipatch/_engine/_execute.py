@@ -5,6 +5,9 @@ the backend, stores each value where its sweep says, calls ``on_row`` after each
 row and checks ``stop`` between batches. A :class:`_Pool` holds batches that ran only up to
 their metric's states, to finish many at once (a :class:`~._plans.Chain`'s).
 
+A :class:`~._sweeps.Work` row (program requests, not cells) runs its items a batch at a time
+(:func:`_run_work`).
+
 Stopping and failures: ``stop`` (an Event or a function) ends the run ``"stopped"``, Ctrl-C /
 a kernel interrupt ends it ``"interrupted"`` (both between batches, :func:`_interrupt_flag`),
 with every finished row kept. A batch that runs out of memory is halved and retried; any
@@ -30,8 +33,8 @@ import torch
 from .._cells import Cell
 from .._models import PipatchError
 from .._programs.patch import PatchRequest, metrics, patch
-from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, batches
-from ._sweeps import Sweep
+from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, _WorkRow, batches
+from ._sweeps import Sweep, Work
 
 __all__ = ["execute", "stop_check", "EngineError"]
 
@@ -131,6 +134,28 @@ def _run_cells(plan: Any, rowgroup: _RowGroup, should_stop: Callable[[], bool] |
             _store_values(plan, sweep, group, values, stats)
     for cell in rowgroup.filled:  # last, so a stopped or failed group leaves its rows unfilled
         plan.store(sweep, cell, float(sweep.base.capture.metric[cell.seed]))
+    return True
+
+
+def _run_work(plan: Any, work: Work, row: int, should_stop: Callable[[], bool] | None) -> bool:
+    """Run row ``row`` of ``work``: its items, ``size`` a request (the plan's batch size at first,
+    halved while a request runs out of memory), each answer stored at once; False when stopped
+    before it finished. Any other failure raises :class:`EngineError` naming the row."""
+    n, lo = work.items(row), 0
+    size = max(1, min(n, plan.owner(work).batch_size))
+    while lo < n:
+        if should_stop is not None and should_stop():
+            return False
+        items = range(lo, min(n, lo + size))
+        try:
+            value = work.run(plan.backend, row, items)
+        except Exception as error:  # noqa: BLE001 - re-raised with the row named
+            if _is_oom(error) and len(items) > 1:
+                size = max(1, len(items) // 2)
+                continue
+            raise EngineError(f"{work.view}: {work.describe(row)} failed: {type(error).__name__}: {error}") from error
+        work.store(plan.owner(work).result, row, items, value)
+        lo = items.stop
     return True
 
 
@@ -308,7 +333,7 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
     finished_rows = 0
     pool = _Pool(plan, stats) if plan.pool_positions and plan.fast else None
 
-    def rows_done(groups: list[_RowGroup]) -> None:
+    def rows_done(groups: list[_RowGroup] | list[_WorkRow]) -> None:
         nonlocal finished_rows
         for rowgroup in groups:
             for row in rowgroup.rows:
@@ -325,11 +350,16 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
 
             for rowgroup in _row_groups(plan, stats):
                 held = pool.held if pool is not None else 0
-                finished = _run_cells(plan, rowgroup, halt, stats, pool)
-                if pool is not None and finished and pool.held > held:
-                    pool.waiting.append(rowgroup)  # its rows are done when the pool is flushed
-                elif finished:
-                    rows_done([rowgroup])
+                if isinstance(rowgroup, _WorkRow):
+                    finished = _run_work(plan, rowgroup.sweep, rowgroup.rows[0], halt)
+                    if finished:
+                        rows_done([rowgroup])
+                else:
+                    finished = _run_cells(plan, rowgroup, halt, stats, pool)
+                    if pool is not None and finished and pool.held > held:
+                        pool.waiting.append(rowgroup)  # its rows are done when the pool is flushed
+                    elif finished:
+                        rows_done([rowgroup])
                 if pool is not None and (not finished or interrupted.is_set()
                                          or pool.positions >= plan.pool_positions):
                     rows_done(pool.flush())
@@ -338,6 +368,8 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
                 if not finished:
                     result.status = "stopped"
                     result.message = f"stopped by request after {finished_rows} row(s)"
+                    if isinstance(rowgroup, _WorkRow):
+                        result.message += f", before {rowgroup.sweep.describe(rowgroup.rows[0])}"
                     break
             else:
                 if pool is not None:

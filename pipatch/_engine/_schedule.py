@@ -8,7 +8,8 @@ the tests check it without loading one:
 * :func:`_pending` splits a row into the cells that need a forward and those whose value is
   the base run's (:func:`~._sweeps._is_noop`, :func:`~._sweeps._is_unread`);
 * :func:`_row_groups` lets consecutive rows share their traces (:func:`_joins`) or their pass
-  over the unembedding (:func:`_shares`), the first row alone so it shows soonest;
+  over the unembedding (:func:`_shares`), the first row alone so it shows soonest; a
+  :class:`~._sweeps.Work` row is a group of its own, run before the next task is made;
 * :func:`batches` cuts a row group's cells into traces of at most ``batch_size`` invokes:
   packed (:func:`_packed_traces`), or grouped by ``start`` layer and first written position.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._cells import Cell
-from ._sweeps import Sweep, _is_noop, _is_unread
+from ._sweeps import Sweep, Work, _is_noop, _is_unread
 
 __all__ = ["batches", "TRACE_COST", "JOIN_COST", "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS"]
 
@@ -211,6 +212,14 @@ class _RowGroup:
         self.parts[-1] = part
 
 
+@dataclass
+class _WorkRow:
+    """A :class:`~._sweeps.Work` row: a group of its own (:func:`_row_groups`)."""
+
+    sweep: Work
+    rows: list[int]
+
+
 def _work(sweep: Sweep, cells: list[Cell]) -> int:
     """What running ``cells`` costs, about, in positions through one block: each cell's
     positions from its first written one through the blocks from its ``start`` up (and one
@@ -231,18 +240,28 @@ def _shares(plan: Any, held: _RowGroup, cells: list[Cell]) -> bool:
             and not _two_stage(cells) and not any(_two_stage(part) for part in held.parts))
 
 
-def _row_groups(plan: Any, stats: dict) -> Iterator[_RowGroup]:
+def _row_groups(plan: Any, stats: dict) -> Iterator[_RowGroup | _WorkRow]:
     """The plan's tasks as row groups (:class:`_RowGroup`): one row, or several consecutive
     rows of one sweep that share traces (rows from the last layer down, :func:`_joins`) or the
     metric's unembedding (:func:`_shares`). The first group is one row, so the first finished
     row shows soonest; so is each plan's first of a :class:`Chain` (its groups are the ones it
-    makes alone)."""
+    makes alone).
+
+    A group is held until the next task is made (that task may join it); a
+    :class:`~._sweeps.Work` row never is: it and the group before it are yielded at once, so
+    both have run when the plan makes its next task, which may read what they left."""
     held: _RowGroup | None = None
     groups = 0
     owner = None
     for sweep, row in plan.tasks():
         first = plan.owner(sweep) is not owner  # a plan's first task: a group of its own
         owner = plan.owner(sweep)
+        if isinstance(sweep, Work):
+            if held is not None:
+                yield held
+            held, groups = None, groups + 1
+            yield _WorkRow(sweep, [row])
+            continue
         pending, filled = _pending(plan, sweep, row, stats)
         if held is not None and groups and held.sweep is sweep and not first:
             if plan.row_order == -1 and _joins(plan, sweep, held, pending):

@@ -1,10 +1,13 @@
-"""Sweeps: grids of cells over one base run, and the two tests that fill a cell without a run.
+"""Sweeps: grids of cells over one base run, the two tests that fill a cell without a run,
+and work whose rows are program requests.
 
 A :class:`Sweep` is what a protocol hands the engine: ``sweep.cell(row, col, seed)`` is one
 patched run (:class:`~pipatch._cells.Cell`), and ``sweep.store`` puts its value into the
 result. :class:`SiteSweep` is the common one: write a donor's value of one site at each
 (layer, column). :func:`_is_noop` and :func:`_is_unread` say when a cell's value is the base
-run's own metric, so the engine fills it without a forward pass.
+run's own metric, so the engine fills it without a forward pass. A :class:`Work`'s rows are
+requests of a program (:mod:`pipatch._programs`) rather than cells: a circuit's gradient
+passes and its faithfulness curve's points.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .._cells import Base, Cell, Metric, Op
 from .._models import Adapter
 from .._sites import Site
 
-__all__ = ["Sweep", "SiteSweep"]
+__all__ = ["Sweep", "SiteSweep", "Work"]
 
 
 @dataclass
@@ -102,6 +105,50 @@ class SiteSweep(Sweep):
         return Cell(row, col, seed, start=site.start_layer(row), ops=ops)
 
 
+@dataclass(eq=False)  # told apart by identity, as the engine holds them
+class Work:
+    """Rows that are program requests, not cells: run like a sweep's (``on_row`` after each,
+    Stop and an interrupt between them, a failure an :class:`~._execute.EngineError` naming
+    the row), each as soon as the plan makes it, so a row may be made from the results of
+    the rows before it (:meth:`~._plans.Plan.tasks` is a generator).
+
+    Row ``row`` holds :meth:`items` items (a curve point's masks; one gradient pass), run
+    ``size`` at a time (:meth:`run`, one request each; the plan's batch size at first, halved
+    while a request runs out of memory), each request's answer handed to :meth:`store`.
+    Subclasses define :meth:`run` and :meth:`store`.
+
+    Attributes
+    ----------
+    view
+        The view ``on_row`` is told.
+    n_rows
+        How many rows there are, or may be (rows made later may be fewer).
+    """
+
+    view: str
+    n_rows: int
+
+    def items(self, row: int) -> int:
+        """How many items row ``row`` holds."""
+        return 1
+
+    def describe(self, row: int) -> str:
+        """Row ``row`` in a message: what failed, or what a stop came before."""
+        return f"row {row}"
+
+    def run(self, backend: Any, row: int, items: range) -> Any:
+        """Run ``items`` of row ``row`` on ``backend`` (one request); its answer."""
+        raise NotImplementedError
+
+    def store(self, result: Any, row: int, items: range, value: Any) -> None:
+        """Put ``value``, the answer for ``items`` of row ``row``, into ``result``."""
+        raise NotImplementedError
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False
+
+
 def _is_noop(base: Base, cell: Cell, agrees_before: int = 0) -> bool:
     """True when every op of ``cell`` writes back the value the base run already has there:
     every op writes before position ``agrees_before`` (:attr:`Sweep.agrees_before`), or its
@@ -137,7 +184,3 @@ def _is_unread(base: Base, cell: Cell) -> bool:
             return False
     return True
 
-
-# --------------------------------------------------------------------------------------------
-# Plans
-# --------------------------------------------------------------------------------------------

@@ -7,20 +7,23 @@ process, on a vLLM engine, on ``pipatch serve``, on NDIF. The same body runs on 
 the backend's :class:`~._program.View` of its trace, so a number never depends on which
 backend computed it beyond floating-point order.
 
-==================  ===================  ====================================================
-program             capability needed    what it computes
-==================  ===================  ====================================================
-``capture``         —                    base runs: the embedding, every block's state, the
-                                         named sites' values and the metric (:mod:`.capture`)
-``patch``           —                    a batch of cells, each its ops in forward order, then
-                                         the metric, its states or the logits (:mod:`.patch`)
-``metrics``         pools_unembedding    many batches' metrics in one pass over the
-                                         unembedding (:mod:`.patch`)
-``gradients``       gradients            d metric / d site at every layer (:mod:`.gradients`)
-``edge_terms``      gradients            a circuit's sender writes and receiver gradients
-                                         (:mod:`.circuit`)
-``circuit_run``     circuit_runs         the clean prompt run as circuits (:mod:`.circuit`)
-==================  ===================  ====================================================
+=====================  ===================  ====================================================
+program                capability needed    what it computes
+=====================  ===================  ====================================================
+``capture``            —                    base runs: the embedding, every block's state, the
+                                            named sites' values and the metric (:mod:`.capture`)
+``patch``              —                    a batch of cells, each its ops in forward order, then
+                                            the metric, its states or the logits (:mod:`.patch`)
+``metrics``            pools_unembedding    many batches' metrics in one pass over the
+                                            unembedding (:mod:`.patch`)
+``gradients``          gradients            d metric / d site at every layer (:mod:`.gradients`)
+``edge_terms``         gradients            a circuit's sender writes and receiver gradients
+                                            (:mod:`.circuit`)
+``circuit_baselines``  circuit_runs         what a circuit run reads of a run: the embeddings,
+                                            each layer's streams, heads and MLP (:mod:`.circuit`)
+``circuit_run``        circuit_runs         the clean prompt run as circuits, grouped-query
+                                            attention ungrouped (:mod:`.circuit`)
+=====================  ===================  ====================================================
 
 Each program is a :class:`~._program.Program` (name, version, the capability it needs, its
 body), listed by name in :data:`~._program.PROGRAMS`, with a request type and a function that
@@ -29,10 +32,22 @@ runs it on a backend (``capture(backend, ...)``, ``patch(backend, request)``, ..
 
 from ._program import PROGRAMS, Program, View
 from .capture import CAPTURE, CaptureRequest, capture, captures
-from .circuit import CIRCUIT_RUN, EDGE_TERMS, CircuitRunRequest, EdgeTermsRequest, circuit_runs, edge_terms
+from .circuit import (
+    CIRCUIT_BASELINES,
+    CIRCUIT_RUN,
+    EDGE_TERMS,
+    Baselines,
+    CircuitRunRequest,
+    EdgeTermsRequest,
+    circuit_baselines,
+    circuit_means,
+    circuit_runs,
+    edge_terms,
+)
 from .gradients import GRADIENTS, GradientRequest, gradients
 from .patch import METRICS, PATCH, PatchRequest, metrics, patch
 
-__all__ = ["PROGRAMS", "Program", "View", "CAPTURE", "PATCH", "METRICS", "GRADIENTS", "EDGE_TERMS", "CIRCUIT_RUN",
-           "CaptureRequest", "PatchRequest", "GradientRequest", "EdgeTermsRequest", "CircuitRunRequest", "capture",
-           "captures", "patch", "metrics", "gradients", "edge_terms", "circuit_runs"]
+__all__ = ["PROGRAMS", "Program", "View", "CAPTURE", "PATCH", "METRICS", "GRADIENTS", "EDGE_TERMS",
+           "CIRCUIT_BASELINES", "CIRCUIT_RUN", "CaptureRequest", "PatchRequest", "GradientRequest", "EdgeTermsRequest",
+           "CircuitRunRequest", "Baselines", "capture", "captures", "patch", "metrics", "gradients", "edge_terms",
+           "circuit_baselines", "circuit_means", "circuit_runs"]

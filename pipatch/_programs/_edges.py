@@ -53,12 +53,11 @@ from typing import Any
 import torch
 
 from .._cells import Capture, Metric
-from .._graph import graph
 from .._models import Adapter, PipatchError, _get, first
 from .._sites import HEAD, MLP, QKV
 
 __all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family",
-           "head_writes", "circuit_metrics", "mean_cache"]
+           "head_writes"]
 
 #: Receivers re-run through their norm and projection together (memory: ``chunk × T × d``).
 CHUNK = 48
@@ -95,12 +94,6 @@ def check_circuit_family(adapter: Adapter) -> None:
     if adapter.mlp_norm is None:
         raise PipatchError(f"circuits are not supported for {adapter.family}: its MLP reads the attention's own normed "
                            "input, so an MLP's input cannot be told from the heads'; use path_patch or attribute")
-
-
-def _named(path: str | None) -> str:
-    """A module path the adapter found (:func:`check_circuit_family` refuses a family without)."""
-    assert path is not None, "a circuit needs its family's norms (check_circuit_family)"
-    return path
 
 
 def _module(hf: Any, adapter: Adapter, layer: int, path: str | None) -> Any:
@@ -246,185 +239,11 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
     return qkv, mlps, logits, float(score.detach())
 
 
-# --------------------------------------------------------------------------------------------
-# A circuit's run: every receiver reads the corrupt residual plus its kept edges' writes
-# --------------------------------------------------------------------------------------------
-
-
-def circuit_metrics(hf: Any, adapter: Adapter, metric: Metric, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor,
-                    keep: torch.Tensor, ablated: dict[str, Any] | None = None) -> torch.Tensor:
-    """The metric of the clean prompt run as a circuit, once per mask of ``keep``
-    ([P, receivers, senders], bool, in :func:`pipatch._graph.graph` order).
-
-    In the run each receiver reads its own input: the corrupt run's residual stream at its place,
-    plus what each kept edge's sender writes in *this* run minus what it wrote in the corrupt
-    run (Hanna et al.'s evaluation of a circuit). A sender none of whose inputs are kept writes
-    what it wrote in the corrupt run, so an edge carries something only on a kept path from the
-    embeddings (which read the clean prompt). With no edge kept the run is the corrupt run; with
-    every edge kept it is the clean run wherever a layer's write is the sum of its heads' (every
-    family but those that normalize the attention's output before adding it, Gemma 2 and 3,
-    where each head's write is read with the others at their corrupt values). A grouped-query
-    model's query heads each read their own keys and values: the layer's attention runs once
-    per member of a group, its projections fed that member's inputs. Every position is read
-    this way (a multi-token answer's too). All the masks run as one batch; returns [P].
-    Plain PyTorch hooks on the torch model, removed when it returns.
-
-    ``ablated`` (a :func:`mean_cache`) replaces the corrupt run's values by a dataset's mean:
-    mean ablation, where every edge not kept carries its sender's mean write (with no edge
-    kept, each receiver reads the mean residual stream).
-    """
-    P, H, L = keep.shape[0], adapter.n_heads, adapter.n_layers
-    group = H // max(1, adapter.n_kv_heads)
-    edge_graph = graph(adapter)
-    inputs = metric.inputs(clean_ids)
-    k = inputs.shape[0]
-    corrupt = _corrupt_cache(hf, adapter, metric.inputs(corrupt_ids)) if ablated is None else _rows(ablated, k)
-    device = corrupt["embedded"].device
-    keep = keep.to(device=device, dtype=torch.float32).repeat_interleave(k, dim=0)  # row b reads mask b // k
-    deltas = torch.zeros(P * k, keep.shape[2], *corrupt["embedded"].shape[1:], device=device)  # [B, senders, T', d]
-    blocks = _get(hf, adapter.blocks)
-    state: dict[str, Any] = {"busy": 0, "member": 0, "layer": None}
-
-    def computing():
-        """While pipatch calls a module itself, its hooks stand aside."""
-        class Busy:
-            def __enter__(self):
-                state["busy"] += 1
-
-            def __exit__(self, *exc):
-                state["busy"] -= 1
-        return Busy()
-
-    def fed(base: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Each receiver's input: the corrupt ``base`` [k, T', d] plus its kept senders' writes
-        (``rows`` [B, r, senders]) → [B, r, T', d]."""
-        return base.float().repeat(P, 1, 1)[:, None] + torch.einsum("brs,bstd->brtd", rows, deltas)
-
-    hooks: list[tuple[Any, str, Any]] = []
-
-    def on_embedding(module, args, out):
-        deltas[:, edge_graph.emb] = out.float() - corrupt["embedded"].float().repeat(P, 1, 1)
-
-    hooks.append((adapter.embedding(hf), "post", on_embedding))
-    for layer in range(L):
-        block = blocks[layer]
-        attn = _get(block, adapter.attn)
-        out_proj = _get(attn, adapter.out_proj)
-        projections = [_get(attn, name) for name in adapter.qkv]
-
-        def on_projection(module, args, out, layer=layer, block=block, projections=projections):
-            if state["busy"]:
-                return None
-            qkvs = edge_graph.qkvs(layer)
-            if state["layer"] != layer:  # every q/k/v receiver's normed input at this layer, once
-                x = fed(corrupt["x"][layer], keep[:, qkvs])  # [B, 3H, T', d]
-                with computing():
-                    normed = first(_get(block, adapter.attn_norm)(x.flatten(0, 1).to(out.dtype)))
-                state["normed"] = normed.reshape(x.shape)
-                state["layer"] = layer
-            index = next(i for i, p in enumerate(projections) if p is module)
-            # The receivers whose columns this projection holds, of the heads whose output this
-            # call gives (a group's member: ``z`` of the others comes from their own calls).
-            mine = []
-            for head in range(H):
-                for which in QKV:
-                    name, lo, hi = adapter.qkv_columns(which, head)
-                    if adapter.qkv.index(name) == index and head % group == state["member"]:
-                        mine.append((edge_graph.qkv(layer, head, which) - qkvs.start, lo, hi))
-            normed = state["normed"][:, [r for r, _, _ in mine]]  # [B, n, T', d]
-            with computing():
-                projected = first(module(normed.flatten(0, 1))).reshape(*normed.shape[:3], -1)
-            out = out.clone()
-            for i, (_, lo, hi) in enumerate(mine):
-                out[..., lo:hi] = projected[:, i, :, lo:hi].to(out.dtype)
-            return out
-
-        def on_out_proj(module, args):
-            if not state["busy"]:
-                state["z"] = args[0]
-
-        def on_attention(module, args, kwargs, out, layer=layer, block=block, out_proj=out_proj):
-            if state["busy"] or state["member"]:
-                return None
-            z = state.pop("z")
-            if group > 1:  # each member of a group reads its own keys and values: one call each
-                parts = [z]
-                for member in range(1, group):
-                    state["member"] = member
-                    module(*args, **kwargs)
-                    parts.append(state.pop("z"))
-                state["member"] = 0
-                z = z.clone()
-                for head in range(H):
-                    cut = HEAD.head_slice(adapter, head)
-                    z[..., cut] = parts[head % group][..., cut]
-            with computing():
-                post = _get(block, adapter.attn_post_norm) if adapter.attn_post_norm else None
-                write, each = head_writes(adapter, lambda x: first(out_proj(x)), post, z,
-                                          corrupt["z"][layer].repeat(P, 1, 1).to(z.dtype))
-                result = first(out_proj(z))
-            deltas[:, edge_graph.heads(layer)] = each - write[:, None]
-            return (result,) + tuple(out[1:]) if isinstance(out, tuple) else result
-
-        def on_mlp_input(module, args, layer=layer, block=block):
-            if state["busy"]:
-                return None
-            x = fed(corrupt["x_mid"][layer], keep[:, edge_graph.mlp_in(layer), None])[:, 0]
-            with computing():
-                normed = first(_get(block, adapter.mlp_norm)(x.to(args[0].dtype)))
-            return (normed,) + tuple(args[1:])
-
-        def on_mlp_output(module, args, out, block=block, layer=layer):
-            if state["busy"]:
-                return
-            post = _get(block, adapter.mlp_post_norm) if adapter.mlp_post_norm else None
-            live = first(out)
-            pair = torch.cat([live, corrupt["mlp"][layer].to(live.dtype)])
-            with computing():
-                pair = (post(pair) if post is not None else pair).float()
-            deltas[:, edge_graph.mlp(layer)] = pair[: live.shape[0]] - pair[live.shape[0]:].repeat(P, 1, 1)
-
-        hooks += [(p, "post", on_projection) for p in projections]
-        hooks += [(out_proj, "pre", on_out_proj), (attn, "post_kw", on_attention),
-                  (_get(block, adapter.mlp), "pre", on_mlp_input), (_get(block, adapter.mlp), "post", on_mlp_output)]
-
-    def on_final(module, args):
-        x = fed(corrupt["x_final"], keep[:, edge_graph.logits, None])[:, 0]
-        return (x.to(args[0].dtype),) + tuple(args[1:])
-
-    hooks.append((_get(hf, _named(adapter.final_norm)), "pre", on_final))
-    m = metric.n_read
-    with _hooked(hooks), torch.no_grad():
-        logits = hf(input_ids=inputs.repeat(P, 1).to(device), use_cache=False, **adapter.trace_kwargs(m)).logits
-    return metric.score(logits[:, -m:].reshape(P, k, m, -1).float()).cpu()
-
-
-class _hooked:
-    """Register ``(module, "pre" | "post" | "post_kw", hook)`` for the block, always removing them."""
-
-    def __init__(self, hooks: list[tuple[Any, str, Any]]):
-        self.hooks: list[tuple[Any, str, Any]] = hooks
-        self.handles: list[Any] = []
-
-    def __enter__(self):
-        for module, kind, fn in self.hooks:
-            if kind == "pre":
-                self.handles.append(module.register_forward_pre_hook(fn))
-            elif kind == "post":
-                self.handles.append(module.register_forward_hook(fn))
-            else:
-                self.handles.append(module.register_forward_hook(fn, with_kwargs=True))
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-
-
 def head_writes(adapter: Adapter, project: Any, post: Any, z: torch.Tensor, z_corrupt: torch.Tensor):
     """(the write of ``z_corrupt`` [B, T', H·hd], each head's write with its slice from ``z``: [B, H, T', d]),
     float32: ``project`` is the attention's output projection and ``post`` its output norm
-    (Gemma's; ``None`` elsewhere), functions of a [rows, T', ...] tensor (the transformers
-    backend's modules, or the vLLM backend's calls outside the forward)."""
+    (Gemma's; ``None`` elsewhere), functions of a [rows, T', ...] tensor (a circuit view's
+    module calls, :class:`~pipatch._programs.circuit.CircuitView`)."""
     H = adapter.n_heads
     swapped = z_corrupt[:, None].repeat(1, H, 1, 1)
     for head in range(H):
@@ -436,63 +255,3 @@ def head_writes(adapter: Adapter, project: Any, post: Any, z: torch.Tensor, z_co
         both = post(both)
     both = both.float()
     return both[B * H :], both[: B * H].reshape(B, H, T, -1)
-
-
-def mean_cache(hf: Any, adapter: Adapter, prompts: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """The values :func:`circuit_metrics` reads for an ablated edge, averaged position by
-    position over ``prompts`` (each a run's input ids [n, T'], every one the same length T'):
-    mean ablation's baseline, [1, T', ...] per value. One forward per prompt; the running sum
-    is the only cache held."""
-    total: dict[str, Any] | None = None
-    rows = 0
-    for inputs in prompts:
-        one = _corrupt_cache(hf, adapter, inputs)
-        rows += inputs.shape[0]
-        summed = _map(one, lambda t: t.double().sum(0, keepdim=True))
-        total = summed if total is None else _map2(total, summed, torch.add)
-    if total is None:
-        raise PipatchError("mean ablation needs at least one prompt to average over")
-    return _map(total, lambda t: (t / rows).float())
-
-
-def _map(cache: dict[str, Any], fn: Any) -> dict[str, Any]:
-    """``fn`` on every tensor of a cache (:func:`_corrupt_cache`'s shape: tensors and dicts of them)."""
-    return {key: ({i: fn(t) for i, t in value.items()} if isinstance(value, dict) else fn(value))
-            for key, value in cache.items()}
-
-
-def _map2(a: dict[str, Any], b: dict[str, Any], fn: Any) -> dict[str, Any]:
-    return {key: ({i: fn(t, b[key][i]) for i, t in value.items()} if isinstance(value, dict) else fn(value, b[key]))
-            for key, value in a.items()}
-
-
-def _rows(cache: dict[str, Any], k: int) -> dict[str, Any]:
-    """A :func:`mean_cache` for a run of ``k`` inputs (each reads the same means)."""
-    return _map(cache, lambda t: t.expand(k, *t.shape[1:]))
-
-
-def _corrupt_cache(hf: Any, adapter: Adapter, inputs: torch.Tensor) -> dict[str, Any]:
-    """The corrupt run's values a circuit's run reads: the embeddings (``embedded``), each layer's
-    attention-norm input (``x``), ``z``, MLP-norm input (``x_mid``) and MLP output (``mlp``), and
-    the final norm's input (``x_final``)."""
-    cache: dict[str, Any] = {"x": {}, "z": {}, "x_mid": {}, "mlp": {}}
-    blocks = _get(hf, adapter.blocks)
-    hooks: list[tuple[Any, str, Any]] = [
-        (adapter.embedding(hf), "post", lambda m, a, o: cache.__setitem__("embedded", o.detach().clone()))]
-    for layer in range(adapter.n_layers):
-        block = blocks[layer]
-        attn = _get(block, adapter.attn)
-        hooks += [
-            (_get(block, _named(adapter.attn_norm)), "pre",
-             lambda m, a, i=layer: cache["x"].__setitem__(i, a[0].detach().clone())),
-            (_get(attn, adapter.out_proj), "pre", lambda m, a, i=layer: cache["z"].__setitem__(i, a[0].detach().clone())),
-            (_get(block, _named(adapter.mlp_norm)), "pre",
-             lambda m, a, i=layer: cache["x_mid"].__setitem__(i, a[0].detach().clone())),
-            (_get(block, adapter.mlp), "post",
-             lambda m, a, o, i=layer: cache["mlp"].__setitem__(i, first(o).detach().clone())),
-        ]
-    hooks.append((_get(hf, _named(adapter.final_norm)), "pre",
-                  lambda m, a: cache.__setitem__("x_final", a[0].detach().clone())))
-    with _hooked(hooks), torch.no_grad():
-        hf(input_ids=inputs.to(next(hf.parameters()).device), use_cache=False, **adapter.trace_kwargs(1))
-    return cache

@@ -247,7 +247,7 @@ def circuit_code(result: Any, adapter: Adapter) -> tuple[str, str, list[Site], s
     """A circuit's part of ``Result.code()``'s script (assembled by :func:`pipatch._code.script`):
     the name of the script's function, its code, the sites it reads (z, the MLP's output and
     input, the q/k/v projections) and a summary for the script's docstring. The scores are
-    EAP / EAP-IG as :mod:`pipatch._backends._edges` defines them."""
+    EAP / EAP-IG as :mod:`pipatch._programs._edges` defines them."""
     meta = result.meta
     norms = {what: getattr(adapter, what) for what in ("attn_norm", "mlp_norm", "final_norm")}
     if any(path is None for path in norms.values()) or adapter.qkv_layout is None or not adapter.qkv:

@@ -15,7 +15,7 @@ it: which sender's write reaches which receiver. The graph (as in Hanna et al.'s
 metric moves when that edge alone carries the clean value into the corrupt run: the sender's
 write difference (clean − corrupt) dotted with the gradient of the metric at the receiver's
 own copy of the residual, from one clean run, one corrupt run and one backward
-(:mod:`pipatch._backends._edges` computes both factors). EAP-IG averages the gradients over
+(:mod:`pipatch._programs._edges` computes both factors). EAP-IG averages the gradients over
 ``steps`` points between the corrupt and the clean input embeddings (``steps=1`` is EAP).
 A grouped-query model's key and value gradients are each query head's own share.
 
@@ -30,7 +30,8 @@ patched keys. The result keeps both numbers and their rank correlation.
 **Faithfulness.** A circuit is the top-n edges by |score|; every other edge is ablated to its
 corrupt value: the clean prompt runs with each receiver reading the corrupt residual plus the
 writes of its kept senders in this run, less what they wrote in the corrupt run
-(:func:`pipatch._backends._edges.circuit_metrics`). ``curve`` sizes from none (the corrupt
+(:func:`pipatch._programs.circuit.circuit_run_body`; a grouped-query model's attention runs
+ungrouped, each query head with its own keys and values). ``curve`` sizes from none (the corrupt
 run, recovery 0) to every edge (the clean run, 1, where a layer's write is its heads' sum)
 give the curve; the smallest circuit reaching ``share`` (80 %) is then narrowed by bisection.
 ``ablation="mean"`` ablates to the mean instead (Wang et al.'s mean ablation): every value the
@@ -42,10 +43,15 @@ and corrupt metrics, so the empty circuit's point says how much the mean alone k
 refuse them in one line, and check scores computed there: ``pipatch.circuit(vllm_model, ...,
 scores=result)`` (a circuit result of the same model, or its file) runs the exact edge patches
 on that backend, the checks and their rank correlation kept. The curve's runs (each receiver
-fed its own input) run on the transformers backend, on vLLM and on a served model
-(:meth:`pipatch._backends.vllm.VLLMBackend.circuit_metrics`: one request per member of a
-grouped-query group); a backend that cannot run them (NDIF, a tensor-parallel engine) makes
-the curve one warning (``curve=0`` asks for none).
+fed its own input) run on the transformers backend, on vLLM and on a served model (one
+request per run input, every mask of a point in it); a backend that cannot run them (NDIF, a
+tensor-parallel engine) makes the curve one warning (``curve=0`` asks for none).
+
+**Running.** The planner captures each pair's runs and the curve's baselines; the rest is
+the engine's work, batched, live and stoppable like every sweep (:class:`_CircuitPlan`): the
+gradient passes (one row a pair), then the exact patches, then the curve (:data:`SIZES_PER_RUN`
+sizes a row, then the bisection's points), each made once the work it reads has run. Stop or
+an interrupt between rows keeps what finished: the scores, the checks, the curve so far.
 
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
@@ -59,7 +65,7 @@ table and its ``graph()`` the graph as JSON.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,11 +75,20 @@ from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
 from .._circuit_result import VIEW_EDGES, CircuitResult
 from .._declare import PAIR, Experiment, Param, count, positive_int
-from .._engine import Plan, Predictor, Sweep, check_batch_size, stop_check
+from .._engine import Plan, Predictor, Sweep, Work, check_batch_size
 from .._graph import Node, graph
 from .._models import Adapter, PipatchError
+from .._programs._edges import check_circuit_family
 from .._programs.capture import captures
-from .._programs.circuit import CircuitRunRequest, EdgeTermsRequest, circuit_runs, edge_terms
+from .._programs.circuit import (
+    Baselines,
+    CircuitRunRequest,
+    EdgeTermsRequest,
+    circuit_baselines,
+    circuit_means,
+    circuit_runs,
+    edge_terms,
+)
 from .._result import load_result
 from .._sites import ATTN, EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV, projection
 from . import _circuit_code
@@ -167,20 +182,85 @@ def _mean_change(values: list[float], corrupt: list[float]) -> float:
     return sum(v - c for v, c in zip(values, corrupt)) / len(values)
 
 
-class _CircuitPlan(Plan):
-    """The exact patches run like any sweep; their means and agreement are summarised at the end.
-    A click on grid cell (receiver, sender) runs that edge's exact patch on the first pair."""
+class _Gradients(Work):
+    """Row ``i``: the gradient pass of pair ``i`` (:data:`~pipatch._programs.circuit.EDGE_TERMS`),
+    its edge terms added to :attr:`total` ([receivers, senders], float64)."""
 
-    def __init__(self, *args: Any, clicks: list[_EdgeSweep], senders: Sequence[Node], receivers: Sequence[Node],
-                 valid: torch.Tensor, curve: Iterator[dict[str, Any]] | None, **kwargs: Any):
+    def __init__(self, runs: list[tuple[Any, Capture, Capture]], steps: int, edge_graph: Any):
+        super().__init__(VIEW, len(runs))
+        self.runs, self.steps, self.edge_graph = runs, steps, edge_graph
+        self.total = torch.zeros(edge_graph.valid.shape, dtype=torch.float64)
+
+    def describe(self, row: int) -> str:
+        return f"the gradient pass of pair {row + 1} of {self.n_rows}"
+
+    def run(self, backend: Any, row: int, items: range) -> Any:
+        pair, clean_run, corrupt_run = self.runs[row]
+        return edge_terms(backend, EdgeTermsRequest(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run,
+                                                    corrupt_run, self.steps))
+
+    def store(self, result: Any, row: int, items: range, value: Any) -> None:
+        writes, grads = value
+        self.total += torch.einsum("rtd,std->rs", self.edge_graph.stack_gradients(grads).double(),
+                                   self.edge_graph.stack_writes(writes).double())
+
+
+class _CircuitPlan(Plan):
+    """A circuit's work through the engine: the gradient passes (one :class:`_Gradients` row a
+    pair; none with given scores), then the exact patches of the top edges (their sweeps made
+    from the scores), then the faithfulness curve (:class:`_Curve`: each point made from the
+    curve so far). Each task is made when the plan's generator is resumed, after the work it
+    reads has run (:meth:`~pipatch._engine.Plan.tasks`). The checks' means and agreement are
+    summarised at the end. A click on grid cell (receiver, sender) runs that edge's exact patch
+    on the first pair."""
+
+    def __init__(self, *args: Any, runs: list[tuple[Any, Capture, Capture]], clicks: list[_EdgeSweep],
+                 edge_graph: Any, verify: int, gradients: _Gradients | None, curve: _Curve | None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._clicks, self._senders, self._receivers, self._valid = clicks, senders, receivers, valid
-        self._curve = curve
+        self._runs, self._clicks, self._graph, self._verify = runs, clicks, edge_graph, verify
+        self._gradients, self._curve = gradients, curve
+        self.scores = torch.full(edge_graph.valid.shape, float("nan"))  # the edge scores, once known
+
+    @property
+    def total_rows(self) -> int:
+        """The exact patches' rows (a progress bar's count; the grid is whole once scored)."""
+        return min(self._verify, int(self._graph.valid.sum())) * len(self._runs)
+
+    def scored(self, scores: torch.Tensor) -> None:
+        """The edge scores known ([receivers, senders]): the grid, the edges to check and their
+        sweeps (one per pair)."""
+        result, senders, receivers, valid = self.result, self._graph.senders, self._graph.receivers, self._graph.valid
+        scores[~valid] = float("nan")
+        self.scores = scores
+        result.raw[VIEW] = (float(result.corrupt[0]) + scores).unsqueeze(0)
+        result.rows_done[VIEW] = len(receivers)
+        flat = scores.abs().nan_to_num(-1.0).flatten()
+        order = flat.argsort(descending=True, stable=True)[: min(self._verify, int(valid.sum()))].tolist()
+        chosen = [divmod(i, len(senders)) for i in order]  # (receiver, sender)
+        result.meta["checked"] = [{"sender": senders[s].name, "receiver": receivers[r].name,
+                                   "estimate": float(scores[r, s]), "exact": None, "exact_runs": [None] * len(self._runs)}
+                                  for r, s in chosen]
+        edges = [(senders[s], receivers[r]) for r, s in chosen]
+        self.sweeps = [replace(click, edges=edges, n_rows=len(edges)) for click in self._clicks] if edges else []
+
+    def tasks(self) -> Iterator[tuple[Any, int]]:
+        gradients = self._gradients
+        if gradients is not None:
+            for row in range(gradients.n_rows):
+                yield gradients, row
+            self.scored((gradients.total / gradients.n_rows).float())
+        yield from super().tasks()
+        if self._curve is not None:
+            curve = self._curve
+            curve.rank(self.scores)
+            for row in curve.rows():
+                yield curve, row
+            self.result.meta["faithfulness"] = curve.state(curve.size)
 
     def predictor(self) -> Predictor:
         """A click on (receiver, sender): that edge's exact patch, its top tokens on the first
         pair and its change of the metric over every pair (``exact``, as a checked edge's)."""
-        clicks, senders, receivers, valid = self._clicks, self._senders, self._receivers, self._valid
+        clicks, senders, receivers, valid = self._clicks, self._graph.senders, self._graph.receivers, self._graph.valid
         corrupt = self.result.meta["corrupt_runs"]
 
         def one(pair: int, row: int, col: int) -> tuple[Sweep, Cell]:
@@ -195,28 +275,6 @@ class _CircuitPlan(Plan):
             return {"exact": _mean_change(values, corrupt), "exact_pairs": len(values)}
 
         return Predictor(self.backend, {}, lambda view, row, col, seed: one(0, row, col), measure)
-
-    def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
-        """The exact patches (the engine's rows), then the faithfulness curve, a forward at a
-        time: each shows at once (``on_row``), and Stop or an interrupt between them keeps the
-        curve so far (``meta["faithfulness"]``, its ``size`` ``None``)."""
-        result = super().run(on_row=on_row, stop=stop)
-        if self._curve is None or result.status != "done":
-            return result
-        halted = stop_check(stop)
-        try:
-            for curve in self._curve:
-                result.meta["faithfulness"] = curve
-                if on_row is not None:
-                    on_row(result, VIEW, len(self._receivers) - 1)
-                if halted is not None and halted():
-                    result.status, result.message = "stopped", "stopped by request during the faithfulness curve"
-                    break
-        except KeyboardInterrupt:
-            result.status, result.message = "interrupted", "interrupted during the faithfulness curve; its points so far are kept"
-        except PipatchError as refused:  # a backend that cannot feed each receiver its own input (NDIF, TP)
-            result.warnings.append(f"no faithfulness curve: {refused}")
-        return result
 
     def finish(self) -> None:
         result = self.result
@@ -253,61 +311,92 @@ def _share(value: Any) -> float:
     return share
 
 
-#: Curve sizes measured per forward (one batch): the live view's curve grows by this many.
+#: Curve sizes measured per row of the curve (one request a pair: the live view's curve
+#: grows by this many at a time).
 SIZES_PER_RUN = 4
 
 
-def _faithfulness(backend, runs, scores: torch.Tensor, valid: torch.Tensor, points: int, share: float,
-                  clean_value: float, corrupt_value: float,
-                  mean_of: list[torch.Tensor] | None = None) -> Iterator[dict[str, Any]]:
-    """The circuit of the top-n edges (by |score|), every other edge ablated to its corrupt value
-    (or to the mean over ``mean_of``, run input ids):
-    normalized recovery for ``points`` sizes from 0 to every edge (spaced geometrically), then
-    the smallest size reaching ``share``, narrowed by bisection between the curve's points.
-    Yields the curve so far after each forward (``size`` is ``None`` until it is known)."""
-    order = scores.abs().nan_to_num(-1.0).flatten().argsort(descending=True, stable=True)[: int(valid.sum())]
-    total = len(order)
+class _Curve(Work):
+    """The faithfulness curve: the circuit of the top-n edges (by |score|), every other edge
+    ablated to its corrupt value (or to the mean, ``means``), as normalized recovery for
+    ``points`` sizes from 0 to every edge (spaced geometrically, :data:`SIZES_PER_RUN` a row),
+    then the smallest size reaching ``share`` narrowed by bisection between the curve's points,
+    a row each (:meth:`rows`). ``runs`` holds each pair's inputs and the clean run's embedding
+    output (its baselines, captured by the planner). :attr:`~pipatch.Result.meta`'s
+    ``faithfulness`` is the curve so far after each row, ``size`` ``None`` until it is known."""
 
-    def masks(sizes: list[int]) -> torch.Tensor:
-        out = torch.zeros(len(sizes), valid.numel(), dtype=torch.bool)
+    def __init__(self, runs: list[tuple[Any, torch.Tensor]], means: Baselines | None, valid: torch.Tensor, points: int,
+                 share: float, clean_value: float, corrupt_value: float):
+        super().__init__(VIEW, 0)
+        self.runs, self.means, self.valid, self.points, self.share = runs, means, valid, points, share
+        self.clean_value, self.corrupt_value = clean_value, corrupt_value
+        self.curve: dict[int, float] = {}
+        self.sizes: list[list[int]] = []  # each row's sizes
+        self.size: int | None = None
+        self.order = torch.zeros(0, dtype=torch.long)
+
+    def rank(self, scores: torch.Tensor) -> None:
+        """Rank the edges by ``scores`` (by |score|, the largest first): the circuits' order."""
+        self.order = scores.abs().nan_to_num(-1.0).flatten().argsort(descending=True, stable=True)[: int(self.valid.sum())]
+        self.n_rows = -(-len(self.grid) // SIZES_PER_RUN) + REFINE
+
+    @property
+    def grid(self) -> list[int]:
+        total, points = len(self.order), self.points
+        return sorted({0, total, *(round(total ** (i / max(points - 2, 1))) for i in range(max(points - 1, 1)))})
+
+    def rows(self) -> Iterator[int]:
+        """The curve's rows, each made once the rows before it have run: the grid's points
+        :data:`SIZES_PER_RUN` at a time, then the bisection's points, one at a time."""
+        grid, curve, share = self.grid, self.curve, self.share
+        for lo in range(0, len(grid), SIZES_PER_RUN):
+            self.sizes.append(grid[lo : lo + SIZES_PER_RUN])
+            yield len(self.sizes) - 1
+        reached = [n for n in grid if curve[n] >= share]
+        size = reached[0] if reached else None
+        if size:
+            below = max(n for n in grid if n < size)
+            for _ in range(REFINE):
+                if size - below <= 1:
+                    break
+                mid = (below + size) // 2
+                self.sizes.append([mid])
+                yield len(self.sizes) - 1
+                below, size = (below, mid) if curve[mid] >= share else (mid, size)
+        self.size = size
+
+    def items(self, row: int) -> int:
+        return len(self.sizes[row])
+
+    def describe(self, row: int) -> str:
+        return f"the faithfulness curve's circuits of {', '.join(map(str, self.sizes[row]))} edges"
+
+    def masks(self, sizes: list[int]) -> torch.Tensor:
+        """The circuits of the top ``sizes`` edges, [len(sizes), receivers, senders] bool."""
+        out = torch.zeros(len(sizes), self.valid.numel(), dtype=torch.bool)
         for i, n in enumerate(sizes):
-            out[i, order[:n]] = True
-        return out.reshape(len(sizes), *valid.shape)
+            out[i, self.order[:n]] = True
+        return out.reshape(len(sizes), *self.valid.shape)
 
-    span = clean_value - corrupt_value
+    def run(self, backend: Any, row: int, items: range) -> torch.Tensor:
+        """The metric of each circuit of ``items``, averaged over the pairs (one request a pair)."""
+        masks = self.masks([self.sizes[row][i] for i in items])
+        value = torch.zeros(len(items), dtype=torch.float64)
+        for pair, embedded in self.runs:
+            value += circuit_runs(backend, CircuitRunRequest(pair.clean_ids, pair.corrupt_ids, pair.metric, masks,
+                                                             embedded=embedded, means=self.means)).double()
+        return value / len(self.runs)
 
-    def recovery(sizes: list[int]) -> list[float]:
-        value = torch.zeros(len(sizes), dtype=torch.float64)
-        for pair, _, _ in runs:
-            value += circuit_runs(backend, CircuitRunRequest(pair.clean_ids, pair.corrupt_ids, pair.metric,
-                                                             masks(sizes), mean_of)).double()
-        mean = value / len(runs)
-        return [float((v - corrupt_value) / span) if span else float("nan") for v in mean]
+    def store(self, result: Any, row: int, items: range, value: torch.Tensor) -> None:
+        span = self.clean_value - self.corrupt_value
+        for i, v in zip(items, value.tolist()):
+            self.curve[self.sizes[row][i]] = (v - self.corrupt_value) / span if span else float("nan")
+        result.meta["faithfulness"] = self.state(None)
 
-    curve: dict[int, float] = {}
-
-    def state(size: int | None) -> dict[str, Any]:
-        sizes = sorted(curve)
-        return {"sizes": sizes, "recovery": [curve[n] for n in sizes], "share": share, "size": size, "edges": total,
-                "ablation": "mean" if mean_of is not None else "corrupt"}
-
-    grid = sorted({0, total, *(round(total ** (i / max(points - 2, 1))) for i in range(max(points - 1, 1)))})
-    for lo in range(0, len(grid), SIZES_PER_RUN):
-        part = grid[lo : lo + SIZES_PER_RUN]
-        curve.update(zip(part, recovery(part)))
-        yield state(None)
-    reached = [n for n in grid if curve[n] >= share]
-    size = reached[0] if reached else None
-    if size:
-        below = max(n for n in grid if n < size)
-        for _ in range(REFINE):
-            if size - below <= 1:
-                break
-            mid = (below + size) // 2
-            curve[mid] = recovery([mid])[0]
-            below, size = (below, mid) if curve[mid] >= share else (mid, size)
-            yield state(None)
-    yield state(size)
+    def state(self, size: int | None) -> dict[str, Any]:
+        sizes = sorted(self.curve)
+        return {"sizes": sizes, "recovery": [self.curve[n] for n in sizes], "share": self.share, "size": size,
+                "edges": len(self.order), "ablation": "mean" if self.means is not None else "corrupt"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +451,35 @@ def _mean_prompts(pairs: list[Any]) -> list[torch.Tensor]:
     return prompts
 
 
+def _check_scoring(backend: Any) -> None:
+    """Refuse, in one line naming ``scores=``, a backend that cannot compute edge scores: they
+    need gradients, and each receiver's gradient taken through local module calls (the
+    capabilities ``gradients`` and ``circuit_runs``)."""
+    capabilities = backend.capabilities
+    if not capabilities.gradients:
+        raise PipatchError(f"a circuit's edge scores need gradients, which the {getattr(backend, 'backend_name', '')} "
+                           "backend does not compute: score it on backend='transformers' (the default) and check those "
+                           "here, pipatch.circuit(..., scores=result)")
+    if not capabilities.circuit_runs:
+        raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a remote "
+                           "model does not offer: score it on a local model (pipatch.load_model(name)) and check those "
+                           "here, pipatch.circuit(..., scores=result)")
+    check_circuit_family(backend.adapter)
+
+
+def _curve_runs(backend: Any, pairs: list[Any], mean_of: list[torch.Tensor] | None,
+                warnings: list[str]) -> tuple[list[tuple[Any, torch.Tensor]], Baselines | None] | None:
+    """The curve's baselines: each pair with its clean run's embedding output, and mean
+    ablation's means; ``None``, with one warning in ``warnings``, where the backend cannot run
+    a circuit's runs (NDIF, a tensor-parallel engine)."""
+    try:
+        runs = [(pair, circuit_baselines(backend, pair.metric.inputs(pair.clean_ids)).embedded) for pair in pairs]
+        return runs, (circuit_means(backend, mean_of) if mean_of is not None else None)
+    except PipatchError as refused:
+        warnings.append(f"no faithfulness curve: {refused}")
+        return None
+
+
 def plan_circuit(
     backend,
     *,
@@ -379,8 +497,9 @@ def plan_circuit(
     batch_size: int | None,
     scores: Any = None,
 ) -> Plan:
-    """Score every edge (the gradient passes run here, unless ``scores`` gives them); plan the
-    exact patches of the top ones.
+    """Capture each pair's clean and corrupt runs (and the curve's baselines); plan the
+    gradient passes that score every edge (unless ``scores`` gives the scores), the exact
+    patches of the top ones and the faithfulness curve (:class:`_CircuitPlan`).
 
     ``backend`` runs the model; the other parameters are :func:`pipatch.circuit`'s.
     """
@@ -397,31 +516,20 @@ def plan_circuit(
     senders, receivers, valid = edge_graph.senders, edge_graph.receivers, edge_graph.valid
     batch = check_batch_size(batch_size, max(p.clean_ids.shape[1] for p in pairs), backend)
     given = _given_scores(scores, senders, receivers) if scores is not None else None
+    if given is None:
+        _check_scoring(backend)
+    else:
+        method, steps = given[1].get("method", method), int(given[1].get("steps", steps))
 
-    total = torch.zeros(valid.shape, dtype=torch.float64)
     runs: list[tuple[Any, Capture, Capture]] = []
-    cleans, corrupts = [], []
     for pair in pairs:
         clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
-        if given is None:
-            writes, grads = edge_terms(backend, EdgeTermsRequest(pair.clean_ids, pair.corrupt_ids, pair.metric, clean_run,
-                                                                 corrupt_run, steps if method == "eap-ig" else 1))
-            total += torch.einsum("rtd,std->rs", edge_graph.stack_gradients(grads).double(),
-                                  edge_graph.stack_writes(writes).double())
         runs.append((pair, clean_run, corrupt_run))
-        cleans.append(float(clean_run.metric[0]))
-        corrupts.append(float(corrupt_run.metric[0]))
-    if given is not None:
-        scores, source = given
-        method, steps = source.get("method", method), int(source.get("steps", steps))
-    else:
-        scores = (total / len(pairs)).float()
-    scores[~valid] = float("nan")
+    cleans = [float(clean_run.metric[0]) for _, clean_run, _ in runs]
+    corrupts = [float(corrupt_run.metric[0]) for _, _, corrupt_run in runs]
     clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
 
     first = pairs[0]
-    faithful = _faithfulness(backend, runs, scores, valid, curve, share, clean_value, corrupt_value,
-                             mean_of) if curve else None
     meta = model_meta(backend)
     meta.update({
         **first.meta(backend), "site": VIEW, "col_axis": "sender", "direction": "denoise", "method": method,
@@ -436,27 +544,28 @@ def plan_circuit(
         meta["scores_from"] = {k: given[1].get(k) for k in ("model", "backend", "dtype", "method", "steps")}
     if len(pairs) > 1:
         meta["pairs"] = [{"clean": p.clean, "corrupt": p.corrupt, "answer": p.answer, "foil": p.foil} for p in pairs]
+    meta["checked"] = []  # the top edges, once the scores are in
+    warnings = undefined_recovery_warning(first.metric.label, clean_value, corrupt_value)
+    faithful = None
+    if curve and (baselines := _curve_runs(backend, pairs, mean_of, warnings)) is not None:
+        faithful = _Curve(*baselines, valid, curve, share, clean_value, corrupt_value)
     result = CircuitResult(
         kind="circuit", tokens=first.clean_tokens, columns=[s.name for s in senders],
         layers=[r.name for r in receivers], metric=first.metric.label,
-        raw={VIEW: (corrupt_value + scores).unsqueeze(0)}, clean=clean_value,
-        corrupt=torch.tensor([corrupt_value]), meta=meta,
-        warnings=undefined_recovery_warning(first.metric.label, clean_value, corrupt_value),
-        rows_done={VIEW: len(receivers)},
+        raw={VIEW: torch.full((1, *valid.shape), float("nan"))}, clean=clean_value,
+        corrupt=torch.tensor([corrupt_value]), meta=meta, warnings=warnings, rows_done={VIEW: 0},
     )
-    flat = scores.abs().nan_to_num(-1.0).flatten()
-    order = flat.argsort(descending=True, stable=True)[: min(verify, int(valid.sum()))].tolist()
-    chosen = [divmod(i, len(senders)) for i in order]  # (receiver, sender)
-    meta["checked"] = [{"sender": senders[s].name, "receiver": receivers[r].name, "estimate": float(scores[r, s]),
-                        "exact": None, "exact_runs": [None] * len(pairs)} for r, s in chosen]
-    edges = [(senders[s], receivers[r]) for r, s in chosen]
-    # One sweep per pair: a click's (no rows: it patches the edge clicked), and the checks'.
+    # One sweep per pair: a click's (no rows: it patches the edge clicked); the checks' are
+    # made from it once the scores are in.
     clicks = [_EdgeSweep(view=VIEW, base=Base(pair.corrupt_ids, corrupt_run), metric=pair.metric, n_rows=0, n_cols=1,
                          adapter=adapter, donor=clean_run, edges=[], pair=i)
               for i, (pair, clean_run, corrupt_run) in enumerate(runs)]
-    sweeps: list[Sweep] = [replace(click, edges=edges, n_rows=len(edges)) for click in clicks] if edges else []
-    return _CircuitPlan(backend, result, sweeps, batch, True, clicks=clicks, senders=senders, receivers=receivers,
-                        valid=valid, curve=faithful)
+    gradients = None if given is not None else _Gradients(runs, steps if method == "eap-ig" else 1, edge_graph)
+    plan = _CircuitPlan(backend, result, [], batch, True, runs=runs, clicks=clicks, edge_graph=edge_graph,
+                        verify=verify, gradients=gradients, curve=faithful)
+    if given is not None:
+        plan.scored(given[0])
+    return plan
 
 
 # --------------------------------------------------------------------------------------------
