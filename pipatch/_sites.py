@@ -1,7 +1,7 @@
 """Sites: the places in a model where pipatch reads and writes activations.
 
 A site is one small object that owns everything pipatch knows about a place, so that no other
-module compares site names (``tests/test_site_names.py`` holds them to it):
+module compares site names (``tests/unit/test_site_names.py`` holds them to it):
 
 * **which module holds it** (:attr:`Site.holder`), reached through the
   :class:`~pipatch._models.Adapter` so it never spells a family's module names

@@ -1,7 +1,7 @@
 """What the kernel promises the browser, as JSON: read by ``js/__tests__/parity.test.ts``.
 
 ``python tests/_contract.py`` prints it (the vitest parity test runs this with the project's
-Python); ``tests/test_views.py`` writes it to a file and runs the vitest test on it.
+Python); ``tests/unit/test_views.py`` writes it to a file and runs the vitest test on it.
 
 It holds the Python side of every shared definition (the state schema, the MIME type and
 version, the array shapes, the colour map, the escaping rule over all code points) and real

@@ -1,4 +1,6 @@
-"""Shared fixtures: the real embedded model, loaded once per test session."""
+"""Shared fixtures: the real embedded model, loaded once per test session, and IPython's test
+shell with pipatch's magics. This conftest applies to every layer (``tests/unit``,
+``tests/integration``, ``tests/e2e``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import pytest
 import torch
 
 # Under PIPATCH_REQUIRE_VLLM=1 (make test-vllm) a skip fails the run: see tests/_require.py.
-pytest_plugins = ["tests._require"]
+# The toy experiment's fixtures (toy_dir, toy) serve the unit and the integration tests alike.
+pytest_plugins = ["tests._require", "tests._toy_experiment"]
 
 EIFFEL = "The Eiffel Tower is in the city of"
 COLOSSEUM = "The Colosseum is in the city of"
@@ -39,3 +42,13 @@ def eiffel_patch(model):
     import pipatch
 
     return pipatch.patch(model, clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")
+
+
+@pytest.fixture(scope="module")
+def ip():
+    """IPython's test shell (one per process) with pipatch's magics loaded."""
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "pipatch")
+    return shell

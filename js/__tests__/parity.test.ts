@@ -4,7 +4,7 @@
  * MIME type and version, the colour map and the escaping rule on every code point.
  *
  * The Python side comes from `tests/_contract.py`: the file named by $PIPATCH_CONTRACT
- * (tests/test_views.py runs this test that way), otherwise its output, run with
+ * (tests/unit/test_views.py runs this test that way), otherwise its output, run with
  * $PIPATCH_PYTHON, the checkout's .venv/bin/python, or python3.
  */
 import { execFileSync } from 'node:child_process';
@@ -60,7 +60,7 @@ interface Contract {
   };
 }
 
-const ROOT = process.cwd(); // vitest runs in the checkout's root (npm test, tests/test_views.py)
+const ROOT = process.cwd(); // vitest runs in the checkout's root (npm test, tests/unit/test_views.py)
 
 function loadContract(): Contract {
   const file = process.env.PIPATCH_CONTRACT;

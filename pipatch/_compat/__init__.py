@@ -8,7 +8,7 @@ in the library's module here (:mod:`.nnsight`, :mod:`.vllm`, :mod:`.transformers
 :mod:`.ipykernel`, :mod:`.anyio`), whose docstring says the private name, why pipatch needs
 it and the versions it was checked on; every other module of pipatch calls those functions.
 Each module lists its names in ``PRIVATE_NAMES`` (a name ending in ``=`` is a keyword
-argument), and ``tests/test_compat.py`` fails on one found in pipatch's code elsewhere.
+argument), and ``tests/unit/test_compat.py`` fails on one found in pipatch's code elsewhere.
 
 Two guards keep a new library version from failing deep inside a sweep:
 

@@ -9,7 +9,7 @@ from . import missing
 
 __all__ = ["PRIVATE_NAMES", "import_before_nnsight"]
 
-#: anyio's private names used here and nowhere else in pipatch (``tests/test_compat.py``).
+#: anyio's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = ("_asyncio",)
 
 

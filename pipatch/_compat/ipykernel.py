@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["PRIVATE_NAMES", "answer_on_the_front_ends_subshell"]
 
-#: ipykernel's private names used here and nowhere else in pipatch (``tests/test_compat.py``).
+#: ipykernel's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = ("_reply_subshell_for",)
 
 

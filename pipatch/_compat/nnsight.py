@@ -29,7 +29,7 @@ __all__ = ["PRIVATE_NAMES", "torch_module", "persistent_id", "name_worker_tree",
            "fresh_sources_per_request", "check_server", "served_model", "build_request", "answer",
            "vllm_engine_args", "require_api_key", "worker_class", "ndif_status", "remote_backend"]
 
-#: nnsight's private names used here and nowhere else in pipatch (``tests/test_compat.py``).
+#: nnsight's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = (
     "_module", "_persistent_id", "nnsight_persistent_objects", "_persistent_objects", "_build_tracer",
     "SOURCES", "BLOCKS", "clear_shared_locals", "_ready", "_attach_mediators", "_payload",

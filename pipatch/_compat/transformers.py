@@ -21,7 +21,7 @@ from . import missing
 __all__ = ["PRIVATE_NAMES", "set_post_processor", "attention_implementation", "filled_cache"]
 
 #: transformers' private names (and internal keyword arguments, ending in ``=``) used here
-#: and nowhere else in pipatch (``tests/test_compat.py``).
+#: and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = ("_tokenizer", "_attn_implementation", "_name_or_path", "ddp_cache_data=")
 
 

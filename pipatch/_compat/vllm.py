@@ -32,7 +32,7 @@ __all__ = ["PRIVATE_NAMES", "quiet_generate", "check_engine", "abort_unfinished"
            "held_scheduler", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
 
 #: vLLM's private names (and internal keyword arguments, ending in ``=``) used here and
-#: nowhere else in pipatch (``tests/test_compat.py``).
+#: nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = (
     "output_processor", "request_states", "internal=", "engine_core", "pause_scheduler_async",
     "resume_scheduler_async", "_set_torch_accelerator_to_noop",

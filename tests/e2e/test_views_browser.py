@@ -5,7 +5,7 @@ live widget (``PatchGrid(result)``) and as the saved renderer (the result's MIME
 drawn by the lab extension without the kernel's help). The colour at the centre of every
 cell of both canvases is read back and compared with the one colour map applied to the
 state, and with the same cells of the PNG that ``Result.plot`` / the CLI / the bundle draw
-(tests/test_views.py checks the PNG, text and state half on its own).
+(tests/unit/test_views.py checks the PNG, text and state half on its own).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _expected():
 
     from pipatch._result import Result
     from pipatch._views import decode_array, diverging_rgb, figure, png
-    from tests.test_views import _cell_pixels
+    from tests.unit.test_views import _cell_pixels
 
     raw = torch.zeros(2, 4, 5)
     raw[:, HOT[0], HOT[1]] = 1.0

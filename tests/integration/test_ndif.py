@@ -1,0 +1,201 @@
+"""The NDIF backend through nnsight's own offline simulation of NDIF (``remote="local"``).
+
+nnsight's simulation serialises every request exactly as for NDIF, then rebuilds it with every
+module but torch, numpy, transformers, accelerate, diffusers, einops, peft and nnsight hidden
+(pipatch included: this checkout's path is taken off ``sys.path`` too), and runs it on the
+weights here. So each passing experiment is one whose requests NDIF could rebuild: pipatch's
+invoke code travelled by value. The numbers must be the transformers backend's: the same
+batches with the same forward (``fast=False`` on both) to 1e-6, the default fast paths within
+1e-4 as for every backend. Then what the live grid sees (one request per batch, Stop between
+requests), the magics and the CLI, ``code()``, and the checks before any request, one line
+each: no key, an unreachable service (a closed loopback port stands in for it), a model it does
+not host and version drift (a loopback stand-in answers NDIF's ``/status`` and ``/env``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pipatch
+from pipatch import cli
+from pipatch._backends import backend_for
+from pipatch._backends.ndif import NDIFBackend
+from pipatch._known import remember
+from pipatch._models import PipatchError
+from pipatch._programs import gradients
+from tests._equal import assert_close
+from tests._experiments import EMBEDDED, TINY, python_result
+from tests._tiny import tiny_model
+from tests.conftest import EIFFEL
+from tests.unit.test_ndif_checks import one_line
+
+#: The options each experiment takes for ``fast`` (attribution has none: it runs no sweep of
+#: patched runs but its verification, which has no shortcut to take).
+SLOW = {name: ({} if name == "attribute" else {"fast": False}) for name in EMBEDDED}
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return pipatch.load_model(remote="local")
+
+
+def assert_equal_results(got, want, atol: float) -> None:
+    assert got.status == want.status == "done"
+    assert (got.kind, got.tokens, got.columns, got.layers, got.views) == (
+        want.kind, want.tokens, want.columns, want.layers, want.views)
+    assert_close(got.corrupt, want.corrupt, atol, rtol=0)
+    for view in want.views:
+        assert_close(got.raw[view], want.raw[view], atol, rtol=0)
+    assert got.meta["backend"] == "ndif" and got.meta["remote"] == "local"
+
+
+# --------------------------------------------------------------------------------------------
+# The numbers
+# --------------------------------------------------------------------------------------------
+
+
+# A circuit's scores need local backward passes: NDIF refuses it (test below).
+REMOTE_EXPERIMENTS = [name for name in EMBEDDED if name != "circuit"]
+
+
+@pytest.mark.parametrize("name", REMOTE_EXPERIMENTS)
+def test_every_experiment_equals_the_local_backend_on_the_embedded_model(simulated, model, name):
+    kwargs = {**EMBEDDED[name]["kwargs"], **SLOW[name]}
+    backend = backend_for(simulated)
+    before = backend.requests
+    got = python_result(simulated, name, kwargs)
+    assert backend.requests > before  # it ran as requests, not in this process's trace
+    assert_equal_results(got, python_result(model, name, kwargs), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["trace", "patch", "lens"])
+def test_the_fast_paths_equal_the_local_backend_within_the_backends_tolerance(simulated, model, name):
+    kwargs = EMBEDDED[name]["kwargs"]
+    assert_equal_results(python_result(simulated, name, kwargs), python_result(model, name, kwargs), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", REMOTE_EXPERIMENTS)
+def test_every_experiment_equals_the_local_backend_on_a_tiny_family(name):
+    local, remote = tiny_model("qwen2"), tiny_model("qwen2")  # grouped-query attention
+    remember(remote, remote="local")
+    kwargs = {**TINY[name], **SLOW[name]}
+    assert_equal_results(python_result(remote, name, kwargs), python_result(local, name, kwargs), atol=1e-6)
+
+
+def test_a_circuit_is_scored_locally_and_checked_remotely():
+    """A remote model takes no local backward: its gradients are refused in one line naming
+    ``scores=``. Given a local circuit's scores, the remote runs the exact edge patches (each
+    equal to the local one's) and says in one warning that the curve needs a local model."""
+    local, remote = tiny_model("qwen2"), tiny_model("qwen2")
+    remember(remote, remote="local")
+    with pytest.raises(PipatchError, match=r"score it on a local model .*scores=result\)$") as caught:
+        pipatch.circuit(remote, **TINY["circuit"])
+    assert "\n" not in str(caught.value)
+    scored = pipatch.circuit(local, **TINY["circuit"])
+    checked = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored})
+    assert checked.meta["scores_from"]["backend"] == "transformers" and checked.meta["method"] == scored.meta["method"]
+    assert torch.allclose(checked.raw["edges"] - checked.corrupt[0], scored.raw["edges"] - scored.corrupt[0],
+                          atol=1e-6, equal_nan=True)  # the scores given, on this run's corrupt baseline
+    mine, theirs = checked.meta["checked"], scored.meta["checked"]
+    assert [(e["sender"], e["receiver"]) for e in mine] == [(e["sender"], e["receiver"]) for e in theirs]
+    assert len(mine) == 3 and all(abs(a["exact"] - b["exact"]) <= 1e-6 for a, b in zip(mine, theirs)), (mine, theirs)
+    assert "faithfulness" not in checked.meta and "faithfulness" in scored.meta
+    assert [w for w in checked.warnings if w.startswith("no faithfulness curve:") and "curve=0" in w]
+    quiet = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored, "curve": 0})
+    assert not [w for w in quiet.warnings if "faithfulness" in w]
+
+
+def test_attribution_runs_its_gradients_as_a_request(simulated, model):
+    backend = backend_for(simulated)
+    ids = simulated.tokenizer(EIFFEL, return_tensors="pt").input_ids
+    from pipatch._cells import Metric
+    from pipatch._sites import site as site_named
+
+    metric = Metric("logit_diff", simulated.tokenizer(" Paris").input_ids[-1:], simulated.tokenizer(" Rome").input_ids[-1:])
+    before = backend.requests
+    got_values, got_grads, got_score = gradients(backend, ids, metric, site_named("mlp"))
+    assert backend.requests == before + 1
+    want_values, want_grads, want_score = gradients(backend_for(model), ids, metric, site_named("mlp"))
+    assert got_score == pytest.approx(want_score, abs=1e-6)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert_close(got, want, 1e-6, rtol=0)
+    assert float(torch.stack([g.abs().sum() for g in got_grads]).sum()) > 0  # gradients, not zeros
+
+
+# --------------------------------------------------------------------------------------------
+# Requests, the live grid, Stop
+# --------------------------------------------------------------------------------------------
+
+
+def test_one_request_per_batch_and_the_grid_fills_per_request(simulated, model):
+    kwargs = {**EMBEDDED["patch"]["kwargs"], "batch_size": 4}
+    backend = backend_for(simulated)
+    backend.count_bytes = True
+    try:
+        before, sent = backend.requests, backend.bytes_sent
+        rows: list[int] = []
+        result = pipatch.patch(simulated, **kwargs, on_row=lambda r, v, layer: rows.append(layer))
+    finally:
+        backend.count_bytes = False
+    # The baselines, then one request per batch: each row's 2 cells (2 positions) are one batch.
+    assert result.raw["resid"].shape == (1, len(result.layers), 2)
+    assert backend.requests - before == 1 + len(result.layers)
+    assert 10_000 < (backend.bytes_sent - sent) / (backend.requests - before) < 2_000_000
+    assert rows == list(range(len(result.layers)))
+
+
+def test_stop_lands_between_requests_and_keeps_the_rows(simulated):
+    kwargs = {**EMBEDDED["patch"]["kwargs"], "batch_size": 1}
+    reference = pipatch.patch(simulated, **kwargs)
+    rows: list[int] = []
+    backend = backend_for(simulated)
+    before = backend.requests
+    stopped = pipatch.patch(simulated, **kwargs, stop=lambda: len(rows) >= 3,
+                            on_row=lambda r, v, layer: rows.append(layer))
+    assert stopped.status == "stopped" and stopped.rows_done["resid"] == 3
+    assert torch.equal(stopped.raw["resid"][:, :3], reference.raw["resid"][:, :3])
+    assert backend.requests - before == 1 + 3 * reference.raw["resid"].shape[-1]  # no request after the Stop
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_magic_and_the_cli_take_remote_local(simulated, tmp_path):
+    from IPython.testing.globalipapp import get_ipython
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "pipatch")
+    case = EMBEDDED["patch"]
+    ip.run_cell_magic("patch", f"--remote local {case['line']} -o remote_patch", case["body"])
+    got = ip.user_ns["remote_patch"]
+    want = python_result(simulated, "patch", case["kwargs"])
+    assert got.meta["backend"] == "ndif"
+    assert_equal_results(got, want, atol=0.0)
+    out = tmp_path / "patch.json"
+    assert cli.main([*case["argv"], "--remote", "local", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["grid"] == json.loads(json.dumps(want.grid.tolist()).replace("NaN", "null"))
+
+
+def test_code_writes_the_transformers_script_for_an_ndif_result(simulated):
+    result = python_result(simulated, "patch", EMBEDDED["patch"]["kwargs"])
+    script = result.code()
+    assert "nnsight" in script and "remote" not in script.split("import")[0]
+
+
+def test_bad_remote_arguments_are_one_line():
+    for kwargs, said in [({"remote": "ndif.example"}, "remote='ndif.example'"),
+                         ({"remote": "local", "backend": "vllm"}, "drop backend"),
+                         ({"remote": True}, "pass its hub id")]:
+        with pytest.raises(PipatchError) as error:
+            pipatch.load_model(**kwargs)
+        assert said in one_line(error), kwargs
+    with pytest.raises(PipatchError) as error:
+        NDIFBackend(tiny_model("llama"), remote="elsewhere")
+    assert "remote='local'" in one_line(error)
+    assert cli.main(["lens", EIFFEL, "--answer", " Paris", "--remote", "elsewhere"]) == 2

