@@ -145,7 +145,7 @@ class PatchOut(NamedTuple):
 
 
 #: The named tuples a request answers with: tensors and plain values only, which a served
-#: client's ``torch.load(weights_only=True)`` may build (:meth:`~.served.Server.generate`).
+#: client's weights-only ``torch.load`` may build (:meth:`~.served.Server.generate`).
 ANSWERS = (CaptureOut, PatchOut, Baselines)
 
 

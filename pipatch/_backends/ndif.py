@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._cells import Capture, Metric, Op
+from .._cells import Base, Capture, Cell, Metric, Op
 from .._compat import nnsight as nnsight_compat
 from .._models import Adapter, PipatchError, adapter_for, first
 from .._programs.capture import CAPTURE, capture_body
@@ -128,23 +128,17 @@ class NDIFBackend(TransformersBackend):
         """Each batch as one request of one batched invoke: every block at every position; with
         ``fast``, only the unembedding rows the metric reads. Returns what the transformers
         backend's patch returns (no ``"states"``: the metric is computed on the service)."""
-        if request.out == "states":
-            raise PipatchError("a remote model computes each batch's metric in its request: it returns no states")
-        outs: list[torch.Tensor] = []
-        reads: list[list[list[torch.Tensor]]] = []
-        for batch in request.batches:
-            if not batch:
-                outs.append(torch.zeros(0))
-                reads.append([])
-                continue
-            base, _, metric = batch[0]
-            jobs = [[op.compact() for op in base.ops_of(cell.seed) + cell.sorted_ops()] for _, cell, _ in batch]
-            ids = metric.inputs(base.input_ids).repeat(len(batch), 1).cpu()
-            out, read = self._request(ids, _patch_remote, (self.adapter, metric, jobs, request.out == "next_logits",
-                                                           request.fast), metric.n_read, keyword=True)
-            outs.append(out.float())
-            reads.append(read)
-        return outs, reads
+        return request.each_batch(self._remote_patch, "a remote model computes each batch's metric in its request: "
+                                                      "it returns no states")
+
+    def _remote_patch(self, base: Base, cells: list[Cell], metric: Metric, fast: bool,
+                      next_logits: bool) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """One batch as one request (:func:`_patch_remote`)."""
+        jobs = [[op.compact() for op in base.ops_of(cell.seed) + cell.sorted_ops()] for cell in cells]
+        ids = metric.inputs(base.input_ids).repeat(len(cells), 1).cpu()
+        out, read = self._request(ids, _patch_remote, (self.adapter, metric, jobs, next_logits, fast), metric.n_read,
+                                  keyword=True)
+        return out.float(), read
 
     def _gradients(self, request: GradientRequest) -> tuple[list[Any], list[Any], Any]:
         """The gradient pass as one request: the forward and the backward run on the service."""

@@ -192,21 +192,10 @@ class VLLMBackend(Described):
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as requests of one trace (:meth:`_run`); no states (the metric is read
         in the worker)."""
-        if request.out == "states":
-            raise PipatchError("the vLLM backend reads each cell's metric in its request: it returns no states")
-        outs: list[torch.Tensor] = []
-        reads: list[list[list[torch.Tensor]]] = []
-        for batch in request.batches:
-            if not batch:
-                outs.append(torch.zeros(0))
-                reads.append([])
-                continue
-            base, _, metric = batch[0]
-            value, read = self._run(base, [cell for _, cell, _ in batch], metric, fast=request.fast,
-                                    full_logits=request.out == "next_logits")
-            outs.append(value)
-            reads.append(read)
-        return outs, reads
+        return request.each_batch(
+            lambda base, cells, metric, fast, next_logits: self._run(base, cells, metric, fast=fast,
+                                                                     full_logits=next_logits),
+            "the vLLM backend reads each cell's metric in its request: it returns no states")
 
     def _run(self, base: Base, cells: list[Cell], metric: Metric, *, fast: bool = True,
              full_logits: bool = False) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._cells import Base, Cell, Metric, Op
+from .._models import PipatchError
 from ._program import Program, View, in_forward_order, register_program
 
 __all__ = ["PATCH", "METRICS", "PatchRequest", "patch", "metrics", "patch_body", "OUTS"]
@@ -102,6 +103,21 @@ class PatchRequest:
     def metric(self) -> Metric:
         """The metric every cell reads (a request of one metric: ``out`` is not ``"states"``)."""
         return self.batches[0][0][2]
+
+    def each_batch(self, run: Any, no_states: str) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
+        """The request as a transport runs it that reads each batch's metric in the batch's own
+        trace (no pooled states: ``out="states"`` is refused with ``no_states``, one line):
+        ``run(base, cells, metric, fast, next_logits) -> (values, reads)`` per batch."""
+        if self.out == "states":
+            raise PipatchError(no_states)
+        outs: list[torch.Tensor] = []
+        reads: list[list[list[torch.Tensor]]] = []
+        for batch in self.batches:
+            value, read = (torch.zeros(0), []) if not batch else run(
+                batch[0][0], [cell for _, cell, _ in batch], batch[0][2], self.fast, self.out == "next_logits")
+            outs.append(value)
+            reads.append(read)
+        return outs, reads
 
 
 def patch(backend: Any, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
