@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -452,7 +453,19 @@ class Experiment:
         lines += ["on_row : callable, optional", "    Called as ``on_row(result, view, layer)`` after each finished row.",
                   "stop : threading.Event or callable, optional",
                   "    When set (or returning true) the sweep stops after the current batch."]
-        return "\n".join(lines) + ("\n\n" + inspect.cleandoc(self.doc) if self.doc else "") + "\n"
+        # The doc's prose before its first section (``Returns``) reads after the summary, as
+        # numpy's extended summary: after the parameters it would read as one more parameter.
+        prose, sections = _split_sections(inspect.cleandoc(self.doc))
+        head = [self.summary, *(["", prose] if prose else [])]
+        return "\n".join(head + lines[1:]) + ("\n\n" + sections if sections else "") + "\n"
+
+
+def _split_sections(doc: str) -> tuple[str, str]:
+    """A numpy docstring's prose before its first section (a title underlined by dashes), and the rest."""
+    found = re.search(r"^\w[\w ]*\n-{3,}$", doc, flags=re.MULTILINE)
+    if found is None:
+        return doc.strip(), ""
+    return doc[:found.start()].strip(), doc[found.start():].strip()
 
 
 def _per_example(value: Any, n: int, what: str, unit: str) -> list[Any]:

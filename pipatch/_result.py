@@ -325,7 +325,7 @@ class Result:
 
         Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``;
         ``views[view]`` holds ``mean``, ``std``, ``raw`` (means over seeds) and ``raw_seeds``
-        (the raw metric per seed, [seeds][layers][columns]), so :func:`load_result` reads the
+        (the raw metric per seed, ``[seeds][layers][columns]``), so :func:`load_result` reads the
         file back whole. NaN becomes ``null``.
         """
         out = {
