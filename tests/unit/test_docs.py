@@ -77,6 +77,24 @@ def test_the_api_reference_lists_every_public_name():
     assert not unknown, f"the API reference documents {sorted(unknown)}, which pipatch does not export"
 
 
+def test_the_pages_name_only_what_pipatch_has():
+    """Every ``pipatch.NAME`` (and ``pipatch.tasks.NAME``) the README and the pages mention exists:
+    a renamed function leaves no stale example behind. ``"pipatch.experiments"`` is the
+    entry-point group's name."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [README, *DOCS.rglob("*.md")])
+    names = set(re.findall(r"\bpipatch\.([a-zA-Z]\w*(?:\.[a-zA-Z]\w*)?)", text))
+    assert {"trace", "tasks.ioi", "load_model"} <= names
+    unknown = set()
+    for dotted in names - {"experiments"}:
+        obj = pipatch
+        for part in dotted.split("."):
+            if not hasattr(obj, part):
+                unknown.add(dotted)
+                break
+            obj = getattr(obj, part)
+    assert not unknown, f"the docs name what pipatch lacks: {sorted(unknown)}"
+
+
 def _public_docstrings() -> dict[str, str]:
     """Every public name's docstring, with those of a class's public members and a module's."""
     docs: dict[str, str] = {}
