@@ -14,7 +14,7 @@ VVENV  ?= .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.pipatch-vllm-installed
 
-.PHONY: install install-vllm demo test test-unit test-py test-js test-e2e test-vllm bench js lint typecheck clean device-wheels
+.PHONY: install install-vllm demo docs test test-unit test-py test-js test-e2e test-vllm bench js lint typecheck clean device-wheels
 
 install: $(STAMP)
 
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml package.json
 	$(PY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder editables
 	$(MAKE) js
 	# The build hook may rerun `npm run build`, which calls the venv's `jupyter`.
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pip install -q --no-build-isolation -e ".[test,docs]"
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
 	touch $@
 
@@ -50,6 +50,12 @@ demo: $(STAMP)
 	$(VENV)/bin/pipatch trace "The Eiffel Tower is in the city of" \
 		--subject "Eiffel Tower" --answer " Paris" --json trace.json --png trace.png
 
+# The documentation site (mkdocs.yml, docs/) into site/: warnings are errors, so a broken link
+# (a page, a heading, a name of the API reference) fails the build.
+docs: export NO_MKDOCS_2_WARNING := 1
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict  # not --quiet: it hides the warnings strict counts
+
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
@@ -60,6 +66,7 @@ test: $(STAMP) chromium install-vllm
 	npm test
 	$(PY) -m mypy pipatch/_backends pipatch/_engine
 	$(PY) -m pytest -q -ra tests/unit
+	$(MAKE) docs
 	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py
@@ -112,7 +119,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check pipatch tests bench
 
 clean:
-	rm -rf $(VENV) $(VVENV) node_modules pipatch/static pipatch/labextension artifacts
+	rm -rf $(VENV) $(VVENV) node_modules pipatch/static pipatch/labextension artifacts site .cache
 
 # The CUDA check (bench/device_check.sh) runs on a lent GPU machine, which reaches no package
 # index: fetch the wheels its image lacks, at the versions this venv has, into .whl/ (ignored).

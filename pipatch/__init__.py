@@ -58,6 +58,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pipatch' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The lazy names too: Jupyter's completion and the API reference's inspection list dir(pipatch).
+    return sorted({*globals(), "PatchGrid", *_api.functions()})
+
+
 def _jupyter_labextension_paths() -> list[dict[str, str]]:
     """Where JupyterLab finds the prebuilt MIME-renderer extension shipped in this package."""
     return [{"src": "labextension", "dest": "pipatch"}]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -94,7 +95,8 @@ class Param:
         Its default (:data:`REQUIRED`: none, the caller must give it). The one place it is
         written: the function's signature, the help texts and the planner all read it here.
     help
-        One line for the function's docstring and the flag's help, without the default.
+        One line for the function's docstring and the flag's help, without the default, in
+        words both read alike: values as Python spells them (``'head'``), no flags.
     annotation
         The type the signature shows.
     parse
@@ -116,6 +118,9 @@ class Param:
         ``sites``); each is a flag too.
     flag_name
         The flag when it is not ``--`` + the keyword with dashes (``--mean-prompt``).
+    flag_help
+        How a flag spells the value where that differs from Python (``LAYER.HEAD`` for
+        ``("head", layer, h)``): appended to ``help`` in the CLI's and the magics' help only.
     """
 
     keyword: str
@@ -131,6 +136,7 @@ class Param:
     single: str = ""
     aliases: tuple[str, ...] = ()
     flag_name: str = ""
+    flag_help: str = ""
 
     @property
     def flag(self) -> str:
@@ -154,8 +160,9 @@ class Param:
 
     @property
     def help_text(self) -> str:
-        """``help``, then whether it repeats and its default: ``...; once or once per prompt; default: 10``."""
-        bits = [self.help]
+        """The flag's help: ``help`` and ``flag_help``, then whether it repeats and its default:
+        ``...; once or once per prompt; default: 10``."""
+        bits = [self.help, self.flag_help]
         if self.per_prompt:
             bits.append("once, or once per prompt")
         elif self.many:
@@ -189,11 +196,13 @@ class PromptForm:
 
     ``fields`` are the planner's keywords (``prompt``; ``clean`` and ``corrupt``). One value
     per field is one example; several (the same number for each field, paired in order) are
-    a dataset, passed to the planner one example at a time (:meth:`examples`).
+    a dataset, passed to the planner one example at a time (:meth:`examples`). ``doc`` says so
+    in the function's docstring, ``body_help`` in a magic's help (its cell body).
     """
 
     name: str
     fields: tuple[str, ...]
+    doc: str
     body_help: str
     #: What one example is called in messages: ``prompt``, ``pair``.
     unit: str = "prompt"
@@ -259,11 +268,16 @@ def _tagged(line: str, fields: Sequence[str]) -> tuple[str | None, str]:
 
 PROMPT = PromptForm(
     "prompt", ("prompt",),
+    "The prompt. A list of prompts is a dataset, averaged over named positions; then each parameter "
+    "marked 'once per prompt' takes one value for all or a list of one per prompt.",
     "The cell body is the prompt. Several 'prompt: <text>' lines are a dataset (averaged over named "
     "positions); then --subject / --answer are given once or once per prompt.",
 )
 PAIR = PromptForm(
     "pair", ("clean", "corrupt"),
+    "The clean and the corrupt prompt, of equal token length. Two lists of the same length are a dataset "
+    "of pairs (paired in order), averaged over named positions; then each parameter marked 'once per pair' "
+    "takes one value for all or a list of one per pair.",
     "The cell body holds 'clean: <prompt>' and 'corrupt: <prompt>' lines of equal token length. Several "
     "pairs (paired in order) are a dataset; then --answer / --foil are given once or once per pair.",
     unit="pair",
@@ -426,18 +440,32 @@ class Experiment:
         return inspect.Signature(head + prompts + params + tail, return_annotation="Result")
 
     def docstring(self) -> str:
-        """The public function's numpy docstring, from the summary, the parameters and ``doc``."""
+        """The public function's numpy docstring, from the summary, the prompt form's ``doc``, the
+        parameters' ``help`` (not their ``flag_help``: Python spells values its own way) and ``doc``."""
         lines = [self.summary, "", "Parameters", "----------",
                  "model", "    A loaded model (:func:`pipatch.load_model`, or an nnsight model), or anything",
                  "    ``load_model`` takes: ``None`` (the embedded default), a hub id, a local folder."]
-        lines += [f"{', '.join(self.prompts.fields)}",
-                  f"    {self.prompts.body_help.replace('The cell body is', 'The').replace('The cell body holds', 'The')}"]
+        lines += [f"{', '.join(self.prompts.fields)} : str | Sequence[str]", f"    {self.prompts.doc}"]
         for param in self.params:
-            extra = "; once, or once per prompt of a dataset" if param.per_prompt else ""
-            lines += [param.keyword, f"    {param.help}{extra}."]
-        lines += ["on_row", "    Called as ``on_row(result, view, layer)`` after each finished row.",
-                  "stop", "    A ``threading.Event`` or function; when set the sweep stops after the current batch."]
-        return "\n".join(lines) + ("\n\n" + inspect.cleandoc(self.doc) if self.doc else "") + "\n"
+            typed = param.keyword if param.annotation is Any else f"{param.keyword} : {param.annotation}"
+            extra = f"; once, or once per {self.prompts.unit} of a dataset (a list)" if param.per_prompt else ""
+            lines += [typed, f"    {param.help}{extra}."]
+        lines += ["on_row : callable, optional", "    Called as ``on_row(result, view, layer)`` after each finished row.",
+                  "stop : threading.Event or callable, optional",
+                  "    When set (or returning true) the sweep stops after the current batch."]
+        # The doc's prose before its first section (``Returns``) reads after the summary, as
+        # numpy's extended summary: after the parameters it would read as one more parameter.
+        prose, sections = _split_sections(inspect.cleandoc(self.doc))
+        head = [self.summary, *(["", prose] if prose else [])]
+        return "\n".join(head + lines[1:]) + ("\n\n" + sections if sections else "") + "\n"
+
+
+def _split_sections(doc: str) -> tuple[str, str]:
+    """A numpy docstring's prose before its first section (a title underlined by dashes), and the rest."""
+    found = re.search(r"^\w[\w ]*\n-{3,}$", doc, flags=re.MULTILINE)
+    if found is None:
+        return doc.strip(), ""
+    return doc[:found.start()].strip(), doc[found.start():].strip()
 
 
 def _per_example(value: Any, n: int, what: str, unit: str) -> list[Any]:

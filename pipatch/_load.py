@@ -63,7 +63,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         tree (needs ``pipatch[vllm]`` installed, no GPU). ``name`` must be the model the
         server serves (``None``: the embedded one); ``dtype`` is the server's.
     api_key
-        With ``serve``: the key the server was started with (``--api-key``).
+        With ``serve``: the key ``pipatch serve`` was started with.
     timeout
         With ``serve``: seconds to wait for one batch's answer before giving up.
     remote

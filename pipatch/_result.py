@@ -325,7 +325,7 @@ class Result:
 
         Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``;
         ``views[view]`` holds ``mean``, ``std``, ``raw`` (means over seeds) and ``raw_seeds``
-        (the raw metric per seed, [seeds][layers][columns]), so :func:`load_result` reads the
+        (the raw metric per seed, ``[seeds][layers][columns]``), so :func:`load_result` reads the
         file back whole. NaN becomes ``null``.
         """
         out = {
@@ -493,7 +493,7 @@ def _rows(t: torch.Tensor) -> list[list[float | None]]:
 
 def load_result(path: str | Path) -> Result:
     """Read a file written by :meth:`Result.save` (safetensors) or a ``.json`` file written from
-    :meth:`Result.to_json` (the CLI's ``--json``).
+    :meth:`Result.to_json` (what the ``pipatch`` command writes as JSON).
 
     Refuses, with one clear line, anything that is not a complete pipatch result of a known
     schema: a truncated file, another format (a renamed Python object dump, say), a newer

@@ -91,8 +91,7 @@ def _common(outputs: argparse.ArgumentParser, code: bool = True) -> argparse.Arg
 def build_parser() -> argparse.ArgumentParser:
     """``pipatch COMMAND ...``, one command per experiment of the registry, and ``compare``."""
     parser = _Parser(prog="pipatch", description="Causal tracing and activation patching for language models. "
-                     "`pipatch serve [MODEL]` starts a server for --serve (see pipatch serve --help); "
-                     "`pipatch study FILE --store PATH` runs an experiment over many facts (pipatch study --help).")
+                     "`pipatch COMMAND --help` lists a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     outputs = _outputs()
     common = _common(outputs)
@@ -121,7 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     command.add_argument("--values", default="recovery", choices=VALUES,
                          help="subtract normalized recovery (default) or the raw metric")
     command.add_argument("--view", default=None, help="compare only this view (resid, mlp, attn, ...)")
+    # Listed here so that `pipatch --help` names them; main() hands their arguments to their own parsers.
+    for name, summary in _OWN_PARSERS.items():
+        parser.commands[name] = sub.add_parser(name, help=summary, add_help=False)
     return parser
+
+
+#: The commands main() parses with parsers of their own, and what each does.
+_OWN_PARSERS = {
+    "study": "An experiment over many facts (ROME's known_1000.json, .jsonl, .csv) into a SQLite store; "
+             "rerun to resume (pipatch study --help)",
+    "serve": "Start a server on a vLLM engine that --serve URL runs experiments on (pipatch serve --help)",
+}
 
 
 #: The bar's text: ``18/18 rows`` (a row is one layer of one view), not tqdm's ``18/18``.

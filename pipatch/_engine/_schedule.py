@@ -36,8 +36,8 @@ def _two_stage(cells: list[Cell]) -> bool:
 
 
 # The sizes below are counted, not timed, so the same sweep always runs in the same traces and
-# gives the same numbers to the last bit. ``bench/run.py`` measures what they trade (the README's
-# benchmark table); each comment says what the number weighs.
+# gives the same numbers to the last bit. ``bench/run.py`` measures what they trade (docs/benchmarks.md);
+# each comment says what the number weighs.
 
 #: What one more trace costs, counted in positions one more batch row would cost instead: a
 #: trace's fixed part (nnsight's set-up, and reading every weight once however few rows run),

@@ -196,8 +196,8 @@ PAIR_PARAMS = (
 METRIC = Param("metric", "logit_diff", "logit_diff (answer − foil; with a multi-token answer or foil the "
                "sequences' log-probability difference), prob, logprob or logprob_diff", "str")
 SITE = Param("site", "resid", "resid, attn, mlp or head (the grid is then layers × heads)", "str")
-POSITIONS = Param("positions", None, "token positions to sweep, e.g. 2,-1 (for site head: where heads are patched)",
-                  "Sequence[int] | None", parse=parse_positions, shown="all")
+POSITIONS = Param("positions", None, "token positions to sweep, e.g. [2, -1] (for site head: where heads are patched)",
+                  "Sequence[int] | None", parse=parse_positions, shown="all", flag_help="as a flag: 2,-1")
 
 
 def pair_title(name: str, meta: dict, how: str) -> str:

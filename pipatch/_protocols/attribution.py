@@ -276,8 +276,8 @@ DECLARATION = Experiment(
         *PAIR_PARAMS,
         replace(SITE, help="resid, attn, mlp or head; the gradient is taken at this site"),
         METRIC,
-        Param("verify", 0, "check the N cells with the largest |estimated change| with real patches and keep both "
-              "numbers (0: estimate only)", "int", parse=count,
+        Param("verify", 0, "how many cells to check with real patches, largest |estimated change| first, keeping "
+              "both numbers (0: estimate only)", "int", parse=count,
               single="verify checks cells of one clean/corrupt pair: pass one pair, or verify=0 for a list"),
         replace(POSITIONS, help="the positions (columns) to estimate (for site head: the positions summed over "
                 "for each head)"),

@@ -587,7 +587,7 @@ DECLARATION = Experiment(
         Param("method", "eap-ig", "eap-ig (gradients averaged over steps points between corrupt and clean) or eap "
               "(the corrupt run's gradient)", "str"),
         Param("steps", 5, "EAP-IG's interpolation points (1: EAP)", "int", parse=positive_int),
-        Param("verify", 20, "check the N edges with the largest |estimate| with exact edge patches (0: none)", "int",
+        Param("verify", 20, "how many edges to check with exact edge patches, largest |estimate| first (0: none)", "int",
               parse=count),
         Param("curve", 16, "circuit sizes on the faithfulness curve: the top-n edges kept, every other edge given its "
               "corrupt value (0: no curve)", "int", parse=count),

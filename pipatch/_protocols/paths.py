@@ -360,12 +360,12 @@ DECLARATION = Experiment(
     params=(
         *PAIR_PARAMS,
         Param("sender", None, "None / 'head': sweep every head (grid layers × heads); 'mlp': every MLP (layers × 1); "
-              "('head', layer, h) or ('mlp', layer): one cell. As a flag: LAYER.HEAD (12.2), mlpLAYER (mlp12), all "
-              "or mlp", "Any", parse=parse_sender, shown="all"),
+              "('head', layer, h) or ('mlp', layer): one cell", "Any", parse=parse_sender, shown="all",
+              flag_help="as a flag: LAYER.HEAD (12.2), mlpLAYER (mlp12), all or mlp"),
         Param("receivers", "logits", "'logits' (the direct path) or a list of ('head', layer, h, 'q' | 'k' | 'v'): "
-              "that head's columns of the query, key or value projection; senders sit below the first receiver. "
-              "As a flag: logits or LAYER.HEAD.q|k|v, comma-separated (13.4.q,14.1.k)", "str | Sequence[Sequence]",
-              parse=parse_receivers),
+              "that head's columns of the query, key or value projection; senders sit below the first receiver",
+              "str | Sequence[Sequence]", parse=parse_receivers,
+              flag_help="as a flag: logits or LAYER.HEAD.q|k|v, comma-separated (13.4.q,14.1.k)"),
         METRIC,
         Param("direction", "denoise", "denoise (base corrupt, donor clean) or noise (base clean, donor corrupt)",
               "str"),
