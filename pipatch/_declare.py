@@ -412,7 +412,7 @@ class Experiment:
 
     # -- what the function looks like ----------------------------------------------------------
     def signature(self) -> inspect.Signature:
-        """``(model, prompt, *, subject, ..., on_row=None, stop=None)``: the public function's."""
+        """``(model, prompt, *, subject, ..., on_row=None, stop=None, progress=True)``: the public function's."""
         P = inspect.Parameter
         head = [P("model", P.POSITIONAL_OR_KEYWORD, annotation=Any)]
         if len(self.prompts.fields) == 1:
@@ -422,7 +422,8 @@ class Experiment:
             prompts = [P(f, P.KEYWORD_ONLY, annotation="str | Sequence[str]") for f in self.prompts.fields]
         params = [P(p.keyword, P.KEYWORD_ONLY, default=p.default, annotation=p.annotation) for p in self.params]
         tail = [P("on_row", P.KEYWORD_ONLY, default=None, annotation="OnRow | None"),
-                P("stop", P.KEYWORD_ONLY, default=None, annotation=Any)]
+                P("stop", P.KEYWORD_ONLY, default=None, annotation=Any),
+                P("progress", P.KEYWORD_ONLY, default=True, annotation=bool)]
         return inspect.Signature(head + prompts + params + tail, return_annotation="Result")
 
     def docstring(self) -> str:
@@ -435,8 +436,11 @@ class Experiment:
         for param in self.params:
             extra = "; once, or once per prompt of a dataset" if param.per_prompt else ""
             lines += [param.keyword, f"    {param.help}{extra}."]
-        lines += ["on_row", "    Called as ``on_row(result, view, layer)`` after each finished row.",
-                  "stop", "    A ``threading.Event`` or function; when set the sweep stops after the current batch."]
+        lines += ["on_row", "    Called as ``on_row(result, view, row)`` after each finished row: a layer of the grid (a "
+                  "circuit's: a pair's gradient pass, an edge's check, a curve's runs).",
+                  "stop", "    A ``threading.Event`` or function; when set the sweep stops after the current batch.",
+                  "progress", "    Show a progress bar per stage of the run on stderr (a widget in a notebook); "
+                  "``False``: none."]
         return "\n".join(lines) + ("\n\n" + inspect.cleandoc(self.doc) if self.doc else "") + "\n"
 
 
