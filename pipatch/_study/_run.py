@@ -182,8 +182,8 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             view.display()
             hook, stop = _both(view.progress, hook), _either(stop, view.stop)
         elif progress and hook is None:
-            counter = facts_bar = bar(len(records), f"study {entry.name}", unit="facts")
-            hook = lambda index, record, result: facts_bar.update(1)  # noqa: E731
+            counter = bar(len(records), f"study {entry.name}", unit="facts")
+            hook = _counted(counter)
         _each_fact(records, stored, lambda facts, halt: _run_facts(target, entry, backend, plan, facts, bound,
                                                                    known_only, halt), hook, stop, width, together)
     finally:
@@ -432,6 +432,11 @@ def _both(first: Progress, second: Progress | None) -> Progress:
         if second is not None:
             second(index, record, result)
     return both
+
+
+def _counted(counter: Any) -> Progress:
+    """A progress hook that steps ``counter`` (a progress bar) once per fact."""
+    return lambda index, record, result: counter.update(1)
 
 
 def _either(first: Any, second: Any) -> Callable[[], bool]:
