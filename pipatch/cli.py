@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size,
                          remote=args.remote)
-    result = run_with_progress(plan_experiment(entry, model, **keywords), entry.name, progress=not args.quiet)
+    result = run_with_progress(plan_experiment(entry, model, **keywords), entry.command, progress=not args.quiet)
     _show(result, args)
     return 0 if result.status == "done" else 130
 
