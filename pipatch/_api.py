@@ -2,9 +2,10 @@
 
 For every registered experiment (:mod:`pipatch._registry`) this module offers
 
-* ``pipatch.<name>(model, ..., on_row=None, stop=None) -> Result``: the public function, with
-  the declaration's signature and docstring (so ``help(pipatch.trace)`` and Jupyter's
-  Shift-Tab show every parameter and its default);
+* ``pipatch.<name>(model, ..., on_row=None, stop=None, progress=True) -> Result``: the public
+  function, with the declaration's signature and docstring (so ``help(pipatch.trace)`` and
+  Jupyter's Shift-Tab show every parameter and its default); it shows a progress bar per
+  stage of the run (:mod:`pipatch._progress`) unless ``progress=False``;
 * ``plan_<name>(model, ...) -> Plan``: the same without running it (the baselines are run,
   the sweep is not). ``plan.run(on_row=..., stop=...)`` fills the result.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,7 @@ from ._declare import Experiment
 from ._engine import Plan
 from ._load import shared_model
 from ._models import PipatchError
+from ._progress import run_with_progress
 from ._protocols.dataset import plan_dataset
 from ._registry import EXPERIMENTS, experiment
 from ._result import Result
@@ -55,8 +58,11 @@ def backend_of(model: Any) -> Any:
 
 def plan(declaration: Experiment | str, model: Any, /, *args: Any, **kwargs: Any) -> Plan:
     """The :class:`Plan` of experiment ``declaration`` (or its name) on ``model``: its
-    function's arguments, without ``on_row`` / ``stop``. A positional argument after the model
-    is the first prompt field (``trace(model, prompt, ...)``)."""
+    function's arguments, without ``on_row`` / ``stop`` / ``progress``. A positional argument
+    after the model is the first prompt field (``trace(model, prompt, ...)``). The seconds it
+    took (the model loaded where it is named, the baselines run) are its
+    :attr:`~pipatch._engine.Plan.planning`, part of the result's ``meta["elapsed"]``."""
+    started = time.perf_counter()
     entry = experiment(declaration) if isinstance(declaration, str) else declaration
     if args:
         fields = entry.prompts.fields
@@ -70,8 +76,11 @@ def plan(declaration: Experiment | str, model: Any, /, *args: Any, **kwargs: Any
     backend = backend_of(model)
     examples = entry.examples(keywords)
     if examples is None or entry.whole_dataset:
-        return entry.planner(backend, **keywords)
-    return plan_dataset(backend, entry.planner, examples)
+        made = entry.planner(backend, **keywords)
+    else:
+        made = plan_dataset(backend, entry.planner, examples)
+    made.planning = time.perf_counter() - started
+    return made
 
 
 def function(name: str) -> Callable[..., Result]:
@@ -86,8 +95,10 @@ def planner(name: str) -> Callable[..., Plan]:
 
 @functools.cache  # per declaration (compared by identity): a replaced one gets a new function
 def _function(entry: Experiment) -> Callable[..., Result]:
-    def run_experiment(*args: Any, on_row: OnRow | None = None, stop: Any = None, **kwargs: Any) -> Result:
-        return plan(entry, *_with_model(entry, args, kwargs), **kwargs).run(on_row=on_row, stop=stop)
+    def run_experiment(*args: Any, on_row: OnRow | None = None, stop: Any = None, progress: bool = True,
+                       **kwargs: Any) -> Result:
+        planned = plan(entry, *_with_model(entry, args, kwargs), **kwargs)
+        return run_with_progress(planned, entry.name, on_row=on_row, stop=stop, progress=progress)
 
     run_experiment.__name__ = run_experiment.__qualname__ = entry.name
     run_experiment.__module__ = "pipatch"
@@ -102,7 +113,8 @@ def _planner(entry: Experiment) -> Callable[..., Plan]:
         return plan(entry, *_with_model(entry, args, kwargs), **kwargs)
 
     plan_experiment.__name__ = plan_experiment.__qualname__ = f"plan_{entry.name}"
-    plan_experiment.__doc__ = f"The :class:`Plan` of :func:`pipatch.{entry.name}` (same parameters, without on_row / stop)."
+    plan_experiment.__doc__ = (f"The :class:`Plan` of :func:`pipatch.{entry.name}` (same parameters, without on_row / "
+                               "stop / progress).")
     return plan_experiment
 
 

@@ -426,7 +426,7 @@ class Experiment:
 
     # -- what the function looks like ----------------------------------------------------------
     def signature(self) -> inspect.Signature:
-        """``(model, prompt, *, subject, ..., on_row=None, stop=None)``: the public function's."""
+        """``(model, prompt, *, subject, ..., on_row=None, stop=None, progress=True)``: the public function's."""
         P = inspect.Parameter
         head = [P("model", P.POSITIONAL_OR_KEYWORD, annotation=Any)]
         if len(self.prompts.fields) == 1:
@@ -436,7 +436,8 @@ class Experiment:
             prompts = [P(f, P.KEYWORD_ONLY, annotation="str | Sequence[str]") for f in self.prompts.fields]
         params = [P(p.keyword, P.KEYWORD_ONLY, default=p.default, annotation=p.annotation) for p in self.params]
         tail = [P("on_row", P.KEYWORD_ONLY, default=None, annotation="OnRow | None"),
-                P("stop", P.KEYWORD_ONLY, default=None, annotation=Any)]
+                P("stop", P.KEYWORD_ONLY, default=None, annotation=Any),
+                P("progress", P.KEYWORD_ONLY, default=True, annotation=bool)]
         return inspect.Signature(head + prompts + params + tail, return_annotation="Result")
 
     def docstring(self) -> str:
@@ -450,9 +451,14 @@ class Experiment:
             typed = param.keyword if param.annotation is Any else f"{param.keyword} : {param.annotation}"
             extra = f"; once, or once per {self.prompts.unit} of a dataset (a list)" if param.per_prompt else ""
             lines += [typed, f"    {param.help}{extra}."]
-        lines += ["on_row : callable, optional", "    Called as ``on_row(result, view, layer)`` after each finished row.",
+        lines += ["on_row : callable, optional",
+                  "    Called as ``on_row(result, view, row)`` after each finished row: a layer of the grid (a "
+                  "circuit's: a pair's gradient pass, an edge's check, a curve's runs).",
                   "stop : threading.Event or callable, optional",
-                  "    When set (or returning true) the sweep stops after the current batch."]
+                  "    When set (or returning true) the sweep stops after the current batch.",
+                  "progress : bool, default True",
+                  "    Show a progress bar per stage of the run on stderr (a widget in a notebook); "
+                  "``False``: none."]
         # The doc's prose before its first section (``Returns``) reads after the summary, as
         # numpy's extended summary: after the parameters it would read as one more parameter.
         prose, sections = _split_sections(inspect.cleandoc(self.doc))

@@ -253,10 +253,12 @@ def attach_result(widget: Any, result: Any, predictor: Predictor | None = None) 
 # --------------------------------------------------------------------------------------------
 
 
-def _progress(result: Any) -> dict[str, Any]:
-    """rows_done / elapsed / eta (seconds; −1 when unknown) for a running result."""
+def _progress(result: Any, planning: float = 0.0) -> dict[str, Any]:
+    """rows_done / elapsed / eta (seconds; −1 when unknown) for a running result; the time left
+    is scaled from the sweep's own time, without the ``planning`` seconds ``elapsed`` includes."""
     elapsed = float(result.meta.get("elapsed", 0.0))
-    return {"rows_done": dict(result.rows_done), "elapsed": elapsed, "eta": result.time_left(elapsed)}
+    return {"rows_done": dict(result.rows_done), "elapsed": elapsed,
+            "eta": result.time_left(max(0.0, elapsed - planning))}
 
 
 def _in_ipython() -> bool:
@@ -311,7 +313,7 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
         handle = widget.display()
 
     def on_row(res: Any, view: str, layer: int) -> None:
-        widget.push({**res.to_state(live=True), **_progress(res), "status": "running",
+        widget.push({**res.to_state(live=True), **_progress(res, plan.planning), "status": "running",
                      "stoppable": True})
         _DISPATCHER.answer_queued()
 

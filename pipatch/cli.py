@@ -28,15 +28,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from tqdm import tqdm
 
 from ._api import plan as plan_experiment
 from ._compare import VALUES, compare
 from ._engine import EngineError
 from ._models import BACKENDS, PipatchError
+from ._progress import run_with_progress
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
 
 
@@ -134,30 +133,6 @@ _OWN_PARSERS = {
 }
 
 
-#: The bar's text: ``18/18 rows`` (a row is one layer of one view), not tqdm's ``18/18``.
-_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}<{remaining}]"
-
-
-def _progress(total_rows: int, enabled: bool) -> tqdm:
-    """A progress bar on stderr, one step per row (disabled by ``--quiet`` or a run of no rows)."""
-    return tqdm(total=total_rows, file=sys.stderr, bar_format=_BAR_FORMAT, dynamic_ncols=True,
-                disable=not enabled or total_rows <= 0)
-
-
-def _on_row(bar: tqdm) -> Callable[[Any, str, int], None]:
-    """The plan's ``on_row``: advance ``bar`` to the rows done, closing it after the last."""
-
-    def on_row(result: Any, view: str, layer: int) -> None:
-        if bar.disable:  # quiet, or closed: an attribution's verification rows come after the last
-            return
-        done = min(sum(result.rows_done.values()), bar.total)
-        bar.update(done - bar.n)
-        if done >= bar.total:
-            bar.close()
-
-    return on_row
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``pipatch`` with ``argv`` (default: the process's); returns the exit status.
 
@@ -198,10 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                          serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size,
                          remote=args.remote)
-    plan = plan_experiment(entry, model, **keywords)
-    # Closed on the way out too: an interrupted or failed sweep ends its bar's line.
-    with _progress(plan.total_rows, not args.quiet) as bar:
-        result = plan.run(on_row=_on_row(bar))
+    result = run_with_progress(plan_experiment(entry, model, **keywords), entry.command, progress=not args.quiet)
     _show(result, args)
     return 0 if result.status == "done" else 130
 
@@ -265,7 +237,6 @@ def study_main(argv: Sequence[str]) -> int:
     to resume), 2 for bad input (one line)."""
     from ._load import shared_model
     from ._study import study
-    from ._study._facts import read_records
     from ._study._front import probe_experiment, study_keywords
 
     prog = "pipatch study"
@@ -277,19 +248,15 @@ def study_main(argv: Sequence[str]) -> int:
     args = study_parser(entry).parse_args(list(argv))
     try:
         keywords = study_keywords(args, entry)
-        total = len(read_records(args.facts))
-        total = total if args.limit is None else min(total, args.limit)
         api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
         model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                              serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size,
                              remote=args.remote)
-        with tqdm(file=sys.stderr, unit="fact", dynamic_ncols=True, disable=args.quiet, total=total) as bar:
-            try:
-                found = study(model, args.facts, entry, progress=lambda index, record, result: bar.update(1),
-                              **keywords)
-            except KeyboardInterrupt:
-                sys.stderr.write(f"{prog}: interrupted; the finished facts are in {args.store}: run again to resume\n")
-                return 130
+        try:
+            found = study(model, args.facts, entry, progress=not args.quiet, **keywords)
+        except KeyboardInterrupt:
+            sys.stderr.write(f"{prog}: interrupted; the finished facts are in {args.store}: run again to resume\n")
+            return 130
     except PipatchError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         return 2

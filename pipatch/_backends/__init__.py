@@ -47,6 +47,8 @@ capability                             what it means
 ``position_flops``                     bounds the work rows that share traces may hold
 ``plans_in_flight``                    a study runs that many facts at once, each on a thread
 ``plans_together``                     a study runs that many facts as one engine chain
+``torch_threads``                      computes on this process's CPU threads: the engine
+                                       warns when they outnumber the free cores
 =====================================  ======================================================
 
 A new way of running models (a server, say) is one module here with those members, and a

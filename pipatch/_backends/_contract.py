@@ -59,6 +59,9 @@ class Capabilities:
         batches what several send).
     plans_together
         A study runs this many facts as one engine chain, their metrics finished together.
+    torch_threads
+        Its forward passes run on this process's torch CPU threads (the transformers backend on
+        a CPU): the engine warns when they outnumber the cores other work leaves free.
     """
 
     gradients: bool = False
@@ -72,6 +75,7 @@ class Capabilities:
     position_flops: int = 0
     plans_in_flight: int = 1
     plans_together: int = 1
+    torch_threads: bool = False
 
     # -- what they mean for one base run and metric (the engine and the backends ask alike) ----
     def prefix(self, base: Base) -> bool:

@@ -176,7 +176,7 @@ class TransformersBackend(Described):
             gradients=True, circuit_runs=True, skips_blocks=True, reuses_prefix=self.reuse_prefix,
             pack_tokens=PACK_TOKENS.get(self.device.type, NO_BOUND) if packs else 0, packs_prompts=True,
             pools_unembedding=True, device_kind="cuda" if self.device.type == "cuda" else "cpu",
-            position_flops=self.position_flops, plans_together=PLANS_TOGETHER)
+            position_flops=self.position_flops, plans_together=PLANS_TOGETHER, torch_threads=self.device.type == "cpu")
 
     def run(self, program: Program, request: Any) -> Any:
         """Run ``program`` on ``request`` in this process (:meth:`_routines`)."""

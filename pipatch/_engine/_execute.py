@@ -33,6 +33,7 @@ import torch
 from .._cells import Cell
 from .._models import PipatchError
 from .._programs.patch import PatchRequest, metrics, patch
+from .._threads import warn_if_oversubscribed
 from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, _WorkRow, batches
 from ._sweeps import Sweep, Work
 
@@ -311,19 +312,73 @@ def _interrupt_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
+class _Stages:
+    """The run's named stages (:meth:`~._plans.Plan.stages`) as it goes: the rows finished and
+    the seconds spent in each, told to ``on_progress(stage, done, total)`` as a stage begins
+    and after each of its rows. The time between two rows counts to the stage of the second
+    (what ran in it); what follows the last row (the plan's summary at the end), to the last."""
+
+    def __init__(self, plan: Any, on_progress: Callable[[str, int, int], None] | None, started: float):
+        self.plan, self.on_progress, self.mark = plan, on_progress, started
+        self.stage: str | None = None
+        self.rows: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def begin(self, stage: str) -> None:
+        if stage != self.stage:
+            self.stage = stage
+            self.rows.setdefault(stage, 0)
+            self.seconds.setdefault(stage, 0.0)
+            self._tell(stage)
+
+    def row_done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] += now - self.mark
+        self.mark = now
+        self.rows[stage] += 1
+        self._tell(stage)
+
+    def end(self) -> dict[str, float]:
+        """Seconds per stage, in the order they ran, the time since the last row counted to the last."""
+        now = time.perf_counter()
+        last = self.stage or "run"
+        self.seconds[last] = self.seconds.get(last, 0.0) + now - self.mark
+        self.mark = now
+        return dict(self.seconds)
+
+    def _tell(self, stage: str) -> None:
+        if self.on_progress is not None:
+            done = self.rows[stage]
+            self.on_progress(stage, done, max(self.plan.stages().get(stage, done), done))
+
+
+def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None,
+            on_progress: Callable[[str, int, int], None] | None = None) -> Any:
     """Run every task of ``plan`` into ``plan.result`` and return it.
 
-    ``on_row(result, view, row)`` is called after each finished row. ``stop`` (an Event or a
-    function) is checked between batches: the run ends ``"stopped"``. Ctrl-C / a kernel
-    interrupt ends it ``"interrupted"`` at the next batch boundary (:func:`_interrupt_flag`).
-    Either way the finished rows are kept; a failing batch raises :class:`EngineError` with the
-    partial result attached. ``result.meta["engine"]`` counts ``cells``, ``noop_cells`` (filled
-    without a forward), ``traces`` and ``max_invokes`` (cells in the largest batch).
+    ``on_row(result, view, row)`` is called after each finished row. ``on_progress(stage,
+    done, total)`` as each named stage of the plan begins (``done`` 0) and after each of its
+    rows (:meth:`~._plans.Plan.stages`; a progress bar, :mod:`pipatch._progress`). ``stop``
+    (an Event or a function) is checked between batches: the run ends ``"stopped"``. Ctrl-C /
+    a kernel interrupt ends it ``"interrupted"`` at the next batch boundary
+    (:func:`_interrupt_flag`). Either way the finished rows are kept; a failing batch raises
+    :class:`EngineError` with the partial result attached. ``result.meta["engine"]`` counts
+    ``cells``, ``noop_cells`` (filled without a forward), ``traces`` and ``max_invokes``
+    (cells in the largest batch). ``result.meta["elapsed"]`` is the seconds since planning
+    began (:attr:`~._plans.Plan.planning` and this run), ``meta["elapsed_stages"]`` the same
+    split by stage: ``{"plan": ..., "run": ...}``, a circuit's ``{"plan", "scoring",
+    "checks", "curve"}``.
+
+    Before the first row, where the backend computes on this process's CPU threads, a
+    machine whose free cores are fewer than torch's threads is named in one warning, once
+    per process (:func:`pipatch._threads.warn_if_oversubscribed`).
     """
     should_stop = stop_check(stop)
     result = plan.result
     started = time.perf_counter()
+    if plan.capabilities.torch_threads:
+        warn_if_oversubscribed()
+    stages = _Stages(plan, on_progress, started)
     stats = result.meta.setdefault("engine", {})
     stats.update({"batch_size": plan.batch_size, "fast": plan.fast})
     for key in ("cells", "noop_cells", "traces", "max_invokes"):
@@ -339,9 +394,10 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
             for row in rowgroup.rows:
                 plan.row_done(rowgroup.sweep, row)
                 finished_rows += 1
-                result.meta["elapsed"] = time.perf_counter() - started
+                result.meta["elapsed"] = plan.planning + time.perf_counter() - started
                 if on_row is not None:
                     on_row(plan.result, rowgroup.sweep.view, row)
+                stages.row_done(rowgroup.sweep.stage)
 
     try:
         with _interrupt_flag() as interrupted:
@@ -349,6 +405,7 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
                 return interrupted.is_set() or (should_stop is not None and should_stop())
 
             for rowgroup in _row_groups(plan, stats):
+                stages.begin(rowgroup.sweep.stage)
                 held = pool.held if pool is not None else 0
                 if isinstance(rowgroup, _WorkRow):
                     finished = _run_work(plan, rowgroup.sweep, rowgroup.rows[0], halt)
@@ -382,9 +439,16 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
         result.status = "failed"
         result.message = str(error)
         error.partial = result
-        result.meta["elapsed"] = time.perf_counter() - started
         plan.finish()
+        _timed(plan, stages)
         raise
-    result.meta["elapsed"] = time.perf_counter() - started
     plan.finish()
+    _timed(plan, stages)
     return result
+
+
+def _timed(plan: Any, stages: _Stages) -> None:
+    """The run's seconds into its result: ``meta["elapsed"]`` in all, ``meta["elapsed_stages"]`` by stage."""
+    seconds = {"plan": plan.planning, **stages.end()}
+    plan.result.meta["elapsed_stages"] = seconds
+    plan.result.meta["elapsed"] = sum(seconds.values())

@@ -43,6 +43,9 @@ class Plan:
         #: Read positions whose metrics wait to finish together (:class:`_Pool`); 0: each
         #: row group finishes as it runs, so its rows show at once (every plan but a :class:`Chain`).
         self.pool_positions = 0
+        #: Seconds it took to make this plan (its baselines run), which ``meta["elapsed"]``
+        #: includes: :func:`pipatch._api.plan` sets it.
+        self.planning = 0.0
 
     @property
     def row_order(self) -> int:
@@ -82,13 +85,19 @@ class Plan:
     def finish(self) -> None:
         """Called once the tasks end (also when stopped or interrupted)."""
 
-    @property
-    def total_rows(self) -> int:
-        return sum(s.n_rows for s in self.sweeps)
+    def stages(self) -> dict[str, int]:
+        """The run's named stages in order, each with the rows it holds (:attr:`Sweep.stage`):
+        ``{"run": rows}`` for most plans. Asked again as the run goes on: a plan that makes
+        its work from what ran before may know a stage's rows only once it begins."""
+        stages: dict[str, int] = {}
+        for sweep in self.sweeps:
+            stages[sweep.stage] = stages.get(sweep.stage, 0) + sweep.n_rows
+        return stages
 
-    def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
+    def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None,
+            on_progress: Callable[[str, int, int], None] | None = None) -> Any:
         """Run every task; see :func:`execute`."""
-        return execute(self, on_row=on_row, stop=stop)
+        return execute(self, on_row=on_row, stop=stop, on_progress=on_progress)
 
     def predictor(self) -> Predictor:
         """What answers a click on a cell of this plan's grid (holds no reference to the result)."""
@@ -154,18 +163,17 @@ class Chain(Plan):
         for plan in self.plans:
             plan.finish()
 
-    @property
-    def total_rows(self) -> int:
-        return sum(plan.total_rows for plan in self.plans)
-
-    def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None) -> Any:
+    def run(self, *, on_row: Callable[[Any, str, int], None] | None = None, stop: Any = None,
+            on_progress: Callable[[str, int, int], None] | None = None) -> Any:
         """Run every plan (``on_row`` gets the chain's status, not a plan's result); their results."""
-        status = execute(self, on_row=on_row, stop=stop)
+        status = execute(self, on_row=on_row, stop=stop, on_progress=on_progress)
         for plan in self.plans:
             result = plan.result
             result.status, result.message = status.status, status.message
             result.meta["engine"] = {**status.meta.get("engine", {}), "chained": len(self.plans)}
-            result.meta["elapsed"] = status.meta.get("elapsed", 0.0) / len(self.plans)
+            run = status.meta.get("elapsed", 0.0) / len(self.plans)  # each plan's share of the chain's run
+            result.meta["elapsed"] = plan.planning + run
+            result.meta["elapsed_stages"] = {"plan": plan.planning, "run": run}
             result.warnings.extend(status.warnings)
         return [plan.result for plan in self.plans]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,9 +39,11 @@ class Sweep:
     bit when the two runs were batched differently (a clean run alone, ten noised runs
     together) — so a cell that writes only there is a no-op (:func:`_is_noop`).
     A sweep holds its baselines and donors but never the result, so keeping it alive to answer
-    clicks does not keep the result alive.
+    clicks does not keep the result alive. :attr:`stage` names the part of the run its rows
+    are (a progress bar's name): ``"run"``, or a subclass's own (attribution's ``"checks"``).
     """
 
+    stage: ClassVar[str] = "run"
     view: str
     base: Base
     metric: Metric
@@ -123,8 +125,11 @@ class Work:
         The view ``on_row`` is told.
     n_rows
         How many rows there are, or may be (rows made later may be fewer).
+    stage
+        The part of the run its rows are, named (a circuit's ``"scoring"``, ``"curve"``).
     """
 
+    stage: ClassVar[str] = "run"
     view: str
     n_rows: int
 

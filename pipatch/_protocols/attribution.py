@@ -144,6 +144,8 @@ def plan_attribute(
 class _VerifySweep(SiteSweep):
     """Real denoising patches of the chosen cells; values go to ``meta``, not the estimate grid."""
 
+    stage = "checks"
+
     @property
     def tracks_rows(self) -> bool:
         return False

@@ -50,8 +50,10 @@ tensor-parallel engine) makes the curve one warning (``curve=0`` asks for none).
 **Running.** The planner captures each pair's runs and the curve's baselines; the rest is
 the engine's work, batched, live and stoppable like every sweep (:class:`_CircuitPlan`): the
 gradient passes (one row a pair), then the exact patches, then the curve (:data:`SIZES_PER_RUN`
-sizes a row, then the bisection's points), each made once the work it reads has run. Stop or
-an interrupt between rows keeps what finished: the scores, the checks, the curve so far.
+sizes a row, then the bisection's points), each made once the work it reads has run: the
+stages ``scoring``, ``checks`` and ``curve`` of its progress bars and of
+``meta["elapsed_stages"]``. Stop or an interrupt between rows keeps what finished: the
+scores, the checks, the curve so far.
 
 **Datasets.** Lists of pairs are averaged edge by edge, as in EAP-IG: each pair's scores and
 exact changes are in its own metric units, and their means are the dataset's.
@@ -115,6 +117,7 @@ VIEW = VIEW_EDGES
 class _EdgeSweep(Sweep):
     """Row ``i``: the exact patch of edge ``edges[i]`` (a sender, a receiver) in one pair."""
 
+    stage = "checks"
     adapter: Adapter | None = None
     donor: Capture | None = None
     edges: list[tuple[Node, Node]] | None = None
@@ -186,6 +189,8 @@ class _Gradients(Work):
     """Row ``i``: the gradient pass of pair ``i`` (:data:`~pipatch._programs.circuit.EDGE_TERMS`),
     its edge terms added to :attr:`total` ([receivers, senders], float64)."""
 
+    stage = "scoring"
+
     def __init__(self, runs: list[tuple[Any, Capture, Capture]], steps: int, edge_graph: Any):
         super().__init__(VIEW, len(runs))
         self.runs, self.steps, self.edge_graph = runs, steps, edge_graph
@@ -221,10 +226,16 @@ class _CircuitPlan(Plan):
         self._gradients, self._curve = gradients, curve
         self.scores = torch.full(edge_graph.valid.shape, float("nan"))  # the edge scores, once known
 
-    @property
-    def total_rows(self) -> int:
-        """The exact patches' rows (a progress bar's count; the grid is whole once scored)."""
-        return min(self._verify, int(self._graph.valid.sum())) * len(self._runs)
+    def stages(self) -> dict[str, int]:
+        """``scoring``: a gradient pass per pair (none with given scores); ``checks``: an exact
+        patch per checked edge and pair; ``curve``: the faithfulness curve's runs, a row per
+        :data:`SIZES_PER_RUN` sizes then one per bisection step (at most: it may end sooner;
+        known once the curve begins)."""
+        stages = {} if self._gradients is None else {"scoring": self._gradients.n_rows}
+        stages["checks"] = min(self._verify, int(self._graph.valid.sum())) * len(self._runs)
+        if self._curve is not None:
+            stages["curve"] = self._curve.n_rows
+        return stages
 
     def scored(self, scores: torch.Tensor) -> None:
         """The edge scores known ([receivers, senders]): the grid, the edges to check and their
@@ -324,6 +335,8 @@ class _Curve(Work):
     a row each (:meth:`rows`). ``runs`` holds each pair's inputs and the clean run's embedding
     output (its baselines, captured by the planner). :attr:`~pipatch.Result.meta`'s
     ``faithfulness`` is the curve so far after each row, ``size`` ``None`` until it is known."""
+
+    stage = "curve"
 
     def __init__(self, runs: list[tuple[Any, torch.Tensor]], means: Baselines | None, valid: torch.Tensor, points: int,
                  share: float, clean_value: float, corrupt_value: float):

@@ -203,10 +203,6 @@ class DatasetPlan(Plan):
         for plan in self.plans:
             plan.finish()
 
-    @property
-    def total_rows(self) -> int:
-        return self.plans[0].total_rows
-
     def predictor(self) -> Predictor:
         """A click on row ``seed`` of the seed axis runs that prompt's cell; a named-position
         column patches every position of its group at once (seed −1: the first prompt)."""

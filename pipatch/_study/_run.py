@@ -67,6 +67,7 @@ from .._checks import whole_number
 from .._declare import Experiment, text
 from .._engine import Chain, EngineError, Plan
 from .._models import PipatchError
+from .._progress import bar
 from .._protocols._inputs import answer_ids, encode, library_versions, subject_positions
 from .._protocols.dataset import named_groups, position_axis, prompt_groups
 from .._registry import experiment as experiment_named
@@ -84,7 +85,7 @@ Progress = Callable[[int, dict, Result | None], None]
 
 
 def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, store: str | os.PathLike,
-          known_only: bool = True, columns: Mapping[str, str] | None = None, progress: Progress | None = None,
+          known_only: bool = True, columns: Mapping[str, str] | None = None, progress: bool | Progress = True,
           limit: int | None = None, stop: Any = None, show: bool = False, in_flight: int | None = None,
           **options: Any) -> Study:
     """Run ``experiment`` on every fact of ``facts`` into the SQLite file ``store``; return the :class:`Study`.
@@ -108,7 +109,10 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
     columns
         Other names for the fields: ``{"prompt": "text", "attribute": "target"}``.
     progress
-        ``progress(index, record, result_or_None)`` after each fact (a widget's hook).
+        Show a progress bar of the facts on stderr (a widget in a notebook; none with ``show``,
+        whose view is the progress); ``False``: none. A function instead is called as
+        ``progress(index, record, result_or_None)`` after each fact (a widget's hook), and no
+        bar is drawn.
     limit
         Read only the first ``limit`` records.
     stop
@@ -158,7 +162,8 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
     width, together = _in_flight(backend, in_flight)
-    target, view = Store(store), None
+    target, view, counter = Store(store), None, None
+    hook = progress if callable(progress) else None
     try:
         target.check_config(config)
         records = read_facts(facts, entry, columns=columns, given=given)
@@ -175,10 +180,15 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
 
             view = StudyView(lambda: Study(target.path), len(records))
             view.display()
-            progress, stop = _both(view.progress, progress), _either(stop, view.stop)
+            hook, stop = _both(view.progress, hook), _either(stop, view.stop)
+        elif progress and hook is None:
+            counter = bar(len(records), f"study {entry.name}", unit="facts")
+            hook = _counted(counter)
         _each_fact(records, stored, lambda facts, halt: _run_facts(target, entry, backend, plan, facts, bound,
-                                                                   known_only, halt), progress, stop, width, together)
+                                                                   known_only, halt), hook, stop, width, together)
     finally:
+        if counter is not None:
+            counter.close()
         target.close()
         if view is not None:
             view.finish(show=True)
@@ -422,6 +432,11 @@ def _both(first: Progress, second: Progress | None) -> Progress:
         if second is not None:
             second(index, record, result)
     return both
+
+
+def _counted(counter: Any) -> Progress:
+    """A progress hook that steps ``counter`` (a progress bar) once per fact."""
+    return lambda index, record, result: counter.update(1)
 
 
 def _either(first: Any, second: Any) -> Callable[[], bool]:

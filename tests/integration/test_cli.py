@@ -29,13 +29,18 @@ def test_every_command_writes_the_python_api_result(model, name, tmp_path, capsy
     assert f"wrote {path}" in captured.out
     for view in want.views:
         assert want.text(view) in captured.out  # the text heatmap
-    # A circuit's grid is complete when planned; its bar counts the exact edge patches.
-    total = len(want.meta["checked"]) if name == "circuit" else len(want.layers) * len(want.views)
-    # The progress bar (tqdm redraws it after "\r"): one line as a terminal shows it, ending at the
-    # total, once (an attribution's verification rows after the last neither redraw nor exceed it).
+    # A circuit's grid is complete when planned; its bars count its stages' rows: a gradient pass
+    # (one pair), the exact edge patches, then the curve's runs.
+    totals = ([1, len(want.meta["checked"]), None] if name == "circuit"
+              else [len(want.layers) * len(want.views)])
+    # The progress bar (tqdm redraws it after "\r"): one line per stage as a terminal shows it,
+    # ending at the total, once (an attribution's verification rows are its checks' stage).
     bars = [line.rsplit("\r", 1)[-1] for line in captured.err.split("\n") if " rows" in line]
-    assert len(bars) == 1 and f" {total}/{total} rows" in bars[0], captured.err
-    assert f"{total + 1}/{total}" not in captured.err
+    assert len(bars) == len(totals), captured.err
+    for bar, total in zip(bars, totals):
+        total = total or int(bar.rsplit("/", 1)[-1].split()[0])  # the curve's: as many as it ran
+        assert f" {total}/{total} rows" in bar, captured.err
+        assert f"{total + 1}/{total}" not in captured.err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(path.read_text())
     assert_json_matches(data, want)

@@ -38,7 +38,7 @@ def toy_result(toy, model):
 
 def test_the_python_api_derives_the_function_from_the_declaration(toy, toy_result, model):
     assert list(inspect.signature(pipatch.toy_ablate).parameters) == [
-        "model", "prompt", "answer", "batch_size", "on_row", "stop"]
+        "model", "prompt", "answer", "batch_size", "on_row", "stop", "progress"]
     assert "Zero-ablate the residual stream" in pipatch.toy_ablate.__doc__
     r = toy_result
     assert r.kind == "toy_ablation" and r.status == "done" and r.title == "Toy ablation · ' Paris'"

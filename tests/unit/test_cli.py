@@ -36,7 +36,7 @@ def test_the_options_are_the_python_functions_parameters(name):
     default, and only what a shell cannot pass is Python's alone."""
     entry = EXPERIMENTS[name]
     parameters = inspect.signature(getattr(_api, name)).parameters
-    python_only = {"model", "fast", "on_row", "stop", *entry.prompts.fields}
+    python_only = {"model", "fast", "on_row", "stop", "progress", *entry.prompts.fields}
     assert {o.keyword for o in entry.options} == set(parameters) - python_only
     for option in entry.options:
         default = parameters[option.keyword].default
@@ -109,20 +109,22 @@ def test_unknown_experiment_kind_lists_the_names():
 
 
 def test_the_progress_bar_counts_rows_and_closes_after_the_last(capsys):
-    """No model: rows as the engine reports them, then two verification rows after the last."""
-    from types import SimpleNamespace
+    """No model: rows as the engine reports them (:class:`pipatch._progress.StageBars`, the bar
+    the CLI and the Python functions share); the engine never reports more than a stage holds."""
+    from pipatch._progress import StageBars
 
-    with cli._progress(3, enabled=True) as bar:
-        on_row = cli._on_row(bar)
-        for done in [1, 2, 3, 4, 5]:  # rows_done keeps counting past the total (verification)
-            on_row(SimpleNamespace(rows_done={"resid": min(done, 3), "verify": max(done - 3, 0)}), "resid", done)
-            assert bar.n == min(done, 3)
-        assert bar.disable  # closed by the last row, before the block ends
+    bars = StageBars("attribute")
+    for done in [0, 1, 2, 3]:
+        bars("run", done, 3)
+        assert bars.current.n == done
+    bars.close(finished=True)
+    assert bars.current is None  # closed by the end of the run
     err = capsys.readouterr().err
     assert err.endswith("\n") and err.count("\n") == 1 and " 3/3 rows" in err.rsplit("\r", 1)[-1]
     assert "4/3" not in err and "5/3" not in err
-    with cli._progress(3, enabled=False) as quiet:
-        cli._on_row(quiet)(SimpleNamespace(rows_done={"resid": 1}), "resid", 0)
+    quiet = StageBars("attribute", enabled=False)
+    quiet("run", 1, 3)
+    quiet.close(finished=True)
     assert capsys.readouterr().err == ""
 
 
