@@ -33,6 +33,7 @@ import torch
 from .._cells import Cell
 from .._models import PipatchError
 from .._programs.patch import PatchRequest, metrics, patch
+from ._cost import sweep_flops, warn_if_long
 from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, _WorkRow, batches
 from ._sweeps import Sweep, Work
 
@@ -323,6 +324,9 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
     """
     should_stop = stop_check(stop)
     result = plan.result
+    if plan.narrow:
+        flops, cells = sweep_flops(plan)
+        warn_if_long(plan.backend, flops, f"this {result.kind}", f"{cells:,} patched runs", plan.narrow)
     started = time.perf_counter()
     stats = result.meta.setdefault("engine", {})
     stats.update({"batch_size": plan.batch_size, "fast": plan.fast})

@@ -43,6 +43,9 @@ class Plan:
         #: Read positions whose metrics wait to finish together (:class:`_Pool`); 0: each
         #: row group finishes as it runs, so its rows show at once (every plan but a :class:`Chain`).
         self.pool_positions = 0
+        #: How a caller narrows this plan's run, for the line that announces a long one
+        #: (:func:`~._cost.warn_if_long`); ``""``: no line.
+        self.narrow = "positions="
 
     @property
     def row_order(self) -> int:
@@ -132,6 +135,7 @@ class Chain(Plan):
         self.plans = plans
         self._owner = [(sweep, plan) for plan in plans for sweep in plan.sweeps]  # sweeps compare by value
         self.pool_positions = POOL_POSITIONS
+        self.narrow = ""  # a study's facts: the study says what it costs
 
     def tasks(self) -> Iterator[tuple[Sweep, int]]:
         for plan in self.plans:
