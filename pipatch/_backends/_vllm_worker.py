@@ -129,10 +129,11 @@ class RequestView(View):
         return first(_get(self.model, self.adapter.final_norm).output)[-metric.n_read :].clone()
 
     def final_norm(self, states: torch.Tensor) -> torch.Tensor:
-        """The engine's final norm module on ``states`` ([N, d]), called as :func:`head_request` calls it."""
+        """The engine's final norm on ``states`` ([N, d]), called outside the forward
+        (:func:`_normed`: the body has read the norm's output in this request, and a call
+        through the module's hooks would be served as that call)."""
         assert self.adapter.final_norm is not None  # every family vLLM runs has one
-        module = torch_module(self.model)
-        return first(_get(module, self.adapter.final_norm)(_on_engine(module, states)))
+        return _normed(_get(self.model, self.adapter.final_norm), states)
 
     @property
     def unembedding(self) -> EngineHead:

@@ -324,8 +324,8 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
     """
     should_stop = stop_check(stop)
     result = plan.result
-    if plan.narrow:
-        flops, cells = sweep_flops(plan)
+    flops, cells = sweep_flops(plan) if plan.narrow else (0.0, 0)
+    if flops:
         warn_if_long(plan.backend, flops, f"this {result.kind}", f"{cells:,} patched runs", plan.narrow)
     started = time.perf_counter()
     stats = result.meta.setdefault("engine", {})
