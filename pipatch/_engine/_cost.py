@@ -19,7 +19,7 @@ from .._errors import PipatchWarning
 from ._schedule import RUN_FLOPS
 from ._sweeps import Work
 
-__all__ = ["LONG_SECONDS", "sweep_flops", "seconds_for", "warn_if_long", "duration"]
+__all__ = ["LONG_SECONDS", "sweep_flops", "read_flops", "seconds_for", "warn_if_long", "duration"]
 
 #: A run the cost model says takes longer than this (seconds) is announced first (:func:`warn_if_long`).
 LONG_SECONDS = 60.0
@@ -58,6 +58,14 @@ def sweep_flops(plan: Any) -> tuple[float, int]:
                 work = positions * max(0, n_layers - start) * capabilities.position_flops + reads * rows * head
                 total += work * sweep.n_seeds
     return total, cells
+
+
+def read_flops(backend: Any, n_tokens: int, readings: int) -> float:
+    """What a read costs, about, in FLOPs: one forward of ``n_tokens`` positions, and
+    ``readings`` states through the whole unembedding (a probability's softmax and a rank read
+    every logit): the logit lens."""
+    return (n_tokens * backend.adapter.n_layers * backend.capabilities.position_flops
+            + readings * 2 * backend.adapter.d_model * _vocabulary(backend))
 
 
 def _first_seed(sweep: Any, row: int) -> Any:

@@ -35,7 +35,7 @@ import torch
 
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._declare import PROMPT, Experiment, Param
-from .._engine import Plan, SiteSweep, check_batch_size, warn_if_long
+from .._engine import Plan, SiteSweep, check_batch_size, read_flops, warn_if_long
 from .._models import Adapter
 from .._programs.lens import lens
 from .._result import Result
@@ -56,7 +56,7 @@ from ._inputs import (
     sweep_positions,
 )
 
-__all__ = ["plan_lens", "LensSweep", "DECLARATION", "LENS_METRICS", "lens_flops"]
+__all__ = ["plan_lens", "LensSweep", "DECLARATION", "LENS_METRICS"]
 
 LENS_METRICS = ("prob", "logprob", "rank")
 
@@ -82,20 +82,6 @@ class LensSweep(SiteSweep):
     @property
     def tracks_rows(self) -> bool:
         return False  # every row is read before the plan runs
-
-
-def lens_flops(backend, n_tokens: int, n_read: int) -> float:
-    """What a lens read costs, about, in FLOPs: one forward of ``n_tokens`` positions and the
-    unembedding of ``n_read`` readings per layer (the whole vocabulary: a probability's softmax
-    and a rank read every logit)."""
-    adapter = backend.adapter
-    try:
-        vocab = len(backend.tokenizer)
-    except TypeError:  # a tokenizer that does not count its vocabulary
-        vocab = 0
-    head = 2 * adapter.d_model * vocab
-    return (n_tokens * adapter.n_layers * backend.capabilities.position_flops
-            + (adapter.n_layers * n_read + 1) * head)
 
 
 def plan_lens(
@@ -128,7 +114,8 @@ def plan_lens(
     if subject is not None:
         meta["subject"] = subject if isinstance(subject, str) else list(subject)
         meta["subject_positions"] = subject_positions(subject, prompt, tokens, offsets, occurrence)
-    warn_if_long(backend, lens_flops(backend, T + scorer.n_read - 1, len(cols)), "the logit lens",
+    readings = adapter.n_layers * len(cols) + 1  # and the model's own output
+    warn_if_long(backend, read_flops(backend, T + scorer.n_read - 1, readings), "the logit lens",
                  f"{len(cols)} positions × {adapter.n_layers} layers through the unembedding",
                  "positions= (e.g. the last few: positions=[-3, -2, -1])")
     read = lens(backend, input_ids, scorer, cols)
