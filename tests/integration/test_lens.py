@@ -193,10 +193,10 @@ def patched_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch
 
 @pytest.mark.parametrize("family", [None, "llama", "gemma2"])
 @pytest.mark.parametrize("answer", [" Paris", " New York"])
-def test_the_read_equals_the_patched_lens_it_replaced(family, answer, model):
+def test_the_read_equals_the_patched_lens_it_replaced(family, answer, request):
     """On the embedded model and two tiny families, the one-forward lens equals the patched
     runs it replaced (the old computation, by hand) within 1e-6, for every metric."""
-    subject = model if family is None else tiny_model(family)
+    subject = request.getfixturevalue("model") if family is None else tiny_model(family)
     for metric in ("prob", "logprob", "rank"):
         got = pipatch.lens(subject, EIFFEL, answer=answer, metric=metric)
         want = patched_lens(subject, EIFFEL, answer, metric)
