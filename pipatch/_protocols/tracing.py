@@ -363,8 +363,15 @@ DECLARATION = Experiment(
     Returns
     -------
     Result
-        ``result.grid`` is tensor[layers, tokens] of mean normalized recovery (see
+        ``result.grid`` is tensor[layers, positions swept] of mean normalized recovery (see
         :mod:`pipatch._protocols.tracing`); ``result.per_seed`` keeps every seed's grid.
+
+    Raises
+    ------
+    PipatchError
+        One line for bad input, such as a subject whose text occurs more than once in the
+        prompt without ``occurrence=``. A sweep the cost model puts above a minute is announced
+        first in one line (a :class:`~pipatch._errors.PipatchWarning`) naming ``positions=``.
     """,
     code=_code_part, code_inputs=_code_inputs,
 )
