@@ -29,6 +29,7 @@ from .._programs._program import View
 from .._programs.circuit import CircuitView, Ungrouped, returning, widened
 from .._sites import Place, Site, TensorPlace
 from ._packing import Packed
+from ._unembedding import Unembedding, unembedding_input
 
 __all__ = ["RowsView", "PackedView", "CircuitTraceView"]
 
@@ -53,6 +54,22 @@ class RowsView(View):
         if isinstance(out, tuple):
             return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
         return out.clone()
+
+    def read_out(self, metric: Any) -> Any:
+        """The unembedding's input at the first job's read positions, ``[n_read, d]``, the
+        module itself skipped (:func:`~._unembedding.unembedding_input`)."""
+        return unembedding_input(self.adapter.unembedding(self.model), (slice(0, 1), slice(-metric.n_read, None)))[0]
+
+    def final_norm(self, states: Any) -> Any:
+        """The final norm's module on ``states`` ([N, d]), through its envoy (nnsight's ad-hoc
+        call); the states as they are where the family has none."""
+        if self.adapter.final_norm is None:
+            return states
+        return first(_get(self.model, self.adapter.final_norm)(states[None]))[0]
+
+    @property
+    def unembedding(self) -> Unembedding:
+        return Unembedding(self.adapter.unembedding(self.model), self.adapter.softcap)
 
 
 class PackedView(View):

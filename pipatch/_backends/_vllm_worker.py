@@ -43,11 +43,12 @@ from .._programs.circuit import (
     returning,
     widened,
 )
+from .._programs.lens import LensOut, lens_body
 from .._programs.patch import patch_body
 from .._sites import Place, Site, TensorPlace
 
 __all__ = ["RequestView", "RequestCircuitView", "PairPlace", "CaptureOut", "PatchOut", "ANSWERS", "capture_request",
-           "patch_request", "head_request", "circuit_baselines_request", "circuit_request", "register_tree", "TREE_ID"]
+           "patch_request", "head_request", "lens_request", "EngineHead", "circuit_baselines_request", "circuit_request", "register_tree", "TREE_ID"]
 
 
 class PairPlace:
@@ -121,6 +122,40 @@ class RequestView(View):
 
         return self.place(RESID, layer).read(slice(None))[:, : self.prompt].clone().cpu()
 
+    def read_out(self, metric: Metric) -> torch.Tensor:
+        """The final norm's output (the unembedding's input) at the request's last
+        ``n_read`` positions, ``[n_read, d]``."""
+        assert self.adapter.final_norm is not None  # every family vLLM runs has one
+        return first(_get(self.model, self.adapter.final_norm).output)[-metric.n_read :].clone()
+
+    def final_norm(self, states: torch.Tensor) -> torch.Tensor:
+        """The engine's final norm on ``states`` ([N, d]), called outside the forward
+        (:func:`_normed`: the body has read the norm's output in this request, and a call
+        through the module's hooks would be served as that call)."""
+        assert self.adapter.final_norm is not None  # every family vLLM runs has one
+        return _normed(_get(self.model, self.adapter.final_norm), states)
+
+    @property
+    def unembedding(self) -> EngineHead:
+        return EngineHead(torch_module(self.model))
+
+
+class EngineHead:
+    """The engine module's own ``compute_logits`` (soft-capping included) as a lens read's
+    unembedding: ``metric`` and ``logits`` of final-normed states, as
+    :class:`~._unembedding.Unembedding` offers them."""
+
+    def __init__(self, module: Any):
+        self.module = module
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] → [..., vocab] float32."""
+        return _own_logits(self.module, hidden.reshape(-1, hidden.shape[-1])).reshape(*hidden.shape[:-1], -1)
+
+    def metric(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
+        """[batch, inputs, n_read, d] → the metric, [batch]."""
+        return metric.score(self.logits(hidden))
+
 
 class CaptureOut(NamedTuple):
     """One capture request's answer. ``blocks``, ``values``, ``embedded``, ``pairs`` and
@@ -146,7 +181,7 @@ class PatchOut(NamedTuple):
 
 #: The named tuples a request answers with: tensors and plain values only, which a served
 #: client's weights-only ``torch.load`` may build (:meth:`~.served.Server.generate`).
-ANSWERS = (CaptureOut, PatchOut, Baselines)
+ANSWERS = (CaptureOut, PatchOut, Baselines, LensOut)
 
 
 def capture_request(model: Any, adapter: Adapter, metric: Metric, keep: list[Site] | None, ops: list[Op],
@@ -180,6 +215,12 @@ def patch_request(model: Any, adapter: Adapter, metric: Metric, ops: list[Op], f
     logits = _read_logits(model, adapter, metric.n_read)
     out = logits[:1] if full_logits else metric.pieces(logits)
     return PatchOut(out.cpu(), [read.cpu() for read in reads])
+
+
+def lens_request(model: Any, adapter: Adapter, metric: Metric, positions: list[int]) -> LensOut:
+    """One request of the lens read (:func:`~pipatch._programs.lens.lens_body`): the prompt's
+    run, every block's output at ``positions`` read through the engine's own head."""
+    return lens_body(RequestView(adapter, model), metric, positions)
 
 
 def _block_input(adapter: Adapter, model: Any) -> torch.Tensor:

@@ -9,7 +9,7 @@ einops, peft and nnsight hidden, and runs it on the weights in this process. A r
 there is what NDIF would be sent, and what it could rebuild.
 
 What is shipped. A request is one trace whose body is a pipatch function of this module
-(:func:`_capture_body`, :func:`_run_body`) called on the model and a cell batch's small data:
+(:func:`_capture_remote`, :func:`_patch_remote`, :func:`_lens_remote`) called on the model and a cell batch's small data:
 its ops (a position's donor slice, a seed's noise draw), the family's adapter and the metric.
 NDIF has no pipatch installed, so pipatch registers itself with ``nnsight.register``: the
 functions and classes a body reaches travel by value (cloudpickle), with the request. What
@@ -46,6 +46,7 @@ from .._models import Adapter, PipatchError, adapter_for, first
 from .._programs.capture import CAPTURE, capture_body
 from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS
 from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
+from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import PATCH, PatchRequest, patch_body
 from .._sites import RESID, Site
 from ._contract import Capabilities
@@ -84,7 +85,8 @@ class NDIFBackend(TransformersBackend):
         return Capabilities(gradients=True, position_flops=self.position_flops)
 
     def _routines(self) -> dict[str, Any]:
-        return {CAPTURE.name: self._capture, PATCH.name: self._patch, GRADIENTS.name: self._gradients}
+        return {CAPTURE.name: self._capture, PATCH.name: self._patch, GRADIENTS.name: self._gradients,
+                LENS.name: self._lens}
 
     def _circuit_routines(self) -> dict[str, Any]:
         return {}
@@ -123,6 +125,13 @@ class NDIFBackend(TransformersBackend):
                                      len(prompts), T), metric.n_read)
         values[RESID.name] = blocks
         return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k)
+
+    def _lens(self, request: LensRequest) -> LensOut:
+        """The lens read as one request (:func:`_lens_remote`): the service reads every
+        block's output and unembeds it; the metric per (layer, position) and the states come back."""
+        metric = request.metric
+        return self._request(metric.inputs(request.input_ids).cpu(), _lens_remote,
+                             (self.adapter, metric, list(request.positions)), metric.n_read)
 
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as one request of one batched invoke: every block at every position; with
@@ -323,6 +332,11 @@ def _capture_remote(model: Any, adapter: Adapter, metric: Metric, keep: list[Sit
         return blocks, values, _from_states(model, adapter, metric, n_runs), None, embedded
     logits = model.output.logits[:, -m:].float().reshape(n_runs, k, m, -1)
     return blocks, values, metric.score(logits), metric.answer_prob(logits), embedded
+
+
+def _lens_remote(model: Any, adapter: Adapter, metric: Metric, positions: list[int]) -> LensOut:
+    """The lens read (:func:`~pipatch._programs.lens.lens_body`) as a request's body."""
+    return lens_body(RowsView(adapter, model), metric, positions)
 
 
 def _patch_remote(model: Any, adapter: Adapter, metric: Metric, jobs: list[list[Op]], full_logits: bool,

@@ -70,6 +70,7 @@ from .._programs.circuit import (
     edge_terms_body,
 )
 from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
+from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import METRICS, PATCH, PatchRequest, patch_body
 from .._sites import RESID, Site
 from ._contract import Capabilities, refuse
@@ -188,7 +189,7 @@ class TransformersBackend(Described):
 
     def _routines(self) -> dict[str, Any]:
         return {CAPTURE.name: self._capture, PATCH.name: self._patch, METRICS.name: self._metrics,
-                GRADIENTS.name: self._gradients, **self._circuit_routines()}
+                GRADIENTS.name: self._gradients, LENS.name: self._lens, **self._circuit_routines()}
 
     def _capture(self, request: CaptureRequest) -> list[Capture]:
         """The request's runs as one trace (:meth:`_captured`): one capture whose rows are the
@@ -238,6 +239,19 @@ class TransformersBackend(Described):
             score, prob = self.metric_from_hidden(metric, read), None
         return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k, keys=keys,
                        top1=top1)
+
+    def _lens(self, request: LensRequest) -> LensOut:
+        """The lens read (:func:`~pipatch._programs.lens.lens_body`) as one trace of the prompt
+        (and a multi-token answer's earlier tokens), the unembedding module skipped: its
+        input at the read positions is all the body reads of it."""
+        model, adapter, metric = self.model, self.adapter, request.metric
+        run_ids = metric.inputs(request.input_ids)
+        self.log.add("forward", positions=run_ids.shape[1], reads=len(request.positions))
+        with torch.no_grad(), model.trace(**adapter.trace_kwargs(metric.n_read)) as tracer:
+            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
+            with tracer.invoke(run_ids):
+                saved.append(lens_body(RowsView(adapter, model), metric, request.positions))
+        return saved[0]
 
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as one trace (packed where :meth:`Capabilities.packed` says so, and

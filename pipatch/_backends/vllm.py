@@ -22,10 +22,13 @@ answers. What it adds:
   a whole sequence).
 * **The model's tree goes by reference** (:func:`~._vllm_engine.tree_by_reference`): nnsight
   pickles each invoke for the workers, and by default the whole envoy tree with it.
-* **The head alone.** A cell that starts past the last block (the logit lens: it writes the
-  last block's output) runs no block at all: with ``fast`` its states, the base run's with its
+* **The head alone.** A cell that starts past the last block (a residual sweep's top row: it
+  writes the last block's output) runs no block at all: with ``fast`` its states, the base run's with its
   writes, go through the model's own final norm and ``compute_logits`` in one request for the
   whole batch (:func:`~._vllm_worker.head_request`), instead of one forward each.
+* **The lens reads.** The logit lens is one request per prompt
+  (:func:`~._vllm_worker.lens_request`): the worker reads every block's output at the
+  positions asked for and unembeds them with the engine's own head, in that request.
 * **No gradients.** vLLM runs inference only: attribution and a circuit's scores are refused
   in one line. A circuit's runs (its faithfulness curve: each receiver fed its own input) run
   as one request per run input carrying every mask of a batch (:meth:`VLLMBackend._circuit_runs`),
@@ -52,6 +55,7 @@ from .._programs._edges import check_circuit_family
 from .._programs.capture import CAPTURE, CaptureRequest
 from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS, Baselines, CircuitRunRequest
 from .._programs.gradients import GRADIENTS
+from .._programs.lens import LENS, LensOut, LensRequest
 from .._programs.patch import PATCH, PatchRequest
 from .._sites import RESID, Site, TensorPlace
 from ._contract import Capabilities, refuse
@@ -67,6 +71,7 @@ from ._vllm_worker import (
     circuit_baselines_request,
     circuit_request,
     head_request,
+    lens_request,
     patch_request,
 )
 
@@ -145,7 +150,7 @@ class VLLMBackend(Described):
                                "pipatch.circuit(..., scores=result)")
         routines: dict[str, Callable[[Any], Any]] = {
             CAPTURE.name: self._capture, PATCH.name: self._patch, CIRCUIT_BASELINES.name: self._circuit_baselines,
-            CIRCUIT_RUN.name: self._circuit_runs}
+            CIRCUIT_RUN.name: self._circuit_runs, LENS.name: self._lens}
         routine = routines.get(program.name)
         if routine is None:
             raise refuse(self, program)
@@ -189,6 +194,14 @@ class VLLMBackend(Described):
                                     block_pairs=heads[0].pairs))
         return captures
 
+    def _lens(self, request: LensRequest) -> LensOut:
+        """The lens read as one request of the prompt (:func:`~._vllm_worker.lens_request`):
+        the engine's worker reads every block's output and unembeds it, and sends back the
+        metric per (layer, position) and the states."""
+        (ids,) = _inputs(request.metric, request.input_ids)
+        (out,) = self._invokes(lens_request, [(ids, (self.adapter, request.metric, list(request.positions)))])
+        return out
+
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as requests of one trace (:meth:`_run`); no states (the metric is read
         in the worker)."""
@@ -205,7 +218,7 @@ class VLLMBackend(Described):
         last prompt position's logits per cell ([len(cells), vocab]) — and, per cell, the values
         its recording ops read (in op order). A cell is ``metric.n_inputs`` requests (the prompt
         and each answer continuation), combined here. With ``fast``, cells that run no block
-        (the logit lens) go through the model's head only (:meth:`_head_only`); every other
+        (a residual sweep's top row) go through the model's head only (:meth:`_head_only`); every other
         cell runs its whole forward (see the module docstring).
         """
         if fast and not full_logits and (head := self._head_only(base, cells, metric)) is not None:

@@ -46,11 +46,12 @@ new way of running models is one new module there; nothing here changes.
 
 Its parts: :mod:`._sweeps` (grids of cells), :mod:`._plans` (plans, chains, clicks),
 :mod:`._schedule` (which cells share a trace: pure, tested without a model), :mod:`._execute`
-(running, storing, stopping) and :mod:`._sizing` (the batch size: the caller's, or the
-backend's).
+(running, storing, stopping), :mod:`._sizing` (the batch size: the caller's, or the
+backend's) and :mod:`._cost` (what a run will cost: one line before one that takes minutes).
 """
 
 from .._backends._sizing import auto_batch_size, batch_size_for_memory
+from ._cost import LONG_SECONDS, read_flops, sweep_flops, warn_if_long
 from ._execute import EngineError, execute, stop_check
 from ._plans import POOL_POSITIONS, Chain, Plan, Predictor
 from ._schedule import JOIN_COST, RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS, TRACE_COST, batches
@@ -59,4 +60,4 @@ from ._sweeps import SiteSweep, Sweep, Work
 
 __all__ = ["Sweep", "SiteSweep", "Work", "Plan", "Chain", "Predictor", "execute", "stop_check", "batches", "EngineError",
            "auto_batch_size", "batch_size_for_memory", "check_batch_size", "POOL_POSITIONS", "TRACE_COST", "JOIN_COST",
-           "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS"]
+           "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS", "LONG_SECONDS", "read_flops", "sweep_flops", "warn_if_long"]

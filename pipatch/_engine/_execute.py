@@ -34,6 +34,7 @@ from .._cells import Cell
 from .._models import PipatchError
 from .._programs.patch import PatchRequest, metrics, patch
 from .._threads import warn_if_oversubscribed
+from ._cost import sweep_flops, warn_if_long
 from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, _WorkRow, batches
 from ._sweeps import Sweep, Work
 
@@ -375,6 +376,9 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
     """
     should_stop = stop_check(stop)
     result = plan.result
+    flops, cells = sweep_flops(plan) if plan.narrow else (0.0, 0)
+    if flops:
+        warn_if_long(plan.backend, flops, f"this {result.kind}", f"{cells:,} patched runs", plan.narrow)
     started = time.perf_counter()
     if plan.capabilities.torch_threads:
         warn_if_oversubscribed()

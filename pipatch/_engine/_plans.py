@@ -46,6 +46,9 @@ class Plan:
         #: Seconds it took to make this plan (its baselines run), which ``meta["elapsed"]``
         #: includes: :func:`pipatch._api.plan` sets it.
         self.planning = 0.0
+        #: How a caller narrows this plan's run, for the line that announces a long one
+        #: (:func:`~._cost.warn_if_long`); ``""``: no line.
+        self.narrow = "positions="
 
     @property
     def row_order(self) -> int:
@@ -141,6 +144,7 @@ class Chain(Plan):
         self.plans = plans
         self._owner = [(sweep, plan) for plan in plans for sweep in plan.sweeps]  # sweeps compare by value
         self.pool_positions = POOL_POSITIONS
+        self.narrow = ""  # a study's facts: the study says what it costs
 
     def tasks(self) -> Iterator[tuple[Sweep, int]]:
         for plan in self.plans:

@@ -16,6 +16,8 @@ program                capability needed    what it computes
                                             the metric, its states or the logits (:mod:`.patch`)
 ``metrics``            pools_unembedding    many batches' metrics in one pass over the
                                             unembedding (:mod:`.patch`)
+``lens``               —                    one run of a prompt: every block's output at given
+                                            positions, read through the head (:mod:`.lens`)
 ``gradients``          gradients            d metric / d site at every layer (:mod:`.gradients`)
 ``edge_terms``         gradients            a circuit's sender writes and receiver gradients
                                             (:mod:`.circuit`)
@@ -45,9 +47,10 @@ from .circuit import (
     edge_terms,
 )
 from .gradients import GRADIENTS, GradientRequest, gradients
+from .lens import LENS, LensOut, LensRequest, lens
 from .patch import METRICS, PATCH, PatchRequest, metrics, patch
 
-__all__ = ["PROGRAMS", "Program", "View", "CAPTURE", "PATCH", "METRICS", "GRADIENTS", "EDGE_TERMS",
+__all__ = ["PROGRAMS", "Program", "View", "CAPTURE", "PATCH", "METRICS", "GRADIENTS", "EDGE_TERMS", "LENS",
            "CIRCUIT_BASELINES", "CIRCUIT_RUN", "CaptureRequest", "PatchRequest", "GradientRequest", "EdgeTermsRequest",
-           "CircuitRunRequest", "Baselines", "capture", "captures", "patch", "metrics", "gradients", "edge_terms",
+           "CircuitRunRequest", "LensRequest", "LensOut", "lens", "Baselines", "capture", "captures", "patch", "metrics", "gradients", "edge_terms",
            "circuit_baselines", "circuit_means", "circuit_runs"]

@@ -18,7 +18,9 @@ A :class:`View` is the backend's side of that meeting. It gives the body
   block with cached states, or narrows and widens a packed trace's rows;
 * **what a run leaves** (:meth:`View.block_state`, :meth:`View.read_out`): what a later run
   skips a block with, and what the metric is read from (logits, the unembedding's input, or
-  the metric itself where the backend computes it remotely).
+  the metric itself where the backend computes it remotely);
+* **the model's head** (:meth:`View.final_norm`, :attr:`View.unembedding`): the final norm
+  and the unembedding called on given states, where the weights are (the lens read).
 
 The base class serves places from one cache per trace (a site's holder is fetched once per
 layer, whatever number of jobs write it) and offers the defaults of a trace whose jobs are
@@ -128,6 +130,18 @@ class View:
 
     def read_out(self, metric: Any) -> Any:
         """What ``metric`` is read from at the end of the run."""
+        raise NotImplementedError
+
+    # -- the model's head, on given states ------------------------------------------------------
+    def final_norm(self, states: Any) -> Any:
+        """The model's final norm on ``states`` ([N, d], block outputs), [N, d]."""
+        raise NotImplementedError
+
+    @property
+    def unembedding(self) -> Any:
+        """The unembedding (soft-cap included) on the final norm's outputs: ``metric(metric,
+        hidden)`` ([batch, inputs, n_read, d] → [batch], as
+        :meth:`~pipatch._backends._unembedding.Unembedding.metric`) and ``logits(hidden)``."""
         raise NotImplementedError
 
 

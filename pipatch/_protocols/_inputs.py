@@ -89,22 +89,34 @@ def answer_meta(backend, role: str, ids: tuple[int, ...] | None) -> dict[str, An
 
 
 def subject_positions(subject: str | Sequence[int], prompt: str, tokens: list[str],
-                      offsets: list[tuple[int, int]]) -> list[int]:
-    """Token positions of the subject: every token overlapping its text, or explicit indices."""
+                      offsets: list[tuple[int, int]], occurrence: int | str | None = None) -> list[int]:
+    """Token positions of the subject: every token overlapping its text, or explicit indices.
+
+    A subject whose text occurs more than once in the prompt is refused in one line naming
+    each occurrence's tokens, unless ``occurrence`` picks one: a 0-based index among them, or
+    ``"first"`` / ``"last"``."""
     T = len(tokens)
     if isinstance(subject, str):
         if not subject.strip():
             raise PipatchError("the subject is empty: pass the subject's text as it appears in the prompt")
-        start = prompt.find(subject)
-        if start < 0:
+        starts = [i for i in range(len(prompt)) if prompt.startswith(subject, i)]
+        if not starts:
             raise PipatchError(f"subject {subject!r} is not in the prompt {prompt!r}: pass text that appears in it verbatim")
-        end = start + len(subject)
         if not offsets:
             raise PipatchError("this tokenizer gives no character offsets: pass the subject as token indices")
-        found = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+        spans = [[i for i, (a, b) in enumerate(offsets) if a < start + len(subject) and b > start and b > a]
+                 for start in starts]
+        if len(spans) > 1 and occurrence is None:
+            where = " and ".join(_span_text(span, tokens) for span in spans)
+            raise PipatchError(f"subject {subject!r} occurs {len(spans)} times in the prompt ({where}): pass "
+                               f"occurrence=0 for the first, up to {len(spans) - 1}, or 'first' / 'last'")
+        found = spans[pick_occurrence(occurrence, len(spans), subject)]
         if not found:
             raise PipatchError(f"subject {subject!r} covers no token of the prompt: pass token indices instead")
         return found
+    if occurrence is not None:
+        raise PipatchError("occurrence= picks one of the places the subject's text occurs: with token indices, "
+                           "leave it out")
     try:
         positions = [int(i) for i in subject]
     except (TypeError, ValueError):
@@ -112,6 +124,34 @@ def subject_positions(subject: str | Sequence[int], prompt: str, tokens: list[st
     if not positions:
         raise PipatchError("the subject's token list is empty: pass at least one index")
     return normalize_positions(positions, T, "subject token index")
+
+
+def _span_text(span: list[int], tokens: list[str]) -> str:
+    """``tokens 3–4 ('ĠEiff', 'el')``: where one occurrence of a subject is."""
+    if not span:
+        return "no token"
+    where = f"token {span[0]}" if len(span) == 1 else f"tokens {span[0]}–{span[-1]}"
+    return f"{where} {''.join(tokens[i] for i in span)!r}"
+
+
+def pick_occurrence(occurrence: int | str | None, n: int, subject: str) -> int:
+    """The index of the occurrence ``occurrence`` names among ``n`` (``None``: the only one)."""
+    if occurrence is None or occurrence == "first":
+        return 0
+    if occurrence == "last":
+        return n - 1
+    if isinstance(occurrence, str):
+        try:
+            occurrence = int(occurrence)
+        except ValueError:
+            raise PipatchError(f"occurrence={occurrence!r} is not an occurrence: pass a 0-based index, "
+                               "'first' or 'last'") from None
+    index = whole_number(occurrence, "occurrence", minimum=0)
+    if index >= n:
+        times = "once" if n == 1 else f"{n} times"
+        raise PipatchError(f"occurrence={index}, but subject {subject!r} occurs {times} in the prompt: pass "
+                           f"0{f' to {n - 1}' if n > 1 else ''}, 'first' or 'last'")
+    return index
 
 
 def normalize_positions(positions: Sequence[int], T: int, what: str = "position") -> list[int]:
@@ -196,6 +236,8 @@ PAIR_PARAMS = (
 METRIC = Param("metric", "logit_diff", "logit_diff (answer − foil; with a multi-token answer or foil the "
                "sequences' log-probability difference), prob, logprob or logprob_diff", "str")
 SITE = Param("site", "resid", "resid, attn, mlp or head (the grid is then layers × heads)", "str")
+OCCURRENCE = Param("occurrence", None, "which occurrence of a subject whose text occurs more than once: 0-based, "
+                   "or first / last (refused while ambiguous)", "int | str | None", per_prompt=True, shown="the only one")
 POSITIONS = Param("positions", None, "token positions to sweep, e.g. [2, -1] (for site head: where heads are patched)",
                   "Sequence[int] | None", parse=parse_positions, shown="all", flag_help="as a flag: 2,-1")
 

@@ -170,6 +170,7 @@ class DatasetPlan(Plan):
             warnings=[f"prompt {i}: {w}" for i, r in enumerate(results) for w in r.warnings],
         )
         super().__init__(backend, result, [s for p in plans for s in p.sweeps], first.batch_size, first.fast)
+        self.narrow = first.narrow
 
     def tasks(self) -> Iterator[tuple[Sweep, int]]:
         for index in range(len(self.plans[0].sweeps)):

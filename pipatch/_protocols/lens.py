@@ -1,18 +1,19 @@
 """The logit lens (nostalgebraist, 2020): what would the model say if it stopped at layer ``l``?
 
-Run the prompt once and keep the residual stream after every block. Then read each layer's
+Run the prompt once and read the residual stream after every block. Then read each layer's
 state at each position through the model's own output head — the final norm and the
 unembedding (and whatever the family does to its logits there: Gemma 2's soft-capping) — as
 if it were the last block's output, and score the answer. The grid, layers × positions, shows
 where the answer becomes readable: for a known fact typically only in the upper layers, at the
 last position first.
 
-In pipatch's terms each cell is a patched run of the prompt: the last block's output at the
-last prompt position is replaced by layer ``l``'s state at position ``p`` (an op like any other,
-:class:`~pipatch._cells.Op`), and the run's metric is the lens's reading. So the lens runs on
-every backend the way patching does, and the engine's shortcuts apply: blocks below the last
-are the base run's, and only the last position is unembedded. Cell ``(last layer, last
-position)`` writes back what is already there: it is the model's own output.
+The lens only reads: it is one forward of the prompt per prompt, on every backend (the
+:data:`~pipatch._programs.lens.LENS` program reads every block's output at the positions
+asked for and unembeds them where the weights are), then one pass over the unembedding per
+(layer, position) read. On a long prompt that pass is most of the cost: ``positions=`` reads
+fewer columns. Cell ``(last layer, last position)`` is the model's own output. A click on a
+cell shows the top tokens of the run whose last block's output at the last position is that
+cell's state (:class:`LensSweep`): what the head reads there.
 
 Metrics: ``prob`` (P(answer)), ``logprob``, ``rank`` (how many tokens the lens reads above the
 answer: 0 where it is the top token; a multi-token answer's worst over its tokens). A multi-token answer (" New York") is read
@@ -27,21 +28,23 @@ result's clean baseline is the model's own output value.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from string import Template
 
 import torch
 
-from .._cells import Base, Cell, Metric, Op
+from .._cells import Base, Capture, Cell, Metric, Op
 from .._declare import PROMPT, Experiment, Param
-from .._engine import Plan, SiteSweep, check_batch_size
+from .._engine import Plan, SiteSweep, check_batch_size, read_flops, warn_if_long
 from .._models import Adapter
-from .._programs.capture import capture
+from .._programs.lens import lens
 from .._result import Result
 from .._sites import RESID, Site
 from ._inputs import (
     BATCH_SIZE,
     FAST,
+    OCCURRENCE,
+    POSITIONS,
     answer_ids,
     answer_meta,
     check_choice,
@@ -50,6 +53,7 @@ from ._inputs import (
     layer_labels,
     model_meta,
     subject_positions,
+    sweep_positions,
 )
 
 __all__ = ["plan_lens", "LensSweep", "DECLARATION", "LENS_METRICS"]
@@ -59,18 +63,25 @@ LENS_METRICS = ("prob", "logprob", "rank")
 
 @dataclass
 class LensSweep(SiteSweep):
-    """Cell ``(row, col)`` writes layer ``row``'s residual state at the position of column
-    ``col`` (``columns[col]``; a dataset's named group of positions: its last) into the last
-    block's output at the last prompt position, so the model's head reads it. ``donor`` is the
-    base run's residual stream, [1, T, d] per layer."""
+    """The lens's cells as patched runs, for clicks only (the grid is read in one forward):
+    cell ``(row, col)`` writes layer ``row``'s residual state at the position of column ``col``
+    (``columns[col]``; a dataset's named group of positions: its last) into the last block's
+    output at the last prompt position, so the model's head reads it. ``donor[layer]`` is that
+    layer's state at the positions read, ``read`` ([1, P, d] per layer)."""
+
+    read: list[int] = field(default_factory=list)
 
     def cell(self, row: int, col: int, seed: int) -> Cell:
-        last_layer, last = len(self.donor) - 1, self.donor[0].shape[1] - 1
+        last_layer, last = len(self.donor) - 1, self.base.input_ids.shape[1] - 1
         where = self.columns[col]
         position = where[-1] if isinstance(where, list) else where
-        value = self.donor[row][:, position]  # [1, d]
+        value = self.donor[row][:, self.read.index(position)]  # [1, d]
         # A write of the last block's output: every block of the run is the base run's.
         return Cell(row, col, seed, start=last_layer + 1, ops=[Op(RESID, last_layer, (slice(None), last), value)])
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False  # every row is read before the plan runs
 
 
 def plan_lens(
@@ -80,10 +91,13 @@ def plan_lens(
     answer: str,
     metric: str,
     subject: str | Sequence[int] | None,
+    occurrence: int | str | None,
+    positions: Sequence[int] | None,
     batch_size: int | None,
     fast: bool,
 ) -> Plan:
-    """Check the inputs and run the prompt once; return the :class:`Plan` of the lens.
+    """Check the inputs and read the lens (one forward); return its :class:`Plan`, whose
+    result is filled already (its sweep answers clicks).
 
     ``backend`` runs the model; the other parameters are :func:`pipatch.lens`'s (their
     defaults are :data:`DECLARATION`'s).
@@ -92,29 +106,36 @@ def plan_lens(
     adapter = backend.adapter
     input_ids, tokens, offsets = encode(backend, prompt)
     T = input_ids.shape[1]
+    cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T, backend)
     scorer = Metric(metric, answer_ids(backend, answer, "answer"))
     check_run_length(backend, input_ids, scorer)
-    run = capture(backend, input_ids, scorer, [RESID])
-    output = float(run.metric[0])
     meta = model_meta(backend)
-    meta.update({
-        "prompt": prompt, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
-        "site": RESID.name, "col_axis": "token", "normalize": False, "output": output,
-    })
     if subject is not None:
         meta["subject"] = subject if isinstance(subject, str) else list(subject)
-        meta["subject_positions"] = subject_positions(subject, prompt, tokens, offsets)
+        meta["subject_positions"] = subject_positions(subject, prompt, tokens, offsets, occurrence)
+    readings = adapter.n_layers * len(cols) + 1  # and the model's own output
+    warn_if_long(backend, read_flops(backend, T + scorer.n_read - 1, readings), "the logit lens",
+                 f"{len(cols)} positions × {adapter.n_layers} layers through the unembedding",
+                 "positions= (e.g. the last few: positions=[-3, -2, -1])")
+    read = lens(backend, input_ids, scorer, cols)
+    output = float(read.output[0])
+    meta.update({
+        "prompt": prompt, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
+        "site": RESID.name, "col_axis": "token", "normalize": False, "output": output, "positions": cols,
+    })
     result = Result(
-        kind="lens", tokens=tokens, columns=list(tokens), layers=layer_labels(backend), metric=metric,
-        raw={RESID.name: torch.full((1, adapter.n_layers, T), float("nan"))},
-        clean=output, corrupt=torch.tensor([output]), meta=meta,
+        kind="lens", tokens=tokens, columns=[tokens[p] for p in cols], layers=layer_labels(backend), metric=metric,
+        raw={RESID.name: read.values[None].float()}, clean=output, corrupt=torch.tensor([output]), meta=meta,
+        rows_done={RESID.name: adapter.n_layers},
     )
-    # prune=False: the cell that writes back the last state is read through the head like every
-    # other cell, not filled with the base run's metric (read off the model's logits, a path
-    # whose float32 rounding differs by ~1e-5).
-    sweep = LensSweep(view=RESID.name, base=Base(input_ids, run), metric=scorer, n_rows=adapter.n_layers, n_cols=T,
-                      prune=False, site=RESID, adapter=adapter, donor=run.sites[RESID.name], columns=list(range(T)))
+    # The clicks' base run: the prompt with the model's own metric (its blocks are not kept:
+    # a click runs every block, fast=False).
+    base = Base(input_ids, Capture(blocks=[], sites={}, metric=read.output, embedded=torch.zeros(1, 0, 0), prob=None,
+                                   top1=read.top1))
+    donor = [read.states[layer][None] for layer in range(adapter.n_layers)]
+    sweep = LensSweep(view=RESID.name, base=base, metric=scorer, n_rows=adapter.n_layers, n_cols=len(cols),
+                      prune=False, only=set(), site=RESID, adapter=adapter, donor=donor, columns=cols, read=cols)
     return Plan(backend, result, [sweep], batch, fast)
 
 
@@ -124,20 +145,21 @@ def plan_lens(
 
 _LENS = Template('''
 
-def logit_lens(prompt, answer):
-    """The logit lens of `prompt`: each layer's residual state at each position read through the
-    model's own head, by writing it into the last block's output at the last position. Returns
-    ({"resid": metric [1, layers, T]}, the model's own metric, the same)."""
+def logit_lens(prompt, answer, positions):
+    """The logit lens of `prompt`: each layer's residual state at each position of `positions`
+    read through the model's own head, by writing it into the last block's output at the last
+    position. Returns ({"resid": metric [1, layers, positions]}, the model's own metric, the same)."""
     input_ids = tokens(prompt)
     T = input_ids.shape[1]
+    positions = range(T) if positions is None else positions
     with model.trace(input_ids, **LAST_ONLY):
         states = nnsight.save([site("resid", layer).clone() for layer in range(n_layers)])
         output = metric(model.output.logits[0, -1], answer).save()
-    raw = torch.zeros(1, n_layers, T)
+    raw = torch.zeros(1, n_layers, len(positions))
     for layer in range(n_layers):
         with model.trace(**LAST_ONLY) as tracer:
             row = nnsight.save([])
-            for pos in range(T):
+            for pos in positions:
                 with tracer.invoke(input_ids):
                     site("resid", n_layers - 1)[:, -1] = states[layer][:, pos]
                     row.append(metric(model.output.logits[0, -1], answer))
@@ -147,13 +169,13 @@ def logit_lens(prompt, answer):
 
 
 def _code_part(result: Result, adapter: Adapter) -> tuple[str, str, list[Site], str]:
-    summary = ("one run keeping every block's output, then one run per (layer, position) with that state\n"
-               "written into the last block's output at the last position: the metric read through the head.")
+    summary = ("one run keeping every block's output, then one run per (layer, position read) with that\n"
+               "state written into the last block's output at the last position: the metric read through the head.")
     return "logit_lens", _LENS.template, [RESID], summary
 
 
 def _code_inputs(meta: dict) -> dict:
-    return {"prompt": meta["prompt"], "answer": int(meta["answer_id"])}
+    return {"prompt": meta["prompt"], "answer": int(meta["answer_id"]), "positions": meta.get("positions")}
 
 
 
@@ -171,6 +193,7 @@ DECLARATION = Experiment(
         Param("metric", "prob", "prob or logprob of the answer, or its rank (0: the top token)", "str"),
         Param("subject", None, "the subject's text (or token indices): with a list of prompts, the named positions "
               "are built around it", "str | Sequence[int] | None", per_prompt=True),
+        OCCURRENCE, POSITIONS,
         BATCH_SIZE, FAST,
     ),
     example='%%lens --answer " Paris" -o lens\nThe Eiffel Tower is in the city of',
@@ -182,8 +205,10 @@ DECLARATION = Experiment(
     -------
     Result
         ``kind="lens"``; ``result.grid`` is tensor[layers, tokens] of the metric read through
-        the model's head (not normalized: there is no corrupt run); ``meta["output"]`` is the
-        model's own value, the grid's last row at the last position.
+        the model's head (not normalized: there is no corrupt run), one column per position read
+        (``meta["positions"]``); ``meta["output"]`` is the model's own value, the grid's last
+        row at the last position. One forward of the prompt; a prompt whose lens the cost model
+        puts above a minute is announced first in one line (a :class:`~pipatch._errors.PipatchWarning`).
 
     Examples
     --------

@@ -57,6 +57,8 @@ from .._sites import site as site_named
 from ._inputs import (
     BATCH_SIZE,
     FAST,
+    OCCURRENCE,
+    POSITIONS,
     answer_ids,
     answer_meta,
     check_choice,
@@ -65,6 +67,7 @@ from ._inputs import (
     layer_labels,
     model_meta,
     subject_positions,
+    sweep_positions,
 )
 
 __all__ = ["plan_trace", "noise_draws", "noise_ops", "KINDS", "AUTO_SCALES", "DECLARATION"]
@@ -107,7 +110,9 @@ def plan_trace(
     prompt: str,
     *,
     subject: str | Sequence[int],
+    occurrence: int | str | None,
     answer: str,
+    positions: Sequence[int] | None,
     seeds: int,
     scale: float | str,
     sites: str | Sequence[str],
@@ -133,21 +138,22 @@ def plan_trace(
     adapter = backend.adapter
     sites = [site_named(k, adapter) for k in kinds]
     input_ids, tokens, offsets = encode(backend, prompt)
-    positions = subject_positions(subject, prompt, tokens, offsets)
+    subject_at = subject_positions(subject, prompt, tokens, offsets, occurrence)
+    cols = sweep_positions(positions, input_ids.shape[1])
     batch = check_batch_size(batch_size, input_ids.shape[1], backend)
     scorer = Metric(metric, answer_ids(backend, answer, "answer"))
     check_run_length(backend, input_ids, scorer)
 
     clean = capture(backend, input_ids, scorer, sites)
-    sigma = float(clean.embedded[0, positions].float().std())
+    sigma = float(clean.embedded[0, subject_at].float().std())
     clean_prob = float(clean.prob[0])
     threshold = COLLAPSE_FRACTION * clean_prob
     warnings: list[str] = []
     scales_tried = []
 
     def corrupt_at(value: float):
-        noise = noise_draws(seeds, len(positions), adapter.d_model, value, sigma).to(input_ids.device)
-        ops = noise_ops(noise, positions)
+        noise = noise_draws(seeds, len(subject_at), adapter.d_model, value, sigma).to(input_ids.device)
+        ops = noise_ops(noise, subject_at)
         return ops, capture(backend, input_ids, scorer, sites, ops=ops)
 
     if scale == "auto":
@@ -179,31 +185,34 @@ def plan_trace(
         )
 
     n_layers = adapter.n_layers
-    raw = {k: torch.full((seeds, n_layers, len(tokens)), float("nan")) for k in kinds}
+    raw = {k: torch.full((seeds, n_layers, len(cols)), float("nan")) for k in kinds}
     meta = model_meta(backend)
     meta.update({
         "prompt": prompt, "subject": subject if isinstance(subject, str) else list(subject),
-        "subject_positions": positions, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
+        "subject_positions": subject_at, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
         "seeds": seeds,
         "scale": scale_value, "scale_requested": scale, "sigma": sigma, "scales": scales_tried,
         "collapse_fraction": COLLAPSE_FRACTION, "window": window, "kinds": kinds, "control": control,
         "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": RESID.name, "col_axis": RESID.axis,
+        "positions": cols,
     })
     result = Result(
-        kind="trace", tokens=tokens, columns=list(tokens), layers=layer_labels(backend), metric=metric,
+        kind="trace", tokens=tokens, columns=[tokens[p] for p in cols], layers=layer_labels(backend), metric=metric,
         raw=raw, clean=float(clean.metric[0]), corrupt=corrupt.metric.detach().float().cpu(),
         meta=meta, warnings=warnings,
     )
     donor = corrupt.sites if control else clean.sites
     base = Base(input_ids, corrupt, ops=corrupting)
     sweeps = [
-        SiteSweep(view=s.name, base=base, metric=scorer, n_rows=n_layers, n_cols=len(tokens), prune=not control,
-                  agrees_before=min(positions),
-                  site=s, adapter=adapter, donor=donor[s.name], columns=list(range(len(tokens))),
+        SiteSweep(view=s.name, base=base, metric=scorer, n_rows=n_layers, n_cols=len(cols), prune=not control,
+                  agrees_before=min(subject_at),
+                  site=s, adapter=adapter, donor=donor[s.name], columns=cols,
                   window=window if s.sublayer else 1)
         for s in sites
     ]
-    return Plan(backend, result, sweeps, batch, fast)
+    plan = Plan(backend, result, sweeps, batch, fast)
+    plan.narrow = "positions= (the subject's and the last few), fewer seeds=, or fewer sites="
+    return plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,12 +227,13 @@ SEEDS = $seeds
 CONTROL = $control  # True: restore from the corrupt run's own states (recovery must stay 0)
 
 
-def causal_trace(prompt, subject, answer, scale):
+def causal_trace(prompt, subject, answer, scale, positions):
     """ROME causal tracing of `prompt`: noise the `subject` token positions' embeddings, restore
-    one clean state per (layer, position). Returns ({kind: metric [seeds, layers, T]}, clean
-    metric, corrupt metric [seeds])."""
+    one clean state per (layer, position of `positions`). Returns ({kind: metric [seeds, layers,
+    positions]}, clean metric, corrupt metric [seeds])."""
     input_ids = tokens(prompt)
     T = input_ids.shape[1]
+    positions = range(T) if positions is None else positions
     embed = model.$embed
 
     # 1. Clean run: every state a restoration writes back, and the embeddings the subject uses.
@@ -261,7 +271,7 @@ def causal_trace(prompt, subject, answer, scale):
 
     # 3. Restore: the noised run with one clean state (or a window of sublayer outputs) written
     #    back at one position; every (seed, position) of a layer as invokes of one trace.
-    raw = {kind: torch.zeros(SEEDS, n_layers, T) for kind in KINDS}
+    raw = {kind: torch.zeros(SEEDS, n_layers, len(positions)) for kind in KINDS}
     for kind in KINDS:
         for layer in range(n_layers):
             window = [layer] if kind == "resid" else range(layer, min(layer + WINDOW, n_layers))
@@ -269,14 +279,14 @@ def causal_trace(prompt, subject, answer, scale):
                 row = nnsight.save([])
                 for seed in range(SEEDS):
                     donor = corrupt_states[seed][kind] if CONTROL else clean_states[kind]
-                    for pos in range(T):
+                    for pos in positions:
                         with tracer.invoke(input_ids):
                             embedded = embed.output
                             embedded[:, subject] += noise[seed].to(embedded.dtype)
                             for w in window:
                                 site(kind, w)[:, pos] = donor[w][:, pos]
                             row.append(metric(model.output.logits[0, -1], answer))
-            raw[kind][:, layer] = torch.stack(list(row)).reshape(SEEDS, T)
+            raw[kind][:, layer] = torch.stack(list(row)).reshape(SEEDS, len(positions))
     return raw, clean, corrupt
 ''')
 
@@ -306,7 +316,7 @@ def _code_inputs(meta: dict) -> dict[str, Any]:
     """One causal trace's inputs to the script's ``causal_trace``: the prompt, the subject's
     token positions, the answer's id and the noise scale."""
     return {"prompt": meta["prompt"], "subject": list(meta["subject_positions"]), "answer": int(meta["answer_id"]),
-            "scale": float(meta["scale"])}
+            "scale": float(meta["scale"]), "positions": meta.get("positions")}
 
 
 def parse_scale(value: str) -> float | str:
@@ -333,8 +343,10 @@ DECLARATION = Experiment(
     params=(
         Param("subject", help="the subject's text as it appears in the prompt (every token overlapping it is "
               "noised), or a list of token indices", annotation="str | Sequence[int]", per_prompt=True),
+        OCCURRENCE,
         Param("answer", help="the expected continuation, e.g. ' Paris' or ' New York' (several tokens are read "
               "teacher-forced: P of the whole sequence)", annotation="str | Sequence[str]", per_prompt=True),
+        POSITIONS,
         Param("seeds", 10, "noise draws averaged over", "int", parse=positive_int),
         Param("scale", "auto", "noise scale in units of σ, or auto (the smallest that collapses every seed)",
               "float | str", parse=parse_scale),
@@ -351,8 +363,15 @@ DECLARATION = Experiment(
     Returns
     -------
     Result
-        ``result.grid`` is tensor[layers, tokens] of mean normalized recovery (see
+        ``result.grid`` is tensor[layers, positions swept] of mean normalized recovery (see
         :mod:`pipatch._protocols.tracing`); ``result.per_seed`` keeps every seed's grid.
+
+    Raises
+    ------
+    PipatchError
+        One line for bad input, such as a subject whose text occurs more than once in the
+        prompt without ``occurrence=``. A sweep the cost model puts above a minute is announced
+        first in one line (a :class:`~pipatch._errors.PipatchWarning`) naming ``positions=``.
     """,
     code=_code_part, code_inputs=_code_inputs,
 )

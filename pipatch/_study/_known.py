@@ -26,6 +26,7 @@ from typing import Any
 from .._cells import Base, Cell, Metric
 from .._programs.capture import CAPTURE
 from .._programs.capture import capture as capture_run
+from .._programs.lens import LENS
 from .._programs.patch import PatchRequest, patch
 from .._protocols._inputs import answer_ids, encode
 
@@ -61,10 +62,12 @@ class KnownCheck:
 
     def run(self, program: Any, request: Any) -> Any:
         """The backend's own run; the first capture's clean run (the clean prompt comes
-        first; runs under ops are noised, never checked) is the check."""
+        first; runs under ops are noised, never checked), or the lens's read, is the check."""
         out = self._backend.run(program, request)
         if program is CAPTURE:
             self._check(out[0] if request.ops is None else None)
+        elif program is LENS:  # the lens's one run of the prompt
+            self._check(out)
         return out
 
     def _check(self, run: Any) -> None:

@@ -357,7 +357,8 @@ def _groups(backend: Any, fact_plan: Any, result: Result, fact: Fact) -> dict[st
         ids, tokens, offsets = encode(backend, prompt)
         span = subject_positions(fact.subject, prompt, tokens, offsets)
         names, positions = named_groups(span, len(tokens))
-        return {"names": names, "columns": [[p for p in group if p < len(result.columns)] for group in positions]}
+        column = {p: c for c, p in enumerate(result.meta.get("positions") or range(len(result.columns)))}
+        return {"names": names, "columns": [[column[p] for p in group if p in column] for group in positions]}
     names, _, columns = prompt_groups(result)
     return {"names": names, "columns": columns}
 

@@ -52,6 +52,9 @@ CASES: dict[str, tuple[str, dict]] = {
                                 "answer": [" France", " Rome"], "seeds": 1, "scale": 3.0}),
     "lens": ("lens", {"prompt": EIFFEL, "answer": " Paris"}),
     "lens rank": ("lens", {"prompt": EIFFEL, "answer": " Paris", "metric": "rank"}),
+    "lens positions": ("lens", {"prompt": EIFFEL, "answer": " Paris", "positions": [2, -1]}),
+    "trace positions": ("trace", {"prompt": PARIS, "subject": "Paris", "answer": " France", "seeds": 1, "scale": 3.0,
+                                  "positions": [1, -1]}),
     "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",
                                 "foil": " Rome", "positions": [1, 3, -2, -1]}),
     # The grid of a circuit is its edge estimates; the exact checks (verify) do not change it.

@@ -149,3 +149,120 @@ def test_a_list_of_prompts_needs_a_subject_to_name_positions(model):
     assert d.columns[-1] == "last" and d.n_seeds == 2
     one = pipatch.lens(model, EIFFEL, answer=" Paris")
     assert abs(float(d.raw["resid"][0, -1, -1]) - float(one.grid[-1, -1])) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# The lens reads, it does not patch: one forward per prompt, equal to the patched runs it replaced
+# --------------------------------------------------------------------------------------------
+
+
+def patched_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch.Tensor:
+    """[layers, positions]: the lens as pipatch computed it before it read (the old computation),
+    with plain forward hooks: per layer one batched forward whose row ``p`` writes that layer's
+    state at position ``p`` into the last block's output at the last prompt position, the
+    unembedding's input read there (and at a multi-token answer's later positions), then the
+    metric from it by pipatch's unembedding arithmetic, as the patched cells' was."""
+    from pipatch._backends._unembedding import Unembedding
+    from pipatch._cells import Metric
+
+    hf, adapter = model._module, adapter_for(model)
+    tokenizer = model.tokenizer
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    scorer = Metric(metric, tuple(tokenizer(answer, add_special_tokens=False).input_ids))
+    run_ids, T, m = scorer.inputs(ids), ids.shape[1], scorer.n_read
+    blocks = _get(hf, adapter.blocks)
+    unembed = _get(hf, adapter.unembed)
+    states: dict[int, torch.Tensor] = {}
+    hooked([(block, "post", lambda mod, args, out, i=i: states.__setitem__(i, first(out).detach().clone()))
+            for i, block in enumerate(blocks)], lambda: hf(run_ids))
+    grid = torch.empty(len(blocks), T)
+    for layer in range(len(blocks)):
+        read: dict[str, torch.Tensor] = {}
+
+        def write(mod, args, out, layer=layer):
+            first(out)[:, T - 1] = states[layer][0, :T]  # row p gets position p's state
+
+        def keep(mod, args):
+            read["hidden"] = args[0][:, T - 1 : T - 1 + m].detach().clone()
+
+        hooked([(blocks[-1], "post", write), (unembed, "pre", keep)], lambda: hf(run_ids.repeat(T, 1)))
+        head = Unembedding(unembed, adapter.softcap)
+        grid[layer] = head.metric(scorer, read["hidden"][:, None])
+    return grid
+
+
+@pytest.mark.parametrize("family", [None, "llama", "gemma2"])
+@pytest.mark.parametrize("answer", [" Paris", " New York"])
+def test_the_read_equals_the_patched_lens_it_replaced(family, answer, request):
+    """On the embedded model and two tiny families, the one-forward lens equals the patched
+    runs it replaced (the old computation, by hand) within 1e-6, for every metric."""
+    subject = request.getfixturevalue("model") if family is None else tiny_model(family)
+    for metric in ("prob", "logprob", "rank"):
+        got = pipatch.lens(subject, EIFFEL, answer=answer, metric=metric)
+        want = patched_lens(subject, EIFFEL, answer, metric)
+        assert got.grid.shape == want.shape
+        torch.testing.assert_close(got.grid, want, atol=1e-6, rtol=1e-6)
+
+
+def long_prompt(model, n_tokens: int) -> str:
+    """A prompt of at least ``n_tokens`` tokens, a fact at its end."""
+    filler = "It was a bright cold day in April, and the clocks were striking thirteen. "
+    text = EIFFEL
+    while len(model.tokenizer(text).input_ids) < n_tokens:
+        text = filler + text
+    return text
+
+
+def test_a_long_prompts_lens_is_one_forward(model):
+    """A 1,000-token prompt's lens is one forward of the model: the backend's call log holds
+    one program run (the lens read) and no patched run, and the model's forward runs once."""
+    from pipatch._backends import backend_for
+
+    backend = backend_for(model)
+    prompt = long_prompt(model, 1000)
+    forwards: list[int] = []
+    handle = model._module.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        with backend.log.recording() as events:
+            r = pipatch.lens(backend, prompt, answer=" Paris", positions=list(range(-8, 0)))
+    finally:
+        handle.remove()
+    assert len(r.tokens) >= 1000 and r.grid.shape == (18, 8)
+    assert [e["name"] for e in events if e["event"] == "program"] == ["lens"]
+    assert len([e for e in events if e["event"] == "forward"]) == 1 and len(forwards) == 1
+    assert not [e for e in events if e["event"] in ("trace", "packed", "patch")]
+    assert abs(float(r.grid[-1, -1]) - r.meta["output"]) < 1e-6
+
+
+def test_every_position_of_a_long_prompt_is_one_forward_on_a_tiny_model():
+    tiny = tiny_model("llama")
+    from pipatch._backends import backend_for
+
+    backend = backend_for(tiny)
+    prompt = " ".join(["the city of Paris is in France and"] * 14)
+    forwards: list[int] = []
+    handle = tiny._module.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        with backend.log.recording() as events:
+            r = pipatch.lens(backend, prompt, answer=" Paris")
+    finally:
+        handle.remove()
+    assert r.grid.shape == (3, len(r.tokens)) and len(r.tokens) > 100
+    assert len(forwards) == 1 and [e["name"] for e in events if e["event"] == "program"] == ["lens"]
+    torch.testing.assert_close(r.grid, reference_lens(tiny, prompt, " Paris"), atol=1e-5, rtol=0)
+
+
+def test_positions_pick_the_lens_columns(model):
+    full = pipatch.lens(model, EIFFEL, answer=" Paris")
+    some = pipatch.lens(model, EIFFEL, answer=" Paris", positions=[2, -1])
+    T = len(full.tokens)
+    assert some.meta["positions"] == [2, T - 1] and some.columns == [full.tokens[2], full.tokens[-1]]
+    assert some.tokens == full.tokens
+    torch.testing.assert_close(some.grid, full.grid[:, [2, T - 1]], atol=1e-6, rtol=0)
+    for bad, words in (([T], "out of range"), ([], "positions is empty")):
+        with pytest.raises(pipatch.PipatchError, match=words):
+            pipatch.lens(model, EIFFEL, answer=" Paris", positions=bad)
+    # A click on a column read runs that state through the head, as the grid's cell did.
+    plan = pipatch._api.plan_lens(model, EIFFEL, answer=" Paris", positions=[2, -1])
+    (_, p), *_ = plan.predictor()("resid", 17, 1, k=1)
+    assert abs(p - float(some.grid[17, 1])) < 1e-4

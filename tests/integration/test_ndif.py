@@ -85,6 +85,17 @@ def test_every_experiment_equals_the_local_backend_on_a_tiny_family(name):
     assert_equal_results(python_result(remote, name, kwargs), python_result(local, name, kwargs), atol=1e-6)
 
 
+def test_the_lens_is_one_request():
+    """The lens reads: one request per prompt, the service unembedding every reading."""
+    local, remote = tiny_model("qwen2"), tiny_model("qwen2")
+    remember(remote, remote="local")
+    backend = backend_for(remote)
+    before = backend.requests
+    got = pipatch.lens(remote, **TINY["lens"], positions=[0, -1])
+    assert backend.requests == before + 1
+    assert torch.allclose(got.grid, pipatch.lens(local, **TINY["lens"], positions=[0, -1]).grid, atol=1e-6)
+
+
 def test_a_circuit_is_scored_locally_and_checked_remotely():
     """A remote model takes no local backward: its gradients are refused in one line naming
     ``scores=``. Given a local circuit's scores, the remote runs the exact edge patches (each

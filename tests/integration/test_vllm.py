@@ -324,6 +324,23 @@ def test_the_logit_lens_equals_the_hand_reference(vllm_model, model):
     assert_ranks_close(rank.grid, reference_lens(model, EIFFEL, " Paris", "rank"))
 
 
+def test_a_long_prompts_lens_is_one_request(vllm_model, model):
+    """A 1,000-token prompt's lens is one request to the engine (one forward), whose worker
+    reads every block's output and unembeds it; the model's own output in its last cell, and
+    the transformers backend's numbers."""
+    from tests.integration.test_lens import long_prompt
+
+    backend = backend_for(vllm_model)
+    prompt = long_prompt(model, 1000)
+    with backend.log.recording() as events:
+        got = pipatch.lens(vllm_model, prompt, answer=" Paris", positions=list(range(-8, 0)))
+    assert [e["invokes"] for e in events if e["event"] == "requests"] == [1]
+    assert len(got.tokens) >= 1000 and got.grid.shape == (18, 8)
+    assert abs(float(got.grid[-1, -1]) - got.meta["output"]) < 1e-6
+    assert_close(got.grid, pipatch.lens(model, prompt, answer=" Paris", positions=list(range(-8, 0))).grid,
+                 atol=1e-4, rtol=0)
+
+
 def test_attribution_is_refused_in_one_line(vllm_model):
     with pytest.raises(PipatchError) as error:
         pipatch.attribute(vllm_model, **PAIR)
