@@ -93,7 +93,7 @@ def plan_lens(
     input_ids, tokens, offsets = encode(backend, prompt)
     T = input_ids.shape[1]
     batch = check_batch_size(batch_size, T, backend)
-    scorer = Metric(metric, answer_ids(backend, answer, "answer"))
+    scorer = Metric(metric, answer_ids(backend, answer, "answer", prompt))
     check_run_length(backend, input_ids, scorer)
     run = capture(backend, input_ids, scorer, [RESID])
     output = float(run.metric[0])
