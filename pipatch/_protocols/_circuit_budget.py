@@ -73,7 +73,7 @@ def estimate_line(seconds_per_forward: float, n_pairs: int, device: str, method:
     times the seconds of one forward measured on the captures) and what cuts it."""
     forwards = n_pairs * ((steps or 0) * FORWARDS_PER_STEP + verify * FORWARDS_PER_CHECK + points * FORWARDS_PER_POINT)
     seconds = forwards * seconds_per_forward
-    took = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    took = "under 1 s" if seconds < 1 else f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
     scoring = f"{method} with {steps} step{'s' if steps != 1 else ''}, " if steps else ""
     return (f"circuit: about {took} on this {device} ({n_pairs} pair{'s' if n_pairs != 1 else ''}, {scoring}"
             f"{verify} exact checks, a {points}-point curve); fewer steps=, verify= or curve= make it shorter")

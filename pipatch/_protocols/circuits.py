@@ -33,7 +33,8 @@ writes of its kept senders in this run, less what they wrote in the corrupt run
 (:func:`pipatch._programs.circuit.circuit_run_body`; a grouped-query model's attention runs
 ungrouped, each query head with its own keys and values). ``curve`` sizes from none (the corrupt
 run, recovery 0) to every edge (the clean run, 1, where a layer's write is its heads' sum)
-give the curve; the smallest circuit reaching ``share`` (80 %) is then narrowed by bisection.
+give the curve, ``curve`` points in all: a grid, then the smallest circuit reaching ``share``
+(80 %) narrowed by bisection among them (:mod:`._circuit_budget`).
 ``ablation="mean"`` ablates to the mean instead (Wang et al.'s mean ablation): every value the
 corrupt run gave is the average, position by position, over the dataset's prompts, clean and
 corrupt (so they must have one length in tokens); recovery is still read between the clean
@@ -46,6 +47,12 @@ on that backend, the checks and their rank correlation kept. The curve's runs (e
 fed its own input) run on the transformers backend, on vLLM and on a served model (one
 request per run input, every mask of a point in it); a backend that cannot run them (NDIF, a
 tensor-parallel engine) makes the curve one warning (``curve=0`` asks for none).
+
+**Defaults and cost.** ``steps``, ``verify`` and ``curve`` default by the device (a CPU's are
+smaller: :data:`~._circuit_budget.DEVICE_DEFAULTS`), and before the work one line on stderr says
+about how long it takes. Where the checked edges' estimates rank-correlate poorly with their
+exact patches, the result's warnings say what to try
+(:func:`~pipatch._circuit_result.low_agreement_advice`).
 
 **Running.** The planner captures each pair's runs and the curve's baselines; the rest is
 the engine's work, batched, live and stoppable like every sweep (:class:`_CircuitPlan`): the
