@@ -135,7 +135,9 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         process: 1.
     **options
         The experiment's own options (``seeds=``, ``sites=``, ``site=``, ...), checked by its
-        declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact.
+        declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact. A
+        trace's ``scale="auto"`` (its default) is picked once, on the first fact that runs, and
+        every fact is traced at it (:attr:`Study.noise_scale <pipatch.Study.noise_scale>`).
 
     Raises
     ------
