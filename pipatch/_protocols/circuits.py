@@ -607,6 +607,11 @@ def _title(meta: dict) -> str:
     return pair_title("Circuit", meta, how)
 
 
+def _by_device(option: str) -> str:
+    """``option``'s defaults in words, from :data:`~._circuit_budget.DEVICE_DEFAULTS`."""
+    return f"by default {DEVICE_DEFAULTS['cuda'][option]} on a GPU, {DEVICE_DEFAULTS['cpu'][option]} on a CPU"
+
+
 DECLARATION = Experiment(
     name="circuit", kind="circuit", noun="circuit",
     summary="Circuits: every edge scored by EAP / EAP-IG, the top ones checked by exact edge patches.",
@@ -615,13 +620,13 @@ DECLARATION = Experiment(
         *PAIR_PARAMS,
         Param("method", "eap-ig", "eap-ig (gradients averaged over steps points between corrupt and clean) or eap "
               "(the corrupt run's gradient)", "str"),
-        Param("steps", None, "EAP-IG's interpolation points (1: EAP)", "int | None", parse=positive_int,
-              shown="5 on a GPU, 3 on a CPU"),
-        Param("verify", None, "check the N edges with the largest |estimate| with exact edge patches (0: none)",
-              "int | None", parse=count, shown="20 on a GPU, 10 on a CPU"),
+        Param("steps", None, f"EAP-IG's interpolation points (1: EAP; {_by_device('steps')})", "int | None",
+              parse=positive_int, shown="by device"),
+        Param("verify", None, "check the N edges with the largest |estimate| with exact edge patches (0: none; "
+              f"{_by_device('verify')})", "int | None", parse=count, shown="by device"),
         Param("curve", None, "circuit sizes on the faithfulness curve, N points in all (the smallest circuit reaching "
               "share narrowed among them): the top-n edges kept, every other edge given its corrupt value (0: no "
-              "curve)", "int | None", parse=count, shown="16 on a GPU, 6 on a CPU"),
+              f"curve; {_by_device('curve')})", "int | None", parse=count, shown="by device"),
         Param("ablation", "corrupt", "what an edge outside the circuit carries on the faithfulness curve: corrupt (its "
               "corrupt value) or mean (its mean over the dataset's prompts, position by position)", "str"),
         Param("share", 0.8, "the share of the clean behaviour (normalized recovery) the smallest circuit reported must "
