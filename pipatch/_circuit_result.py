@@ -21,7 +21,7 @@ from ._graph import Node, named
 from ._result import Result
 from ._views import circuit_part, conform_state, graph_document
 
-__all__ = ["CircuitResult", "VIEW_EDGES"]
+__all__ = ["CircuitResult", "LOW_AGREEMENT", "VIEW_EDGES", "low_agreement_advice"]
 
 #: A circuit's one grid: receivers × senders.
 VIEW_EDGES = "edges"
@@ -74,3 +74,28 @@ class CircuitResult(Result, file_kind="circuit"):
         senders, receivers = self.nodes
         state["circuit"] = conform_state({"circuit": circuit_part(senders, receivers, self.meta)})["circuit"]
         return state
+
+
+#: Below this rank correlation between the checked edges' estimates and their exact patches, a
+#: circuit says what to try. The estimate ranks every edge and the circuit keeps the top ones by
+#: it, so a correlation this low means the ranking, hence the circuit, is partly wrong (EAP on
+#: IOI pairs: 0.67, an edge's sign flipped); above it the order of the top edges mostly holds.
+LOW_AGREEMENT = 0.8
+
+
+def low_agreement_advice(meta: dict[str, Any]) -> str | None:
+    """The one line a circuit whose estimates agree poorly with their exact patches
+    (``meta["agreement"]``'s Spearman below :data:`LOW_AGREEMENT`) carries: what to try, by
+    the method it was scored with; ``None`` where they agree."""
+    agreement = meta.get("agreement") or {}
+    rho = agreement.get("spearman")
+    if rho is None or not rho < LOW_AGREEMENT:
+        return None
+    n, steps = int(agreement.get("n", 0)), int(meta.get("steps", 1))
+    flipped = sum(1 for e in meta.get("checked", []) if e["exact"] is not None and e["estimate"] * e["exact"] < 0)
+    said = f"; {flipped} with the wrong sign" if flipped else ""
+    better = ("method='eap-ig' (gradients averaged between corrupt and clean)" if meta.get("method") == "eap"
+              else f"more steps (steps={2 * steps})")
+    return (f"the edge estimates agree poorly with the {n} exact patches (rank correlation {rho:.2f} < "
+            f"{LOW_AGREEMENT}{said}), so the circuit's ranking is unreliable: try {better}, or verify={2 * n} "
+            "to check more edges")

@@ -44,6 +44,7 @@ derived, never stored.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,8 +52,10 @@ import numpy as np
 import torch
 
 from ._declare import declared
+from ._errors import PipatchWarning
 from ._models import PipatchError
 from ._result import Result, _rows, load_result, parts_from_json, result_from_parts
+from ._scales import mixed_scales
 from ._sites import TOKEN_AXIS
 from ._views import SCHEMA_VERSION, conform_state, json_safe
 
@@ -102,9 +105,20 @@ def compare(a: Result | str | os.PathLike, b: Result | str | os.PathLike, *, val
     PipatchError
         When the grids do not line up (layers, column axis, column count, site, views) or
         ``values="raw"`` meets two metrics: one line naming the axis and the fix.
+
+    Warns
+    -----
+    PipatchWarning
+        Two traces of different noise scales (``scale="auto"`` picks one per prompt): one
+        line naming each side's scale and the fix, ``scale=`` the larger for both; the
+        comparison's ``warnings`` keep it.
     """
     sides = [load_result(side) if isinstance(side, (str, os.PathLike)) else side for side in (a, b)]
-    return Comparison(*sides, values=values, views=None if view is None else [view])
+    comparison = Comparison(*sides, values=values, views=None if view is None else [view])
+    line = _mixed_scales(*sides)
+    if line is not None:
+        warnings.warn(line, PipatchWarning, stacklevel=2)
+    return comparison
 
 
 class Comparison(Result, file_kind="compare"):
@@ -148,7 +162,8 @@ class Comparison(Result, file_kind="compare"):
             status=unfinished[0][1].status if unfinished else "done",
             message="; ".join(f"{name} is {side.status}" + (f": {side.message}" if side.message else "")
                               for name, side in unfinished),
-            warnings=[f"{name}: {w}" for name, side in zip(SIDES, (a, b)) for w in side.warnings],
+            warnings=[f"{name}: {w}" for name, side in zip(SIDES, (a, b)) for w in side.warnings]
+            + [line for line in [_mixed_scales(a, b)] if line is not None],
         )
 
     def _side(self, side: Result, view: str) -> torch.Tensor:
@@ -291,6 +306,11 @@ def _check_comparable(a: Result, b: Result, values: str, views: Sequence[str] | 
         raise PipatchError(f"metrics differ: a measures {a.metric}, b {b.metric}; raw values compare only in one "
                            "metric: use values='recovery' (normalized) or run both with the same metric=")
     return list(views) if views is not None else list(a.views)
+
+
+def _mixed_scales(a: Result, b: Result) -> str | None:
+    """The line saying that the two sides were corrupted at different noise scales, if so."""
+    return mixed_scales([(name, side.meta.get("scale")) for name, side in zip(SIDES, (a, b))], "a and b")
 
 
 def _merged(a: Sequence[str], b: Sequence[str]) -> list[str]:

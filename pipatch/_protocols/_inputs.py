@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import unicodedata
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +14,7 @@ from .._cells import Metric
 from .._checks import whole_number
 from .._declare import Param, positive_int
 from .._declare import positions as parse_positions
+from .._errors import PipatchWarning
 from .._models import PipatchError
 from .._result import recovery_undefined
 
@@ -52,11 +55,13 @@ def encode(backend, text: str, what: str = "prompt") -> tuple[torch.Tensor, list
     return torch.tensor([ids], device=backend.device), tokens, offsets
 
 
-def answer_ids(backend, text: str, role: str) -> tuple[int, ...]:
+def answer_ids(backend, text: str, role: str, prompt: str | None = None) -> tuple[int, ...]:
     """The token ids of an answer or foil: one token (" Paris") or several (" New York").
 
     A multi-token answer is read teacher-forced (:class:`~pipatch._cells.Metric`); the text is
-    tokenized on its own, without special tokens, as it would follow the prompt.
+    tokenized on its own, without special tokens, as it would follow the prompt. Given the
+    ``prompt`` it follows, an answer that looks like a word missing its leading space is
+    warned about (:func:`word_start_warning`).
     """
     if not isinstance(text, str):
         raise PipatchError(f"the {role} must be text (a str), got {type(text).__name__}: e.g. ' Paris'")
@@ -67,7 +72,33 @@ def answer_ids(backend, text: str, role: str) -> tuple[int, ...]:
     ids = backend.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise PipatchError(f"the {role} {text!r} is no token at all for this tokenizer: pass visible text, e.g. ' Paris'")
+    line = None if prompt is None else word_start_warning(backend, text, role, prompt, len(ids))
+    if line is not None:
+        warnings.warn(line, PipatchWarning, stacklevel=2)
     return tuple(int(i) for i in ids)
+
+
+#: How a tokenizer marks a token that starts a word (SentencePiece ``▁``, GPT-2's byte ``Ġ``).
+WORD_START_MARKS = ("▁", "Ġ")
+
+
+def word_start_warning(backend, text: str, role: str, prompt: str, n_tokens: int) -> str | None:
+    """The one line warning that ``text`` (``n_tokens`` tokens on its own) is a word missing
+    its leading space, else ``None``. Tokenizers read ``"Paris"`` as the inside of a word and
+    ``" Paris"`` as the word after a space, which is what a model predicts after
+    ``"... the city of"``; the metric of the bare spelling reads another token, silently. The
+    check is the tokenizer's alone (no forward pass): the text starts with a letter or digit,
+    the prompt does not end in whitespace, and the spaced spelling is no more tokens than the
+    bare one (so it is the tokenizer's usual word; ``" 1945"`` split into more pieces is not).
+    Wide (CJK) characters are left alone: their scripts are written without spaces."""
+    if (not text[0].isalnum() or text[0] in WORD_START_MARKS or not prompt or prompt[-1].isspace()
+            or unicodedata.east_asian_width(text[0]) in ("W", "F")):
+        return None
+    spaced = " " + text
+    if len(backend.tokenizer(spaced, add_special_tokens=False)["input_ids"]) > n_tokens:
+        return None
+    return (f"the {role} {text!r} has no leading space: a model predicts the next word with its space "
+            f"({spaced!r}), so {text!r} scores a word piece; pass {role}={spaced!r} (or end the prompt with a space)")
 
 
 def check_run_length(backend, input_ids: torch.Tensor, metric: Metric) -> None:

@@ -33,7 +33,8 @@ writes of its kept senders in this run, less what they wrote in the corrupt run
 (:func:`pipatch._programs.circuit.circuit_run_body`; a grouped-query model's attention runs
 ungrouped, each query head with its own keys and values). ``curve`` sizes from none (the corrupt
 run, recovery 0) to every edge (the clean run, 1, where a layer's write is its heads' sum)
-give the curve; the smallest circuit reaching ``share`` (80 %) is then narrowed by bisection.
+give the curve, ``curve`` points in all: a grid, then the smallest circuit reaching ``share``
+(80 %) narrowed by bisection among them (:mod:`._circuit_budget`).
 ``ablation="mean"`` ablates to the mean instead (Wang et al.'s mean ablation): every value the
 corrupt run gave is the average, position by position, over the dataset's prompts, clean and
 corrupt (so they must have one length in tokens); recovery is still read between the clean
@@ -46,6 +47,12 @@ on that backend, the checks and their rank correlation kept. The curve's runs (e
 fed its own input) run on the transformers backend, on vLLM and on a served model (one
 request per run input, every mask of a point in it); a backend that cannot run them (NDIF, a
 tensor-parallel engine) makes the curve one warning (``curve=0`` asks for none).
+
+**Defaults and cost.** ``steps``, ``verify`` and ``curve`` default by the device (a CPU's are
+smaller: :data:`~._circuit_budget.DEVICE_DEFAULTS`), and before the work one line on stderr says
+about how long it takes. Where the checked edges' estimates rank-correlate poorly with their
+exact patches, the result's warnings say what to try
+(:func:`~pipatch._circuit_result.low_agreement_advice`).
 
 **Running.** The planner captures each pair's runs and the curve's baselines; the rest is
 the engine's work, batched, live and stoppable like every sweep (:class:`_CircuitPlan`): the
@@ -67,6 +74,8 @@ table and its ``graph()`` the graph as JSON.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,7 +84,7 @@ import torch
 
 from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
-from .._circuit_result import VIEW_EDGES, CircuitResult
+from .._circuit_result import VIEW_EDGES, CircuitResult, low_agreement_advice
 from .._declare import PAIR, Experiment, Param, count, positive_int
 from .._engine import Plan, Predictor, Sweep, Work, check_batch_size
 from .._graph import Node, graph
@@ -94,6 +103,7 @@ from .._programs.circuit import (
 from .._result import load_result
 from .._sites import ATTN, EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV, projection
 from . import _circuit_code
+from ._circuit_budget import DEVICE_DEFAULTS, curve_points, estimate_line, gap_middles, grid_sizes
 from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
 from .attribution import spearman
 from .patching import pair_inputs
@@ -300,16 +310,14 @@ class _CircuitPlan(Plan):
             exact = torch.tensor([e["exact"] for e in rows], dtype=torch.float64)
             result.meta["agreement"] = {"spearman": spearman(estimates, exact),
                                         "max_abs_error": float((estimates - exact).abs().max()), "n": len(rows)}
+            advice = low_agreement_advice(result.meta)
+            if advice is not None:
+                result.warnings.append(advice)
 
 
 # --------------------------------------------------------------------------------------------
 # Faithfulness
 # --------------------------------------------------------------------------------------------
-
-#: Halvings of the size bracket around the share after the curve's points (the size reported
-#: is then within 1/64 of the bracket of the first point past the share).
-REFINE = 6
-
 
 def _share(value: Any) -> float:
     try:
@@ -330,9 +338,11 @@ SIZES_PER_RUN = 4
 class _Curve(Work):
     """The faithfulness curve: the circuit of the top-n edges (by |score|), every other edge
     ablated to its corrupt value (or to the mean, ``means``), as normalized recovery for
-    ``points`` sizes from 0 to every edge (spaced geometrically, :data:`SIZES_PER_RUN` a row),
-    then the smallest size reaching ``share`` narrowed by bisection between the curve's points,
-    a row each (:meth:`rows`). ``runs`` holds each pair's inputs and the clean run's embedding
+    ``points`` sizes in all (fewer only where the graph has fewer): a grid from 0 to every edge
+    (spaced geometrically, :data:`SIZES_PER_RUN` a row), then the smallest size reaching
+    ``share`` narrowed by bisection between the grid's points, a row each, then, where the
+    bisection closed sooner, the widest gaps of the curve filled (:meth:`rows`,
+    :func:`curve_points`). ``runs`` holds each pair's inputs and the clean run's embedding
     output (its baselines, captured by the planner). :attr:`~pipatch.Result.meta`'s
     ``faithfulness`` is the curve so far after each row, ``size`` ``None`` until it is known."""
 
@@ -351,16 +361,16 @@ class _Curve(Work):
     def rank(self, scores: torch.Tensor) -> None:
         """Rank the edges by ``scores`` (by |score|, the largest first): the circuits' order."""
         self.order = scores.abs().nan_to_num(-1.0).flatten().argsort(descending=True, stable=True)[: int(self.valid.sum())]
-        self.n_rows = -(-len(self.grid) // SIZES_PER_RUN) + REFINE
+        self.n_rows = -(-len(self.grid) // SIZES_PER_RUN) + curve_points(self.points)[1]  # at most
 
     @property
     def grid(self) -> list[int]:
-        total, points = len(self.order), self.points
-        return sorted({0, total, *(round(total ** (i / max(points - 2, 1))) for i in range(max(points - 1, 1)))})
+        return grid_sizes(len(self.order), curve_points(self.points)[0])
 
     def rows(self) -> Iterator[int]:
         """The curve's rows, each made once the rows before it have run: the grid's points
-        :data:`SIZES_PER_RUN` at a time, then the bisection's points, one at a time."""
+        :data:`SIZES_PER_RUN` at a time, then the bisection's points, one at a time, then the
+        points the bisection left (the widest gaps' middles, :data:`SIZES_PER_RUN` a row)."""
         grid, curve, share = self.grid, self.curve, self.share
         for lo in range(0, len(grid), SIZES_PER_RUN):
             self.sizes.append(grid[lo : lo + SIZES_PER_RUN])
@@ -369,7 +379,7 @@ class _Curve(Work):
         size = reached[0] if reached else None
         if size:
             below = max(n for n in grid if n < size)
-            for _ in range(REFINE):
+            for _ in range(curve_points(self.points)[1]):
                 if size - below <= 1:
                     break
                 mid = (below + size) // 2
@@ -377,6 +387,10 @@ class _Curve(Work):
                 yield len(self.sizes) - 1
                 below, size = (below, mid) if curve[mid] >= share else (mid, size)
         self.size = size
+        left = gap_middles(sorted(curve), self.points - len(curve))
+        for lo in range(0, len(left), SIZES_PER_RUN):
+            self.sizes.append(left[lo : lo + SIZES_PER_RUN])
+            yield len(self.sizes) - 1
 
     def items(self, row: int) -> int:
         return len(self.sizes[row])
@@ -501,9 +515,9 @@ def plan_circuit(
     answer: str | Sequence[str],
     foil: str | Sequence[str] | None,
     method: str,
-    steps: int,
-    verify: int,
-    curve: int,
+    steps: int | None,
+    verify: int | None,
+    curve: int | None,
     share: float,
     ablation: str,
     metric: str,
@@ -514,13 +528,23 @@ def plan_circuit(
     gradient passes that score every edge (unless ``scores`` gives the scores), the exact
     patches of the top ones and the faithfulness curve (:class:`_CircuitPlan`).
 
-    ``backend`` runs the model; the other parameters are :func:`pipatch.circuit`'s.
+    ``backend`` runs the model; the other parameters are :func:`pipatch.circuit`'s; ``None``
+    for ``steps``, ``verify`` or ``curve`` is the device's default (:data:`~._circuit_budget.DEVICE_DEFAULTS`).
+    Before the work, one line on stderr says about how long it takes (:func:`~._circuit_budget.estimate_line`).
     """
     check_choice(method, METHODS, "method")
     check_choice(ablation, ABLATIONS, "ablation")
-    steps = whole_number(steps, "steps (interpolation points of EAP-IG)", minimum=1)
-    verify = whole_number(verify, "verify (the edges to check with exact patches)", minimum=0)
-    curve = whole_number(curve, "curve (circuit sizes on the faithfulness curve)", minimum=0)
+    device = backend.capabilities.device_kind
+    defaults = DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cpu"])
+    steps = whole_number(defaults["steps"] if steps is None else steps, "steps (interpolation points of EAP-IG)",
+                         minimum=1)
+    verify = whole_number(defaults["verify"] if verify is None else verify,
+                          "verify (the edges to check with exact patches)", minimum=0)
+    curve = whole_number(defaults["curve"] if curve is None else curve,
+                         "curve (circuit sizes on the faithfulness curve)", minimum=0)
+    if curve == 1:
+        raise PipatchError("curve=1: a faithfulness curve needs 2 points at least (no edge and every edge); "
+                           "give curve=2 or more, or curve=0 for none")
     share = _share(share)
     adapter = backend.adapter
     pairs = [pair_inputs(backend, *one, metric) for one in _pairs(clean, corrupt, answer, foil)]
@@ -535,9 +559,14 @@ def plan_circuit(
         method, steps = given[1].get("method", method), int(given[1].get("steps", steps))
 
     runs: list[tuple[Any, Capture, Capture]] = []
+    started = time.perf_counter()
     for pair in pairs:
         clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
         runs.append((pair, clean_run, corrupt_run))
+    print(estimate_line((time.perf_counter() - started) / (2 * len(pairs)), len(pairs), device,
+                         method, None if given is not None else (steps if method == "eap-ig" else 1),
+                         min(verify, int(valid.sum())), min(curve, int(valid.sum()) + 1)),
+          file=sys.stderr)
     cleans = [float(clean_run.metric[0]) for _, clean_run, _ in runs]
     corrupts = [float(corrupt_run.metric[0]) for _, _, corrupt_run in runs]
     clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
@@ -591,6 +620,11 @@ def _title(meta: dict) -> str:
     return pair_title("Circuit", meta, how)
 
 
+def _by_device(option: str) -> str:
+    """``option``'s defaults in words, from :data:`~._circuit_budget.DEVICE_DEFAULTS`."""
+    return f"by default {DEVICE_DEFAULTS['cuda'][option]} on a GPU, {DEVICE_DEFAULTS['cpu'][option]} on a CPU"
+
+
 DECLARATION = Experiment(
     name="circuit", kind="circuit", noun="circuit",
     summary="Circuits: every edge scored by EAP / EAP-IG, the top ones checked by exact edge patches.",
@@ -599,11 +633,13 @@ DECLARATION = Experiment(
         *PAIR_PARAMS,
         Param("method", "eap-ig", "eap-ig (gradients averaged over steps points between corrupt and clean) or eap "
               "(the corrupt run's gradient)", "str"),
-        Param("steps", 5, "EAP-IG's interpolation points (1: EAP)", "int", parse=positive_int),
-        Param("verify", 20, "how many edges to check with exact edge patches, largest |estimate| first (0: none)", "int",
-              parse=count),
-        Param("curve", 16, "circuit sizes on the faithfulness curve: the top-n edges kept, every other edge given its "
-              "corrupt value (0: no curve)", "int", parse=count),
+        Param("steps", None, f"EAP-IG's interpolation points (1: EAP; {_by_device('steps')})", "int | None",
+              parse=positive_int, shown="by device"),
+        Param("verify", None, "check the N edges with the largest |estimate| with exact edge patches (0: none; "
+              f"{_by_device('verify')})", "int | None", parse=count, shown="by device"),
+        Param("curve", None, "circuit sizes on the faithfulness curve, N points in all (the smallest circuit reaching "
+              "share narrowed among them): the top-n edges kept, every other edge given its corrupt value (0: no "
+              f"curve; {_by_device('curve')})", "int | None", parse=count, shown="by device"),
         Param("ablation", "corrupt", "what an edge outside the circuit carries on the faithfulness curve: corrupt (its "
               "corrupt value) or mean (its mean over the dataset's prompts, position by position)", "str"),
         Param("share", 0.8, "the share of the clean behaviour (normalized recovery) the smallest circuit reported must "

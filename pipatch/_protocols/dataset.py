@@ -35,6 +35,7 @@ from .._cells import Cell
 from .._engine import Plan, Predictor, SiteSweep, Sweep
 from .._models import PipatchError
 from .._result import Result
+from .._scales import mixed_scales
 from ._inputs import model_meta
 
 __all__ = ["plan_dataset", "named_groups", "per_prompt", "prompt_groups", "group_means", "position_axis"]
@@ -167,7 +168,9 @@ class DatasetPlan(Plan):
             clean=torch.cat([torch.full((r.n_seeds,), float(r.clean)) for r in results]),
             corrupt=torch.cat([r.corrupt.float() for r in results]), meta=meta,
             rows_done={view: min(r.rows_done.get(view, 0) for r in results) for view in views},
-            warnings=[f"prompt {i}: {w}" for i, r in enumerate(results) for w in r.warnings],
+            warnings=[f"prompt {i}: {w}" for i, r in enumerate(results) for w in r.warnings]
+            + [line for line in [mixed_scales([(f"prompt {i}", r.meta.get("scale")) for i, r in enumerate(results)],
+                                              "the prompts")] if line is not None],
         )
         super().__init__(backend, result, [s for p in plans for s in p.sweeps], first.batch_size, first.fast)
         self.narrow = first.narrow

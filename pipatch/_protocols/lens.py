@@ -108,7 +108,7 @@ def plan_lens(
     T = input_ids.shape[1]
     cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T, backend)
-    scorer = Metric(metric, answer_ids(backend, answer, "answer"))
+    scorer = Metric(metric, answer_ids(backend, answer, "answer", prompt))
     check_run_length(backend, input_ids, scorer)
     meta = model_meta(backend)
     if subject is not None:

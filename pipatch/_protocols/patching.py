@@ -104,10 +104,10 @@ def pair_inputs(backend, clean: str, corrupt: str, answer: str, foil: str | None
             f"clean {len(clean_tokens)} tokens {clean_tokens} vs corrupt {len(corrupt_tokens)} tokens "
             f"{corrupt_tokens}; reword one of them"
         )
-    answer_id = answer_ids(backend, answer, "answer")
+    answer_id = answer_ids(backend, answer, "answer", clean)
     if metric in ("logit_diff", "logprob_diff") and foil is None:
         raise PipatchError(f"metric {metric!r} needs a foil (answer − foil): pass foil=' Rome', or use metric='prob'")
-    foil_id = answer_ids(backend, foil, "foil") if foil is not None else None
+    foil_id = answer_ids(backend, foil, "foil", clean) if foil is not None else None
     scorer = Metric(metric, answer_id, foil_id)
     check_run_length(backend, clean_ids, scorer)
     return PairInputs(clean, corrupt, clean_ids, clean_tokens, corrupt_ids, corrupt_tokens, scorer, answer, foil)

@@ -141,7 +141,7 @@ def plan_trace(
     subject_at = subject_positions(subject, prompt, tokens, offsets, occurrence)
     cols = sweep_positions(positions, input_ids.shape[1])
     batch = check_batch_size(batch_size, input_ids.shape[1], backend)
-    scorer = Metric(metric, answer_ids(backend, answer, "answer"))
+    scorer = Metric(metric, answer_ids(backend, answer, "answer", prompt))
     check_run_length(backend, input_ids, scorer)
 
     clean = capture(backend, input_ids, scorer, sites)

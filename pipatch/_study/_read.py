@@ -31,6 +31,7 @@ relation; ``to_parquet`` without pyarrow.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._errors import PipatchWarning
 from .._models import PipatchError
 from .._result import Result
+from .._scales import mixed_scales
 from ._aggregate import METRICS, fact_values, summarise
 from ._store import Store, StoredFact
 
@@ -84,6 +87,20 @@ class Study:
     @property
     def experiment(self) -> str:
         return str(self.config.get("experiment", "?"))
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The noise scale (in σ) every fact is traced at: the ``scale=`` given, or the one
+        ``scale="auto"`` picked on the first fact that ran; ``None`` before that fact, and for
+        an experiment without noise."""
+        given = self.options.get("scale")
+        if given != "auto":
+            return given
+        store = self._store()
+        try:
+            return store.info().get("noise_scale")
+        finally:
+            store.close()
 
     def facts(self) -> list[StoredFact]:
         """Every stored fact's row: ``idx``, ``fact_id``, ``relation``, ``status`` (``done``,
@@ -153,8 +170,9 @@ class Study:
             out = []
             for row in rows:
                 groups = json.loads(row["groups"]) if row["groups"] else None
-                values = fact_values(row.result(), groups["columns"] if groups else None)
-                out.append((row, {"values": values, "groups": groups}))
+                result = row.result()
+                values = fact_values(result, groups["columns"] if groups else None)
+                out.append((row, {"values": values, "groups": groups, "scale": result.meta.get("scale")}))
             self._cache = (stamp, out)
         return self._cache[1]
 
@@ -171,6 +189,9 @@ class Study:
                     item["values"]["recovery"][result.views[0]])[-1] != len(names):
                 raise PipatchError(f"fact {other['idx']}'s columns differ from fact {row['idx']}'s: a study averages "
                                    "grids of one shape (named positions, or the same heads)")
+        mixed = mixed_scales([(f"fact {other['idx']}", item.get("scale")) for other, item in values], "the facts")
+        if mixed is not None:  # a store written before a study kept one scale
+            warnings.warn(f"{mixed} into a new store", PipatchWarning, stacklevel=3)
         return list(result.views), list(result.layers), names
 
     def grid(self, view: str | None = None, metric: str = "recovery", relation: str | None = None) -> torch.Tensor:

@@ -21,6 +21,13 @@ wrong, writes one result file per fact so a rerun resumes, and plots averages by
    committed to the store (:mod:`._store`, SQLite WAL, one transaction) before the next
    starts. :class:`~pipatch.Study` (:mod:`._read`) reads the store back.
 
+**One noise scale.** A trace's recovery is measured against its corrupted run, so averaging
+facts corrupted at 1σ with facts at 2σ mixes two quantities. As in ROME (one fixed multiple of
+σ for every fact), a study traces every fact at one scale: the ``scale=`` given, or, with
+``scale="auto"`` (the default), the scale auto picks on the first fact that runs (the first
+known one), recorded in the store (:attr:`Study.noise_scale <pipatch.Study.noise_scale>`) and
+given to every later fact, in this run and in a resumed one.
+
 **Facts in flight.** With ``in_flight=1`` the facts run one by one, each its single trace,
 bit for bit, fast paths and all. By default several are in flight at once, as the backend
 gains by it (its hints, :func:`_in_flight`):
@@ -132,7 +139,9 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         process: 1.
     **options
         The experiment's own options (``seeds=``, ``sites=``, ``site=``, ...), checked by its
-        declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact.
+        declaration; a per-prompt one (``foil=" Rome"``) given here holds for every fact. A
+        trace's ``scale="auto"`` (its default) is picked once, on the first fact that runs, and
+        every fact is traced at it (:attr:`Study.noise_scale <pipatch.Study.noise_scale>`).
 
     Raises
     ------
@@ -184,8 +193,9 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         elif progress and hook is None:
             counter = bar(len(records), f"study {entry.name}", unit="facts")
             hook = _counted(counter)
+        noise = _NoiseScale(target) if bound.get("scale") == "auto" else None
         _each_fact(records, stored, lambda facts, halt: _run_facts(target, entry, backend, plan, facts, bound,
-                                                                   known_only, halt), hook, stop, width, together)
+                                                                   known_only, halt, noise), hook, stop, width, together)
     finally:
         if counter is not None:
             counter.close()
@@ -266,8 +276,26 @@ def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]],
             raise
 
 
+class _NoiseScale:
+    """A study's one noise scale under ``scale="auto"``: ``None`` until the first fact that runs
+    has had auto pick it, then recorded in the store's info (``noise_scale``), where a resumed
+    study finds it. :attr:`lock` holds facts planned on other threads back while it is picked."""
+
+    KEY = "noise_scale"
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.value: float | None = store.info().get(self.KEY)
+        self.lock = threading.Lock()
+
+    def record(self, value: float) -> None:
+        self.value = float(value)
+        self.store.set_info(self.KEY, self.value)
+
+
 def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, facts: list[Fact],
-               bound: dict[str, Any], known_only: bool, stop: Any) -> list[Result | None]:
+               bound: dict[str, Any], known_only: bool, stop: Any, noise: _NoiseScale | None = None
+               ) -> list[Result | None]:
     """Check, run and commit ``facts``; per fact its result, ``None`` unless it ran to the end.
 
     Each fact is planned exactly as ``pipatch.<experiment>(model, **its inputs)`` would plan
@@ -279,11 +307,12 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
     transformers backend: their cells in packed traces together, their metrics in one pass over
     the unembedding), their single
     runs' values up to float32 rounding, and committed in one transaction, all or none.
+    ``noise``: the study's one noise scale (:class:`_NoiseScale`), given to each fact's planner.
     """
     ready: list[tuple[Fact, Any, bool | None, str, float]] = []
     for fact in facts:
         started = time.perf_counter()
-        planned = _plan_fact(target, entry, backend, plan, fact, bound, known_only)
+        planned = _plan_at_scale(target, entry, backend, plan, fact, bound, known_only, noise)
         if planned is not None:
             ready.append((fact, *planned, time.perf_counter() - started))
     out: dict[int, Result | None] = {}  # by the fact's index
@@ -306,6 +335,22 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
         target.put_many(rows)
         out.update({fact.index: result for (fact, *_), result in zip(group, results)})
     return [out.get(fact.index) for fact in facts]
+
+
+def _plan_at_scale(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact,
+                   bound: dict[str, Any], known_only: bool, noise: _NoiseScale | None) -> Any:
+    """:func:`_plan_fact` at the study's one noise scale: the recorded one; until there is one,
+    auto's, recorded from the first fact that runs (one fact at a time picks it)."""
+    if noise is None:
+        return _plan_fact(target, entry, backend, plan, fact, bound, known_only)
+    if noise.value is None:
+        with noise.lock:
+            if noise.value is None:
+                planned = _plan_fact(target, entry, backend, plan, fact, bound, known_only)
+                if planned is not None:
+                    noise.record(planned[0].result.meta["scale"])
+                return planned
+    return _plan_fact(target, entry, backend, plan, fact, {**bound, "scale": noise.value}, known_only)
 
 
 def _plan_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact, bound: dict[str, Any],

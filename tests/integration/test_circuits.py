@@ -388,4 +388,6 @@ def test_the_curve_halves_its_masks_on_out_of_memory_and_names_a_failing_point()
         handle.remove()
     partial = info.value.partial
     assert partial.status == "failed" and partial.meta["faithfulness"]["size"] is None
-    assert partial.meta["faithfulness"]["sizes"] == theirs["sizes"][:4]
+    # The first row's sizes (the grid's smallest four; the bisection's points of curve=8 lie among them).
+    first_row = circuit._curve.sizes[0]
+    assert partial.meta["faithfulness"]["sizes"] == first_row and set(first_row) <= set(theirs["sizes"])
