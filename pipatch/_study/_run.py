@@ -110,7 +110,10 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
     progress
         ``progress(index, record, result_or_None)`` after each fact (a widget's hook).
     limit
-        Read only the first ``limit`` records.
+        Stop once ``limit`` facts have a result: with ``known_only``, ``limit`` facts the model
+        knows (those it does not know, and facts that fail, do not count). The facts are read
+        in order until then, or until they end; facts finished by an earlier run count. The
+        store's total is then the records read. ``None`` (default): every fact.
     stop
         A ``threading.Event`` or function: when set, the study stops (the facts in flight
         stop after their batch and are not stored).
@@ -158,12 +161,11 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
     width, together = _in_flight(backend, in_flight)
+    limit = None if limit is None else whole_number(limit, "limit (facts with a result)", minimum=1)
     target, view = Store(store), None
     try:
         target.check_config(config)
         records = read_facts(facts, entry, columns=columns, given=given)
-        if limit is not None:
-            records = records[: int(limit)]
         stored = target.keys()
         for fact in records:
             if fact.index in stored and stored[fact.index][0] != fact.key:
@@ -176,8 +178,10 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             view = StudyView(lambda: Study(target.path), len(records))
             view.display()
             progress, stop = _both(view.progress, progress), _either(stop, view.stop)
-        _each_fact(records, stored, lambda facts, halt: _run_facts(target, entry, backend, plan, facts, bound,
-                                                                   known_only, halt), progress, stop, width, together)
+        read = _each_fact(records, stored, lambda facts, halt, room=None: _run_facts(
+            target, entry, backend, plan, facts, bound, known_only, halt, room), progress, stop, width, together, limit)
+        if read < len(records):
+            target.set_info("n_facts", max([read, *(index + 1 for index in target.keys())]))
     finally:
         target.close()
         if view is not None:
@@ -205,10 +209,16 @@ def _in_flight(backend: Any, asked: int | None) -> tuple[int, int]:
 
 
 def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]],
-               run: Callable[[list[Fact], Any], list[Result | None]], progress: Progress | None, stop: Any,
-               width: int, together: int = 1) -> None:
-    """``run(facts, stop)`` for the records not finished in an earlier run (an error is tried
-    again), telling ``progress`` of each in this thread as it finishes.
+               run: Callable[..., list[Result | None]], progress: Progress | None, stop: Any,
+               width: int, together: int = 1, limit: int | None = None) -> int:
+    """``run(facts, stop, room)`` for the records not finished in an earlier run (an error is
+    tried again), telling ``progress`` of each in this thread as it finishes; the number of
+    records read (all of them, unless ``limit`` was met first).
+
+    ``limit``: stop once that many facts are ``done`` (those of an earlier run included). No
+    more run than that: a run of facts is given ``room``, how many more may run, and returns
+    the results of the facts it reached (a prefix: the rest stay pending); one on a thread
+    starts only while the facts done and in flight are fewer than ``limit``.
 
     ``together`` above 1: the facts run in runs of that many, by their place in the records
     (fact ``i`` with the others of ``i // together``, whatever finished before: a resumed run
@@ -222,43 +232,62 @@ def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]],
             _tell(progress, fact, None)
         else:
             todo.append(fact)
+    done = sum(1 for fact in records if stored.get(fact.index, (None, None))[1] == "done")
+    last = -1  # the index of the last record reached
+
+    def room() -> int | None:
+        """How many more facts may run (``None``: no limit)."""
+        return None if limit is None else max(limit - done, 0)
+
+    def read() -> int:
+        return len(records) if room() != 0 else last + 1
+
     if width == 1:
         runs: dict[int, list[Fact]] = {}
         for fact in todo:
             runs.setdefault(fact.index // together, []).append(fact)
         for facts in runs.values():
-            if _stopped(stop):
+            if _stopped(stop) or room() == 0:
                 break
-            for fact, result in zip(facts, run(facts, stop)):
+            results = run(facts, stop, room())
+            for fact, result in zip(facts, results):
                 _tell(progress, fact, result)
-        return
+                last, done = fact.index, done + (result is not None)
+        return read()
     halt = threading.Event()
     halted = _either(stop, halt)
     running: dict[concurrent.futures.Future, Fact] = {}
 
     def finish_one() -> None:
-        done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-        for future in done:
-            _tell(progress, running.pop(future), future.result())
+        nonlocal done
+        finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in finished:
+            result = future.result()
+            _tell(progress, running.pop(future), result)
+            done += result is not None
 
     with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="pipatch-fact") as pool:
         try:
             for fact in todo:
-                while len(running) >= width:
+                while len(running) >= width or running and limit is not None and done + len(running) >= limit:
                     finish_one()
-                if _stopped(stop):
+                if _stopped(stop) or room() == 0:
                     break
                 running[pool.submit(lambda fact: run([fact], halted)[0], fact)] = fact
+                last = fact.index
             while running:
                 finish_one()
         except BaseException:
             halt.set()  # the pool's exit waits for the facts in flight, which stop after their batch
             raise
+    return read()
 
 
 def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, facts: list[Fact],
-               bound: dict[str, Any], known_only: bool, stop: Any) -> list[Result | None]:
+               bound: dict[str, Any], known_only: bool, stop: Any, room: int | None = None) -> list[Result | None]:
     """Check, run and commit ``facts``; per fact its result, ``None`` unless it ran to the end.
+    With ``room``, the facts are checked in order until ``room`` of them are to run; those
+    after are not reached (the list is that shorter: they stay pending).
 
     Each fact is planned exactly as ``pipatch.<experiment>(model, **its inputs)`` would plan
     it alone (same planner, same engine, the fast paths as the options say). The known-fact
@@ -271,7 +300,11 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
     runs' values up to float32 rounding, and committed in one transaction, all or none.
     """
     ready: list[tuple[Fact, Any, bool | None, str, float]] = []
+    reached = 0
     for fact in facts:
+        if room is not None and len(ready) >= room:
+            break
+        reached += 1
         started = time.perf_counter()
         planned = _plan_fact(target, entry, backend, plan, fact, bound, known_only)
         if planned is not None:
@@ -295,7 +328,7 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
             continue
         target.put_many(rows)
         out.update({fact.index: result for (fact, *_), result in zip(group, results)})
-    return [out.get(fact.index) for fact in facts]
+    return [out.get(fact.index) for fact in facts[:reached]]
 
 
 def _plan_fact(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact, bound: dict[str, Any],
