@@ -92,7 +92,7 @@ class Study:
         ``relation``, ``status`` (``done``, ``unknown``: the model does not know it, ``error``),
         ``known`` (``True`` / ``False``; ``None`` where not checked), ``top1`` (the model's top
         next token, as text), ``message`` (an error's one line), then the inputs the experiment
-        took (``prompt``, ``subject``, ``answer``, ...; ``None`` where a fact has none), the
+        took (``prompt``, ``subject``, ``answer``, ...; missing where a fact has none), the
         ``record`` as read (a dict), ``seconds`` (its run time) and ``finished`` (when it was
         stored, seconds since the epoch), both floats. No result data: ``study[i]`` is fact
         ``i``'s Result.

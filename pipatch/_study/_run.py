@@ -151,6 +151,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
 
     entry = experiment_named(experiment) if isinstance(experiment, str) else experiment
     bound, given = _options(entry, options)
+    limit = None if limit is None else whole_number(limit, "limit (facts with a result)", minimum=1)
     backend = backend_of(model)
     meta = backend.meta()
     config = {
@@ -161,7 +162,6 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         **{f"options.{k}": _canonical(v) for k, v in sorted(bound.items())},
     }
     width, together = _in_flight(backend, in_flight)
-    limit = None if limit is None else whole_number(limit, "limit (facts with a result)", minimum=1)
     target, view = Store(store), None
     try:
         target.check_config(config)
