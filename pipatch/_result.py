@@ -522,7 +522,7 @@ class Result:
             "message": self.message, "warnings": list(self.warnings),
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
             "baselines": ({"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))}
-                          if self.normalized else {"output": self.clean_value}),
+                          if self.normalized else {"output": self.clean_value} if "output" in meta else {}),
             "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
             "code": self._code_or_empty(),
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)

@@ -174,8 +174,10 @@ def test_the_repr_names_only_what_the_result_has():
     assert "output 0.3952" in lens and "clean" not in lens and "corrupt" not in lens and "seed" not in lens
     dataset = repr(_result(meta={"model": "m", "prompts": ["x", "y"]}))
     assert dataset.endswith("2 prompts>") and "seed" not in dataset
-    average = repr(_result(kind="study", clean=0.0, meta={"model": "m", "normalize": False}))
-    assert "clean" not in average and "output" not in average and "corrupt" not in average
+    average = _result(kind="study", clean=0.0, meta={"model": "m", "normalize": False})  # a study's average
+    assert "clean" not in repr(average) and "output" not in repr(average) and "corrupt" not in repr(average)
+    assert average.to_state()["baselines"] == {}  # nor does its grid (nor its text/plain) show a baseline
+    assert "output" not in average._repr_mimebundle_()["text/plain"]
     circuit = repr(example_circuit())
     assert circuit.startswith("<pipatch.CircuitResult done: ") and " edges, " in circuit and "views" not in circuit
     assert f"{int((~example_circuit().raw['edges'][0].isnan()).sum())} edges" in circuit
@@ -277,3 +279,16 @@ def test_limit_must_be_a_positive_whole_number(tmp_path):
         for bad in (0, -1, 2.5, "x"):
             with pytest.raises(PipatchError, match="limit"):
                 pipatch.study(object(), [], store=tmp_path / "s.sqlite", limit=bad)
+
+
+@pytest.mark.parametrize("command", [["trace", "The Eiffel Tower is in", "--subject", "Eiffel Tower"],
+                                     ["compare", "a.json", "b.json"]])
+def test_the_commands_save_flag_refuses_an_unknown_suffix_before_anything_runs(command, capsys, tmp_path):
+    from pipatch import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([*command, "--save", str(tmp_path / "r.pt")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --save: cannot save to" in err and ".safetensors" in err
+    assert not list(tmp_path.iterdir())
