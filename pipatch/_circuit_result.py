@@ -56,6 +56,17 @@ class CircuitResult(Result, file_kind="circuit"):
         table = pd.DataFrame(rows, columns=["sender", "receiver", "score", "exact"])
         return table.reindex(table["score"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
 
+    def frame(self):
+        """A circuit's table is its edges: :meth:`edges`."""
+        return self.edges()
+
+    def __repr__(self) -> str:
+        edges = int((~self.raw[VIEW_EDGES][0].isnan()).sum())
+        pairs = int(self.meta.get("n_pairs") or 1)
+        return (f"<pipatch.CircuitResult {self.status}: {edges} edges, {len(self.columns)} senders × "
+                f"{len(self.layers)} receivers, metric {self.metric}, clean {self.clean_value:.4g}, "
+                f"corrupt {self.corrupt_value:.4g}" + (f", {pairs} pairs" if pairs > 1 else "") + ">")
+
     def graph(self, top: int | None = None) -> dict[str, Any]:
         """The graph as plain JSON (``json.dumps`` writes it as it is): ``nodes`` (``name``,
         ``kind``: emb / head / mlp / logits, ``layer``, drawing position ``x``, ``y``) and ``edges``,

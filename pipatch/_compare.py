@@ -203,6 +203,16 @@ class Comparison(Result, file_kind="compare"):
                 out[f"{view}/{name}"] = values.numpy().astype("<f4")
         return out
 
+    def frame(self):
+        """Any result's table (:meth:`pipatch.Result.frame`: ``recovery`` is a − b, the
+        difference of the compared values) with the compared values of each side, ``a`` and
+        ``b``, as floats."""
+        table = super().frame()
+        sides = [self.side_values(view) for view in self.views]  # rows: view, then layer, then column
+        for k, name in enumerate(SIDES):
+            table[name] = torch.cat([values[k].flatten() for values in sides]).double().tolist()
+        return table
+
     def code(self) -> str:
         """A comparison is no sweep of its own: each side has its script."""
         raise PipatchError("a comparison has no script of its own: use result.a.code() and result.b.code()")
@@ -227,10 +237,11 @@ class Comparison(Result, file_kind="compare"):
             tensors.update({f"{name}/{key}": t.clone() for key, t in side_tensors.items()})
         return header, tensors
 
-    def to_json(self) -> dict[str, Any]:
-        """A plain-JSON copy: ``grid`` (a − b of the first view), ``views[view]`` with ``mean``
-        (a − b), ``a`` and ``b``; then both sides whole (``"a"``, ``"b"``: their own
-        :meth:`~pipatch.Result.to_json`), from which :func:`pipatch.load_result` rebuilds it."""
+    def _json_document(self) -> dict[str, Any]:
+        """The :meth:`~pipatch.Result.to_json` document of a comparison: ``grid`` (a − b of the
+        first view), ``views[view]`` with ``mean`` (a − b), ``a`` and ``b``; then both sides
+        whole (``"a"``, ``"b"``: their own documents), from which :func:`pipatch.load_result`
+        rebuilds it."""
         meta = {key: value for key, value in self.meta.items() if key not in SIDES}
         out = {
             "schema": SCHEMA_VERSION, "kind": self.kind, "values": self.values, "model": self.meta["model"],

@@ -9,8 +9,9 @@ the corrupt (base) runs' metric, one per seed. Everything else is derived on dem
   a warning says so (never ±1e7);
 * the mean over seeds (``grid``) and the spread (``std``).
 
-Files are safetensors with the metadata as JSON inside the header, never an executable object dump:
-``result.save("eiffel.safetensors")`` and ``pipatch.load_result("eiffel.safetensors")``.
+Files are safetensors with the metadata as JSON inside the header, or plain JSON, never an
+executable object dump: ``result.save("eiffel.safetensors")`` (or ``"eiffel.json"``: the suffix
+picks the format) and ``pipatch.load_result(path)``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import numpy as np
 import torch
@@ -40,7 +41,11 @@ from ._views import (
     mime_document,
 )
 
-__all__ = ["Result", "load_result", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE"]
+__all__ = ["Result", "load_result", "result_file", "recovery_undefined", "SCHEMA_VERSION", "MIME_TYPE",
+           "FILE_SUFFIXES"]
+
+#: The files a result is saved as, by suffix: safetensors (tensors + a JSON header) or JSON.
+FILE_SUFFIXES = (".safetensors", ".json")
 
 
 def recovery_undefined(clean: float, corrupt: float) -> bool:
@@ -70,8 +75,10 @@ class Result:
         ``{view: tensor[seeds, layers, columns]}``, the metric of every patched run (NaN where
         not computed).
     clean, corrupt
-        The clean run's metric (float) and the corrupt runs' metric (tensor[seeds]). A dataset
-        result (many prompts) has one clean value per row too: tensor[prompts × seeds].
+        The clean run's metric (float) and the corrupt runs' metric, one per run (tensor[seeds],
+        one entry where there is one corrupt run). A dataset result (many prompts) has one clean
+        value per row too: tensor[prompts × seeds]. :attr:`clean_value` and
+        :attr:`corrupt_value` are each one float, whatever the result.
     rows_done, row_order
         ``{view: n}``: ``n`` rows of that view are finished: rows ``0 .. n-1``, or the last ``n``
         where ``row_order[view]`` is ``-1`` (the engine runs rows from the last layer down when
@@ -145,6 +152,11 @@ class Result:
     def clean_value(self) -> float:
         """The clean baseline as one number (the mean over prompts for a dataset result)."""
         return float(self._clean_rows().mean())
+
+    @property
+    def corrupt_value(self) -> float:
+        """The corrupt baseline as one number: the mean over its runs (seeds, prompts)."""
+        return float(self.corrupt.float().mean())
 
     @property
     def per_seed(self) -> torch.Tensor:
@@ -229,9 +241,23 @@ class Result:
 
     def __repr__(self) -> str:
         shape = "×".join(str(n) for n in self.raw[self.views[0]].shape[1:])
-        return (f"<pipatch.Result {self.kind} {self.status}: views {', '.join(self.views)} [{shape}], "
-                f"metric {self.metric}, clean {self.clean_value:.4g}, corrupt {float(self.corrupt.mean()):.4g}, "
-                f"{self.n_seeds} {self._seed_axis()['seed_noun'] if self.n_seeds > 1 else 'seed'}>")
+        parts = [f"views {', '.join(self.views)} [{shape}]", f"metric {self.metric}", *self._repr_has()]
+        return f"<pipatch.{type(self).__name__} {self.kind} {self.status}: {', '.join(parts)}>"
+
+    def _repr_has(self) -> list[str]:
+        """What the repr names besides the grid, as far as the result has it: the baselines
+        (normalized: clean and corrupt; the lens: the output it reads against; else none),
+        then the runs averaged (a dataset's prompts, or the noise seeds of an experiment that
+        draws them)."""
+        if self.normalized:
+            has = [f"clean {self.clean_value:.4g}", f"corrupt {self.corrupt_value:.4g}"]
+        else:
+            has = [f"output {self.clean_value:.4g}"] if "output" in self.meta else []
+        if self.meta.get("prompts"):
+            has.append(f"{self.n_seeds} {self._seed_axis()['seed_noun']}")
+        elif "seeds" in self.meta:
+            has.append(f"{self.n_seeds} seed{'s' if self.n_seeds != 1 else ''}")
+        return has
 
     def text(self, view: str | None = None, width: int = 7) -> str:
         """A text heatmap: layers as rows (layer 0 first), columns as columns, block characters
@@ -264,8 +290,10 @@ class Result:
         any other result refuses it in one line."""
         raise PipatchError(f"graph() is a circuit's; this is a {self.kind} result: run pipatch.circuit")
 
-    def to_dataframe(self):
-        """A long pandas DataFrame: one row per (view, layer, column) with mean, std, raw."""
+    def frame(self):
+        """A long pandas DataFrame: one row per (view, layer, column) with its ``label``, the
+        mean ``recovery`` (the metric itself where the result is not normalized), its ``std``
+        over seeds and the ``raw`` metric's mean, each a float (NaN where not computed)."""
         import pandas as pd
 
         rows = []
@@ -279,6 +307,12 @@ class Result:
                         "raw": float(raw[layer, col]),
                     })
         return pd.DataFrame(rows)
+
+    def to_dataframe(self):
+        """Deprecated: :meth:`frame` (the same table; every result and a study have ``frame()``)."""
+        warnings.warn("Result.to_dataframe() is deprecated: use Result.frame() (the same table)",
+                      DeprecationWarning, stacklevel=2)
+        return Result.frame(self)
 
     def edges(self):
         """A circuit's table of edges (:meth:`pipatch._circuit_result.CircuitResult.edges`);
@@ -320,14 +354,42 @@ class Result:
             "message": self.message, "warnings": self.warnings, "meta": self.meta,
         }
 
-    def to_json(self) -> dict[str, Any]:
+    @overload
+    def to_json(self, path: None = None) -> dict[str, Any]: ...
+
+    @overload
+    def to_json(self, path: str | Path) -> Path: ...
+
+    def to_json(self, path: str | Path | None = None) -> dict[str, Any] | Path:
         """A plain-JSON copy: the first view's mean grid as a list of rows, plus every view.
 
         Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``;
         ``views[view]`` holds ``mean``, ``std``, ``raw`` (means over seeds) and ``raw_seeds``
         (the raw metric per seed, ``[seeds][layers][columns]``), so :func:`load_result` reads the
         file back whole. NaN becomes ``null``.
+
+        Parameters
+        ----------
+        path
+            Where to write it as a UTF-8 JSON file (any name); ``None`` (default): write
+            nothing and return the document.
+
+        Returns
+        -------
+        dict or Path
+            The document (a dict of plain JSON values), or the path written.
         """
+        document = self._json_document()
+        if path is None:
+            return document
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(document, ensure_ascii=False, allow_nan=False, indent=1), encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+    def _json_document(self) -> dict[str, Any]:
+        """The :meth:`to_json` document."""
         out = {
             "schema": SCHEMA_VERSION, "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
             "columns": self.columns, "layers": self.layers, "grid": _rows(self.grid), "metric": self.metric,
@@ -401,14 +463,22 @@ class Result:
         )
 
     def save(self, path: str | Path) -> Path:
-        """Write the result as one safetensors file (tensors + JSON metadata in its header).
+        """Write the result whole to one file, its format picked by the suffix of ``path``.
 
-        The header is strict, UTF-8-safe JSON (the one sanitiser: lone surrogates become U+FFFD,
-        non-finite numbers ``null``); a non-finite clean baseline is kept as a tensor.
+        ``.safetensors``: the tensors, with the metadata as JSON in the file's header (strict,
+        UTF-8-safe JSON: the one sanitiser turns lone surrogates into U+FFFD and non-finite
+        numbers into ``null``; a non-finite clean baseline is kept as a tensor). ``.json``: the
+        :meth:`to_json` document (every seed's raw values included). :func:`load_result` reads
+        both back.
+
+        Returns the path written. Raises :class:`PipatchError` for any other suffix (one line
+        naming the two accepted), before anything is written.
         """
+        path = result_file(path)
+        if path.suffix.lower() == ".json":
+            return self.to_json(path)
         from safetensors.torch import save_file
 
-        path = Path(path)
         header, tensors = self._file_parts()
         text = json.dumps(json_safe(header), ensure_ascii=False, allow_nan=False)
         tmp = path.with_name(path.name + ".tmp")
@@ -452,7 +522,7 @@ class Result:
             "message": self.message, "warnings": list(self.warnings),
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
             "baselines": ({"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))}
-                          if self.normalized else {"output": self.clean_value}),
+                          if self.normalized else {"output": self.clean_value} if "output" in meta else {}),
             "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
             "code": self._code_or_empty(),
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
@@ -492,25 +562,55 @@ def _rows(t: torch.Tensor) -> list[list[float | None]]:
 
 
 def load_result(path: str | Path) -> Result:
-    """Read a file written by :meth:`Result.save` (safetensors) or a ``.json`` file written from
-    :meth:`Result.to_json` (what the ``pipatch`` command writes as JSON).
+    """Read a file written by :meth:`Result.save` or :meth:`Result.to_json` (the CLI's
+    ``--save`` and ``--json``), its format by its suffix: ``.json`` is JSON, any other
+    (``.safetensors``; an older pipatch saved safetensors under any name) safetensors.
 
     Refuses, with one clear line, anything that is not a complete pipatch result of a known
-    schema: a truncated file, another format (a renamed Python object dump, say), a newer
-    schema, JSON without the per-seed values, or tensors whose shapes disagree with the labels.
-    Nothing is half-loaded.
+    schema: a file that is not what its suffix says (JSON named ``.safetensors``, safetensors
+    named ``.json``: the line names the suffix to rename it to), a truncated file, another
+    format (a renamed Python object dump, say), a newer schema, JSON without the per-seed
+    values, or tensors whose shapes disagree with the labels. Nothing is half-loaded.
     """
     path = Path(path)
     where = repr(str(path))
     if not path.exists():
         raise PipatchError(f"no result file at {where}: check the path")
-    header, tensors = _read_json(path) if path.suffix.lower() == ".json" else _read_safetensors(path)
+    is_json = path.suffix.lower() == ".json"
+    holds = _format_of(path)
+    if holds is not None and holds != ("json" if is_json else "safetensors"):
+        rename = path.with_suffix(".safetensors" if is_json else ".json").name
+        raise PipatchError(f"{where} holds {'a safetensors result' if is_json else 'JSON'}, not what its suffix "
+                           f"{path.suffix or '(none)'!r} says: rename it to {rename!r} and load that")
+    header, tensors = _read_json(path) if is_json else _read_safetensors(path)
     if header.get("schema") != SCHEMA_VERSION:
         raise PipatchError(
             f"{where} has result schema {header.get('schema')!r}, this pipatch reads {SCHEMA_VERSION}: "
             "upgrade pipatch or re-save the result"
         )
     return result_from_parts(header, tensors, where)
+
+
+def result_file(path: str | Path) -> Path:
+    """``path`` as the name of a result's file: its suffix is one of :data:`FILE_SUFFIXES`
+    (any case), or one :class:`PipatchError` line naming it and the two accepted."""
+    path = Path(path)
+    if path.suffix.lower() not in FILE_SUFFIXES:
+        raise PipatchError(f"cannot save to {str(path)!r}: its suffix {path.suffix or '(none)'!r} names no format "
+                           "pipatch writes; end the name in .safetensors (the tensors, exact) or .json (plain JSON)")
+    return path
+
+
+def _format_of(path: Path) -> str | None:
+    """What the file's first bytes say it holds: ``"safetensors"`` (an 8-byte header length,
+    then the JSON header), ``"json"`` (an object), or ``None`` (neither: the readers say why)."""
+    with open(path, "rb") as handle:
+        start = handle.read(9)
+    if len(start) == 9 and start[8:9] == b"{" and int.from_bytes(start[:8], "little") <= path.stat().st_size - 8:
+        return "safetensors"
+    if start.lstrip()[:1] == b"{":
+        return "json"
+    return None
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -25,7 +25,6 @@ and exits with status 2. ``--serve URL`` runs any experiment on a server started
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from ._engine import EngineError
 from ._models import BACKENDS, PipatchError
 from ._progress import run_with_progress
 from ._registry import EXPERIMENTS, Experiment, add_options, given_options
+from ._result import result_file
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,8 +60,17 @@ def _outputs() -> argparse.ArgumentParser:
     outputs.add_argument("--json", metavar="FILE", help="write the grid and metadata as JSON")
     outputs.add_argument("--png", metavar="FILE", help="write a heatmap PNG")
     # dest is not "save": nnsight gives every object a .save() that would shadow it.
-    outputs.add_argument("--save", dest="save_path", metavar="FILE", help="write the full result (safetensors)")
+    outputs.add_argument("--save", dest="save_path", metavar="FILE", type=_result_file,
+                         help="write the full result: FILE.safetensors, or FILE.json (plain JSON)")
     return outputs
+
+
+def _result_file(value: str) -> str:
+    """``--save``'s file, its suffix checked before anything runs (nothing computed is lost)."""
+    try:
+        return str(result_file(value))
+    except PipatchError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _common(outputs: argparse.ArgumentParser, code: bool = True) -> argparse.ArgumentParser:
@@ -193,8 +202,7 @@ def _show(result: Any, args: argparse.Namespace) -> None:
 
 def _write(result: Any, args: argparse.Namespace) -> None:
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result.to_json(), handle, ensure_ascii=False, indent=1)
+        result.to_json(args.json)
         print(f"wrote {args.json}")
     if args.png:
         from ._views import png
@@ -260,7 +268,7 @@ def study_main(argv: Sequence[str]) -> int:
     except PipatchError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         return 2
-    for row in [row for row in found.facts() if row["status"] == "error"][:3]:
+    for row in [row for row in found._rows() if row["status"] == "error"][:3]:
         sys.stderr.write(f"{prog}: {row['message']}\n")
     print(found.summary())
     if args.csv:

@@ -36,7 +36,8 @@ def add_study_arguments(parser: argparse.ArgumentParser, entry: Experiment, *, f
                         help="the facts: .json (a list of records, ROME's known_1000.json), .jsonl, .csv, .parquet")
     parser.add_argument("--store", required=True, metavar="PATH", help="the study's SQLite file (resumed if it exists)")
     parser.add_argument("--experiment", default="trace", help="trace (default), patch, attribute, path_patch, lens")
-    parser.add_argument("--limit", type=_count, default=None, metavar="N", help="only the first N records")
+    parser.add_argument("--limit", type=_count, default=None, metavar="N",
+                        help="stop once N facts have a result (the facts the model knows; unknown ones do not count)")
     parser.add_argument("--all-facts", action="store_true",
                         help="run every fact, not only those the model knows (top-1 = the answer's first token)")
     parser.add_argument("--columns", default=None, metavar="FIELD=NAME,...",

@@ -3,8 +3,8 @@
 :func:`load_study` (and what :func:`~pipatch.study` returns) is a :class:`Study`: a path
 to the SQLite store (:mod:`._store`) and the ways to read it.
 
-* **The facts**: :meth:`Study.facts` gives every stored row (``done``, ``unknown`` with the
-  model's top-1, ``error`` with its one line), :meth:`Study.counts` and
+* **The facts**: :meth:`Study.facts` is a table of every stored fact (``done``, ``unknown``
+  with the model's top-1, ``error`` with its one line), :meth:`Study.counts` and
   :meth:`Study.summary` count them, ``study[i]`` is fact ``i``'s own
   :class:`~pipatch.Result` (``i`` its index in the input), read back bit for bit.
 * **The averages** (:mod:`._aggregate`): each finished fact's grid is reduced to ROME's
@@ -102,9 +102,34 @@ class Study:
         finally:
             store.close()
 
-    def facts(self) -> list[StoredFact]:
-        """Every stored fact's row: ``idx``, ``fact_id``, ``relation``, ``status`` (``done``,
-        ``unknown``, ``error``), ``known``, ``top1``, ``message``, ``record``, ``seconds``."""
+    def facts(self) -> Any:
+        """A pandas DataFrame of every stored fact, one row each, in input order.
+
+        Columns: ``fact`` (its index in the input, as in :meth:`frame`), ``fact_id``,
+        ``relation``, ``status`` (``done``, ``unknown``: the model does not know it, ``error``),
+        ``known`` (``True`` / ``False``; ``None`` where not checked), ``top1`` (the model's top
+        next token, as text), ``message`` (an error's one line), then the inputs the experiment
+        took (``prompt``, ``subject``, ``answer``, ...; missing where a fact has none), the
+        ``record`` as read (a dict), ``seconds`` (its run time) and ``finished`` (when it was
+        stored, seconds since the epoch), both floats. No result data: ``study[i]`` is fact
+        ``i``'s Result.
+        """
+        import pandas as pd
+
+        rows = self._rows()
+        inputs = [row.inputs() for row in rows]
+        fields = list(dict.fromkeys(key for each in inputs for key in each))
+        table = [{"fact": row["idx"], "fact_id": row["fact_id"], "relation": row["relation"], "status": row["status"],
+                  "known": None if row["known"] is None else bool(row["known"]), "top1": row["top1"],
+                  "message": row["message"], **{key: each.get(key) for key in fields}, "record": _record(row),
+                  "seconds": float("nan") if row["seconds"] is None else float(row["seconds"]),
+                  "finished": float(row["finished"])}
+                 for row, each in zip(rows, inputs)]
+        return pd.DataFrame(table, columns=["fact", "fact_id", "relation", "status", "known", "top1", "message",
+                                            *fields, "record", "seconds", "finished"])
+
+    def _rows(self) -> list[StoredFact]:
+        """Every stored fact's row of the store, as it stands (result data included)."""
         store = self._store()
         try:
             return list(store.facts())
@@ -127,7 +152,7 @@ class Study:
 
     def summary(self) -> str:
         """One line: ``trace study on gemma-3-270m: 412 of 1,209 known; 412 done, 0 errors, 0 pending``."""
-        c, config, rows = self.counts(), self.config, self.facts()
+        c, config, rows = self.counts(), self.config, self._rows()
         known = sum(1 for row in rows if row["known"] == 1)
         unchecked = c["total"] - sum(1 for row in rows if row["known"] is not None)
         checked = f"{known:,} of {c['total']:,} known" + (f" ({unchecked:,} not checked)" if unchecked else "")
@@ -156,7 +181,7 @@ class Study:
 
     def results(self) -> list[tuple[StoredFact, Result]]:
         """Every finished fact's row and Result, in order."""
-        return [(row, row.result()) for row in self.facts() if row["status"] == "done"]
+        return [(row, row.result()) for row in self._rows() if row["status"] == "done"]
 
     # -- values ------------------------------------------------------------------------------
     def _values(self) -> list[tuple[StoredFact, dict]]:
@@ -164,7 +189,7 @@ class Study:
         while the store holds the same finished facts."""
         import json
 
-        rows = [row for row in self.facts() if row["status"] == "done"]
+        rows = [row for row in self._rows() if row["status"] == "done"]
         stamp = tuple((row["idx"], row["finished"]) for row in rows)
         if self._cache is None or self._cache[0] != stamp:
             out = []

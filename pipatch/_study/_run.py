@@ -121,7 +121,10 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
         ``progress(index, record, result_or_None)`` after each fact (a widget's hook), and no
         bar is drawn.
     limit
-        Read only the first ``limit`` records.
+        Stop once ``limit`` facts have a result: with ``known_only``, ``limit`` facts the model
+        knows (those it does not know, and facts that fail, do not count). The facts are read
+        in order until then, or until they end; facts finished by an earlier run count. The
+        store's total is then the records read. ``None`` (default): every fact.
     stop
         A ``threading.Event`` or function: when set, the study stops (the facts in flight
         stop after their batch and are not stored).
@@ -161,6 +164,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
 
     entry = experiment_named(experiment) if isinstance(experiment, str) else experiment
     bound, given = _options(entry, options)
+    limit = None if limit is None else whole_number(limit, "limit (facts with a result)", minimum=1)
     backend = backend_of(model)
     meta = backend.meta()
     config = {
@@ -176,8 +180,6 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
     try:
         target.check_config(config)
         records = read_facts(facts, entry, columns=columns, given=given)
-        if limit is not None:
-            records = records[: int(limit)]
         stored = target.keys()
         for fact in records:
             if fact.index in stored and stored[fact.index][0] != fact.key:
@@ -194,8 +196,11 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             counter = bar(len(records), f"study {entry.name}", unit="facts")
             hook = _counted(counter)
         noise = _NoiseScale(target) if bound.get("scale") == "auto" else None
-        _each_fact(records, stored, lambda facts, halt: _run_facts(target, entry, backend, plan, facts, bound,
-                                                                   known_only, halt, noise), hook, stop, width, together)
+        read = _each_fact(records, stored, lambda facts, halt, room=None: _run_facts(
+            target, entry, backend, plan, facts, bound, known_only, halt, room, noise), hook, stop, width, together,
+            limit)
+        if read < len(records):
+            target.set_info("n_facts", max([read, *(index + 1 for index in target.keys())]))
     finally:
         if counter is not None:
             counter.close()
@@ -225,10 +230,16 @@ def _in_flight(backend: Any, asked: int | None) -> tuple[int, int]:
 
 
 def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]],
-               run: Callable[[list[Fact], Any], list[Result | None]], progress: Progress | None, stop: Any,
-               width: int, together: int = 1) -> None:
-    """``run(facts, stop)`` for the records not finished in an earlier run (an error is tried
-    again), telling ``progress`` of each in this thread as it finishes.
+               run: Callable[..., list[Result | None]], progress: Progress | None, stop: Any,
+               width: int, together: int = 1, limit: int | None = None) -> int:
+    """``run(facts, stop, room)`` for the records not finished in an earlier run (an error is
+    tried again), telling ``progress`` of each in this thread as it finishes; the number of
+    records read (all of them, unless ``limit`` was met first).
+
+    ``limit``: stop once that many facts are ``done`` (those of an earlier run included). No
+    more run than that: a run of facts is given ``room``, how many more may run, and returns
+    the results of the facts it reached (a prefix: the rest stay pending); one on a thread
+    starts only while the facts done and in flight are fewer than ``limit``.
 
     ``together`` above 1: the facts run in runs of that many, by their place in the records
     (fact ``i`` with the others of ``i // together``, whatever finished before: a resumed run
@@ -242,38 +253,55 @@ def _each_fact(records: list[Fact], stored: dict[int, tuple[str, str]],
             _tell(progress, fact, None)
         else:
             todo.append(fact)
+    done = sum(1 for fact in records if stored.get(fact.index, (None, None))[1] == "done")
+    last = -1  # the index of the last record reached
+
+    def room() -> int | None:
+        """How many more facts may run (``None``: no limit)."""
+        return None if limit is None else max(limit - done, 0)
+
+    def read() -> int:
+        return len(records) if room() != 0 else last + 1
+
     if width == 1:
         runs: dict[int, list[Fact]] = {}
         for fact in todo:
             runs.setdefault(fact.index // together, []).append(fact)
         for facts in runs.values():
-            if _stopped(stop):
+            if _stopped(stop) or room() == 0:
                 break
-            for fact, result in zip(facts, run(facts, stop)):
+            results = run(facts, stop, room())
+            for fact, result in zip(facts, results):
                 _tell(progress, fact, result)
-        return
+                last, done = fact.index, done + (result is not None)
+        return read()
     halt = threading.Event()
     halted = _either(stop, halt)
     running: dict[concurrent.futures.Future, Fact] = {}
 
     def finish_one() -> None:
-        done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-        for future in done:
-            _tell(progress, running.pop(future), future.result())
+        nonlocal done
+        finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in finished:
+            result = future.result()
+            _tell(progress, running.pop(future), result)
+            done += result is not None
 
     with concurrent.futures.ThreadPoolExecutor(width, thread_name_prefix="pipatch-fact") as pool:
         try:
             for fact in todo:
-                while len(running) >= width:
+                while len(running) >= width or running and limit is not None and done + len(running) >= limit:
                     finish_one()
-                if _stopped(stop):
+                if _stopped(stop) or room() == 0:
                     break
                 running[pool.submit(lambda fact: run([fact], halted)[0], fact)] = fact
+                last = fact.index
             while running:
                 finish_one()
         except BaseException:
             halt.set()  # the pool's exit waits for the facts in flight, which stop after their batch
             raise
+    return read()
 
 
 class _NoiseScale:
@@ -294,9 +322,11 @@ class _NoiseScale:
 
 
 def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, facts: list[Fact],
-               bound: dict[str, Any], known_only: bool, stop: Any, noise: _NoiseScale | None = None
-               ) -> list[Result | None]:
+               bound: dict[str, Any], known_only: bool, stop: Any, room: int | None = None,
+               noise: _NoiseScale | None = None) -> list[Result | None]:
     """Check, run and commit ``facts``; per fact its result, ``None`` unless it ran to the end.
+    With ``room``, the facts are checked in order until ``room`` of them are to run; those
+    after are not reached (the list is that shorter: they stay pending).
 
     Each fact is planned exactly as ``pipatch.<experiment>(model, **its inputs)`` would plan
     it alone (same planner, same engine, the fast paths as the options say). The known-fact
@@ -310,7 +340,11 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
     ``noise``: the study's one noise scale (:class:`_NoiseScale`), given to each fact's planner.
     """
     ready: list[tuple[Fact, Any, bool | None, str, float]] = []
+    reached = 0
     for fact in facts:
+        if room is not None and len(ready) >= room:
+            break
+        reached += 1
         started = time.perf_counter()
         planned = _plan_at_scale(target, entry, backend, plan, fact, bound, known_only, noise)
         if planned is not None:
@@ -334,7 +368,7 @@ def _run_facts(target: Store, entry: Experiment, backend: Any, plan: Callable, f
             continue
         target.put_many(rows)
         out.update({fact.index: result for (fact, *_), result in zip(group, results)})
-    return [out.get(fact.index) for fact in facts]
+    return [out.get(fact.index) for fact in facts[:reached]]
 
 
 def _plan_at_scale(target: Store, entry: Experiment, backend: Any, plan: Callable, fact: Fact,

@@ -70,14 +70,26 @@ class StoredFact(dict):
 
     def result(self) -> Result:
         """The fact's own :class:`~pipatch.Result`, read back bit for bit."""
+        if self["status"] == "unknown":
+            raise PipatchError(f"fact {self['idx']} has no result: the model does not know it (it predicts "
+                               f"{self.get('top1')!r}, the answer is {self.inputs().get('answer')!r}); "
+                               "study(..., known_only=False) runs such facts too")
         if self["status"] != "done":
-            raise PipatchError(f"fact {self['idx']} has no result: it is {self['status']}"
-                               + (f" ({self['message']})" if self.get("message") else ""))
+            raise PipatchError(f"fact {self['idx']} has no result: it failed ({self.get('message')}); "
+                               "run the study again to retry it")
         from safetensors.torch import load as load_tensors
 
         header = json.loads(self["header"])
         tensors: dict[str, torch.Tensor] = load_tensors(bytes(self["tensors"]))
         return result_from_parts(header, tensors, f"fact {self['idx']} of the store")
+
+    def inputs(self) -> dict[str, Any]:
+        """The fact's inputs as its experiment took them (``prompt``, ``subject``, ``answer``, ...)."""
+        try:
+            inputs = json.loads(self["inputs"])
+        except (TypeError, ValueError):
+            return {}
+        return inputs if isinstance(inputs, dict) else {}
 
 
 class Store:

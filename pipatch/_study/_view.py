@@ -75,7 +75,7 @@ class StudyView:
     def progress(self, index: int, record: dict, result: Any) -> None:
         """After each fact: the fact list, the status line and (if shown) the aggregate."""
         study = self.read()
-        counts, every = study.counts(), study.facts()
+        counts, every = study.counts(), study._rows()
         rows = [row for row in every if row["status"] == "done"]
         options = [("average over the finished facts", AGGREGATE)] + [(_label(row), int(row["idx"])) for row in rows]
         elapsed = time.perf_counter() - self._started

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.e2e
 
 CELLS = [
     "import json\nimport pipatch\nmodel = pipatch.load_model()\nfacts = json.loads(pipatch.known_facts().read_text())",
-    "known = pipatch.study(model, facts, store='study.sqlite', limit=40, show=True, sites='resid', seeds=1, scale=3.0)",
+    "known = pipatch.study(model, facts[:40], store='study.sqlite', show=True, sites='resid', seeds=1, scale=3.0)",
     "counts = pipatch.load_study('study.sqlite').counts()\nprint('COUNTS', counts['done'], counts['pending'])",
 ]
 

@@ -38,7 +38,7 @@ def test_baselines_and_raw_values_are_kept(eiffel_patch):
     # Last layer, last position reproduces the clean run; earlier positions there cannot matter.
     assert r.grid[-1, -1] == pytest.approx(1.0, abs=1e-4)
     assert float(r.grid[-1, :-1].abs().max()) < 1e-4
-    assert r.to_dataframe().shape[0] == 18 * 9
+    assert r.frame().shape[0] == 18 * 9
 
 
 def test_positions_subset_with_negative_index(model, eiffel_patch):

@@ -51,7 +51,7 @@ def _header(data: bytes) -> str:
 
 
 def test_exports(eiffel_trace, tmp_path):
-    df = eiffel_trace.to_dataframe()
+    df = eiffel_trace.frame()
     assert list(df.columns) == ["view", "layer", "column", "label", "recovery", "std", "raw"]
     assert len(df) == 18 * 9
     data = eiffel_trace.to_json()

@@ -330,7 +330,7 @@ def test_a_study_runs_facts_in_flight_each_its_single_trace(served, tmp_path):
     found = pipatch.study(served, facts, store=tmp_path / "served.sqlite", **cheap)
     wall = time.perf_counter() - started
     assert found.counts()["done"] == 4, found.summary()
-    seconds = [row["seconds"] for row in found.facts()]
+    seconds = found.facts().seconds.tolist()
     print(f"4 facts in flight: {wall:.1f} s, their own {sum(seconds):.1f} s")
     assert sum(seconds) > 1.5 * wall, (seconds, wall)
     for i, fact in enumerate(facts):

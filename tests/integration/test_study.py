@@ -132,7 +132,7 @@ def test_a_twenty_fact_studys_aggregate_equals_the_list_form_dataset_trace(tmp_p
     facts = tiny_facts()
     exact = {"sites": "resid,mlp", "seeds": 1, "scale": 3.0, "window": 2, "fast": False}
     found = pipatch.study(tiny, facts, store=tmp_path / "tiny.sqlite", known_only=False, **exact)
-    assert found.counts()["done"] == 20, [r["message"] for r in found.facts()]
+    assert found.counts()["done"] == 20, found.facts().message.tolist()
     dataset = pipatch.trace(tiny, [f["prompt"] for f in facts], subject=[f["subject"] for f in facts],
                             answer=[" " + f["attribute"] for f in facts], **exact)
     assert found.aggregate()["group"].unique().tolist() == dataset.columns
@@ -238,7 +238,7 @@ def test_the_known_filter_keeps_filtered_facts_with_the_models_top_token(model, 
 
     facts = records(UNKNOWN + KNOWN[:1])
     found = pipatch.study(model, facts, store=tmp_path / "known.sqlite", **CHEAP)
-    rows = found.facts()
+    rows = found.facts().to_dict("records")
     assert [r["status"] for r in rows] == ["unknown"] * 3 + ["done"]
     hf = backend_of(model)._hf
     for row, fact in zip(rows, facts):
@@ -250,7 +250,7 @@ def test_the_known_filter_keeps_filtered_facts_with_the_models_top_token(model, 
         assert (top == first) == (row["status"] == "done"), fact["prompt"]
     assert "1 of 4 known" in found.summary()
     every = pipatch.study(model, facts[:1], store=tmp_path / "all.sqlite", known_only=False, **CHEAP)
-    assert every.facts()[0]["status"] == "done" and every.facts()[0]["known"] == 0
+    assert every.facts().iloc[0]["status"] == "done" and every.facts().iloc[0]["known"] == 0
 
 
 def test_a_malformed_record_is_one_line_and_the_others_run(model, tmp_path):
@@ -258,7 +258,7 @@ def test_a_malformed_record_is_one_line_and_the_others_run(model, tmp_path):
     bad = {k: v for k, v in records([KNOWN[2]])[0].items() if k != "subject"}
     facts = [good[0], bad, "not a record", {**good[1], "prompt": 7}, good[1]]
     found = pipatch.study(model, facts, store=tmp_path / "bad.sqlite", **CHEAP)
-    rows = found.facts()
+    rows = found.facts().to_dict("records")
     assert [r["status"] for r in rows] == ["done", "error", "error", "error", "done"]
     assert rows[1]["message"] == f"record 1 (id {KNOWN[2]}): no 'subject' field (columns={{'subject': ...}} reads another name)"
     assert rows[2]["message"] == "record 2 is a str, not a dict of fields"
@@ -267,7 +267,7 @@ def test_a_malformed_record_is_one_line_and_the_others_run(model, tmp_path):
     # A record the planner refuses (its subject is not in its prompt) fails alone too.
     odd = {**good[0], "subject": "Nowhere Land"}
     also = pipatch.study(model, [odd], store=tmp_path / "odd.sqlite", known_only=False, **CHEAP)
-    assert also.facts()[0]["status"] == "error" and "not in the prompt" in also.facts()[0]["message"]
+    assert also.facts().iloc[0]["status"] == "error" and "not in the prompt" in also.facts().iloc[0]["message"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ PAIRS = [
 
 def test_the_patch_experiment_runs_as_a_study_of_pairs(model, tmp_path):
     found = pipatch.study(model, PAIRS, "patch", store=tmp_path / "pairs.sqlite", known_only=False)
-    rows = found.facts()
+    rows = found.facts().to_dict("records")
     assert [r["status"] for r in rows] == ["done"] * 3, [r["message"] for r in rows]
     singles = [pipatch.patch(model, clean=p["clean"], corrupt=p["corrupt"], answer=p["answer"], foil=p["foil"])
                for p in PAIRS]
@@ -302,7 +302,7 @@ def test_the_patch_experiment_runs_as_a_study_of_pairs(model, tmp_path):
 
 def test_the_lens_runs_as_a_study_grouped_around_the_records_subject(model, tmp_path):
     found = pipatch.study(model, records(KNOWN[:2]), "lens", store=tmp_path / "lens.sqlite")
-    assert [r["status"] for r in found.facts()] == ["done", "done"]
+    assert found.facts().status.tolist() == ["done", "done"]
     assert found.aggregate()["group"].unique().tolist()[-1] == "last"
     single = pipatch.lens(model, records(KNOWN[:1])[0]["prompt"], answer=" " + records(KNOWN[:1])[0]["attribute"])
     # Two facts run as one: the metric's pass shared, the same values up to float32 rounding.

@@ -177,7 +177,7 @@ def test_a_study_costs_what_its_traces_cost(vllm_model, tmp_path):
     assert torch.equal(found[0].raw["resid"], single.raw["resid"])
     skipped, calls = _mlp_calls(vllm_model, lambda: pipatch.study(vllm_model, [unknown], store=tmp_path / "u.sqlite",
                                                                   **cheap))
-    row = skipped.facts()[0]
+    row = skipped.facts().iloc[0]
     assert row["status"] == "unknown" and row["known"] == 0 and row["top1"], dict(row)
     assert calls[0] == 1, calls  # the clean run, and nothing after it
 
