@@ -458,7 +458,19 @@ class Result:
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
             "values": "" if self.normalized else "metric",
             "circuit": {},  # a circuit's graph: pipatch._circuit_result
+            "subject": self._subject_columns(),
         })
+
+    def _subject_columns(self) -> list[int]:
+        """The columns holding the subject's tokens: its positions among those swept, or (a
+        dataset, whose columns are named positions) its first, middle and last."""
+        if self.col_axis != "token":
+            return []
+        if self.meta.get("dataset"):
+            return [i for i, name in enumerate(self.columns) if name.endswith(" subject")]
+        swept = self.meta.get("positions") or range(len(self.tokens))
+        column = {int(position): i for i, position in enumerate(swept)}
+        return [column[p] for p in self.meta.get("subject_positions") or [] if p in column]
 
     def _seed_axis(self) -> dict[str, Any]:
         """What the seed axis holds: noise draws, or (a dataset) one entry per prompt and seed,
