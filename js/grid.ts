@@ -231,6 +231,9 @@ export class GridView {
   private labelKey = '';
   private controlsKey = '';
   private kind: ScaleKind = 'diverging';
+  /** The cells checked by an exact patch, [row, col], and the subject's columns: marked on the overlay. */
+  private verified: [number, number][] = [];
+  private subject: number[] = [];
   private range: [number, number] = [-1, 1];
   private hover: { row: number; col: number } | null = null;
   private stopClicked = false;
@@ -447,6 +450,12 @@ export class GridView {
     this.kind = scaleKind(s, this.ui.mode);
     this.range = scaleRange(s, this.ui.view, this.ui.mode, m, done);
     this.root.setAttribute('data-scale', this.kind);
+    const verified = matrixFor(s, `${this.ui.view}/verified`, rows, cols);
+    this.verified = [];
+    if (verified) for (let i = 0; i < verified.length; i++) if (verified[i] > 0) this.verified.push([Math.floor(i / cols), i % cols]);
+    this.subject = s.subject.filter((c) => c >= 0 && c < cols);
+    this.root.setAttribute('data-verified', String(this.verified.length));
+    this.root.setAttribute('data-subject', this.subject.join(','));
 
     // Canvas backing store: device pixels when affordable.
     const dprWanted = Math.min(typeof devicePixelRatio === 'number' ? devicePixelRatio : 1, 2);
@@ -572,8 +581,9 @@ export class GridView {
   private renderLegend(): void {
     const [lo, hi] = this.range;
     this.barName.textContent = this.valuesName();
-    this.barMin.textContent = formatValue(lo, 2);
-    this.barMax.textContent = formatValue(hi, 2);
+    const bound = (v: number) => (this.kind === 'rank' ? String(Math.round(v)) : formatValue(v, 2));
+    this.barMin.textContent = bound(lo);
+    this.barMax.textContent = bound(hi);
     drawColorBar(this.barCanvas, this.kind, lo, hi);
   }
 
@@ -601,19 +611,14 @@ export class GridView {
       const y = row * layout.cellH;
       ctx.strokeRect(x + w / 2, y + w / 2, Math.max(layout.cellW - w, 1), Math.max(layout.cellH - w, 1));
     };
-    // Cells checked by an exact patch: a dashed outline (as the figure's □).
-    const m = this.matrix();
-    const verified = this.state ? matrixFor(this.state, `${this.ui.view}/verified`, m.rows, m.cols) : null;
-    if (verified) {
-      ctx.save();
-      ctx.setLineDash([3, 2]);
-      for (let i = 0; i < verified.length; i++) if (verified[i] > 0) mark(Math.floor(i / m.cols), i % m.cols, '#000000', 1);
-      ctx.restore();
+    // Cells checked by an exact patch: black on a white halo (as the figure's □), seen on any cell.
+    for (const [row, col] of this.verified) {
+      mark(row, col, '#ffffff', 3);
+      mark(row, col, '#000000', 1);
     }
     // The subject's columns: a ▲ at the heatmap's foot (as the figure's), seen when labels are thinned.
     ctx.fillStyle = SUBJECT_RGB;
-    for (const c of this.state?.subject ?? []) {
-      if (c < 0 || c >= m.cols) continue;
+    for (const c of this.subject) {
       const x = (c + 0.5) * layout.cellW;
       const half = Math.max(2, Math.min(5, layout.cellW / 2 - 1));
       ctx.beginPath();

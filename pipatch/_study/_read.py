@@ -288,6 +288,8 @@ class Study:
              relation: str | None = None, *, pyplot: bool = False):
         """ROME's line plots: the effect per layer at each of ``groups`` (default the last
         subject token and the last token), one line per kind with its 95 % interval as a band."""
+        from matplotlib.ticker import MaxNLocator
+
         from .._views import DIVERGING_STOPS
         from .._views.render import tick_text
 
@@ -319,6 +321,7 @@ class Study:
             ax.axhline(0, color="#bdbdbd", linewidth=0.8)
             ax.set_title(tick_text(group, 30), fontsize=9)
             ax.set_xlabel("layer")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
             ax.set_ylabel(tick_text(metric.replace("_", " "), 30))
             ax.legend(fontsize=8)
         fig.suptitle(tick_text(self.summary(), 110) + " · 95 % t interval over facts", fontsize=8)

@@ -30,14 +30,14 @@ import numpy as np
 from .._errors import PipatchError
 from .._graph import EMB_DRAWN, HEAD_DRAWN, LOGITS_DRAWN, MLP_DRAWN
 from .circuit import circuit_edges, is_circuit
-from .colors import DIVERGING, PENDING_RGB, colormap, scale_kind, scale_norm, value_range
+from .colors import DIVERGING, PENDING_RGB, RANK, colormap, scale_kind, scale_norm, value_range
 from .schema import decode_array, done_span, select_matrix
 from .strings import escape_label
 from .text import values_label
 
 __all__ = [
     "TOP_EDGES", "check_scale", "color_scale", "default_top", "draw", "draw_circuit", "draw_faithfulness",
-    "figure_size", "png", "scale_range", "shared_scale", "tick_text",
+    "figure_size", "new_figure", "png", "scale_range", "shared_scale", "tick_text",
 ]  # fmt: skip
 
 #: How many edges a circuit's figure draws unless told, when it has no faithful circuit (the
@@ -113,15 +113,18 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
             tick.set_fontweight("bold")
             tick.set_color(SUBJECT_RGB)
     if subject:  # ▲ under each subject column, also where its tick label is thinned out
-        ax.scatter(subject, [1.0] * len(subject), marker="^", s=18, color=SUBJECT_RGB, clip_on=False, zorder=5,
+        ax.scatter(subject, [0.0] * len(subject), marker="^", s=22, color=SUBJECT_RGB, clip_on=False, zorder=5,
                    transform=blended_transform_factory(ax.transData, ax.transAxes), gid="subject")
     verified = _verified_cells(state, view, (n_rows, n_cols))
     if verified:
         from matplotlib.collections import PatchCollection
         from matplotlib.patches import Rectangle
+        from matplotlib.patheffects import withStroke
 
-        ax.add_collection(PatchCollection([Rectangle((c - 0.42, r - 0.42), 0.84, 0.84) for r, c in verified],
-                                          facecolor="none", edgecolor="#000000", linewidth=1.1, gid="verified"))
+        # Black on a white halo: seen on the palest and the darkest cells alike.
+        ax.add_collection(PatchCollection([Rectangle((c - 0.4, r - 0.4), 0.8, 0.8) for r, c in verified],
+                                          facecolor="none", edgecolor="#000000", linewidth=1.1, gid="verified",
+                                          path_effects=[withStroke(linewidth=3.0, foreground="#ffffff")]))
     ax.set_yticks(range(0, n_rows, row_step))
     ax.set_yticklabels([tick_text(row_labels[i]) if i < len(row_labels) else str(i) for i in range(0, n_rows, row_step)],
                        fontsize=8)
@@ -133,7 +136,11 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
     sides = "".join(f"\n{tick_text(side, 85)}" for side in state.get("sides") or [])
     ax.set_title(f"{tick_text(state.get('title') or 'pipatch', 110)}{sides}\n{tick_text(view, 40)}: "
                  f"{tick_text(values_label(state, mode), 60)}{seed_text}", fontsize=9)
-    ax.figure.colorbar(image, ax=ax, label=values_label(state, mode, short=True), fraction=0.05, pad=0.02)
+    bar = ax.figure.colorbar(image, ax=ax, label=values_label(state, mode, short=True), fraction=0.05, pad=0.02)
+    if kind == RANK:  # a log scale: ticks at 0, 1, 10, 100, … and the worst rank drawn
+        ticks = sorted({vmin, *(10.0 ** k for k in range(0, 10) if vmin < 10.0 ** k < 0.8 * vmax), vmax})
+        bar.set_ticks(ticks, labels=[f"{t:.0f}" for t in ticks])
+        bar.set_label("rank (0: the top token)")
     return image
 
 
@@ -222,6 +229,21 @@ def _circuit_size(state: Mapping[str, Any]) -> tuple[float, float]:
     return 9.0 + wide, min(max(4.5, 0.75 * rows + 1.8), 18.0)
 
 
+def new_figure(size: tuple[float, float], *, dpi: float = 100, pyplot: bool = False):
+    """An empty figure of ``size`` inches: a pyplot one (``pyplot=True``, shown by
+    ``plt.show()``) or an off-screen Agg one that touches no pyplot state."""
+    if pyplot:
+        import matplotlib.pyplot as plt
+
+        return plt.figure(figsize=size, dpi=dpi)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def figure(state: Mapping[str, Any], view: str | None = None, *, mode: str = "recovery", seed: int = -1,
            ax=None, dpi: float = 100, pyplot: bool = False, top: int | None = None,
            scale: tuple[float, float] | None = None):
@@ -233,17 +255,7 @@ def figure(state: Mapping[str, Any], view: str | None = None, *, mode: str = "re
     circuit = is_circuit(state)
     top = default_top(state) if top is None else top
     if ax is None:
-        size = _circuit_size(state) if circuit else figure_size(state)
-        if pyplot:
-            import matplotlib.pyplot as plt
-
-            fig = plt.figure(figsize=size, dpi=dpi)
-        else:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-
-            fig = Figure(figsize=size, dpi=dpi)
-            FigureCanvasAgg(fig)
+        fig = new_figure(_circuit_size(state) if circuit else figure_size(state), dpi=dpi, pyplot=pyplot)
         if circuit and (state.get("circuit") or {}).get("faithfulness"):
             grid = fig.add_gridspec(2, 2, width_ratios=[4, 1.35], height_ratios=[1, 1.5])
             ax = fig.add_subplot(grid[:, 0])

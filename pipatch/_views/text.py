@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .colors import DIVERGING, scale_kind, strength, symmetric_max, value_range
+from .colors import DIVERGING, RANK, scale_kind, strength, symmetric_max, value_range
 from .schema import done_span, select_matrix
 from .strings import clean_text, escape_label
 
@@ -112,7 +112,9 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     what = {"head": "head", "token": "token"}.get(str(state.get("col_axis")), "column")
     word = "a − b" if compared else values_label(state, short=True)
     # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
-    for row, col, value in top_cells(grid, top, by_size=compared):
+    lowest = kind == RANK  # the best ranks are the smallest
+    for row, col, value in top_cells(-grid if lowest else grid, top, by_size=compared):
+        value = -value if lowest else value
         lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  {word} {value:.3f}")
     for warning in state.get("warnings") or []:
         lines.append(f"warning: {escape_label(warning)}")
