@@ -581,10 +581,14 @@ export class GridView {
   private renderLegend(): void {
     const [lo, hi] = this.range;
     this.barName.textContent = this.valuesName();
-    const bound = (v: number) => (this.kind === 'rank' ? String(Math.round(v)) : formatValue(v, 2));
-    this.barMin.textContent = bound(lo);
-    this.barMax.textContent = bound(hi);
+    this.barMin.textContent = this.bound(lo);
+    this.barMax.textContent = this.bound(hi);
     drawColorBar(this.barCanvas, this.kind, lo, hi);
+  }
+
+  /** A colour bar's end as written: a rank whole. */
+  private bound(v: number): string {
+    return this.kind === 'rank' ? String(Math.round(v)) : formatValue(v, 2);
   }
 
   /** What the drawn cells are, in words (the colour bar's name). */
@@ -785,8 +789,8 @@ export class GridView {
       ctx.fillRect(left + x, by, 1, 10);
     }
     ctx.fillStyle = '#000000';
-    ctx.fillText(formatValue(this.range[0], 2), left - 44, by + 9);
-    ctx.fillText(formatValue(this.range[1], 2), left + 166, by + 9);
+    ctx.fillText(this.bound(this.range[0]), left - 44, by + 9);
+    ctx.fillText(this.bound(this.range[1]), left + 166, by + 9);
     ctx.fillStyle = `rgb(${NAN_RGB.join(',')})`;
     ctx.fillRect(left + 230, by, 10, 10);
     ctx.fillStyle = '#000000';
