@@ -275,14 +275,22 @@ class Study:
                       meta=meta)
 
     def heatmap(self, view: str | None = None, metric: str = "recovery", relation: str | None = None, *,
-                ax=None, pyplot: bool = False):
-        """The average as pipatch's heatmap (layers × named groups; its colour map), a matplotlib figure."""
+                ax=None, pyplot: bool = False, scale: str | tuple[float, float] = "auto"):
+        """The average as pipatch's heatmap (layers × named groups; its colour map), a matplotlib figure.
+
+        Parameters
+        ----------
+        scale
+            The colour range: ``"auto"`` the average's own values, or ``(vmin, vmax)`` (to
+            match another heatmap; see :meth:`pipatch.Result.plot`).
+        """
         from .._views import figure
+        from .._views.render import check_scale
 
         result = self.as_result(metric, relation)
         state = result.to_state()
         state["title"] = f"{self.summary()}"
-        return figure(state, view, ax=ax, pyplot=pyplot)
+        return figure(state, view, ax=ax, pyplot=pyplot, scale=check_scale(scale))
 
     def plot(self, groups: Sequence[str] = ("last subject", "last"), metric: str = "recovery",
              relation: str | None = None, *, pyplot: bool = False):

@@ -195,8 +195,10 @@ def test_plots_and_heatmap_draw(six):
     assert torch.allclose(found.as_result().grid, found.grid(), equal_nan=True)
 
 
-def test_study_plots_tick_whole_layers(six):
+def test_study_plots_tick_whole_layers_and_the_heatmap_takes_a_colour_range(six):
     found, _ = six
+    norm = found.heatmap(scale=(-2, 2)).axes[0].images[0].norm
+    assert (norm.vmin, norm.vmax) == (-2.0, 2.0)
     fig = found.plot()
     fig.canvas.draw()
     for ax in fig.axes:
