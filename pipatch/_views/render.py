@@ -184,14 +184,17 @@ def color_scale(state: Mapping[str, Any], view: str | None = None, *, mode: str 
 
 def check_scale(scale: Any) -> tuple[float, float] | None:
     """``scale=`` as a range: ``"auto"`` / ``None`` → ``None`` (each plot its own), a pair of
-    finite numbers with ``vmin < vmax`` → itself; anything else refused in one line."""
+    finite numbers with ``vmin < vmax`` → itself; anything else (``"shared"`` too: that is
+    :func:`pipatch.plot`'s) refused in one line."""
     if scale is None or (isinstance(scale, str) and scale == "auto"):
         return None
+    if isinstance(scale, str) and scale == "shared":
+        raise PipatchError("scale='shared' is for plots made together: pipatch.plot([a, b], scale='shared'); "
+                           "one plot takes 'auto' or (vmin, vmax)")
     try:
         vmin, vmax = (float(v) for v in scale)
     except (TypeError, ValueError):
-        raise PipatchError(f"scale={scale!r} is not a colour range: pass 'auto', 'shared' (several plots) "
-                           "or (vmin, vmax)") from None
+        raise PipatchError(f"scale={scale!r} is not a colour range: pass 'auto' or (vmin, vmax)") from None
     if not (math.isfinite(vmin) and math.isfinite(vmax) and vmin < vmax):
         raise PipatchError(f"scale=({vmin}, {vmax}) is no range: pass two finite numbers with vmin < vmax")
     return vmin, vmax

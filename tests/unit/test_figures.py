@@ -137,6 +137,8 @@ def test_two_plots_made_together_share_a_colour_scale():
         pipatch.plot([small], scale=(1, 1), pyplot=False)
     with pytest.raises(pipatch.PipatchError, match="not a colour range"):
         small.plot(scale="wide")
+    with pytest.raises(pipatch.PipatchError, match=r"pipatch.plot\(\[a, b\], scale='shared'\)"):
+        small.plot(scale="shared")
 
 
 def test_result_plot_takes_a_colour_range():
