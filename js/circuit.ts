@@ -22,7 +22,7 @@ import { selectMatrix } from './data';
 import { divergingColor, formatDuration, formatValue, safeFileName, symmetricMax, tooltipLabel } from './format';
 import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, type GridCallbacks } from './grid';
 
-/** Edges drawn at first (the static figure's default too: `TOP_EDGES` in render.py). */
+/** Edges drawn at first when there is no faithful circuit (the static figure's default too: `TOP_EDGES` in render.py). */
 export const DEFAULT_TOP = 50;
 /** The slider's largest value: more curves than this are no longer read one by one. */
 export const MAX_TOP = 2000;
@@ -71,10 +71,19 @@ export function topEdges(edges: Edge[], n: number): Edge[] {
   return edges.slice(0, Math.max(0, Math.min(edges.length, Math.floor(n))));
 }
 
-/** The slider's range and starting value for `total` edges. */
-export function sliderRange(total: number): { max: number; value: number } {
+/**
+ * How many edges are drawn at first: the faithful circuit's size (the smallest that reaches the
+ * share) where the curve found one, else `DEFAULT_TOP`. As `default_top` in render.py.
+ */
+export function defaultTop(state: GridState): number {
+  const size = state.circuit?.faithfulness?.size;
+  return size !== undefined && Number.isFinite(size) && size > 0 ? Math.floor(size) : DEFAULT_TOP;
+}
+
+/** The slider's range and starting value (`start`, from `defaultTop`) for `total` edges. */
+export function sliderRange(total: number, start: number = DEFAULT_TOP): { max: number; value: number } {
   const max = Math.max(1, Math.min(total, MAX_TOP));
-  return { max, value: Math.min(DEFAULT_TOP, max) };
+  return { max, value: Math.min(start, max) };
 }
 
 export interface Point {
@@ -342,7 +351,7 @@ export class CircuitView implements StateView {
     this.titleEl.textContent = s.title || 'pipatch';
     const base = Object.entries(s.baselines).map(([k, v]) => `${k} ${formatValue(v)}`).join(', ');
     this.subtitleEl.textContent = [s.kind, s.model_name, s.metric ? `metric: ${s.metric}` : '', base].filter(Boolean).join(' · ');
-    const { max, value } = sliderRange(this.edges.length);
+    const { max, value } = sliderRange(this.edges.length, defaultTop(s));
     if (!this.topTouched) this.top = value;
     this.top = Math.min(this.top, max);
     this.slider.max = String(max);
@@ -435,7 +444,7 @@ export class CircuitView implements StateView {
     this.barName.textContent = `estimated change of ${s.metric || 'metric'}`;
     this.barMin.textContent = formatValue(-this.vmax, 3);
     this.barMax.textContent = formatValue(this.vmax, 3);
-    drawColorBar(this.barCanvas, this.vmax);
+    drawColorBar(this.barCanvas, 'diverging', -this.vmax, this.vmax);
   }
 
   private drawFaithfulness(s: GridState): void {

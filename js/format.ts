@@ -66,12 +66,23 @@ export const DIVERGING_STOPS = [
   '#fddbc7', '#f4a582', '#d6604d', '#b2182b', '#67001f',
 ] as const;
 export const NAN_RGB: RGB = [128, 128, 128];
+/** Low to high, for values with no sign to show (as `SEQUENTIAL_STOPS` in Python): ColorBrewer's 9-class YlOrRd. */
+export const SEQUENTIAL_STOPS = [
+  '#ffffcc', '#ffeda0', '#fed976', '#feb24c', '#fd8d3c', '#fc4e2a', '#e31a1c', '#bd0026', '#800026',
+] as const;
+/** Metrics drawn on the sequential map when the cells hold the metric itself (as in Python). */
+export const SEQUENTIAL_METRICS = ['prob', 'logprob'] as const;
 
-const STOPS: RGB[] = DIVERGING_STOPS.map((c) => [
-  parseInt(c.slice(1, 3), 16),
-  parseInt(c.slice(3, 5), 16),
-  parseInt(c.slice(5, 7), 16),
-]);
+/**
+ * The colour scales (`pipatch/_views/colors.py`): 'diverging' for signed values (0 white),
+ * 'sequential' for a probability or log-probability drawn as itself, 'rank' for the lens's
+ * rank (rank 0 the darkest, paling on a log scale).
+ */
+export type ScaleKind = 'diverging' | 'sequential' | 'rank';
+
+const rgbOf = (c: string): RGB => [parseInt(c.slice(1, 3), 16), parseInt(c.slice(3, 5), 16), parseInt(c.slice(5, 7), 16)];
+const STOPS: RGB[] = DIVERGING_STOPS.map(rgbOf);
+const SEQUENTIAL: RGB[] = SEQUENTIAL_STOPS.map(rgbOf);
 
 /** Symmetric range: max |v| over finite values (1 if none). */
 export function symmetricMax(data: ArrayLike<number> | null): number {
@@ -89,22 +100,65 @@ export function symmetricMax(data: ArrayLike<number> | null): number {
 }
 
 /**
- * The colour scale's half-range for matrix `m` of `view` drawn in `mode`: max |v| over the
- * finished rows (`span`, from `doneSpan`); for one side of a comparison over both sides, so switching a ↔ b
- * keeps the colours comparable. As `scale_max` in `pipatch/_views/render.py`.
+ * The scale of a state's cells drawn in `mode`: 'rank' for the metric rank drawn as itself,
+ * 'sequential' for prob / logprob drawn as themselves (the logit lens; mode 'raw'),
+ * 'diverging' for everything else. As `scale_kind` in `pipatch/_views/colors.py`.
  */
-export function scaleMax(state: GridState, view: string, mode: Mode, m: Matrix, span: Span): number {
+export function scaleKind(state: GridState, mode: Mode): ScaleKind {
+  if (isComparison(state) || (state.circuit?.nodes?.length ?? 0) > 0) return 'diverging';
+  if (state.values === 'metric' || mode === 'raw') {
+    if (state.metric === 'rank') return 'rank';
+    if ((SEQUENTIAL_METRICS as readonly string[]).includes(state.metric)) return 'sequential';
+  }
+  return 'diverging';
+}
+
+/**
+ * The range `[lo, hi]` a scale of `kind` spans for `data` (its finite values): diverging
+ * [−m, m] (m = `symmetricMax`); rank [0, worst rank]; sequential [min(0, min), max(0, max)];
+ * an empty range one unit wide. As `value_range` in Python.
+ */
+export function valueRange(kind: ScaleKind, data: ArrayLike<number> | null): [number, number] {
+  if (kind === 'diverging') {
+    const m = symmetricMax(data);
+    return [-m, m];
+  }
+  let min = Infinity;
+  let max = -Infinity;
+  if (data) {
+    for (let i = 0; i < data.length; i++) {
+      const v = data[i];
+      if (Number.isFinite(v)) {
+        if (v < min) min = v;
+        if (v > max) max = v;
+      }
+    }
+  }
+  const any = max >= min;
+  const lo = kind === 'rank' || !any ? 0 : Math.min(0, min);
+  const hi = any ? Math.max(0, max) : 0;
+  return hi > lo ? [lo, hi] : [lo, lo + 1];
+}
+
+/**
+ * The colour scale's range `[lo, hi]` for matrix `m` of `view` drawn in `mode` (`valueRange`
+ * of its `scaleKind`) over the finished rows (`span`, from `doneSpan`); for one side of a
+ * comparison over both sides, so switching a ↔ b keeps the colours comparable. As
+ * `scale_range` in `pipatch/_views/render.py`.
+ */
+export function scaleRange(state: GridState, view: string, mode: Mode, m: Matrix, span: Span): [number, number] {
   const [from, to] = [span[0] * m.cols, span[1] * m.cols];
+  const kind = scaleKind(state, mode);
   if ((mode === 'a' || mode === 'b') && isComparison(state)) {
     const sides = (['a', 'b'] as Mode[]).map((side) => selectMatrix(state, view, -1, side).data).filter((d): d is Float32Array => d !== null);
     if (sides.length) {
       const n = to - from;
       const both = new Float32Array(n * sides.length);
       sides.forEach((d, i) => both.set(d.subarray(from, to), i * n));
-      return symmetricMax(both);
+      return valueRange(kind, both);
     }
   }
-  return symmetricMax(m.data ? m.data.subarray(from, to) : null);
+  return valueRange(kind, m.data ? m.data.subarray(from, to) : null);
 }
 
 /** Rows `[from, to)`: the finished rows of a view. */
@@ -134,16 +188,53 @@ export function divergingColor(v: number, vmax: number): RGB {
   let t = vmax > 0 ? v / vmax : 0;
   if (t > 1) t = 1;
   if (t < -1) t = -1;
-  const pos = ((t + 1) / 2) * (STOPS.length - 1);
-  const i = Math.min(Math.floor(pos), STOPS.length - 2);
+  return between(STOPS, ((t + 1) / 2) * (STOPS.length - 1));
+}
+
+function between(stops: RGB[], pos: number): RGB {
+  const i = Math.min(Math.floor(pos), stops.length - 2);
   const f = pos - i;
-  const a = STOPS[i];
-  const b = STOPS[i + 1];
+  const a = stops[i];
+  const b = stops[i + 1];
   return [
     Math.floor(a[0] + (b[0] - a[0]) * f + 0.5),
     Math.floor(a[1] + (b[1] - a[1]) * f + 0.5),
     Math.floor(a[2] + (b[2] - a[2]) * f + 0.5),
   ];
+}
+
+/**
+ * Where `v` falls on a sequential or rank scale over [lo, hi]: 0 the palest colour, 1 the
+ * darkest (rank: `1 − log1p(v − lo) / log1p(hi − lo)`, so rank 0 is 1); clipped; NaN for NaN.
+ * As `strength` in Python.
+ */
+export function strength(v: number, kind: ScaleKind, lo: number, hi: number): number {
+  if (Number.isNaN(v)) return NaN;
+  let t: number;
+  if (kind === 'rank') {
+    const span = hi > lo ? Math.log1p(hi - lo) : 0;
+    t = span > 0 ? 1 - Math.log1p(Math.max(v - lo, 0)) / span : 1;
+  } else {
+    t = hi > lo ? (v - lo) / (hi - lo) : 0;
+  }
+  return Math.min(1, Math.max(0, t));
+}
+
+/**
+ * The colour of `v` on the scale `kind` over [lo, hi] (`valueRange`); NaN grey. A diverging
+ * scale is `divergingColor` with half-range max(|lo|, |hi|). Operation for operation as
+ * `scale_rgb` in Python.
+ */
+export function scaleColor(v: number, kind: ScaleKind, lo: number, hi: number): RGB {
+  if (kind === 'diverging') return divergingColor(v, Math.max(Math.abs(lo), Math.abs(hi)));
+  const t = strength(v, kind, lo, hi);
+  return Number.isNaN(t) ? NAN_RGB : between(SEQUENTIAL, t * (SEQUENTIAL.length - 1));
+}
+
+/** The colour at `u` (0 … 1) along a colour bar of `kind` drawn from lo (left) to hi (right). */
+export function barColor(kind: ScaleKind, u: number): RGB {
+  if (kind === 'diverging') return divergingColor(u * 2 - 1, 1);
+  return between(SEQUENTIAL, (kind === 'rank' ? 1 - u : u) * (SEQUENTIAL.length - 1));
 }
 
 export interface Layout {

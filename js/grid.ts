@@ -11,19 +11,22 @@ import type { Span } from './format';
 import { comparedValues, gridShape, holdsMetric, isComparison, matrixFor, modeChoices, seedLabel, selectMatrix } from './data';
 import {
   NAN_RGB,
+  barColor,
   buildCsv,
   cellAt,
   checksum32,
   computeLayout,
-  divergingColor,
   doneSpan,
   formatValue,
   safeFileName,
-  scaleMax,
+  scaleColor,
+  scaleKind,
+  scaleRange,
   shortLabel,
   statusText,
   tooltipLabel,
   type Layout,
+  type ScaleKind,
 } from './format';
 import { GRID_CSS } from './style';
 
@@ -39,6 +42,8 @@ export interface GridCallbacks {
 }
 
 const ROW_LABEL_WIDTH = 96;
+/** The subject's marks (as `SUBJECT_RGB` in `pipatch/_views/render.py`). */
+const SUBJECT_RGB = '#b2182b';
 
 export function h<K extends keyof HTMLElementTagNameMap>(tag: K, cls?: string, text?: string): HTMLElementTagNameMap[K] {
   const e = document.createElement(tag);
@@ -91,8 +96,8 @@ export function downloadBlob(root: HTMLElement, blob: Blob, name: string): void 
   setTimeout(() => URL.revokeObjectURL(url), 10000);
 }
 
-/** The 160 × 10 colour bar of the diverging map from −vmax to vmax. */
-export function drawColorBar(canvas: HTMLCanvasElement, vmax: number): void {
+/** The 160 × 10 colour bar of the scale `kind` from lo (left) to hi (right). */
+export function drawColorBar(canvas: HTMLCanvasElement, kind: ScaleKind, lo: number, hi: number): void {
   const W = 160;
   const H = 10;
   if (canvas.width !== W) canvas.width = W;
@@ -100,11 +105,16 @@ export function drawColorBar(canvas: HTMLCanvasElement, vmax: number): void {
   const ctx = ctx2d(canvas);
   if (!ctx) return;
   for (let x = 0; x < W; x++) {
-    const [r, g, b] = divergingColor(((x + 0.5) / W) * 2 * vmax - vmax, vmax);
+    const [r, g, b] = barColor(kind, (x + 0.5) / W);
     ctx.fillStyle = `rgb(${r},${g},${b})`;
     ctx.fillRect(x, 0, 1, H);
   }
-  canvas.title = `colour scale symmetric around 0: ${formatValue(-vmax)} … ${formatValue(vmax)}`;
+  canvas.title =
+    kind === 'diverging'
+      ? `colour scale symmetric around 0: ${formatValue(lo)} … ${formatValue(hi)}`
+      : kind === 'rank'
+        ? `rank ${formatValue(lo)} (darkest: the top token) … ${formatValue(hi)}, on a log scale`
+        : `colour scale from ${formatValue(lo)} (palest) to ${formatValue(hi)} (darkest)`;
 }
 
 /**
@@ -220,7 +230,11 @@ export class GridView {
   private layout: Layout | null = null;
   private labelKey = '';
   private controlsKey = '';
-  private vmax = 1;
+  private kind: ScaleKind = 'diverging';
+  /** The cells checked by an exact patch, [row, col], and the subject's columns: marked on the overlay. */
+  private verified: [number, number][] = [];
+  private subject: number[] = [];
+  private range: [number, number] = [-1, 1];
   private hover: { row: number; col: number } | null = null;
   private stopClicked = false;
   private resizeObs: ResizeObserver | null = null;
@@ -433,7 +447,15 @@ export class GridView {
     const layout = computeLayout(rows, cols, avail, { maxLabelChars: maxChars });
     this.layout = layout;
     const done = this.doneSpan(rows);
-    this.vmax = scaleMax(s, this.ui.view, this.ui.mode, m, done);
+    this.kind = scaleKind(s, this.ui.mode);
+    this.range = scaleRange(s, this.ui.view, this.ui.mode, m, done);
+    this.root.setAttribute('data-scale', this.kind);
+    const verified = matrixFor(s, `${this.ui.view}/verified`, rows, cols);
+    this.verified = [];
+    if (verified) for (let i = 0; i < verified.length; i++) if (verified[i] > 0) this.verified.push([Math.floor(i / cols), i % cols]);
+    this.subject = s.subject.filter((c) => c >= 0 && c < cols);
+    this.root.setAttribute('data-verified', String(this.verified.length));
+    this.root.setAttribute('data-subject', this.subject.join(','));
 
     // Canvas backing store: device pixels when affordable.
     const dprWanted = Math.min(typeof devicePixelRatio === 'number' ? devicePixelRatio : 1, 2);
@@ -479,10 +501,10 @@ export class GridView {
     if (!octx) return;
     const img = octx.createImageData(cols, rows);
     const px = img.data;
-    const vmax = this.vmax;
+    const [lo, hi] = this.range;
     for (let i = done[0] * cols; i < done[1] * cols; i++) {
       const v = data ? data[i] : NaN;
-      const [r, g, b] = divergingColor(v, vmax);
+      const [r, g, b] = scaleColor(v, this.kind, lo, hi);
       const o = i * 4;
       px[o] = r;
       px[o + 1] = g;
@@ -518,7 +540,7 @@ export class GridView {
   }
 
   private renderLabels(s: GridState, rows: number, cols: number, layout: Layout): void {
-    const key = [rows, cols, layout.cellW, layout.cellH, layout.colStride, layout.rowStride, s.row_labels.length, s.col_labels.length, s.row_labels.join('\u0001').length, s.col_labels.join('\u0001')].join('|');
+    const key = [s.subject.join(','), rows, cols, layout.cellW, layout.cellH, layout.colStride, layout.rowStride, s.row_labels.length, s.col_labels.length, s.row_labels.join('\u0001').length, s.col_labels.join('\u0001')].join('|');
     if (key === this.labelKey) return;
     this.labelKey = key;
     const rowEls: HTMLElement[] = [];
@@ -535,11 +557,16 @@ export class GridView {
     }
     this.rowLabels.replaceChildren(...rowEls);
     const colEls: HTMLElement[] = [];
+    const subject = new Set(s.subject);
     for (let c = 0; c < cols; c += layout.colStride) {
       const full = s.col_labels[c] ?? String(c);
       const e = h('div', layout.rotateCols ? 'pipatch-collabel pipatch-rot' : 'pipatch-collabel', shortLabel(full, layout.rotateCols ? 14 : Math.max(4, Math.floor(layout.cellW / 7))));
       e.setAttribute('data-col', String(c));
       e.title = tooltipLabel(full);
+      if (subject.has(c)) {
+        e.classList.add('pipatch-subject');
+        e.title += ' (subject)';
+      }
       if (layout.rotateCols) {
         e.style.left = `${(c + 0.5) * layout.cellW + 6}px`;
       } else {
@@ -552,11 +579,16 @@ export class GridView {
   }
 
   private renderLegend(): void {
-    const vmax = this.vmax;
+    const [lo, hi] = this.range;
     this.barName.textContent = this.valuesName();
-    this.barMin.textContent = formatValue(-vmax, 2);
-    this.barMax.textContent = formatValue(vmax, 2);
-    drawColorBar(this.barCanvas, vmax);
+    this.barMin.textContent = this.bound(lo);
+    this.barMax.textContent = this.bound(hi);
+    drawColorBar(this.barCanvas, this.kind, lo, hi);
+  }
+
+  /** A colour bar's end as written: a rank whole. */
+  private bound(v: number): string {
+    return this.kind === 'rank' ? String(Math.round(v)) : formatValue(v, 2);
   }
 
   /** What the drawn cells are, in words (the colour bar's name). */
@@ -583,6 +615,23 @@ export class GridView {
       const y = row * layout.cellH;
       ctx.strokeRect(x + w / 2, y + w / 2, Math.max(layout.cellW - w, 1), Math.max(layout.cellH - w, 1));
     };
+    // Cells checked by an exact patch: black on a white halo (as the figure's □), seen on any cell.
+    for (const [row, col] of this.verified) {
+      mark(row, col, '#ffffff', 3);
+      mark(row, col, '#000000', 1);
+    }
+    // The subject's columns: a ▲ at the heatmap's foot (as the figure's), seen when labels are thinned.
+    ctx.fillStyle = SUBJECT_RGB;
+    for (const c of this.subject) {
+      const x = (c + 0.5) * layout.cellW;
+      const half = Math.max(2, Math.min(5, layout.cellW / 2 - 1));
+      ctx.beginPath();
+      ctx.moveTo(x - half, layout.height);
+      ctx.lineTo(x + half, layout.height);
+      ctx.lineTo(x, layout.height - half * 1.6);
+      ctx.closePath();
+      ctx.fill();
+    }
     if (sel && sel.view === this.ui.view && typeof sel.row === 'number' && typeof sel.col === 'number') {
       mark(sel.row, sel.col, cssVar(this.root, '--jp-ui-font-color0', '#000000'), 2);
     }
@@ -628,7 +677,7 @@ export class GridView {
     const lines: string[] = [];
     const i = row * cols + col;
     lines.push(`layer: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
-    lines.push(`${s.col_axis === 'head' ? 'head' : 'token'} ${col}: ${tooltipLabel(s.col_labels[col] ?? String(col))}`);
+    lines.push(`${s.col_axis === 'head' ? 'head' : 'token'} ${col}: ${tooltipLabel(s.col_labels[col] ?? String(col))}${s.subject.includes(col) ? ' (subject)' : ''}`);
     if (!this.isDone(row, rows)) {
       lines.push('pending (not computed yet)');
       return lines;
@@ -729,18 +778,19 @@ export class GridView {
       ctx.save();
       ctx.translate(left + (col + 0.5) * cellW - 4, top + gh + 4);
       ctx.rotate(Math.PI / 2);
+      ctx.fillStyle = s.subject.includes(col) ? SUBJECT_RGB : '#000000';
       ctx.fillText(shortLabel(s.col_labels[col] ?? String(col), 16), 0, 0);
       ctx.restore();
     }
     const by = top + gh + 110;
     for (let x = 0; x < 160; x++) {
-      const [r, g, b] = divergingColor(((x + 0.5) / 160) * 2 * this.vmax - this.vmax, this.vmax);
+      const [r, g, b] = barColor(this.kind, (x + 0.5) / 160);
       ctx.fillStyle = `rgb(${r},${g},${b})`;
       ctx.fillRect(left + x, by, 1, 10);
     }
     ctx.fillStyle = '#000000';
-    ctx.fillText(formatValue(-this.vmax, 2), left - 44, by + 9);
-    ctx.fillText(formatValue(this.vmax, 2), left + 166, by + 9);
+    ctx.fillText(this.bound(this.range[0]), left - 44, by + 9);
+    ctx.fillText(this.bound(this.range[1]), left + 166, by + 9);
     ctx.fillStyle = `rgb(${NAN_RGB.join(',')})`;
     ctx.fillRect(left + 230, by, 10, 10);
     ctx.fillStyle = '#000000';

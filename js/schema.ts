@@ -47,6 +47,7 @@ export const STATE_SCHEMA = {
   compared: 'str',
   values: 'str',
   circuit: 'circuit',
+  subject: 'int[]',
 } as const;
 
 /** The kernel's answer to a click; every field optional. */

@@ -47,6 +47,7 @@ export const GRID_CSS = `
   overflow: hidden; text-overflow: ellipsis; text-align: center; color: var(--jp-ui-font-color1, #212121);
 }
 .pipatch-collabel.pipatch-rot { transform-origin: 0 0; transform: rotate(90deg); text-align: left; }
+.pipatch-collabel.pipatch-subject { font-weight: 700; color: #b2182b; }
 .pipatch-legend { display: flex; gap: 6px; align-items: center; flex-wrap: wrap; margin-top: 6px; color: var(--jp-ui-font-color2, #616161); }
 .pipatch-bar-wrap { display: inline-flex; gap: 4px; align-items: center; }
 .pipatch-colorbar { width: 160px; height: 10px; border: 1px solid var(--jp-border-color2, #e0e0e0); }

@@ -25,6 +25,7 @@ from . import _api, tasks
 from ._compare import compare
 from ._load import load_model
 from ._models import PipatchError
+from ._plot import plot
 from ._result import Result, load_result
 from ._study import Study, known_facts, load_study, study
 
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 globals().update(_api.functions())
 
 __all__ = [
-    "load_model", *_api.functions(), "compare", "Result", "load_result", "PipatchError",
+    "load_model", *_api.functions(), "compare", "plot", "Result", "load_result", "PipatchError",
     "study", "load_study", "Study", "known_facts", "tasks",
     "PatchGrid", "load_ipython_extension", "__version__",
 ]  # fmt: skip

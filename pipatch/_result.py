@@ -32,7 +32,6 @@ from ._sites import axis_of
 from ._views import (
     MIME_TYPE,
     SCHEMA_VERSION,
-    TOP_EDGES,
     clean_text,
     conform_state,
     done_span,
@@ -266,24 +265,41 @@ class Result:
 
         return text_grid(self.to_state(live=True), self._view(view), width=width)
 
-    def plot(self, view: str | None = None, ax=None, *, mode: str = "recovery", seed: int = -1, top: int = TOP_EDGES):
+    def plot(self, view: str | None = None, ax=None, *, mode: str = "recovery", seed: int = -1,
+             top: int | None = None, scale: str | tuple[float, float] = "auto"):
         """A matplotlib heatmap of one view: layers × columns with layer 0 at the top (as in the
-        live grid), the diverging map centred at 0 of every view, NaN grey.
+        live grid), NaN grey. Signed values (normalized recovery, a logit difference) are on the
+        diverging map centred at 0; a probability or a rank drawn as itself (the logit lens,
+        ``mode="raw"`` of ``prob``) on a sequential map, rank 0 the darkest. The subject's
+        columns are marked (▲, bold labels) and cells checked by an exact patch outlined.
 
         ``mode="raw"`` colours by the raw metric (a comparison's ``mode="a"`` / ``"b"`` shows one
         side), ``seed`` (≥ 0) shows one seed instead of the mean. Drawn into ``ax`` when given,
-        else into a new pyplot figure. Returns the figure.
+        else into a new pyplot figure. Returns the figure. :func:`pipatch.plot` draws several
+        results side by side on one colour scale.
 
         A circuit (``kind="circuit"``) is drawn as its graph instead: nodes by layer (the
         embeddings at the bottom, the logits at the top), its ``top`` edges by ``|score|`` coloured
         by their score on the same diverging map, and, beside it (not when drawn into ``ax``),
         the faithfulness curve where the result has one. Saving the figure as SVG (or
         ``.png``) exports it; :meth:`graph` is the same graph as JSON.
+
+        Parameters
+        ----------
+        top
+            A circuit's edges drawn (``None``: as many as the faithful circuit has, the smallest
+            reaching the share; 50 where the curve found none).
+        scale
+            The colour range: ``"auto"`` this plot's own values, or ``(vmin, vmax)`` (to match
+            another plot; a diverging map keeps 0 at its centre, with half-range
+            ``max(|vmin|, |vmax|)``). A range that is not two finite numbers with
+            ``vmin < vmax`` raises :class:`PipatchError`.
         """
         from ._views import figure
+        from ._views.render import check_scale
 
         return figure(self.to_state(live=seed < 0), self._view(view), mode=mode, seed=seed, ax=ax, pyplot=True,
-                      top=top)
+                      top=top, scale=check_scale(scale))
 
     def graph(self, top: int | None = None) -> dict[str, Any]:
         """A circuit's graph as JSON (:meth:`pipatch._circuit_result.CircuitResult.graph`);
@@ -528,7 +544,19 @@ class Result:
             "sides": [], "compared": "",  # one result, not a comparison (pipatch._compare)
             "values": "" if self.normalized else "metric",
             "circuit": {},  # a circuit's graph: pipatch._circuit_result
+            "subject": self._subject_columns(),
         })
+
+    def _subject_columns(self) -> list[int]:
+        """The columns holding the subject's tokens: its positions among those swept, or (a
+        dataset, whose columns are named positions) its first, middle and last."""
+        if self.col_axis != "token":
+            return []
+        if self.meta.get("dataset"):
+            return [i for i, name in enumerate(self.columns) if name.endswith(" subject")]
+        swept = self.meta.get("positions") or range(len(self.tokens))
+        column = {int(position): i for i, position in enumerate(swept)}
+        return [column[p] for p in self.meta.get("subject_positions") or [] if p in column]
 
     def _seed_axis(self) -> dict[str, Any]:
         """What the seed axis holds: noise draws, or (a dataset) one entry per prompt and seed,

@@ -137,6 +137,7 @@ class GridWidget(anywidget.AnyWidget):
     compared = t.Unicode("").tag(sync=True)
     values = t.Unicode("").tag(sync=True)
     circuit = t.Dict().tag(sync=True)  # a circuit's graph: the browser draws it instead of the heatmap
+    subject = t.List(t.Int()).tag(sync=True)  # the subject's columns, drawn marked
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)

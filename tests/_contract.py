@@ -78,10 +78,27 @@ def example_circuit():
                   meta=meta, rows_done={"edges": len(names_r)})
 
 
+def example_lens(metric: str):
+    """A small logit lens (2 layers × 3 positions, the subject the middle token) of ``metric``:
+    ranks from 0 to a large vocabulary's, or probabilities."""
+    import torch
+
+    from pipatch._result import Result
+
+    ranks = torch.tensor([[[5000.0, 40.0, 3.0], [12.0, 0.0, 1.0]]])
+    raw = ranks if metric == "rank" else 1 / (1 + ranks)
+    return Result(kind="lens", tokens=["The", " Eiffel", " Tower"], columns=["The", " Eiffel", " Tower"],
+                  layers=["0", "1"], metric=metric, raw={"resid": raw}, clean=float(raw[0, -1, -1]),
+                  corrupt=torch.tensor([float("nan")]), meta={"model": "tiny", "normalize": False,
+                                                               "subject_positions": [1]},
+                  rows_done={"resid": 2})
+
+
 def contract() -> dict[str, Any]:
     from pipatch import compare
     from pipatch._live import PatchGrid, answer_selection
     from pipatch._views import TOP_EDGES, circuit_edges, colors, schema, strings
+    from pipatch._views.render import color_scale, default_top
     from pipatch._views.schema import arrays_to_base64
 
     result = example_result()
@@ -99,6 +116,14 @@ def contract() -> dict[str, Any]:
     traits["arrays"] = arrays_to_base64(traits["arrays"])
     ui = {key: getattr(widget, key) for key in schema.UI_SCHEMA}
     samples = [(v / 16, vmax) for vmax in (1.0, 0.37, 2.5) for v in range(-20, 21)] + [(0.3, 0.0), (-0.2, 0.0)]
+    scaled = ([(v / 16, colors.SEQUENTIAL, lo, hi) for lo, hi in ((0.0, 1.0), (0.0, 0.37), (-3.5, 0.0), (0.3, 0.3))
+               for v in range(-60, 25)]
+              + [(float(v), colors.RANK, lo, hi) for lo, hi in ((0.0, 1.0), (0.0, 17.0), (0.0, 262143.0), (5.0, 100.0))
+                 for v in (-1, 0, 1, 2, 3, 5, 7, 10, 17, 100, 1000, 262143, 10**6)])
+    lenses = [example_lens("rank"), example_lens("prob")]
+    scales = [(doc, mode) for doc in [document, *(lens.to_mime() for lens in lenses)] for mode in ("recovery", "raw")]
+    faithful = circuit.to_mime()
+    faithful["circuit"]["faithfulness"]["size"] = 10
     return {
         "mime_type": schema.MIME_TYPE,
         "schema_version": schema.SCHEMA_VERSION,
@@ -112,6 +137,9 @@ def contract() -> dict[str, Any]:
         "colors": {
             "stops": list(colors.DIVERGING_STOPS), "nan": list(colors.NAN_RGB),
             "samples": [[v, vmax, list(colors.diverging_rgb(v, vmax))] for v, vmax in samples],
+            "sequential_stops": list(colors.SEQUENTIAL_STOPS),
+            "scaled": [[v, kind, lo, hi, list(colors.scale_rgb(v, kind, lo, hi)), colors.strength(v, kind, lo, hi)]
+                       for v, kind, lo, hi in scaled],
         },
         "escape": {
             "unicode": unicodedata.unidata_version,
@@ -130,6 +158,12 @@ def contract() -> dict[str, Any]:
             "circuit": circuit.to_mime(),
             "circuit_edges": [[e["row"], e["col"], e["score"]] for e in circuit_edges(circuit.to_state())],
             "circuit_top": TOP_EDGES,
+            # What the faithful circuit's size makes of the edges drawn at first: [document, edges].
+            "circuit_default_top": [[circuit.to_mime(), default_top(circuit.to_state())],
+                                    [faithful, default_top(faithful)]],
+            # Per document and mode: the scale's kind and range, [document, mode, kind, lo, hi].
+            "scales": [[doc, mode, *color_scale(doc, mode=mode)] for doc, mode in scales],
+            "lens_subject": lenses[0].to_state()["subject"],
         },
     }
 

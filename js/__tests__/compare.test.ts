@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { modeChoices, normalizeState, selectMatrix } from '../data';
-import { buildCsv, divergingColor, scaleMax } from '../format';
+import { buildCsv, divergingColor, scaleRange } from '../format';
 import { GridView } from '../grid';
 import { documentToState } from '../mime';
 import { f32spec } from './helpers';
@@ -39,7 +39,7 @@ describe('comparison colour scale', () => {
   it('is diverging: 0 is the neutral centre, ±max|a − b| the two ends', () => {
     const s = comparison();
     const m = selectMatrix(s, 'resid', -1, 'diff');
-    const vmax = scaleMax(s, 'resid', 'diff', m, [0, 2]);
+    const vmax = scaleRange(s, 'resid', 'diff', m, [0, 2])[1];
     expect(vmax).toBeCloseTo(0.4, 6); // max |a − b| = |0.2 − 0.6| = |0.9 − 0.5|
     expect(divergingColor(0, vmax)).toEqual(WHITE);
     expect(divergingColor(-vmax, vmax)).toEqual(DARKEST_BLUE);
@@ -54,14 +54,14 @@ describe('comparison colour scale', () => {
       expect(Math.abs(dist(up) - dist(down)) / dist(up)).toBeLessThan(0.35);
     }
     // Only finished rows set the scale.
-    expect(scaleMax(s, 'resid', 'diff', m, [0, 1])).toBeCloseTo(0.4, 6);
-    expect(scaleMax(comparison(0), 'resid', 'diff', m, [0, 0])).toBe(1);
+    expect(scaleRange(s, 'resid', 'diff', m, [0, 1])[1]).toBeCloseTo(0.4, 6);
+    expect(scaleRange(comparison(0), 'resid', 'diff', m, [0, 0])[1]).toBe(1);
   });
 
   it('draws a and b on one scale (max over both sides), so switching them keeps colours comparable', () => {
     const s = comparison();
     for (const side of ['a', 'b'] as const) {
-      expect(scaleMax(s, 'resid', side, selectMatrix(s, 'resid', -1, side), [0, 2])).toBeCloseTo(0.9, 6);
+      expect(scaleRange(s, 'resid', side, selectMatrix(s, 'resid', -1, side), [0, 2])[1]).toBeCloseTo(0.9, 6);
     }
   });
 });

@@ -10,7 +10,7 @@ import {
   escapeLabel,
   formatValue,
   safeFileName,
-  scaleMax,
+  scaleRange,
   shortLabel,
   statusText,
   symmetricMax,
@@ -105,8 +105,8 @@ describe('finished rows', () => {
   it('alone set the colour scale', () => {
     const up = grid({ rows_done: { resid: 2 }, row_order: { resid: -1 } });
     const m = { rows: 3, cols: 2, data: new Float32Array([5, -1, 0.5, 0.2, -0.3, 0.1]) };
-    expect(scaleMax(up, 'resid', 'recovery', m, doneSpan(up, 'resid', 3))).toBeCloseTo(0.5);
-    expect(scaleMax(up, 'resid', 'recovery', m, [0, 1])).toBeCloseTo(5);
+    expect(scaleRange(up, 'resid', 'recovery', m, doneSpan(up, 'resid', 3))[1]).toBeCloseTo(0.5);
+    expect(scaleRange(up, 'resid', 'recovery', m, [0, 1])[1]).toBeCloseTo(5);
   });
 });
 

@@ -144,6 +144,58 @@ describe('GridView: attribution results', () => {
     g.update(verified, { view: 'resid', seed: -1, mode: 'recovery' });
     expect(g.cellInfo(0, 1)).toContain('verified by a real patch');
     expect(g.cellInfo(0, 0)).not.toContain('verified by a real patch');
+    // The overlay outlines exactly the verified cells (as the figure's □).
+    expect(g.root.getAttribute('data-verified')).toBe('1');
+    g.destroy();
+  });
+});
+
+describe('GridView: scales and marks', () => {
+  function lens(metric: string, values: number[]) {
+    return normalizeState({
+      title: 'lens',
+      kind: 'lens',
+      views: ['resid'],
+      n_seeds: 1,
+      metric,
+      values: 'metric',
+      row_labels: ['0', '1'],
+      col_labels: ['The', '<b>Eiffel</b>', ' Tower'],
+      rows_done: { resid: 2 },
+      status: 'done',
+      subject: [1, 2],
+      arrays: { 'resid/mean': f32spec(values, [2, 3]), 'resid/raw_mean': f32spec(values, [2, 3]) },
+    });
+  }
+
+  it("draws the lens's rank on the rank scale from rank 0 (the darkest end) to the worst rank", () => {
+    const el = document.createElement('div');
+    const g = new GridView(el, {});
+    g.update(lens('rank', [5000, 40, 3, 12, 0, 1]));
+    expect(g.root.getAttribute('data-scale')).toBe('rank');
+    expect(el.querySelector('.pipatch-bar-min')!.textContent).toBe('0');
+    expect(el.querySelector('.pipatch-bar-max')!.textContent).toBe('5000');
+    g.update(lens('prob', [0.01, 0.2, 0.5, 0.1, 0.9, 0.6]));
+    expect(g.root.getAttribute('data-scale')).toBe('sequential');
+    g.update(sample('done'));
+    expect(g.root.getAttribute('data-scale')).toBe('diverging');
+    g.destroy();
+  });
+
+  it("marks the subject's columns: their labels (as text) and the overlay", () => {
+    const el = document.createElement('div');
+    const g = new GridView(el, {});
+    g.update(lens('prob', [0.01, 0.2, 0.5, 0.1, 0.9, 0.6]));
+    const labels = Array.from(el.querySelectorAll('.pipatch-collabel'));
+    expect(labels.map((e) => e.classList.contains('pipatch-subject'))).toEqual([false, true, true]);
+    expect(labels[1].textContent!.startsWith('<b>Eiffe')).toBe(true);
+    expect(labels[1].getAttribute('title')).toBe('<b>Eiffel</b> (subject)');
+    expect(el.querySelector('b')).toBeNull();
+    expect(g.root.getAttribute('data-subject')).toBe('1,2');
+    expect(g.cellInfo(0, 1).join(' ')).toContain('(subject)');
+    expect(g.cellInfo(0, 0).join(' ')).not.toContain('(subject)');
+    g.update(sample('done'));
+    expect(el.querySelectorAll('.pipatch-subject').length).toBe(0);
     g.destroy();
   });
 });

@@ -11,9 +11,23 @@ import { execFileSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { beforeAll, describe, expect, it } from 'vitest';
-import { DEFAULT_TOP, circuitEdges, isCircuit } from '../circuit';
-import { arrayProblems, normalizeState } from '../data';
-import { DIVERGING_STOPS, ESCAPED, NAN_RGB, divergingColor, escapeLabel, truncateLabel } from '../format';
+import { DEFAULT_TOP, circuitEdges, defaultTop, isCircuit } from '../circuit';
+import { arrayProblems, normalizeState, selectMatrix, type Mode } from '../data';
+import {
+  DIVERGING_STOPS,
+  ESCAPED,
+  NAN_RGB,
+  SEQUENTIAL_STOPS,
+  divergingColor,
+  doneSpan,
+  escapeLabel,
+  scaleColor,
+  scaleKind,
+  scaleRange,
+  strength,
+  truncateLabel,
+  type ScaleKind,
+} from '../format';
 import { documentToState } from '../mime';
 import {
   ARRAY_DTYPE,
@@ -39,7 +53,13 @@ interface Contract {
   schemas: Record<string, Record<string, string>>;
   array_dtype: string;
   arrays: Record<string, string[]>;
-  colors: { stops: string[]; nan: number[]; samples: [number, number, number[]][] };
+  colors: {
+    stops: string[];
+    nan: number[];
+    samples: [number, number, number[]][];
+    sequential_stops: string[];
+    scaled: [number, ScaleKind, number, number, number[], number][];
+  };
   escape: {
     unicode: string;
     escaped: [number, number][];
@@ -57,6 +77,9 @@ interface Contract {
     circuit: Json;
     circuit_edges: [number, number, number][];
     circuit_top: number;
+    circuit_default_top: [Json, number][];
+    scales: [Json, Mode, ScaleKind, number, number][];
+    lens_subject: number[];
   };
 }
 
@@ -280,8 +303,10 @@ describe('a circuit', () => {
     const last = state.row_labels.length - 1;
     expect(edges.slice(0, 2).map((e) => [e.row, e.col])).toEqual([[last, 0], [last, 1]]);
     expect(edges[0].exact).toBeCloseTo(0.45);
-    // The browser starts with as many edges as the static figure draws.
+    // The browser starts with as many edges as the static figure draws: the faithful circuit's, else DEFAULT_TOP.
     expect(DEFAULT_TOP).toBe(C.examples.circuit_top);
+    for (const [doc, top] of C.examples.circuit_default_top) expect(defaultTop(documentToState(doc).state)).toBe(top);
+    expect(C.examples.circuit_default_top.map(([, top]) => top)).toEqual([DEFAULT_TOP, 10]);
   });
 });
 
@@ -290,6 +315,48 @@ describe('colour map', () => {
     expect([...DIVERGING_STOPS]).toEqual(C.colors.stops);
     expect(NAN_RGB).toEqual(C.colors.nan);
     for (const [v, vmax, rgb] of C.colors.samples) expect(divergingColor(v, vmax), `${v} / ${vmax}`).toEqual(rgb);
+  });
+
+  it('has the same sequential stops and gives the same colour and strength on the sequential and rank scales', () => {
+    expect([...SEQUENTIAL_STOPS]).toEqual(C.colors.sequential_stops);
+    expect(C.colors.scaled.length).toBeGreaterThan(100);
+    for (const [v, kind, lo, hi, rgb, t] of C.colors.scaled) {
+      expect(scaleColor(v, kind, lo, hi), `${v} on ${kind} [${lo}, ${hi}]`).toEqual(rgb);
+      expect(strength(v, kind, lo, hi)).toBeCloseTo(t, 12);
+    }
+  });
+
+  it('picks the same scale and range for the same state and mode', () => {
+    const kinds = C.examples.scales.map(([, mode, kind]) => `${mode}:${kind}`);
+    expect(kinds).toEqual(['recovery:diverging', 'raw:diverging', 'recovery:rank', 'raw:rank', 'recovery:sequential', 'raw:sequential']);
+    for (const [doc, mode, kind, lo, hi] of C.examples.scales) {
+      const { state } = documentToState(doc);
+      const view = state.views[0];
+      const m = selectMatrix(state, view, -1, mode);
+      expect(scaleKind(state, mode)).toBe(kind);
+      const [jsLo, jsHi] = scaleRange(state, view, mode, m, doneSpan(state, view, m.rows));
+      expect(jsLo).toBeCloseTo(lo, 6);
+      expect(jsHi).toBeCloseTo(hi, 6);
+    }
+  });
+
+  it("draws the lens's rank 0 in the strongest colour and its worst rank in the palest, as Python does", () => {
+    const [doc, mode, kind, lo, hi] = C.examples.scales[2];
+    const { state } = documentToState(doc);
+    expect(state.metric).toBe('rank');
+    expect(state.subject).toEqual(C.examples.lens_subject);
+    expect(state.subject).toEqual([1]);
+    const m = selectMatrix(state, 'resid', -1, mode);
+    const darkest = C.colors.sequential_stops[C.colors.sequential_stops.length - 1];
+    const palest = C.colors.sequential_stops[0];
+    const hex = (rgb: number[]) => `#${rgb.map((x) => x.toString(16).padStart(2, '0')).join('')}`;
+    const values = Array.from(m.data!);
+    expect(hex(scaleColor(0, kind, lo, hi))).toBe(darkest);
+    expect(hex(scaleColor(Math.max(...values), kind, lo, hi))).toBe(palest);
+    // Better ranks are darker: the colours' brightness falls as the rank falls.
+    const bright = (v: number) => scaleColor(v, kind, lo, hi).reduce((a, b) => a + b, 0);
+    const sorted = [...values].sort((a, b) => a - b);
+    for (let i = 1; i < sorted.length; i++) expect(bright(sorted[i])).toBeGreaterThanOrEqual(bright(sorted[i - 1]));
   });
 });
 

@@ -617,7 +617,20 @@ def plan_circuit(
 
 def _title(meta: dict) -> str:
     how = f"{meta.get('method', 'eap-ig')}" + (f", {meta['n_pairs']} pairs" if meta.get("n_pairs", 1) > 1 else "")
-    return pair_title("Circuit", meta, how)
+    pairs = meta.get("pairs") or []
+    if len(pairs) < 2:
+        return pair_title("Circuit", meta, how)
+    # A dataset: its answers and foils, not the first pair's alone.
+    foils = _some(pairs, "foil")
+    return f"Circuit ({how}) · {meta.get('model', '?')} · answers {_some(pairs, 'answer')}" + (f" vs {foils}" if foils else "")
+
+
+def _some(pairs: list[dict], key: str, shown: int = 3) -> str:
+    """The distinct values of ``key`` over the pairs, the first ``shown`` of them and how many more
+    (``""``: none)."""
+    values = list(dict.fromkeys(repr(p.get(key)) for p in pairs if p.get(key)))
+    more = f" +{len(values) - shown} more" if len(values) > shown else ""
+    return ", ".join(values[:shown]) + more
 
 
 def _by_device(option: str) -> str:

@@ -321,19 +321,29 @@ class Study:
                       meta=meta)
 
     def heatmap(self, view: str | None = None, metric: str = "recovery", relation: str | None = None, *,
-                ax=None, pyplot: bool = False):
-        """The average as pipatch's heatmap (layers × named groups; its colour map), a matplotlib figure."""
+                ax=None, pyplot: bool = False, scale: str | tuple[float, float] = "auto"):
+        """The average as pipatch's heatmap (layers × named groups; its colour map), a matplotlib figure.
+
+        Parameters
+        ----------
+        scale
+            The colour range: ``"auto"`` the average's own values, or ``(vmin, vmax)`` (to
+            match another heatmap; see :meth:`pipatch.Result.plot`).
+        """
         from .._views import figure
+        from .._views.render import check_scale
 
         result = self.as_result(metric, relation)
         state = result.to_state()
         state["title"] = f"{self.summary()}"
-        return figure(state, view, ax=ax, pyplot=pyplot)
+        return figure(state, view, ax=ax, pyplot=pyplot, scale=check_scale(scale))
 
     def plot(self, groups: Sequence[str] = ("last subject", "last"), metric: str = "recovery",
              relation: str | None = None, *, pyplot: bool = False):
         """ROME's line plots: the effect per layer at each of ``groups`` (default the last
         subject token and the last token), one line per kind with its 95 % interval as a band."""
+        from matplotlib.ticker import MaxNLocator
+
         from .._views import DIVERGING_STOPS
         from .._views.render import tick_text
 
@@ -365,6 +375,7 @@ class Study:
             ax.axhline(0, color="#bdbdbd", linewidth=0.8)
             ax.set_title(tick_text(group, 30), fontsize=9)
             ax.set_xlabel("layer")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
             ax.set_ylabel(tick_text(metric.replace("_", " "), 30))
             ax.legend(fontsize=8)
         fig.suptitle(tick_text(self.summary(), 110) + " · 95 % t interval over facts", fontsize=8)

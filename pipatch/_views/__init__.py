@@ -12,8 +12,9 @@ in ``js/schema.ts``) → the views:
 * a circuit's graph instead of the heatmap (:mod:`.circuit`: the state's ``circuit`` part, the
   edge ranking and the JSON export; drawn by ``js/circuit.ts`` and :mod:`.render`).
 
-One orientation everywhere (row 0 = layer 0 at the top, columns left to right), one colour
-map (:mod:`.colors`, the same stops in ``js/format.ts``), one JSON sanitiser
+One orientation everywhere (row 0 = layer 0 at the top, columns left to right), one set of
+colour scales (:mod:`.colors`: diverging for signed values, sequential for a probability or a
+rank drawn as itself; the same stops and arithmetic in ``js/format.ts``), one JSON sanitiser
 (:func:`json_safe`) and one escaper (:func:`escape_label`, the same rule as ``escapeLabel``
 in ``js/format.ts``), both in :mod:`.strings`.
 """

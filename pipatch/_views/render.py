@@ -2,16 +2,19 @@
 
 ``Result.plot()``, the CLI's ``--png``, ``Result._repr_mimebundle_`` and the widget's saved
 bundle all draw through :func:`draw`. Layer 0 is the top row (as in the live grid and the
-text grid), columns run left to right, the colour map is :mod:`.colors` (diverging, centred
-at 0, symmetric ±max|v| over the finished rows, NaN grey), rows not computed yet are hatched,
-and every label goes through the one escaper (then ``$`` is escaped for mathtext).
+text grid), columns run left to right, the colour scale is :mod:`.colors` (diverging, centred
+at 0, symmetric ±max|v| over the finished rows, for signed values; sequential for a probability
+or a rank drawn as itself; NaN grey), rows not computed yet are hatched, the subject's columns
+are marked (bold tick labels and ▲ under the axis), cells checked by an exact patch are
+outlined, and every label goes through the one escaper (then ``$`` is escaped for mathtext).
+Plots made together can share one colour scale (``scale=``: :func:`shared_scale`).
 
 A circuit's state (:func:`~pipatch._views.circuit.is_circuit`) is drawn as its graph instead
 (:func:`draw_circuit`, plus :func:`draw_faithfulness` beside it): the nodes where the state's
 ``circuit`` part puts them, the ``top`` edges of :func:`~pipatch._views.circuit.circuit_edges`
 as curves from the sender's top to the receiver's port (a cubic whose control points lie 45 %
 of the rise above the start and below the end, as ``edgePath`` in ``js/circuit.ts``), on the
-same colour map.
+diverging map; unless told, as many edges as the faithful circuit has (:func:`default_top`).
 """
 
 from __future__ import annotations
@@ -24,17 +27,24 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import PipatchError
 from .._graph import EMB_DRAWN, HEAD_DRAWN, LOGITS_DRAWN, MLP_DRAWN
 from .circuit import circuit_edges, is_circuit
-from .colors import PENDING_RGB, colormap, symmetric_max
-from .schema import done_span, select_matrix
+from .colors import DIVERGING, PENDING_RGB, RANK, colormap, scale_kind, scale_norm, value_range
+from .schema import decode_array, done_span, select_matrix
 from .strings import escape_label
 from .text import values_label
 
-__all__ = ["TOP_EDGES", "draw", "draw_circuit", "draw_faithfulness", "figure_size", "png", "scale_max", "tick_text"]
+__all__ = [
+    "TOP_EDGES", "check_scale", "color_scale", "default_top", "draw", "draw_circuit", "draw_faithfulness",
+    "figure_size", "new_figure", "png", "scale_range", "shared_scale", "tick_text",
+]  # fmt: skip
 
-#: How many edges a circuit's figure draws unless told (the browser's slider starts there too).
+#: How many edges a circuit's figure draws unless told, when it has no faithful circuit (the
+#: browser's slider starts there too).
 TOP_EDGES = 50
+#: The subject's marks: tick labels and the ▲ under the axis.
+SUBJECT_RGB = "#b2182b"
 #: Half the height of a node in a circuit's figure (rows).
 _NODE_R = 0.11
 _MARKERS = {EMB_DRAWN: "s", HEAD_DRAWN: "o", MLP_DRAWN: "s", LOGITS_DRAWN: "s"}
@@ -59,25 +69,33 @@ def _view(state: Mapping[str, Any], view: str | None) -> str:
     return view if view in views else (views[0] if views else "")
 
 
-def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "recovery", seed: int = -1):
+def _drawn(state: Mapping[str, Any], view: str, mode: str, seed: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """The [rows, cols] values drawn (float64, at least 1 × 1) and the finished rows' span."""
+    grid = select_matrix(state, view, seed, mode)
+    if grid is None:
+        grid = np.full((len(state.get("row_labels") or []) or 1, len(state.get("col_labels") or []) or 1), np.nan)
+    grid = np.array(grid, dtype=np.float64)
+    if grid.size == 0:
+        grid = np.full((1, 1), np.nan)
+    return grid, done_span(state, view, grid.shape[0])
+
+
+def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "recovery", seed: int = -1,
+         scale: tuple[float, float] | None = None):
     """Draw ``state``'s ``view`` into the matplotlib axes ``ax`` (plus its colour bar); returns
-    the image."""
-    from matplotlib.colors import Normalize
+    the image. ``scale``: the colour scale's ``(vmin, vmax)`` (``None``: this view's own,
+    :func:`scale_range`)."""
+    from matplotlib.transforms import blended_transform_factory
 
     view = _view(state, view)
     row_labels = [str(x) for x in state.get("row_labels") or []]
     col_labels = [str(x) for x in state.get("col_labels") or []]
-    grid = select_matrix(state, view, seed, mode)
-    if grid is None:
-        grid = np.full((len(row_labels) or 1, len(col_labels) or 1), np.nan, dtype=np.float32)
-    grid = np.array(grid, dtype=np.float64)
-    if grid.size == 0:
-        grid = np.full((1, 1), np.nan)
+    grid, (lo, hi) = _drawn(state, view, mode, seed)
     n_rows, n_cols = grid.shape
-    lo, hi = done_span(state, view, n_rows)
-    vmax = scale_max(state, view, mode, grid, (lo, hi))
+    kind = scale_kind(state, mode)
+    vmin, vmax = scale if scale is not None else scale_range(state, view, mode, grid, (lo, hi))
     grid[:lo], grid[hi:] = np.nan, np.nan
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=colormap(), norm=Normalize(-vmax, vmax),
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=colormap(kind=kind), norm=scale_norm(kind, vmin, vmax),
                       aspect="auto", interpolation="nearest", origin="upper")
     for start, end in ((0, lo), (hi, n_rows)):  # pending rows: above or below the finished band
         if start < end:
@@ -89,29 +107,115 @@ def draw(state: Mapping[str, Any], ax, view: str | None = None, *, mode: str = "
     ax.set_xticklabels([tick_text(col_labels[i]) if i < len(col_labels) else str(i) for i in range(0, n_cols, col_step)],
                        rotation=60 if n_cols <= 40 else 90, ha="right" if n_cols <= 40 else "center",
                        rotation_mode="anchor" if n_cols <= 40 else "default", fontsize=8)
+    subject = [c for c in state.get("subject") or [] if 0 <= c < n_cols]
+    for tick, c in zip(ax.get_xticklabels(), range(0, n_cols, col_step)):
+        if c in subject:
+            tick.set_fontweight("bold")
+            tick.set_color(SUBJECT_RGB)
+    if subject:  # ▲ under each subject column, also where its tick label is thinned out
+        ax.scatter(subject, [0.0] * len(subject), marker="^", s=22, color=SUBJECT_RGB, clip_on=False, zorder=5,
+                   transform=blended_transform_factory(ax.transData, ax.transAxes), gid="subject")
+    verified = _verified_cells(state, view, (n_rows, n_cols))
+    if verified:
+        from matplotlib.collections import PatchCollection
+        from matplotlib.patches import Rectangle
+        from matplotlib.patheffects import withStroke
+
+        # Black on a white halo: seen on the palest and the darkest cells alike.
+        ax.add_collection(PatchCollection([Rectangle((c - 0.4, r - 0.4), 0.8, 0.8) for r, c in verified],
+                                          facecolor="none", edgecolor="#000000", linewidth=1.1, gid="verified",
+                                          path_effects=[withStroke(linewidth=3.0, foreground="#ffffff")]))
     ax.set_yticks(range(0, n_rows, row_step))
     ax.set_yticklabels([tick_text(row_labels[i]) if i < len(row_labels) else str(i) for i in range(0, n_rows, row_step)],
                        fontsize=8)
-    ax.set_xlabel(escape_label(state.get("col_axis") or "token", 24))
+    marks = ("  ▲ subject" if subject else "") + ("  □ checked by an exact patch" if verified else "")
+    ax.set_xlabel(escape_label(state.get("col_axis") or "token", 24) + marks)
     ax.set_ylabel("layer")
     labels = state.get("seed_labels") or []
     seed_text = "" if seed < 0 else f", {labels[seed] if seed < len(labels) else f'seed {seed}'}"
     sides = "".join(f"\n{tick_text(side, 85)}" for side in state.get("sides") or [])
     ax.set_title(f"{tick_text(state.get('title') or 'pipatch', 110)}{sides}\n{tick_text(view, 40)}: "
                  f"{tick_text(values_label(state, mode), 60)}{seed_text}", fontsize=9)
-    ax.figure.colorbar(image, ax=ax, label=values_label(state, mode, short=True), fraction=0.05, pad=0.02)
+    bar = ax.figure.colorbar(image, ax=ax, label=values_label(state, mode, short=True), fraction=0.05, pad=0.02)
+    if kind == RANK:  # a log scale: ticks at 0, 1, 10, 100, … and the worst rank drawn
+        ticks = sorted({vmin, *(10.0 ** k for k in range(0, 10) if vmin < 10.0 ** k < 0.8 * vmax), vmax})
+        bar.set_ticks(ticks, labels=[f"{t:.0f}" for t in ticks])
+        bar.set_label("rank (0: the top token)")
     return image
 
 
-def scale_max(state: Mapping[str, Any], view: str, mode: str, grid: np.ndarray, span: tuple[int, int]) -> float:
-    """The colour scale's half-range: max |v| over the finished rows drawn (``range(*span)``:
-    :func:`~pipatch._views.schema.done_span`); for one side of a comparison over both sides, so
-    switching a ↔ b keeps the colours comparable. As ``scaleMax`` in ``js/format.ts``."""
+def _verified_cells(state: Mapping[str, Any], view: str, shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """The (row, col) cells of ``view`` checked by an exact patch (its ``verified`` array)."""
+    spec = (state.get("arrays") or {}).get(f"{view}/verified")
+    if spec is None:
+        return []
+    mask = decode_array(spec)
+    if mask.size != shape[0] * shape[1]:
+        return []
+    rows, cols = np.nonzero(np.nan_to_num(mask.reshape(shape)) > 0)
+    return list(zip(rows.tolist(), cols.tolist()))
+
+
+def scale_range(state: Mapping[str, Any], view: str, mode: str, grid: np.ndarray, span: tuple[int, int]
+                ) -> tuple[float, float]:
+    """The colour scale's ``(vmin, vmax)`` (:func:`~pipatch._views.colors.value_range` of its
+    kind) over the finished rows drawn (``range(*span)``: :func:`~pipatch._views.schema.done_span`);
+    for one side of a comparison over both sides, so switching a ↔ b keeps the colours
+    comparable. As ``scaleRange`` in ``js/format.ts``."""
     done = slice(*span)
+    kind = scale_kind(state, mode)
     if mode in ("a", "b") and state.get("sides"):
         sides = [select_matrix(state, view, -1, side) for side in ("a", "b")]
-        return symmetric_max(np.concatenate([np.ravel(m[done]) for m in sides if m is not None] or [grid[done].ravel()]))
-    return symmetric_max(grid[done])
+        return value_range(kind, np.concatenate([np.ravel(m[done]) for m in sides if m is not None]
+                                                or [grid[done].ravel()]))
+    return value_range(kind, grid[done])
+
+
+def color_scale(state: Mapping[str, Any], view: str | None = None, *, mode: str = "recovery", seed: int = -1
+                ) -> tuple[str, float, float]:
+    """The colour scale a figure of ``state`` draws by itself: ``(kind, vmin, vmax)``; a
+    circuit's is diverging over its edges' scores."""
+    if is_circuit(state):
+        return (DIVERGING, *value_range(DIVERGING, [e["score"] for e in circuit_edges(state)]))
+    view = _view(state, view)
+    grid, span = _drawn(state, view, mode, seed)
+    return (scale_kind(state, mode), *scale_range(state, view, mode, grid, span))
+
+
+def check_scale(scale: Any) -> tuple[float, float] | None:
+    """``scale=`` as a range: ``"auto"`` / ``None`` → ``None`` (each plot its own), a pair of
+    finite numbers with ``vmin < vmax`` → itself; anything else (``"shared"`` too: that is
+    :func:`pipatch.plot`'s) refused in one line."""
+    if scale is None or (isinstance(scale, str) and scale == "auto"):
+        return None
+    if isinstance(scale, str) and scale == "shared":
+        raise PipatchError("scale='shared' is for plots made together: pipatch.plot([a, b], scale='shared'); "
+                           "one plot takes 'auto' or (vmin, vmax)")
+    try:
+        vmin, vmax = (float(v) for v in scale)
+    except (TypeError, ValueError):
+        raise PipatchError(f"scale={scale!r} is not a colour range: pass 'auto' or (vmin, vmax)") from None
+    if not (math.isfinite(vmin) and math.isfinite(vmax) and vmin < vmax):
+        raise PipatchError(f"scale=({vmin}, {vmax}) is no range: pass two finite numbers with vmin < vmax")
+    return vmin, vmax
+
+
+def shared_scale(scales: list[tuple[str, float, float]]) -> tuple[float, float]:
+    """One ``(vmin, vmax)`` covering every :func:`color_scale` in ``scales``; refused in one line
+    when they colour different kinds of values (a probability and a recovery, say)."""
+    kinds = sorted({kind for kind, _, _ in scales})
+    if len(kinds) > 1:
+        raise PipatchError(f"these plots colour different kinds of values ({', '.join(kinds)}), so one colour "
+                           "scale would mislead: plot them with scale='auto' or pass scale=(vmin, vmax)")
+    return min(lo for _, lo, _ in scales), max(hi for _, _, hi in scales)
+
+
+def default_top(state: Mapping[str, Any]) -> int:
+    """How many edges a circuit's figure draws unless told: the faithful circuit's size (the
+    smallest that reaches the share) where the curve found one, else :data:`TOP_EDGES`. As
+    ``defaultTop`` in ``js/circuit.ts``."""
+    size = ((state.get("circuit") or {}).get("faithfulness") or {}).get("size")
+    return int(size) if size is not None and int(size) > 0 else TOP_EDGES
 
 
 def _layout(fig) -> None:
@@ -128,25 +232,33 @@ def _circuit_size(state: Mapping[str, Any]) -> tuple[float, float]:
     return 9.0 + wide, min(max(4.5, 0.75 * rows + 1.8), 18.0)
 
 
+def new_figure(size: tuple[float, float], *, dpi: float = 100, pyplot: bool = False):
+    """An empty figure of ``size`` inches: a pyplot one (``pyplot=True``, shown by
+    ``plt.show()``) or an off-screen Agg one that touches no pyplot state."""
+    if pyplot:
+        import matplotlib.pyplot as plt
+
+        return plt.figure(figsize=size, dpi=dpi)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def figure(state: Mapping[str, Any], view: str | None = None, *, mode: str = "recovery", seed: int = -1,
-           ax=None, dpi: float = 100, pyplot: bool = False, top: int = TOP_EDGES):
+           ax=None, dpi: float = 100, pyplot: bool = False, top: int | None = None,
+           scale: tuple[float, float] | None = None):
     """A figure of ``state`` (drawn into ``ax`` when given). ``pyplot=True`` makes it a pyplot
     figure (shown by ``plt.show()``); otherwise an off-screen Agg figure that touches no
-    pyplot state. A circuit's state is its graph (``top`` edges) with, in a new figure, its
-    faithfulness curve beside it."""
+    pyplot state. A circuit's state is its graph (``top`` edges, ``None``: :func:`default_top`)
+    with, in a new figure, its faithfulness curve beside it. ``scale``: the colour scale's
+    ``(vmin, vmax)`` (``None``: the state's own)."""
     circuit = is_circuit(state)
+    top = default_top(state) if top is None else top
     if ax is None:
-        size = _circuit_size(state) if circuit else figure_size(state)
-        if pyplot:
-            import matplotlib.pyplot as plt
-
-            fig = plt.figure(figsize=size, dpi=dpi)
-        else:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-
-            fig = Figure(figsize=size, dpi=dpi)
-            FigureCanvasAgg(fig)
+        fig = new_figure(_circuit_size(state) if circuit else figure_size(state), dpi=dpi, pyplot=pyplot)
         if circuit and (state.get("circuit") or {}).get("faithfulness"):
             grid = fig.add_gridspec(2, 2, width_ratios=[4, 1.35], height_ratios=[1, 1.5])
             ax = fig.add_subplot(grid[:, 0])
@@ -156,9 +268,9 @@ def figure(state: Mapping[str, Any], view: str | None = None, *, mode: str = "re
     else:
         fig = ax.figure
     if circuit:
-        draw_circuit(state, ax, top=top)
+        draw_circuit(state, ax, top=top, scale=scale)
     else:
-        draw(state, ax, view, mode=mode, seed=seed)
+        draw(state, ax, view, mode=mode, seed=seed, scale=scale)
     _layout(fig)
     return fig
 
@@ -169,12 +281,13 @@ def _node_xy(part: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
             np.array([float(n["y"]) for n in nodes], dtype=np.float64))
 
 
-def draw_circuit(state: Mapping[str, Any], ax, *, top: int = TOP_EDGES) -> None:
+def draw_circuit(state: Mapping[str, Any], ax, *, top: int | None = None,
+                 scale: tuple[float, float] | None = None) -> None:
     """Draw a circuit state's graph into ``ax``: every node by layer (the ones the drawn edges
-    touch larger and named), its ``top`` edges by ``|score|`` coloured by their score on the
-    diverging map (±max |score| over every edge), the largest on top, and a colour bar."""
+    touch larger and named), its ``top`` edges by ``|score|`` (``None``: :func:`default_top`)
+    coloured by their score on the diverging map (±max |score| over every edge, or ``scale``),
+    the largest on top, and a colour bar."""
     from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
     from matplotlib.patches import PathPatch
     from matplotlib.path import Path
 
@@ -183,9 +296,10 @@ def draw_circuit(state: Mapping[str, Any], ax, *, top: int = TOP_EDGES) -> None:
     xs, ys = _node_xy(part)
     senders, receivers, ports = part.get("senders") or [], part.get("receivers") or [], part.get("ports") or []
     edges = circuit_edges(state)
-    vmax = symmetric_max([e["score"] for e in edges])
-    shown = edges[: max(0, int(top))]
-    cmap, norm = colormap(), Normalize(-vmax, vmax)
+    vmin, vmax = scale if scale is not None else value_range(DIVERGING, [e["score"] for e in edges])
+    vmax = max(abs(vmin), abs(vmax))
+    shown = edges[: max(0, int(default_top(state) if top is None else top))]
+    cmap, norm = colormap(), scale_norm(DIVERGING, -vmax, vmax)
     used: set[int] = set()
     for e in reversed(shown):  # the smallest first: the largest is drawn on top
         s, t = senders[e["col"]], receivers[e["row"]]
@@ -227,7 +341,9 @@ def draw_circuit(state: Mapping[str, Any], ax, *, top: int = TOP_EDGES) -> None:
     checks = ""
     if agreement.get("spearman") is not None and agreement.get("n"):
         checks = f" · exact patches of {int(agreement['n'])}: Spearman {agreement['spearman']:.2f}"
-    sides = f"top {len(shown)} of {len(edges)} edges by |score|{checks}"
+    size = (part.get("faithfulness") or {}).get("size")
+    faithful = " (the faithful circuit)" if size is not None and len(shown) == int(size) else ""
+    sides = f"top {len(shown)} of {len(edges)} edges by |score|{faithful}{checks}"
     ax.set_title(f"{tick_text(state.get('title') or 'pipatch', 110)}\n{tick_text(sides, 120)}", fontsize=9)
     ax.figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03, pad=0.01, shrink=0.7,
                        label=f"estimated change of {tick_text(metric, 40)}")
@@ -259,7 +375,7 @@ def draw_faithfulness(state: Mapping[str, Any], ax, *, top: int | None = None) -
 
 
 def png(state: Mapping[str, Any], view: str | None = None, *, mode: str = "recovery", seed: int = -1,
-        dpi: float = 80, top: int = TOP_EDGES) -> bytes:
+        dpi: float = 80, top: int | None = None) -> bytes:
     """:func:`figure` as PNG bytes."""
     fig = figure(state, view, mode=mode, seed=seed, dpi=dpi, top=top)
     buffer = io.BytesIO()

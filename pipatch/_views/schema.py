@@ -75,6 +75,7 @@ STATE_SCHEMA: dict[str, str] = {
     "compared": "str",  # what a comparison subtracts: "recovery" or "raw" ("" for one result)
     "values": "str",  # what one result's cells hold: "" normalized recovery, "metric" the metric itself
     "circuit": "circuit",  # a circuit's graph ({} for any other result): drawn as a graph, not a heatmap
+    "subject": "int[]",  # the columns holding the subject's tokens (a dataset: its named positions), drawn marked
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 

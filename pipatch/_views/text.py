@@ -3,7 +3,9 @@ summary (``text/plain`` of the MIME bundle).
 
 Rows are layers with layer 0 first (the top line, as in every other view), columns are the
 grid's columns; each cell is a block character for its mean recovery (``░▒▓█``, ``?`` for
-NaN, ``·`` for a row not computed yet); a comparison's cells are signed (``+▓``, ``-░``: the
+NaN, ``·`` for a row not computed yet); a metric drawn as itself on a sequential scale (the
+lens's probability or rank) is shaded by where it falls on that scale, as the figure colours it
+(:func:`~pipatch._views.colors.strength`: rank 0 is ``█``); a comparison's cells are signed (``+▓``, ``-░``: the
 size of a − b against the largest |a − b|), preceded by its two sides' labels. Labels go
 through the one escaper.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .colors import symmetric_max
+from .colors import DIVERGING, RANK, scale_kind, strength, symmetric_max, value_range
 from .schema import done_span, select_matrix
 from .strings import clean_text, escape_label
 
@@ -89,9 +91,13 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     numbers = ", ".join(f"{escape_label(k, 20)} {'nan' if v is None else format(v, '.4g')}" for k, v in base.items())
     compared = bool(state.get("sides"))
     vmax = symmetric_max(grid)
+    kind = scale_kind(state)
+    lo_v, hi_v = value_range(kind, grid)
 
     def cell(value: float) -> str:
-        return signed_shade(value, vmax) if compared else shade(value)
+        if compared:
+            return signed_shade(value, vmax)
+        return shade(value) if kind == DIVERGING else shade(strength(value, kind, lo_v, hi_v))
 
     lines = [f"{escape_label(state.get('title') or 'pipatch')}  [{view}, {state.get('metric', '')}; {numbers}]"]
     lines += [escape_label(side) for side in state.get("sides") or []]
@@ -106,7 +112,9 @@ def text_grid(state: Mapping[str, Any], view: str | None = None, width: int = 7,
     what = {"head": "head", "token": "token"}.get(str(state.get("col_axis")), "column")
     word = "a − b" if compared else values_label(state, short=True)
     # Row and column *labels*: a one-sender path grid's only row is its sender's layer, not 0.
-    for row, col, value in top_cells(grid, top, by_size=compared):
+    lowest = kind == RANK  # the best ranks are the smallest
+    for row, col, value in top_cells(-grid if lowest else grid, top, by_size=compared):
+        value = -value if lowest else value
         lines.append(f"layer {escape_label(rows[row]):>3}  {what} '{escape_label(cols[col], 40)}'  {word} {value:.3f}")
     for warning in state.get("warnings") or []:
         lines.append(f"warning: {escape_label(warning)}")

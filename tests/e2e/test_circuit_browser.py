@@ -5,8 +5,8 @@ One notebook:
 0. the tiny model (``tests/_tiny.py``) and the IOI-style pair;
 1. ``PatchGrid(pipatch.circuit(...))``: a circuit shown as a widget (its view pings the kernel,
    so the live run below stays live, clickable, after it ends);
-2. ``PatchGrid.run(model, "circuit", ..., verify=10)``: the live view draws the graph (the top
-   50 edges of all of them), the slider changes how many are drawn, hovering an edge shows its
+2. ``PatchGrid.run(model, "circuit", ..., verify=10)``: the live view draws the graph (as many
+   edges as the faithful circuit has, of all of them), the slider changes how many are drawn, hovering an edge shows its
    estimate and exact change, a click on it gets its exact edge patch (the change over every
    pair, the top-5) from the kernel, the SVG button saves the graph as drawn, and the faithfulness curve is drawn beside it;
 3. the kernel's own numbers for the same edge: the ranking (``Result.graph``), the exact
@@ -107,10 +107,11 @@ def test_circuit_graph_draws_filters_hovers_clicks_and_renders_saved(page, lab_s
     view.wait_for(timeout=60_000)
     assert "pipatch-circuit" in view.get_attribute("class")
 
-    # -- the graph: nodes by layer, the top 50 of every edge ------------------------------------
+    # -- the graph: nodes by layer, as many edges as the faithful circuit has (else the top 50) --
     assert kernel["edges"] > 50
     assert view.get_attribute("data-edges-total") == str(kernel["edges"])
-    assert view.get_attribute("data-edges") == "50" and _drawn(view) == 50
+    start = kernel["size"] or 50
+    assert view.get_attribute("data-edges") == str(start) and _drawn(view) == start
     rows = view.locator(".pipatch-rows text").all_text_contents()
     assert rows == ["embeddings", "layer 0", "layer 1", "layer 2", "logits"]
     assert view.locator(".pipatch-node").count() == 1 + 3 * 5 + 1
@@ -187,7 +188,7 @@ def test_circuit_graph_draws_filters_hovers_clicks_and_renders_saved(page, lab_s
     page.wait_for_selector(".pipatch-mime .pipatch-circuit[data-status='done']", timeout=90_000)
     copy = saved_copy(grid_cell(page, LIVE)).locator(".pipatch-circuit")
     copy.wait_for(state="visible", timeout=60_000)
-    assert copy.get_attribute("data-edges") == "50" and _drawn(copy) == 50
+    assert copy.get_attribute("data-edges") == str(start) and _drawn(copy) == start
     assert copy.get_attribute("data-edges-total") == str(kernel["edges"])
     assert copy.locator(".pipatch-faithfulness-chart .pipatch-curve").count() == 1
     _slide_to(page, copy, 3)

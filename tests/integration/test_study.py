@@ -195,6 +195,18 @@ def test_plots_and_heatmap_draw(six):
     assert torch.allclose(found.as_result().grid, found.grid(), equal_nan=True)
 
 
+def test_study_plots_tick_whole_layers_and_the_heatmap_takes_a_colour_range(six):
+    found, _ = six
+    norm = found.heatmap(scale=(-2, 2)).axes[0].images[0].norm
+    assert (norm.vmin, norm.vmax) == (-2.0, 2.0)
+    fig = found.plot()
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+        assert all(label.get_text().lstrip("−-").isdigit() for label in ax.get_xticklabels() if label.get_text())
+
+
 # --------------------------------------------------------------------------------------------
 # The store: resume, refuse another configuration, read a half-finished one
 # --------------------------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def _has_type(kind: str, value) -> bool:
         return isinstance(value, list) and all(isinstance(x, str) for x in value)
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int[]":
+        return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
     if kind == "float":
         return isinstance(value, float)
     if kind == "bool":
