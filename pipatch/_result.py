@@ -590,8 +590,8 @@ def _rows(t: torch.Tensor) -> list[list[float | None]]:
 
 
 def load_result(path: str | Path) -> Result:
-    """Read a file written by :meth:`Result.save` or :meth:`Result.to_json` (the CLI's
-    ``--save`` and ``--json``), its format by its suffix: ``.json`` is JSON, any other
+    """Read a file written by :meth:`Result.save` or :meth:`Result.to_json` (what the ``pipatch``
+    command writes too), its format by its suffix: ``.json`` is JSON, any other
     (``.safetensors``; an older pipatch saved safetensors under any name) safetensors.
 
     Refuses, with one clear line, anything that is not a complete pipatch result of a known
