@@ -62,12 +62,14 @@ chromium:
 # The tests by layer (tests/unit loads no model; tests/integration runs real models, engines and
 # servers; tests/e2e drives JupyterLab in Chromium), each layer a pytest of its own. The vLLM and
 # served suites run only in .venv-vllm's python (make test-vllm): the main venv's run leaves them out.
+# The integration layer runs as two pytest-xdist workers of one torch thread each, a test file
+# per worker at a time (tests/conftest.py gives each worker its share of the cores).
 test: $(STAMP) chromium install-vllm
 	npm test
 	$(PY) -m mypy pipatch/_backends pipatch/_engine
 	$(PY) -m pytest -q -ra tests/unit
 	$(MAKE) docs
-	$(PY) -m pytest -q -ra --durations=15 -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
+	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py
 	$(PY) -m pytest -q -ra -m e2e tests/e2e

@@ -4,8 +4,19 @@ shell with pipatch's magics. This conftest applies to every layer (``tests/unit`
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Under pytest-xdist (make test runs the integration layer as two workers on a two-core machine)
+# each worker takes its share of the cores: two workers of two threads each would oversubscribe
+# them and run several times slower than one thread each. The processes a test starts (a code()
+# script, a notebook's kernel) inherit the share through OMP_NUM_THREADS.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _SHARE = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+    torch.set_num_threads(_SHARE)
 
 # Under PIPATCH_REQUIRE_VLLM=1 (make test-vllm) a skip fails the run: see tests/_require.py.
 # The toy experiment's fixtures (toy_dir, toy) serve the unit and the integration tests alike.

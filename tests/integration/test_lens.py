@@ -195,13 +195,16 @@ def patched_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch
 @pytest.mark.parametrize("answer", [" Paris", " New York"])
 def test_the_read_equals_the_patched_lens_it_replaced(family, answer, request):
     """On the embedded model and two tiny families, the one-forward lens equals the patched
-    runs it replaced (the old computation, by hand) within 1e-6, for every metric."""
+    runs it replaced (the old computation, by hand), for every metric: within 1e-6 on the tiny
+    families; on the embedded model within 1e-5 (its 18 layers' final norm and unembedding run
+    outside the forward, batched otherwise than the patched runs were: up to 6e-6 measured)."""
     subject = request.getfixturevalue("model") if family is None else tiny_model(family)
     for metric in ("prob", "logprob", "rank"):
         got = pipatch.lens(subject, EIFFEL, answer=answer, metric=metric)
         want = patched_lens(subject, EIFFEL, answer, metric)
         assert got.grid.shape == want.shape
-        torch.testing.assert_close(got.grid, want, atol=1e-6, rtol=1e-6)
+        tolerance = 1e-5 if family is None else 1e-6
+        torch.testing.assert_close(got.grid, want, atol=tolerance, rtol=tolerance)
 
 
 def long_prompt(model, n_tokens: int) -> str:
@@ -231,7 +234,7 @@ def test_a_long_prompts_lens_is_one_forward(model):
     assert [e["name"] for e in events if e["event"] == "program"] == ["lens"]
     assert len([e for e in events if e["event"] == "forward"]) == 1 and len(forwards) == 1
     assert not [e for e in events if e["event"] in ("trace", "packed", "patch")]
-    assert abs(float(r.grid[-1, -1]) - r.meta["output"]) < 1e-6
+    assert abs(float(r.grid[-1, -1]) - r.meta["output"]) < 1e-5  # the lens's last layer is the output
 
 
 def test_every_position_of_a_long_prompt_is_one_forward_on_a_tiny_model():
@@ -258,7 +261,7 @@ def test_positions_pick_the_lens_columns(model):
     T = len(full.tokens)
     assert some.meta["positions"] == [2, T - 1] and some.columns == [full.tokens[2], full.tokens[-1]]
     assert some.tokens == full.tokens
-    torch.testing.assert_close(some.grid, full.grid[:, [2, T - 1]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(some.grid, full.grid[:, [2, T - 1]], atol=1e-5, rtol=0)
     for bad, words in (([T], "out of range"), ([], "positions is empty")):
         with pytest.raises(pipatch.PipatchError, match=words):
             pipatch.lens(model, EIFFEL, answer=" Paris", positions=bad)
