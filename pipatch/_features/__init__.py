@@ -103,7 +103,7 @@ def load_sae(source: Any, model: Any = None, *, sae_id: str | None = None, name:
     sae_id
         The SAE's id within the release ``source`` names.
     name
-        The site's name (results key values by it); default ``"L<layer> <kind>"`` (``"L3 resid"``,
+        The site's name (results key values by it); default ``"L<layer> <kind>"`` (``"L3 resid_post"``,
         ``"L1 transcoder"``).
     check_model
         Refuse an SAE whose config names another model than ``model``'s name (default). Pass

@@ -12,15 +12,15 @@ SAEs name the activation they were trained on in one of two spellings:
 Either becomes a :class:`Hook`: a layer, a *kind* (what the value is, whatever the family calls
 its modules) and the module under the block that holds it in *this* model. The kinds:
 
-==============  =========================================================  =====
-kind            the value                                                  order
-==============  =========================================================  =====
-``z``           the attention output projection's input (heads side by side)  3
-``attn_out``    what the attention adds to the stream (after Gemma's post-norm)  4
-``mlp_in``      the MLP's input (its normed residual)                         5
-``mlp_out``     what the MLP adds to the stream (after Gemma's post-norm)       6
-``resid``       the block's output: the residual stream after it               7
-==============  =========================================================  =====
+==============  ================================================================  =====
+kind            the value                                                         order
+==============  ================================================================  =====
+``z``           the attention output projection's input (heads side by side)      3
+``attn_out``    what the attention adds to the stream (after Gemma's post-norm)   4
+``mlp_in``      the MLP's input (its normed residual)                             5
+``mlp_out``     what the MLP adds to the stream (after Gemma's post-norm)         6
+``resid_post``  the block's output: the residual stream after it                  7
+==============  ================================================================  =====
 
 A Hugging Face path of another family's spelling (``self_attn`` on GPT-2) is read by meaning
 (its sublayer names looked up among the adapter's candidates); a path that names no module of
@@ -38,10 +38,10 @@ from .._models import _ATTN, _BLOCKS, _MLP, _OUT_PROJ, Adapter
 __all__ = ["Hook", "locate", "ORDER"]
 
 #: Where each kind comes in a block's forward pass (:attr:`pipatch._sites.Site.order`).
-ORDER = {"z": 3, "attn_out": 4, "mlp_in": 5, "mlp_out": 6, "resid": 7}
+ORDER = {"z": 3, "attn_out": 4, "mlp_in": 5, "mlp_out": 6, "resid_post": 7}
 
 _TL = re.compile(r"^blocks\.(\d+)\.(.+)$")
-_TL_KINDS = {"hook_resid_post": "resid", "hook_attn_out": "attn_out", "hook_mlp_out": "mlp_out",
+_TL_KINDS = {"hook_resid_post": "resid_post", "hook_attn_out": "attn_out", "hook_mlp_out": "mlp_out",
              "hook_mlp_in": "mlp_in", "ln2.hook_normalized": "mlp_in", "attn.hook_z": "z"}
 
 
@@ -69,7 +69,7 @@ class Hook:
 def _kind_path(kind: str, adapter: Adapter) -> tuple[str, bool]:
     """The module under a block holding a value of ``kind`` in this family, and whether it is
     that module's input."""
-    if kind == "resid":
+    if kind == "resid_post":
         return "", False
     if kind == "z":
         return f"{adapter.attn}.{adapter.out_proj}", True
@@ -83,7 +83,7 @@ def _kind_path(kind: str, adapter: Adapter) -> tuple[str, bool]:
 def _literal_kind(path: str, reads_in: bool, adapter: Adapter) -> str | None:
     """The kind of the value at ``path`` (input or output) in this family, if pipatch reads it."""
     if path == "" and not reads_in:
-        return "resid"
+        return "resid_post"
     if reads_in:
         if path == f"{adapter.attn}.{adapter.out_proj}":
             return "z"
@@ -114,8 +114,8 @@ def _hf_hook(name: str, adapter: Adapter) -> tuple[int, str, bool] | None:
         if match is None:
             continue
         rest = match.group(2) or ""
-        reads_in = rest == "input" or rest.endswith(".input")
-        path = re.sub(r"\.?(input|output)$", "", rest)
+        io = re.fullmatch(r"(?:(.+)\.)?(input|output)", rest)
+        path, reads_in = (io.group(1) or "", io.group(2) == "input") if io else (rest, False)
         return int(match.group(1)), path, reads_in
     return None
 

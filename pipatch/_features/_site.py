@@ -13,7 +13,7 @@ site encodes the input and adds ``decode(f') − decode(f)`` to the output: the 
 replaced by the transcoder plus its error, and the error keeps the run the plain one.
 
 A latent site lives at one layer (:attr:`LatentSite.layer`): the SAE was trained there. Its
-name is its SAE's (``"L3 resid"``; results and captures key values by it).
+name is its SAE's (``"L3 resid_post"``; results and captures key values by it).
 """
 
 from __future__ import annotations
@@ -133,6 +133,6 @@ class LatentSite(Site):
 
 def latent_site(sae: SAE, reads: Hook, writes: Hook, name: str) -> LatentSite:
     """The :class:`LatentSite` of ``sae`` reading at ``reads`` and writing at ``writes``."""
-    block_output = writes.kind == "resid" and not sae.transcoder
+    block_output = writes.kind == "resid_post" and not sae.transcoder
     return LatentSite(name, order=reads.order, holder="block" if block_output else _LATENT, sublayer=not block_output,
                       about=f"the latents of {sae.name} ({sae.d_sae} of them)", sae=sae, reads=reads, writes=writes)
