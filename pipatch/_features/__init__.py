@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._compat.nnsight import torch_module
 from .._errors import PipatchError
+from .._known import known
 from .._models import adapter_for
 from ._hooks import Hook, locate
 from ._sae import SAE, from_release, from_saelens, read_folder
@@ -43,8 +45,6 @@ def _read(source: Any, sae_id: str | None, name: str | None) -> SAE:
 
 def _model_label(model: Any) -> str | None:
     """The name the model was loaded by (``None`` for a local folder: it says nothing)."""
-    from .._compat.nnsight import torch_module
-    from .._known import known
 
     label = known(model).name or getattr(torch_module(model), "name_or_path", None)
     if not label or Path(str(label)).expanduser().exists():
@@ -78,6 +78,9 @@ def bind(sae: SAE, model: Any, name: str | None = None, check_model: bool = True
         if size != hook.width(adapter):
             raise PipatchError(f"{what} {side} {size}-wide values, but this {adapter.family} model's {hook.kind} at layer "
                                f"{hook.layer} is {hook.width(adapter)} wide: load an SAE trained on this model")
+    weights = next(iter(torch_module(model).parameters()), None)
+    if weights is not None and weights.device.type != "meta":  # a served model's tree holds no weights
+        sae.to(device=weights.device)  # the SAE's math stays in its own dtype; writes are cast to the model's
     site = latent_site(sae, reads, writes, name or f"L{reads.layer} {'transcoder' if sae.transcoder else reads.kind}")
     return site.check(adapter)
 

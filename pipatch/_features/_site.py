@@ -87,6 +87,12 @@ class LatentSite(Site):
         return self.sae.d_sae
 
     # -- where it is ------------------------------------------------------------------------
+    def window_layers(self, row: int, window: int, n_layers: int) -> range:
+        """The SAE's own layer, for a grid row whose window covers it; no layer for any other
+        row (an SAE reads one layer: a layer-by-layer grid over its site, such as
+        :func:`pipatch.patch`'s, writes its latents in its own layer's row only)."""
+        return range(self.layer, self.layer + 1) if row <= self.layer < row + window else range(0)
+
     def module_path(self, adapter: Adapter) -> str:
         return self.writes.path
 

@@ -94,9 +94,10 @@ def hand_latents(model, weights, kind: str, ids: torch.Tensor) -> torch.Tensor:
     return hand_encode(weights, kind, store["x"])
 
 
-def hand_patched_logits(model, weights, kind: str, ids, position: int, latent: int, value: float):
-    """Logits of the ``ids`` run with latent ``latent`` at ``position`` set to ``value``: the
-    written module's output becomes decode(edited latents) + skip + the SAE's error."""
+def hand_patched_logits(model, weights, kind: str, ids, position: int, latent, value):
+    """Logits of the ``ids`` run with latent(s) ``latent`` (an id, or a slice) at ``position``
+    set to ``value``: the written module's output becomes decode(edited latents) + skip + the
+    SAE's error."""
     read, written = modules_of(model, kind)
     store = {}
 
@@ -197,6 +198,29 @@ def test_every_latent_patch_equals_the_hook_reference(family, kind, tmp_path):
         for i in latents for p in range(T)])
     assert torch.allclose(values, want, atol=1e-5, rtol=0), (values - want).abs().max()
     assert (values - float(corrupt_run.metric[0])).abs().max() > 1e-4  # the writes reach the logits
+
+
+@pytest.mark.parametrize("kind", ["jumprelu", "transcoder"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipatch_patch_over_a_latent_site_writes_its_own_layer(family, kind, tmp_path):
+    """``pipatch.patch(site=<latent site>)``: the layer × position grid of the existing
+    experiment; the SAE's row writes every clean latent at one position (the corrupt run's
+    error kept), the other rows write nothing (an SAE reads one layer)."""
+    model, weights, folder = saelens_folder(tmp_path, family, kind)
+    site = pipatch.load_sae(folder, model)
+    result = pipatch.patch(model, clean=CLEAN, corrupt=CORRUPT, answer=" Rome", foil=" Moscow", site=site)
+    assert result.meta["site"] == site.name and result.status == "done"
+    got = result.raw[site.name][0]
+    tok = model.tokenizer
+    clean, corrupt = (tok(text, return_tensors="pt").input_ids for text in (CLEAN, CORRUPT))
+    answer, foil = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Rome", " Moscow"))
+    donor = hand_latents(model, weights, kind, clean)
+    want = torch.tensor([(lambda lg: lg[0, -1, answer] - lg[0, -1, foil])(
+        hand_patched_logits(model, weights, kind, corrupt, p, slice(None), donor[0, p])) for p in range(clean.shape[1])])
+    assert torch.allclose(got[LAYER], want, atol=1e-5, rtol=0), (got[LAYER] - want).abs().max()
+    others = [layer for layer in range(got.shape[0]) if layer != LAYER]
+    assert torch.allclose(got[others], result.corrupt[0].expand(len(others), got.shape[1]), atol=1e-5, rtol=0)
+    assert (got[LAYER] - float(result.corrupt[0])).abs().max() > 1e-3
 
 
 # -- refusals --------------------------------------------------------------------------------------
