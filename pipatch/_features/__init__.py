@@ -82,7 +82,8 @@ def bind(sae: SAE, model: Any, name: str | None = None, check_model: bool = True
     if weights is not None and weights.device.type != "meta":  # a served model's tree holds no weights
         sae.to(device=weights.device)  # the SAE's math stays in its own dtype; writes are cast to the model's
     site = latent_site(sae, reads, writes, name or f"L{reads.layer} {'transcoder' if sae.transcoder else reads.kind}")
-    return site.check(adapter)
+    site.check(adapter)
+    return site
 
 
 def load_sae(source: Any, model: Any = None, *, sae_id: str | None = None, name: str | None = None,

@@ -78,9 +78,11 @@ class SAE:
                  W_skip: torch.Tensor | None = None, apply_b_dec_to_input: bool = False,
                  rescale_by_decoder_norm: bool = False, hook_out: str | None = None,
                  model_name: str | None = None, name: str = "sae"):
-        self.activation, self.k = activation, k
+        self.activation = activation
+        self.k = int(k) if activation == "topk" and k else None
         self.W_enc, self.b_enc, self.W_dec, self.b_dec = W_enc, b_enc, W_dec, b_dec
-        self.threshold, self.W_skip = threshold, W_skip
+        self.threshold = threshold if activation == "jumprelu" else None
+        self.W_skip = W_skip
         self.apply_b_dec_to_input, self.rescale_by_decoder_norm = apply_b_dec_to_input, rescale_by_decoder_norm
         self.hook, self.hook_out, self.model_name, self.name = hook, hook_out, model_name, name
         if activation == "jumprelu" and threshold is None:
@@ -133,10 +135,10 @@ class SAE:
         pre = x @ self.W_enc + self.b_enc
         if self.rescale_by_decoder_norm:
             pre = pre * self.W_dec.norm(dim=-1)
-        if self.activation == "jumprelu":
+        if self.threshold is not None:  # JumpReLU
             return torch.relu(pre) * (pre > self.threshold).to(pre.dtype)
-        if self.activation == "topk":
-            values, indices = torch.topk(pre, k=int(self.k), dim=-1, sorted=False)
+        if self.k is not None:  # TopK
+            values, indices = torch.topk(pre, k=self.k, dim=-1, sorted=False)
             return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
         return torch.relu(pre)
 
@@ -282,8 +284,10 @@ def from_release(release: str, sae_id: str) -> SAE:
         cannot be reached (offline): one line each, saying what to do.
     """
     try:
-        from sae_lens import SAE as LensSAE
-        from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory
+        from sae_lens import SAE as LensSAE  # type: ignore[import-not-found]
+        from sae_lens.loading.pretrained_saes_directory import (  # type: ignore[import-not-found]
+            get_pretrained_saes_directory,
+        )
     except ImportError:
         raise PipatchError(f"loading the SAELens release {release!r} needs SAELens, which is not installed: "
                            f"pip install 'pipatch[sae]', or pass the SAE's folder ({_FOLDERS})") from None
