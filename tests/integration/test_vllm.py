@@ -481,6 +481,23 @@ def test_the_magic_takes_backend_vllm_and_reuses_the_engine(vllm_model, model):
         ip.run_cell_magic("patch", '--backend vlm --answer " Paris" --foil " Rome"', body)
 
 
+@pytest.mark.parametrize("kind", ["jumprelu", "transcoder"])
+def test_a_latent_site_patches_on_vllm_as_on_transformers(vllm_model, model, kind, tmp_path):
+    """An SAE's latents (``pipatch/_features``) at layer 6 of the embedded model, and a
+    transcoder replacing layer 6's MLP: the same SAE folder loaded for each backend, the same
+    patch grid (its SAE's row: every clean latent at one position) within the backends'
+    tolerance."""
+    from tests._saes import random_weights, save_saelens
+
+    hooks = ("blocks.6.hook_mlp_in", "blocks.6.hook_mlp_out") if kind == "transcoder" else ("blocks.6.hook_resid_post", None)
+    folder = save_saelens(tmp_path / kind, kind, random_weights(kind, 640, 640), hooks[0], "google/gemma-3-270m", hooks[1])
+    hf, vl = (pipatch.patch(m, **PAIR, site=pipatch.load_sae(folder, m), positions=[2, 3, -1]) for m in (model, vllm_model))
+    name = hf.meta["site"]
+    assert vl.meta["site"] == name and vl.meta["backend"] == "vllm"
+    assert_close(vl.raw[name][0], hf.raw[name][0])
+    assert (hf.raw[name][0][6] - float(hf.corrupt[0])).abs().max() > 1e-3
+
+
 def test_bad_backend_choices_are_one_line():
     with pytest.raises(PipatchError, match="unknown backend 'vlm': use transformers or vllm"):
         pipatch.load_model(backend="vlm")
