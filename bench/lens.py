@@ -27,7 +27,6 @@ Run: ``make bench`` (or ``.venv/bin/python bench/lens.py [--tokens N] [--skip-al
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
-from bench.run import prompt_of  # noqa: E402
+from bench.run import prompt_of, write_report  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 
 REPEAT = 2
@@ -86,13 +85,8 @@ def main(argv=None) -> int:
         report.update({"lens_all_s": every, "lens_all_x_forward": every / forward, "lens_all_unembedding_gflop": floor / 1e9})
         lines.append(f"  lens, all {ids.shape[1]} positions {every:7.2f} s = {every / forward:5.2f}× one forward "
                      f"({n_layers} × {ids.shape[1]} readings: {floor / 1e12:.1f} TFLOP of unembedding alone)")
-        assert torch.allclose(full.grid[:, -16:], few.grid, atol=1e-6), "the narrowed lens must equal the full one"
-    print("\n".join(lines))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
-    return 0
+        assert torch.allclose(full.grid[:, -16:], few.grid, atol=1e-5), "the narrowed lens must equal the full one"
+    return write_report(lines, report, args.out)
 
 
 if __name__ == "__main__":

@@ -357,6 +357,16 @@ def trace_limit(model, peak: float, n_tokens: int, subject: list[int], seeds: in
     return limit(model, peak, n_tokens, cells, vocab_of(model), 1 + seeds, seconds)
 
 
+def write_report(lines: list[str], report: dict, out: str) -> int:
+    """Print a benchmark's lines, write its numbers as JSON to ``out``; the exit status (0)."""
+    print("\n".join(lines))
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
 def prompt_of(model, n_tokens: int) -> tuple[str, str]:
     """A clean/corrupt pair of exactly n_tokens tokens (filler text before the fact)."""
     tok = model.tokenizer
@@ -500,12 +510,7 @@ def main(argv=None) -> int:
     lines.append(f"trace baselines, {tm['tokens']} tokens, {tm['seeds']} seeds: {tm['seconds']:.1f}s, peak RSS "
                  f"{tm['peak_rss'] / 2**30:.2f}G ({(tm['peak_rss'] - tm['rss_before']) / 2**30:.2f}G above the loaded "
                  f"model; all-position logits would add {tm['all_position_logits_bytes'] / 2**30:.2f}G)")
-    print("\n".join(lines))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
-    return 0
+    return write_report(lines, report, args.out)
 
 
 if __name__ == "__main__":
