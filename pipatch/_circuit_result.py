@@ -19,6 +19,7 @@ from typing import Any
 
 from ._graph import Node, named
 from ._result import Result
+from ._tables import table
 from ._views import circuit_part, conform_state, graph_document
 
 __all__ = ["CircuitResult", "LOW_AGREEMENT", "VIEW_EDGES", "low_agreement_advice"]
@@ -45,16 +46,14 @@ class CircuitResult(Result, file_kind="circuit"):
         ``score`` (the estimated change of the metric when that edge alone carries the clean
         value, in the metric's units; a dataset's mean over pairs) and ``exact`` (the exact edge
         patch's change; NaN where not checked). A pandas DataFrame."""
-        import pandas as pd
-
         change = (self.raw[VIEW_EDGES][0] - float(self.corrupt.mean())).double()
         exact = {(c["sender"], c["receiver"]): c["exact"] for c in self.meta.get("checked", [])}
         rows = [{"sender": sender, "receiver": receiver, "score": float(change[r, s]),
                  "exact": float("nan") if exact.get((sender, receiver)) is None else float(exact[(sender, receiver)])}
                 for r, receiver in enumerate(self.layers) for s, sender in enumerate(self.columns)
                 if not math.isnan(float(change[r, s]))]
-        table = pd.DataFrame(rows, columns=["sender", "receiver", "score", "exact"])
-        return table.reindex(table["score"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
+        edges = table(rows, columns=["sender", "receiver", "score", "exact"])
+        return edges.reindex(edges["score"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
 
     def frame(self):
         """A circuit's table is its edges: :meth:`edges`."""

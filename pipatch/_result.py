@@ -29,6 +29,7 @@ import torch
 from ._declare import declared
 from ._models import PipatchError
 from ._sites import axis_of
+from ._tables import table
 from ._views import (
     MIME_TYPE,
     SCHEMA_VERSION,
@@ -310,8 +311,6 @@ class Result:
         """A long pandas DataFrame: one row per (view, layer, column) with its ``label``, the
         mean ``recovery`` (the metric itself where the result is not normalized), its ``std``
         over seeds and the ``raw`` metric's mean, each a float (NaN where not computed)."""
-        import pandas as pd
-
         rows = []
         for view in self.views:
             mean, std, raw = self.mean(view), self.std(view), self.raw_mean(view)
@@ -322,7 +321,7 @@ class Result:
                         "recovery": float(mean[layer, col]), "std": float(std[layer, col]),
                         "raw": float(raw[layer, col]),
                     })
-        return pd.DataFrame(rows)
+        return table(rows)
 
     def to_dataframe(self):
         """Deprecated: :meth:`frame` (the same table; every result and a study have ``frame()``)."""

@@ -71,7 +71,7 @@ def bind(sae: SAE, model: Any, name: str | None = None, check_model: bool = True
     writes = reads
     if sae.transcoder:
         writes = locate(str(sae.hook_out), adapter, what)
-        if (reads.kind, writes.kind) != ("mlp_in", "mlp_out") or reads.layer != writes.layer:
+        if (reads.kind, writes.kind) != ("mlp_input", "mlp_output") or reads.layer != writes.layer:
             raise PipatchError(f"transcoder {sae.name!r} reads {sae.hook!r} and writes {sae.hook_out!r}: pipatch "
                                "patches transcoders that read a layer's MLP input and write that layer's MLP output")
     for hook, size, side in ((reads, sae.d_in, "reads"), (writes, sae.d_out, "writes")):

@@ -17,8 +17,8 @@ kind            the value                                                       
 ==============  ================================================================  =====
 ``z``           the attention output projection's input (heads side by side)      3
 ``attn_out``    what the attention adds to the stream (after Gemma's post-norm)   4
-``mlp_in``      the MLP's input (its normed residual)                             5
-``mlp_out``     what the MLP adds to the stream (after Gemma's post-norm)         6
+``mlp_input``   the MLP's input (its normed residual)                             5
+``mlp_output``  what the MLP adds to the stream (after Gemma's post-norm)         6
 ``resid_post``  the block's output: the residual stream after it                  7
 ==============  ================================================================  =====
 
@@ -38,11 +38,11 @@ from .._models import _ATTN, _BLOCKS, _MLP, _OUT_PROJ, Adapter
 __all__ = ["Hook", "locate", "ORDER"]
 
 #: Where each kind comes in a block's forward pass (:attr:`pipatch._sites.Site.order`).
-ORDER = {"z": 3, "attn_out": 4, "mlp_in": 5, "mlp_out": 6, "resid_post": 7}
+ORDER = {"z": 3, "attn_out": 4, "mlp_input": 5, "mlp_output": 6, "resid_post": 7}
 
 _TL = re.compile(r"^blocks\.(\d+)\.(.+)$")
-_TL_KINDS = {"hook_resid_post": "resid_post", "hook_attn_out": "attn_out", "hook_mlp_out": "mlp_out",
-             "hook_mlp_in": "mlp_in", "ln2.hook_normalized": "mlp_in", "attn.hook_z": "z"}
+_TL_KINDS = {"hook_resid_post": "resid_post", "hook_attn_out": "attn_out", "hook_mlp_out": "mlp_output",
+             "hook_mlp_in": "mlp_input", "ln2.hook_normalized": "mlp_input", "attn.hook_z": "z"}
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,11 @@ def _kind_path(kind: str, adapter: Adapter) -> tuple[str, bool]:
         return "", False
     if kind == "z":
         return f"{adapter.attn}.{adapter.out_proj}", True
-    if kind == "mlp_in":
+    if kind == "mlp_input":
         return adapter.mlp, True
     if kind == "attn_out":
         return adapter.attn_post_norm or adapter.attn, False
-    return adapter.mlp_post_norm or adapter.mlp, False  # mlp_out
+    return adapter.mlp_post_norm or adapter.mlp, False  # mlp_output
 
 
 def _literal_kind(path: str, reads_in: bool, adapter: Adapter) -> str | None:
@@ -87,9 +87,9 @@ def _literal_kind(path: str, reads_in: bool, adapter: Adapter) -> str | None:
     if reads_in:
         if path == f"{adapter.attn}.{adapter.out_proj}":
             return "z"
-        return "mlp_in" if path == adapter.mlp else None
-    named = {adapter.attn: "attn_out", adapter.mlp: "mlp_out", adapter.mlp_norm: "mlp_in",
-             adapter.attn_post_norm: "attn_out", adapter.mlp_post_norm: "mlp_out"}
+        return "mlp_input" if path == adapter.mlp else None
+    named = {adapter.attn: "attn_out", adapter.mlp: "mlp_output", adapter.mlp_norm: "mlp_input",
+             adapter.attn_post_norm: "attn_out", adapter.mlp_post_norm: "mlp_output"}
     return named.get(path) if path else None
 
 
@@ -155,7 +155,7 @@ def locate(name: str, adapter: Adapter, what: str = "SAE") -> Hook:
             raise PipatchError(f"{what} hook {name!r} names no value pipatch reads in this {adapter.family} model: use an "
                                f"SAE of a block's output, the attention or MLP output, the MLP input or z "
                                f"({adapter.blocks}.N.output, {adapter.blocks}.N.{adapter.attn}.{adapter.out_proj}.input, ...)")
-        if kind == "mlp_in":  # the MLP norm's output is the MLP's input: one place, read one way
+        if kind == "mlp_input":  # the MLP norm's output is the MLP's input: one place, read one way
             path, reads_in = _kind_path(kind, adapter)
     if not 0 <= layer < adapter.n_layers:
         raise PipatchError(f"{what} hook {name!r} reads layer {layer}, but this {adapter.family} model has "

@@ -43,6 +43,7 @@ from .._errors import PipatchWarning
 from .._models import PipatchError
 from .._result import Result
 from .._scales import mixed_scales
+from .._tables import table
 from ._aggregate import METRICS, fact_values, summarise
 from ._store import Store, StoredFact
 
@@ -114,19 +115,17 @@ class Study:
         stored, seconds since the epoch), both floats. No result data: ``study[i]`` is fact
         ``i``'s Result.
         """
-        import pandas as pd
-
         rows = self._rows()
         inputs = [row.inputs() for row in rows]
         fields = list(dict.fromkeys(key for each in inputs for key in each))
-        table = [{"fact": row["idx"], "fact_id": row["fact_id"], "relation": row["relation"], "status": row["status"],
+        facts = [{"fact": row["idx"], "fact_id": row["fact_id"], "relation": row["relation"], "status": row["status"],
                   "known": None if row["known"] is None else bool(row["known"]), "top1": row["top1"],
                   "message": row["message"], **{key: each.get(key) for key in fields}, "record": _record(row),
                   "seconds": float("nan") if row["seconds"] is None else float(row["seconds"]),
                   "finished": float(row["finished"])}
                  for row, each in zip(rows, inputs)]
-        return pd.DataFrame(table, columns=["fact", "fact_id", "relation", "status", "known", "top1", "message",
-                                            *fields, "record", "seconds", "finished"])
+        return table(facts, columns=["fact", "fact_id", "relation", "status", "known", "top1", "message",
+                                     *fields, "record", "seconds", "finished"])
 
     def _rows(self) -> list[StoredFact]:
         """Every stored fact's row of the store, as it stands (result data included)."""
@@ -242,7 +241,6 @@ class Study:
         """A pandas DataFrame of the averages: one row per ([relation,] kind, layer, group,
         metric) with ``mean``, ``low`` and ``high`` (the 95 % Student-t interval over facts),
         ``sd`` and ``n`` (facts). ``by="relation_id"`` breaks it down by relation."""
-        import pandas as pd
 
         if by not in (None, "relation_id", "relation"):
             raise PipatchError(f"aggregate(by={by!r}): only by='relation_id' is recorded")
@@ -263,12 +261,11 @@ class Study:
                                    "low": float(stats["low"][layer, g]), "high": float(stats["high"][layer, g]),
                                    "sd": float(stats["sd"][layer, g]), "n": int(stats["n"][layer, g])}
                             rows.append(row if by is None else {"relation_id": relation, **row})
-        return pd.DataFrame(rows)
+        return table(rows)
 
     def frame(self) -> Any:
         """The tidy table: one row per (fact, relation, kind, layer, group, metric) with its
         ``value`` (the fact's mean over seeds), plus ``fact_id`` and ``subject``."""
-        import pandas as pd
 
         values = self._values()
         views, layers, names = self._axes(values)
@@ -283,7 +280,7 @@ class Study:
                             rows.append({"fact": row["idx"], "fact_id": row["fact_id"], "relation": row["relation"],
                                          "subject": record.get("subject"), "kind": view, "layer": layer,
                                          "group": name, "metric": metric, "value": float(array[layer, g])})
-        return pd.DataFrame(rows, columns=["fact", "fact_id", "relation", "subject", "kind", "layer", "group",
+        return table(rows, columns=["fact", "fact_id", "relation", "subject", "kind", "layer", "group",
                                            "metric", "value"])
 
     def to_csv(self, path: str | os.PathLike) -> Path:
