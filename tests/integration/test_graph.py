@@ -1,23 +1,6 @@
-"""A circuit's graph lives in one module (``pipatch/_graph.py``): its nodes are typed by site,
-its indices are the ones the hand formulas gave, and no other module compares node kinds.
+"""The graph module on a real model: the logits are a kin of a site, never a grid row.
 
-* **The grep test.** No module of ``pipatch/`` but ``_graph.py`` and ``_sites.py`` compares a
-  circuit node-kind string (``"emb"``, ``"head_out"``, ``"mlp_out"``, ``"qkv"``,
-  ``"mlp_in"``, ``"logits"``): read with :mod:`ast`, so prose and the code templates of
-  ``Result.code()`` (string literals) are never read as code. Flagged: such a literal (alone or
-  in a tuple, list or set) on either side of a comparison (``==``, ``!=``, ``in``, ``is``) or
-  after ``case``; as a key of a dict literal (a kind map); as a subscript (a lookup by kind);
-  as the key of ``.get`` / ``.index`` / ``.count`` / ``.pop`` / ``.setdefault`` /
-  ``.startswith`` / ``.endswith``. The one spelling shared with something else: ``qkv`` is an
-  :class:`~pipatch._models.Adapter` field too (the q/k/v projection modules), so a dict of
-  adapter fields may have it as a key.
-* **Indices.** Every index :class:`pipatch._graph.Graph` gives equals the formula the backends
-  computed by hand before (``per_layer = 3 * H + 1``, ``sender = 1 + layer * (H + 1)``, ...),
-  the valid-edge mask equals the old string-kind loop, and the stacked writes and gradients
-  the old orderings.
-* **Names and files.** Node names are what they were; :func:`pipatch._graph.named` reads them
-  back; a circuit's file written as a plain result (as pipatch wrote them before
-  :class:`~pipatch._circuit_result.CircuitResult`) loads as one, drawn the same.
+The graph's indices, names and the grep test need no model: ``tests/unit/test_graph.py``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Multi-token answers (" New York"), read teacher-forced, against plain-PyTorch-hook references.
+"""The metric's inputs, without a model: one-token answers read exactly as before, and each
+sequence of a multi-token answer is teacher-forced.
 
-The reference computes a sequence's log-probability by hand: run the prompt followed by the
-answer's tokens but the last, once per sequence (answer, foil), with forward hooks that write
-at the prompt's positions only, and add up ``log_softmax`` of each answer token at the position
-before it. pipatch must give the same numbers for every experiment (trace, patch at every site,
-attribution, path patching, datasets), from Python, the magics and the command line.
-
-Facts on the embedded model (Gemma 3 270M, float32): P(" New York" | "The Statue of Liberty is
-in the city of") ≈ 0.58 and P(" San Francisco" | "The Golden Gate Bridge is in the city of") ≈
-0.76, both answers two tokens, both prompts 10 tokens with <bos>.
+Multi-token answers on the embedded model: ``tests/integration/test_multitoken.py``.
 """
 
 from __future__ import annotations

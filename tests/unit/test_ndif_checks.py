@@ -1,15 +1,7 @@
-"""The NDIF backend through nnsight's own offline simulation of NDIF (``remote="local"``).
+"""NDIF's checks before anything is sent, without a model: no key, an unreachable service, a
+model NDIF does not host and version drift that matters are each one line.
 
-nnsight's simulation serialises every request exactly as for NDIF, then rebuilds it with every
-module but torch, numpy, transformers, accelerate, diffusers, einops, peft and nnsight hidden
-(pipatch included: this checkout's path is taken off ``sys.path`` too), and runs it on the
-weights here. So each passing experiment is one whose requests NDIF could rebuild: pipatch's
-invoke code travelled by value. The numbers must be the transformers backend's: the same
-batches with the same forward (``fast=False`` on both) to 1e-6, the default fast paths within
-1e-4 as for every backend. Then what the live grid sees (one request per batch, Stop between
-requests), the magics and the CLI, ``code()``, and the checks before any request, one line
-each: no key, an unreachable service (a closed loopback port stands in for it), a model it does
-not host and version drift (a loopback stand-in answers NDIF's ``/status`` and ``/env``).
+Every experiment through the NDIF backend (simulated locally): ``tests/integration/test_ndif.py``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The tutorial notebooks run top to bottom on the embedded model, in a kernel of this Python.
+"""The tutorial notebooks are committed without outputs (outputs belong to a run).
 
-Each notebook is copied to a temporary folder and executed there with nbclient, so outputs (and
-any files a notebook writes) never land in the repository. A cell that raises fails the test
-with the cell's traceback. Every notebook asserts the claims its text makes, so a passing run
-means the prose still matches the numbers.
-
-The kernel: ``kernel_name="python3"`` could resolve to any ``python3`` kernelspec on the machine.
-jupyter_client replaces a spec's bare ``python`` with ``sys.executable``, so the kernel is this
-interpreter; a first cell injected into the copy checks that (``sys.prefix`` equal to ours), so
-a stray global kernelspec cannot make the test run another environment's pipatch.
+Running them top to bottom on the embedded model: ``tests/integration/test_notebooks.py``.
 """
 
 from __future__ import annotations

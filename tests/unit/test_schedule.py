@@ -1,16 +1,8 @@
-"""Prefix reuse: a patched run starts at its first written position, with the same numbers.
+"""The engine's pure scheduling (:mod:`pipatch._engine._schedule`), without a model: a grid's
+layout pads little, a write where two runs agree is a no-op, a row's first written position and
+the shifted index, and how batches are cut with prefix reuse on and off.
 
-Attention is causal, so a patch at position ``p`` changes nothing before ``p``; the
-transformers backend then runs only positions ``p …`` and attends to the base run's cached
-keys and values for the rest (:mod:`pipatch._backends.transformers`), and the engine groups a
-row's cells by that position (:func:`pipatch._engine.batches`). Proven here against the same
-backend with reuse switched off (``TransformersBackend(model, reuse_prefix=False)``), within
-1e-4, on every tiny family (sliding-window layers: Gemma 2/3 with a 4-token window on a
-20-token prompt; grouped-query attention; fused q/k/v: GPT-2, GPT-NeoX, Phi-3, Falcon;
-ALiBi: BLOOM; rotary variants) and on the embedded Gemma 3 270M, for every site and
-direction, causal tracing (noise, windows, several seeds), multi-token answers and path
-patching. Each comparison also checks that reuse really happened: the last block saw runs
-shorter than the prompt.
+Prefix reuse on real models (numbers equal with reuse off): ``tests/integration/test_prefix.py``.
 """
 
 from __future__ import annotations
