@@ -70,6 +70,9 @@ FACTS_IN_FLIGHT = 4
 #: nnsight's tracer keeps per-thread and per-model state: requests are built one at a time.
 _TRACING = threading.Lock()
 
+#: An answer's load allows pipatch's named tuples (ANSWERS) one load at a time (Server.generate).
+_ALLOWING = threading.Lock()
+
 
 class Server:
     """The HTTP side: one connection pool to one ``pipatch serve`` server."""
@@ -131,7 +134,9 @@ class Server:
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
         # bodies save, and nnsight's error dict), and the named tuples pipatch's request bodies
         # answer with (ANSWERS); no other object the server names is ever built.
-        with torch.serialization.safe_globals(list(ANSWERS)):  # for this load only
+        # torch's safe_globals adds to one process-wide list and removes on exit: two threads'
+        # loads (generate_all) would each remove the other's, so they take turns.
+        with _ALLOWING, torch.serialization.safe_globals(list(ANSWERS)):  # for this load only
             answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
         try:
             raise_deferred(answer.get("error"))
