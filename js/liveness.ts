@@ -83,23 +83,29 @@ export function setShown(node: HTMLElement, shown: boolean): void {
   outputOf(node).style.display = shown ? '' : 'none';
 }
 
+/** A stream output (stdout or stderr: a warning, a "stopped" line) between a widget and its copy. */
+const STREAM = '[data-mime-type="application/vnd.jupyter.stderr"], [data-mime-type="application/vnd.jupyter.stdout"]';
+
 /**
- * Hide the output just before `node`'s output (the live grid whose saved copy `node` is) while
- * it says "Error displaying widget": dead since the notebook was reopened. The widget renderer
- * writes that only once the kernel has connected and the model is not there, so the output is
- * watched. Returns a function that stops watching.
+ * Hide the live grid's output above `node`'s output (the grid whose saved copy `node` is) while
+ * it says "Error displaying widget": dead since the notebook was reopened. Lines the run wrote
+ * between the two (a warning, say) are stepped over. The widget renderer writes that text only
+ * once the kernel has connected and the model is not there, so the output is watched. Returns
+ * a function that stops watching.
  */
 export function hideDeadWidgetBefore(node: HTMLElement): () => void {
   const own = outputOf(node);
-  const target = own === node ? null : (own.previousElementSibling as HTMLElement | null);
+  let target = own === node ? null : (own.previousElementSibling as HTMLElement | null);
+  while (target && target.querySelector(STREAM)) target = target.previousElementSibling as HTMLElement | null;
   if (!target) return () => undefined;
+  const dead = target;
   const check = () => {
-    if (!target.querySelector('.pipatch-grid') && DEAD_WIDGET.test(target.textContent ?? '')) {
-      target.style.display = 'none';
+    if (!dead.querySelector('.pipatch-grid') && DEAD_WIDGET.test(dead.textContent ?? '')) {
+      dead.style.display = 'none';
     }
   };
   check();
   const obs = new MutationObserver(check);
-  obs.observe(target, { childList: true, subtree: true, characterData: true });
+  obs.observe(dead, { childList: true, subtree: true, characterData: true });
   return () => obs.disconnect();
 }

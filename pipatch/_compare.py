@@ -44,7 +44,6 @@ derived, never stored.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ import numpy as np
 import torch
 
 from ._declare import declared
-from ._errors import PipatchWarning
+from ._errors import warn
 from ._models import PipatchError
 from ._result import Result, _rows, load_result, parts_from_json, result_from_parts
 from ._scales import mixed_scales
@@ -117,7 +116,7 @@ def compare(a: Result | str | os.PathLike, b: Result | str | os.PathLike, *, val
     comparison = Comparison(*sides, values=values, views=None if view is None else [view])
     line = _mixed_scales(*sides)
     if line is not None:
-        warnings.warn(line, PipatchWarning, stacklevel=2)
+        warn(line)
     return comparison
 
 

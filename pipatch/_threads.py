@@ -17,13 +17,11 @@ is not told that its own threads are the load.
 from __future__ import annotations
 
 import os
-import sys
 import time
-import warnings
 
 import torch
 
-from ._errors import PipatchWarning
+from ._errors import warn
 
 __all__ = ["cpu_load", "free_cores", "thread_advice", "warn_if_oversubscribed"]
 
@@ -81,15 +79,6 @@ def warn_if_oversubscribed(load: float | None = None) -> bool:
     if line is None:
         return False
     _warned = True
-    warnings.warn(line, PipatchWarning, stacklevel=_caller_level())
+    warn(line)
     return True
 
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first caller outside pipatch (the line that ran the sweep), so
-    the warning names the researcher's line, not the engine's."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2  # the caller of warn_if_oversubscribed
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level

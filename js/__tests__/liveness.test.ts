@@ -94,6 +94,20 @@ describe('a saved copy and its live grid', () => {
     renderer.dispose();
   });
 
+  it('steps over the lines the run wrote between the widget and its copy', async () => {
+    const { area, widgetOut, widgetNode, copyOut } = outputArea();
+    const warning = document.createElement('div');
+    warning.className = 'jp-OutputArea-child';
+    warning.innerHTML = '<div class="jp-RenderedText" data-mime-type="application/vnd.jupyter.stderr">a warning</div>';
+    area.insertBefore(warning, copyOut);
+    const renderer = await renderCopy(copyOut, 'w6');
+    widgetNode.textContent = 'Error displaying widget: model not found';
+    await tick();
+    expect(widgetOut.style.display).toBe('none');
+    expect(warning.style.display).toBe('');
+    renderer.dispose();
+  });
+
   it('leaves a working widget above it alone', async () => {
     const { widgetOut, widgetNode, copyOut } = outputArea();
     widgetNode.innerHTML = '<div class="pipatch-grid">Error displaying widget (a prompt)</div>';

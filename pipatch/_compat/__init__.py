@@ -31,10 +31,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
-import warnings
 from collections.abc import Mapping
 
-from .._errors import PipatchError, PipatchWarning
+from .._errors import PipatchError, warn
 
 __all__ = ["TESTED", "check_versions", "warn_untested", "missing", "installed_version"]
 
@@ -116,7 +115,7 @@ def warn_untested() -> None:
     """Warn each line of :func:`check_versions` once per process (a :class:`PipatchWarning`):
     called when a model is loaded and when a backend is made."""
     for line in check_versions():
-        warnings.warn(line, PipatchWarning, stacklevel=3)
+        warn(line)
 
 
 def missing(library: str, name: str, checked: str | None = None) -> PipatchError:

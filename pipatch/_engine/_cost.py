@@ -12,10 +12,9 @@ gets no estimate, and no line.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from .._errors import PipatchWarning
+from .._errors import warn
 from ._schedule import RUN_FLOPS
 from ._sweeps import Work
 
@@ -97,6 +96,6 @@ def warn_if_long(backend: Any, flops: float, what: str, work: str, narrow: str,
     seconds = seconds_for(backend, flops)
     if seconds > (LONG_SECONDS if threshold is None else threshold):
         device = backend.capabilities.device_kind.upper() if backend.capabilities.device_kind == "cpu" else "GPU"
-        warnings.warn(f"pipatch: {what} will take {duration(seconds)} on this {device} ({work}): narrow it with "
-                      f"{narrow}", PipatchWarning, stacklevel=2)
+        warn(f"pipatch: {what} will take {duration(seconds)} on this {device} ({work}): narrow it with "
+                      f"{narrow}")
     return seconds

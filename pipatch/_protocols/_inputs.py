@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import unicodedata
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ from .._cells import Metric
 from .._checks import whole_number
 from .._declare import Param, positive_int
 from .._declare import positions as parse_positions
-from .._errors import PipatchWarning
+from .._errors import warn
 from .._models import PipatchError
 from .._result import recovery_undefined
 
@@ -74,7 +73,7 @@ def answer_ids(backend, text: str, role: str, prompt: str | None = None) -> tupl
         raise PipatchError(f"the {role} {text!r} is no token at all for this tokenizer: pass visible text, e.g. ' Paris'")
     line = None if prompt is None else word_start_warning(backend, text, role, prompt, len(ids))
     if line is not None:
-        warnings.warn(line, PipatchWarning, stacklevel=2)
+        warn(line)
     return tuple(int(i) for i in ids)
 
 

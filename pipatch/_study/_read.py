@@ -31,7 +31,6 @@ relation; ``to_parquet`` without pyarrow.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import PipatchWarning
+from .._errors import warn
 from .._models import PipatchError
 from .._result import Result
 from .._scales import mixed_scales
@@ -215,7 +214,7 @@ class Study:
                                    "grids of one shape (named positions, or the same heads)")
         mixed = mixed_scales([(f"fact {other['idx']}", item.get("scale")) for other, item in values], "the facts")
         if mixed is not None:  # a store written before a study kept one scale
-            warnings.warn(f"{mixed} into a new store", PipatchWarning, stacklevel=3)
+            warn(f"{mixed} into a new store")
         return list(result.views), list(result.layers), names
 
     def grid(self, view: str | None = None, metric: str = "recovery", relation: str | None = None) -> torch.Tensor:
