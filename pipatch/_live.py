@@ -40,6 +40,7 @@ and its grid says so.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 from collections import deque
@@ -318,6 +319,8 @@ def run_live(plan: Any, *, widget: Any = None, show: bool | None = None, handle:
         _DISPATCHER.answer_queued()
 
     error: EngineError | None = None
+    if plan.estimate:  # the grid shows the rows; how long they take, about, is said first
+        print(plan.estimate, file=sys.stderr)
     _DISPATCHER.begin_sweep()
     try:
         try:

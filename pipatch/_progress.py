@@ -78,9 +78,11 @@ class StageBars:
 
 def run_with_progress(plan: Any, title: str, *, on_row: Callable[[Any, str, int], None] | None = None,
                       stop: Any = None, progress: bool = True) -> Any:
-    """``plan.run(on_row=..., stop=...)`` with a bar per stage (:class:`StageBars`) unless
-    ``progress`` is false; the result."""
+    """``plan.run(on_row=..., stop=...)`` with its estimate (``plan.estimate``) first and a bar
+    per stage (:class:`StageBars`), unless ``progress`` is false; the result."""
     bars = StageBars(title, enabled=bool(progress))
+    if progress and plan.estimate:
+        print(plan.estimate, file=sys.stderr)
     finished = False
     try:
         result = plan.run(on_row=on_row, stop=stop, on_progress=bars)

@@ -51,7 +51,7 @@ backend's) and :mod:`._cost` (what a run will cost: one line before one that tak
 """
 
 from .._backends._sizing import auto_batch_size, batch_size_for_memory
-from ._cost import LONG_SECONDS, read_flops, sweep_flops, warn_if_long
+from ._cost import LONG_SECONDS, device_name, duration, read_flops, sweep_flops, warn_if_long
 from ._execute import EngineError, execute, stop_check
 from ._plans import POOL_POSITIONS, Chain, Plan, Predictor
 from ._schedule import JOIN_COST, RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS, TRACE_COST, batches
@@ -60,4 +60,5 @@ from ._sweeps import SiteSweep, Sweep, Work
 
 __all__ = ["Sweep", "SiteSweep", "Work", "Plan", "Chain", "Predictor", "execute", "stop_check", "batches", "EngineError",
            "auto_batch_size", "batch_size_for_memory", "check_batch_size", "POOL_POSITIONS", "TRACE_COST", "JOIN_COST",
-           "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS", "LONG_SECONDS", "read_flops", "sweep_flops", "warn_if_long"]
+           "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS", "LONG_SECONDS", "read_flops", "sweep_flops", "warn_if_long",
+           "duration", "device_name"]

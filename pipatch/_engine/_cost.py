@@ -18,7 +18,7 @@ from .._errors import warn
 from ._schedule import RUN_FLOPS
 from ._sweeps import Work
 
-__all__ = ["LONG_SECONDS", "sweep_flops", "read_flops", "seconds_for", "warn_if_long", "duration"]
+__all__ = ["LONG_SECONDS", "sweep_flops", "read_flops", "seconds_for", "warn_if_long", "duration", "device_name"]
 
 #: A run the cost model says takes longer than this (seconds) is announced first (:func:`warn_if_long`).
 LONG_SECONDS = 60.0
@@ -74,13 +74,20 @@ def _first_seed(sweep: Any, row: int) -> Any:
             yield sweep.cell(row, col, 0)
 
 
+def device_name(backend: Any) -> str:
+    """``"CPU"`` or ``"GPU"``: the device ``backend`` computes on, as a line to a researcher names it."""
+    return "CPU" if backend.capabilities.device_kind == "cpu" else "GPU"
+
+
 def seconds_for(backend: Any, flops: float) -> float:
     """``flops`` in seconds on ``backend``'s device, about (:data:`~._schedule.RUN_FLOPS`: a second's work)."""
     return flops / RUN_FLOPS.get(backend.capabilities.device_kind, RUN_FLOPS["cpu"])
 
 
 def duration(seconds: float) -> str:
-    """``"about 40 s"``, ``"about 3 min"``, ``"about 2.5 h"``."""
+    """``"under 1 s"``, ``"about 40 s"``, ``"about 3 min"``, ``"about 2.5 h"``."""
+    if seconds < 1:
+        return "under 1 s"
     if seconds < 90:
         return f"about {seconds:.0f} s"
     if seconds < 90 * 60:
@@ -95,7 +102,6 @@ def warn_if_long(backend: Any, flops: float, what: str, work: str, narrow: str,
     work is (``work``) and how to narrow it (``narrow``). Returns the estimate in seconds."""
     seconds = seconds_for(backend, flops)
     if seconds > (LONG_SECONDS if threshold is None else threshold):
-        device = backend.capabilities.device_kind.upper() if backend.capabilities.device_kind == "cpu" else "GPU"
-        warn(f"pipatch: {what} will take {duration(seconds)} on this {device} ({work}): narrow it with "
+        warn(f"pipatch: {what} will take {duration(seconds)} on this {device_name(backend)} ({work}): narrow it with "
                       f"{narrow}")
     return seconds

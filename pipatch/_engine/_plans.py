@@ -49,6 +49,10 @@ class Plan:
         #: How a caller narrows this plan's run, for the line that announces a long one
         #: (:func:`~._cost.warn_if_long`); ``""``: no line.
         self.narrow = "positions="
+        #: One line that says, before the run, about how long it takes (a circuit's, timed on its
+        #: own captures: :func:`~pipatch._protocols._circuit_budget.estimate_line`); whoever shows
+        #: the run's progress prints it first. ``""``: none.
+        self.estimate = ""
 
     @property
     def row_order(self) -> int:

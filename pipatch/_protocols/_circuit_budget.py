@@ -9,6 +9,8 @@ counted in forwards and timed on the planner's own captures; :func:`curve_points
 
 from __future__ import annotations
 
+from .._engine import duration
+
 __all__ = ["DEVICE_DEFAULTS", "REFINE", "curve_points", "estimate_line", "gap_middles", "grid_sizes"]
 
 #: The most of a curve's points spent halving the size bracket around the share (the size
@@ -72,8 +74,6 @@ def estimate_line(seconds_per_forward: float, n_pairs: int, device: str, method:
     """One line: about how long the circuit takes (its forwards, :data:`FORWARDS_PER_STEP` ...,
     times the seconds of one forward measured on the captures) and what cuts it."""
     forwards = n_pairs * ((steps or 0) * FORWARDS_PER_STEP + verify * FORWARDS_PER_CHECK + points * FORWARDS_PER_POINT)
-    seconds = forwards * seconds_per_forward
-    took = "under 1 s" if seconds < 1 else f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
     scoring = f"{method} with {steps} step{'s' if steps != 1 else ''}, " if steps else ""
-    return (f"circuit: about {took} on this {device} ({n_pairs} pair{'s' if n_pairs != 1 else ''}, {scoring}"
+    return (f"circuit: {duration(forwards * seconds_per_forward)} on this {device} ({n_pairs} pair{'s' if n_pairs != 1 else ''}, {scoring}"
             f"{verify} exact checks, a {points}-point curve); fewer steps=, verify= or curve= make it shorter")

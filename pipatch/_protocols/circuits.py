@@ -74,7 +74,6 @@ table and its ``graph()`` the graph as JSON.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -86,7 +85,7 @@ from .._cells import Base, Capture, Cell, Op
 from .._checks import whole_number
 from .._circuit_result import VIEW_EDGES, CircuitResult, low_agreement_advice
 from .._declare import PAIR, Experiment, Param, count, positive_int
-from .._engine import Plan, Predictor, Sweep, Work, check_batch_size
+from .._engine import Plan, Predictor, Sweep, Work, check_batch_size, device_name
 from .._graph import Node, graph
 from .._models import Adapter, PipatchError
 from .._programs._edges import check_circuit_family
@@ -563,10 +562,9 @@ def plan_circuit(
     for pair in pairs:
         clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], pair.metric, [HEAD, ATTN, MLP])
         runs.append((pair, clean_run, corrupt_run))
-    print(estimate_line((time.perf_counter() - started) / (2 * len(pairs)), len(pairs), device,
-                         method, None if given is not None else (steps if method == "eap-ig" else 1),
-                         min(verify, int(valid.sum())), min(curve, int(valid.sum()) + 1)),
-          file=sys.stderr)
+    estimate = estimate_line((time.perf_counter() - started) / (2 * len(pairs)), len(pairs), device_name(backend),
+                             method, None if given is not None else (steps if method == "eap-ig" else 1),
+                             min(verify, int(valid.sum())), min(curve, int(valid.sum()) + 1))
     cleans = [float(clean_run.metric[0]) for _, clean_run, _ in runs]
     corrupts = [float(corrupt_run.metric[0]) for _, _, corrupt_run in runs]
     clean_value, corrupt_value = sum(cleans) / len(cleans), sum(corrupts) / len(corrupts)
@@ -607,6 +605,7 @@ def plan_circuit(
                         verify=verify, gradients=gradients, curve=faithful)
     if given is not None:
         plan.scored(given[0])
+    plan.estimate = estimate
     return plan
 
 

@@ -149,12 +149,15 @@ class Study:
         return {"total": total, **counts, "pending": max(total - sum(counts.values()), 0), "checked": checked}
 
     def summary(self) -> str:
-        """One line: ``trace study on gemma-3-270m: 412 of 1,209 known; 412 done, 0 errors, 0 pending``."""
+        """One line: ``trace study on gemma-3-270m at noise 3σ: 412 of 1,209 known; 412 done, 0 errors,
+        0 pending`` (the noise scale once there is one: every fact is traced at it)."""
         c, config, rows = self.counts(), self.config, self._rows()
+        scale = self.noise_scale
         known = sum(1 for row in rows if row["known"] == 1)
         unchecked = c["total"] - sum(1 for row in rows if row["known"] is not None)
         checked = f"{known:,} of {c['total']:,} known" + (f" ({unchecked:,} not checked)" if unchecked else "")
-        return (f"{config.get('experiment')} study on {config.get('model')}: {checked}; {c['done']:,} done, "
+        noise = f" at noise {scale:g}σ" if isinstance(scale, (int, float)) else ""
+        return (f"{config.get('experiment')} study on {config.get('model')}{noise}: {checked}; {c['done']:,} done, "
                 f"{c['error']:,} error{'s' if c['error'] != 1 else ''}, {c['pending']:,} pending")
 
     def __repr__(self) -> str:

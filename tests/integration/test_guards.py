@@ -39,6 +39,7 @@ def test_a_study_traces_every_fact_at_the_scale_auto_picked_first_and_a_resume_k
     store = tmp_path / "one-scale.sqlite"
     first = pipatch.study(model, facts, store=store, limit=1, **CHEAP)
     assert first.counts()["done"] == 1 and first.noise_scale == 1.0 and first[0].meta["scale"] == 1.0
+    assert " at noise 1σ: " in first.summary()
     resumed = pipatch.study(model, facts, store=store, **CHEAP)  # a new run: the recorded scale holds
     assert resumed.counts()["done"] == 2 and resumed.noise_scale == 1.0
     assert resumed[1].meta["scale"] == 1.0 and resumed[1].meta["scale_requested"] == 1.0
@@ -61,14 +62,17 @@ def test_a_circuit_on_a_cpu_takes_the_cpu_defaults_says_its_estimate_first_and_m
     result = pipatch.circuit(tiny, **PAIR)
     said = capfd.readouterr().err.splitlines()
     cpu = DEVICE_DEFAULTS["cpu"]
-    assert said[0].startswith("circuit: about ") and f"eap-ig with {cpu['steps']} steps" in said[0]
-    assert sum(line.startswith("circuit: about") for line in said) == 1
+    assert said[0].startswith("circuit: ") and " on this CPU (" in said[0]
+    assert f"eap-ig with {cpu['steps']} steps" in said[0]
+    assert sum(line.startswith("circuit: ") for line in said) == 1
     assert result.meta["method"] == "eap-ig" and result.meta["steps"] == cpu["steps"]
     assert len(result.meta["checked"]) == cpu["verify"]
     assert len(result.meta["faithfulness"]["sizes"]) == cpu["curve"]
-    # The GPU's defaults, given: as many points as asked, the bisection among them.
+    # The GPU's defaults, given: as many points as asked, the bisection among them; no
+    # progress shown, no estimate said.
     gpu = DEVICE_DEFAULTS["cuda"]
-    full = pipatch.circuit(tiny, **PAIR, **gpu)
+    full = pipatch.circuit(tiny, **PAIR, **gpu, progress=False)
+    assert capfd.readouterr().err == ""
     assert full.meta["steps"] == gpu["steps"] and len(full.meta["checked"]) == gpu["verify"]
     curve = full.meta["faithfulness"]
     assert len(curve["sizes"]) == gpu["curve"] and curve["size"] in curve["sizes"]
