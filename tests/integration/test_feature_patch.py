@@ -16,7 +16,7 @@ import torch
 
 import pipatch
 from tests._reference import first, hooked, logits_of
-from tests._saes import D_SAE, random_weights, save_saelens
+from tests._saes import D_SAE
 from tests.integration.test_features import (
     CLEAN,
     CORRUPT,
@@ -29,7 +29,6 @@ from tests.integration.test_features import (
     modules_of,
     saelens_folder,
 )
-from tests._tiny import tiny_model
 
 ANSWER, FOIL = " Rome", " Moscow"
 
@@ -218,20 +217,3 @@ def test_bad_latents_top_k_and_sites_are_one_line(tmp_path):
         with pytest.raises(pipatch.PipatchError, match=says) as error:
             pipatch.feature_patch(model, **kwargs)
         assert "\n" not in str(error.value), options
-
-
-def test_the_cli_and_patchgrid_run_it(tmp_path, capsys):
-    """Declared once: the command (an SAE folder as ``--site``) and ``PatchGrid.run`` plan the
-    same sweep as the Python call."""
-    from pipatch._live import PatchGrid
-    from pipatch.cli import main
-
-    model, _, folder = saelens_folder(tmp_path, "llama", "jumprelu")
-    want = pipatch.feature_patch(model, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, site=str(folder),
-                                 top_k=4, progress=False)
-    grid = PatchGrid.run(model, "feature_patch", clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
-                         site=str(folder), top_k=4, progress=False)
-    grid.wait()
-    assert grid.result.meta["latents"] == want.meta["latents"]
-    assert torch.allclose(grid.result.raw[want.meta["site"]], want.raw[want.meta["site"]], atol=1e-6)
-    assert main is not None
