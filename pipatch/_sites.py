@@ -288,6 +288,13 @@ class Site:
         return self.holder == _PROJ
 
     # -- module access ------------------------------------------------------------------------
+    @property
+    def place_key(self) -> Any:
+        """What a trace caches this site's :class:`Place` by (one fetch of the holder per
+        layer): the site's name. Sites that read one holder alike share a key (an SAE's
+        latents and its error: nnsight serves a module's value once, in forward order)."""
+        return self.name
+
     def check(self, adapter: Adapter) -> Site:
         """Refuse, in one line, a site this family cannot patch; return the site."""
         if self.sublayer and not adapter.sublayers_are_contributions:

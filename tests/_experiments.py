@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from tests._saes import shared_sae
 from tests.conftest import COLOSSEUM, EIFFEL
 
 BIG_BEN = "The Big Ben is in the city of"  # as many tiny-tokenizer tokens as EIFFEL
@@ -59,6 +60,13 @@ EMBEDDED: dict[str, dict] = {
         "body": PAIR,
         "argv": ["circuit", *PAIR_ARGV, "--method", "eap", "--verify", "2", "--curve", "3"],
     },
+    "feature_patch": {  # a random SAE after layer 6 (the embedded model is 640 wide)
+        "kwargs": {**PAIR_KWARGS, "site": shared_sae("embedded", 640, 6), "top_k": 3, "positions": [2, -1]},
+        "line": f'--answer " Paris" --foil " Rome" --site {shared_sae("embedded", 640, 6)} --top-k 3 --positions 2,-1',
+        "body": PAIR,
+        "argv": ["feature-patch", *PAIR_ARGV, "--site", shared_sae("embedded", 640, 6), "--top-k", "3",
+                 "--positions", "2,-1"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -69,6 +77,7 @@ TINY: dict[str, dict] = {
     "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
     "lens": {"prompt": EIFFEL, "answer": " Paris", "metric": "logprob"},
     "circuit": {**TINY_PAIR, "steps": 2, "verify": 3, "curve": 4},
+    "feature_patch": {**TINY_PAIR, "site": shared_sae("tiny", 64, 1), "top_k": 4},
 }
 
 

@@ -11,12 +11,13 @@ are scaled so that a few latents fire at every position of a tiny model's activa
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["KINDS", "D_SAE", "random_weights", "save_saelens", "save_gemma_scope"]
+__all__ = ["KINDS", "D_SAE", "random_weights", "save_saelens", "save_gemma_scope", "shared_sae"]
 
 KINDS = ["jumprelu", "topk", "relu", "transcoder"]
 D_SAE = 40
@@ -77,3 +78,14 @@ def save_gemma_scope(folder: Path, weights: dict[str, torch.Tensor], hook: str, 
     save_file({k: v.contiguous() for k, v in params.items()}, str(folder / "params.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def shared_sae(name: str, d_model: int, layer: int) -> str:
+    """The folder of a random JumpReLU SAE of the residual stream after ``layer`` of a
+    ``d_model``-wide model, named by no model (so any model of that width takes it), written
+    once per machine under the temporary directory: what the experiment catalogue
+    (:mod:`tests._experiments`) names as ``site`` for :func:`pipatch.feature_patch`."""
+    folder = Path(tempfile.gettempdir()) / "pipatch-test-saes" / f"{name}-{d_model}-L{layer}"
+    if not (folder / "cfg.json").exists():
+        save_saelens(folder, "jumprelu", random_weights("jumprelu", d_model), f"blocks.{layer}.hook_resid_post", "")
+    return str(folder)

@@ -28,7 +28,7 @@ from .._sites import Site
 from ._hooks import Hook
 from ._sae import SAE
 
-__all__ = ["LatentSite", "InOut"]
+__all__ = ["LatentSite", "ErrorSite", "InOut"]
 
 _LATENT = "latent"  # the holder of a latent site inside a block (a block output's is "block")
 
@@ -54,6 +54,11 @@ class InOut:
     @property
     def dtype(self) -> torch.dtype:
         return self.output.dtype
+
+    @property
+    def grad(self) -> Any:
+        """The output's gradient (inside a backward): what the transcoder's writes change."""
+        return self.output.grad
 
 
 @dataclass(frozen=True, repr=False)
@@ -97,6 +102,11 @@ class LatentSite(Site):
         return self.writes.path
 
     @property
+    def place_key(self) -> tuple:
+        """Latent sites reading and writing the same modules share their holder's place."""
+        return ("latent", self.reads, self.writes)
+
+    @property
     def reads_input(self) -> bool:
         return self.writes.reads_in
 
@@ -133,8 +143,42 @@ class LatentSite(Site):
         width = slice(latent, latent + 1) if isinstance(latent, int) else list(latent)
         return self.index([position], width=width)
 
+    @property
+    def error_site(self) -> ErrorSite:
+        """This SAE's error term as a site of its own (:class:`ErrorSite`)."""
+        return ErrorSite(f"{self.name} error", order=self.order, holder=self.holder, sublayer=self.sublayer,
+                         about=f"what {self.sae.name} misses of the value it reads", sae=self.sae, reads=self.reads,
+                         writes=self.writes)
+
     def __repr__(self) -> str:
         return f"<latent site {self.name}: {self.sae!r}>"
+
+
+@dataclass(frozen=True, repr=False)
+class ErrorSite(LatentSite):
+    """The error node of a latent site: ``x − decode(encode(x))``, what the SAE misses.
+
+    Its value is the error itself (``[rows, T, d_out]``), read where its latent site reads;
+    a write of an edited error ``e'`` adds ``e' − e`` where the latent site writes (its
+    decode is the identity), so patching the clean run's error into the corrupt run at a
+    position moves exactly the part of the stream the SAE does not explain there. A
+    feature sweep (:func:`pipatch.feature_patch`) gives it a row, ``"L12 error"``: how much
+    of the effect the SAE misses. Latent ids mean nothing here: :meth:`cell` takes
+    positions only.
+    """
+
+    def encode(self, raw: Any) -> torch.Tensor:
+        return self.error(raw)
+
+    def decode(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def cell(self, position: int, latent: Any = None) -> tuple:
+        """An op's index of the whole error at prompt position ``position``."""
+        return self.index([position])
+
+    def __repr__(self) -> str:
+        return f"<error site {self.name}: {self.sae!r}>"
 
 
 def latent_site(sae: SAE, reads: Hook, writes: Hook, name: str) -> LatentSite:

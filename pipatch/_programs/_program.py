@@ -99,7 +99,7 @@ class View:
     # -- places -----------------------------------------------------------------------------
     def place(self, site: Site, layer: int) -> Place:
         """``site``'s holder value at ``layer``, fetched once per trace."""
-        key = (site.name, layer)
+        key = (site.place_key, layer)
         if key not in self._places:
             self._places[key] = self.holder(site, layer)
         return self._places[key]

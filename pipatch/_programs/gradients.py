@@ -27,14 +27,19 @@ __all__ = ["GRADIENTS", "GradientRequest", "gradients", "gradients_body"]
 def gradients_body(view: View, site: Site, metric: Metric, prompt: int) -> tuple[list[Any], list[Any], Any]:
     """Inside a trace of the run's input: ``(values, grads, metric)``: ``site``'s value per
     layer at the first ``prompt`` positions ([1, T, width], the first input's), ``d metric /
-    d value`` per layer (a prompt position's gradients from every input of the run added up)
-    and the metric. nnsight serves ``.grad`` in the reverse of the forward order."""
+    d holder value`` per layer (a prompt position's gradients from every input of the run added up)
+    and the metric. nnsight serves ``.grad`` in the reverse of the forward order.
+
+    For a plain site the holder's value is the site's. An encoding site's value is
+    ``encode`` of its holder's (an SAE's latents) and its gradient is still the holder's,
+    where its writes land: the chain rule through ``decode`` is the caller's
+    (:func:`pipatch._features._screen.latent_gradient`)."""
     model, adapter, m = view.model, view.adapter, metric.n_read
     embedding = adapter.embedding(model)
     leaf = embedding.output.detach().requires_grad_(True)
     embedding.output = leaf
     acts = [site.value(adapter, model, layer) for layer in range(adapter.n_layers)]
-    values = [act[:1, :prompt].detach().clone() for act in acts]
+    values = [site.encode(act[:1, :prompt]).detach().clone() for act in acts]
     score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
     grads = []
     with score.backward(inputs=[leaf]):

@@ -67,7 +67,7 @@ from ._inputs import (
 )
 from .patching import pair_inputs
 
-__all__ = ["plan_attribute", "spearman", "DECLARATION"]
+__all__ = ["plan_attribute", "spearman", "VerifiedPlan", "DECLARATION"]
 
 
 def plan_attribute(
@@ -137,7 +137,7 @@ def plan_attribute(
         meta["verified"] = {target.name: [[0.0] * len(columns) for _ in range(adapter.n_layers)]}
         meta["verified_values"] = [{"layer": row, "col": col, "estimate": corrupt_value + float(delta[row, col]),
                                     "actual": None} for row, col in chosen]
-    return _AttributionPlan(backend, result, [sweep], batch, True)
+    return VerifiedPlan(backend, result, [sweep], batch, True)
 
 
 @dataclass
@@ -157,8 +157,10 @@ class _VerifySweep(SiteSweep):
         result.meta["verified"][self.view][cell.row][cell.col] = 1.0
 
 
-class _AttributionPlan(Plan):
-    """Verification rows run like any sweep's; the agreement is summarised at the end."""
+class VerifiedPlan(Plan):
+    """A plan whose checks (real patches of screened cells) run like any sweep's rows and
+    whose agreement with the screening is summarised at the end: ``meta["agreement"]`` from
+    ``meta["verified_values"]`` (attribution's ``verify=``, a feature sweep's exact cells)."""
 
     def finish(self) -> None:
         result = self.result

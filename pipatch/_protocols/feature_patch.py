@@ -1,0 +1,235 @@
+"""Feature patching: activation patching whose rows are an SAE's latents, not layers.
+
+``pipatch.patch`` asks which *layer* (at which position) carries the clean prompt's answer.
+With an SAE loaded at a layer (:func:`pipatch.load_sae`), the question becomes which
+*latents*: denoise the corrupt run by writing one clean latent value at one position, through
+the SAE (decode the edited latents, keep the SAE's error), and read the metric. A cell is one
+(latent, position) pair, and there are ``n_latents × positions`` of them (16k × a dozen for a
+Gemma Scope 2 SAE): too many forward passes. So the sweep
+
+1. **screens** every cell by attribution patching (one clean run, one corrupt run, one backward
+   pass: :mod:`pipatch._features._screen` for the formula, the gradient pass of
+   :mod:`pipatch._protocols.attribution`), which fills the whole grid with estimates;
+2. **patches exactly** the ``top_k`` cells with the largest estimated effect, and keeps both
+   numbers with their rank correlation (``meta["agreement"]``), as ``attribute(verify=)`` does.
+
+``latents=[...]`` patches those latents' rows exactly at every position instead, and
+``exhaustive=True`` every latent's (a small SAE, or a check of the screening itself).
+
+The grid's rows are the latents chosen (in order of their largest estimated effect), then one
+row for the SAE's **error** (``"L12 error"``: the part of the value the SAE does not explain,
+patched clean-into-corrupt like a latent, exactly at every position), so a large error row
+says the SAE misses what carries the answer. The grid reads as normalized recovery, like a
+patching grid; :meth:`~pipatch._features._screen.FeatureResult.frame` lists every cell with its
+latent id, position, estimate and exact value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .._cells import Base, Cell, Op
+from .._checks import flag, whole_number
+from .._declare import PAIR, Experiment, Param, positive_int
+from .._declare import positions as id_list
+from .._engine import Sweep, check_batch_size
+from .._errors import PipatchError
+from .._features import LatentSite, load_sae
+from .._features._screen import ERROR, FeatureResult, cell_scores, check_latents, rows_of, top_cells
+from .._features._site import ErrorSite
+from .._programs.capture import captures
+from .._programs.gradients import gradients
+from ._inputs import (
+    BATCH_SIZE,
+    METRIC,
+    PAIR_PARAMS,
+    POSITIONS,
+    model_meta,
+    pair_title,
+    sweep_positions,
+    undefined_recovery_warning,
+)
+from .attribution import VerifiedPlan
+from .patching import pair_inputs
+
+__all__ = ["plan_feature_patch", "LatentSweep", "DECLARATION"]
+
+
+def latent_site_of(site: Any, backend: Any) -> LatentSite:
+    """The latent site ``site`` names: a :class:`LatentSite` as it is, or an SAE folder
+    loaded onto the backend's model (how the CLI and the magics name one)."""
+    if isinstance(site, LatentSite) and not isinstance(site, ErrorSite):
+        return site
+    if isinstance(site, (str, Path)) and Path(site).expanduser().is_dir():
+        return load_sae(site, backend.model)
+    raise PipatchError(f"site {site!r} is no latent site: pass site=pipatch.load_sae(..., model), or an SAE "
+                       "folder (SAELens's or Gemma Scope 2's format)")
+
+
+def plan_feature_patch(
+    backend,
+    *,
+    clean: str,
+    corrupt: str,
+    answer: str,
+    foil: str | None,
+    site: Any,
+    metric: str,
+    top_k: int,
+    latents: Sequence[int] | None,
+    exhaustive: bool,
+    positions: Sequence[int] | None,
+    batch_size: int | None,
+) -> VerifiedPlan:
+    """Screen every (latent, position) cell; plan the exact patches of the chosen ones.
+
+    ``backend`` runs the model; the other parameters are :func:`pipatch.feature_patch`'s.
+    The screening runs here (the returned plan's grid is complete); running the plan patches
+    the chosen cells and the error row exactly.
+    """
+    target = latent_site_of(site, backend)
+    error = target.error_site
+    top_k = whole_number(top_k, "top_k (the screened cells to patch exactly)", minimum=1)
+    exhaustive = flag(exhaustive, "exhaustive")
+    if exhaustive and latents is not None:
+        raise PipatchError("exhaustive=True patches every latent and latents= only those given: pass one of them")
+    chosen = None if latents is None else check_latents(latents, target.n_latents, target.name)
+    pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
+    T = pair.clean_ids.shape[1]
+    cols = sweep_positions(positions, T)
+    batch = check_batch_size(batch_size, T, backend)
+    scorer, layer = pair.metric, target.layer
+
+    clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], scorer, [target, error])
+    values, grads, corrupt_value = gradients(backend, pair.corrupt_ids, scorer, target)
+    clean_value = float(clean_run.metric[0])
+    clean_latents, clean_error = clean_run.sites[target.name][layer], clean_run.sites[error.name][layer]
+    latent_scores = cell_scores(target, clean_latents, values[layer], grads[layer])[cols].T  # [n_latents, C]
+    error_scores = cell_scores(error, clean_error, corrupt_run.sites[error.name][layer], grads[layer])[cols].sum(-1)
+
+    if exhaustive:
+        rows, checked = list(range(target.n_latents)), None
+    elif chosen is not None:
+        rows, checked = chosen, None
+    else:
+        cells = top_cells(latent_scores, top_k)
+        rows = rows_of(cells)
+        checked = {(rows.index(latent), col) for latent, col in cells}
+    n_cols = len(cols)
+    estimate = torch.cat([latent_scores[rows], error_scores[None]])  # [rows + error, C]
+    only = ({(r, c) for r in range(len(rows) + 1) for c in range(n_cols)} if checked is None
+            else checked | {(len(rows), c) for c in range(n_cols)})
+
+    meta = model_meta(backend)
+    meta.update({
+        **pair.meta(backend), "site": target.name, "sae": target.sae.name, "layer": layer, "col_axis": "token",
+        "direction": "denoise", "positions": cols, "latents": [*rows, ERROR], "n_latents": target.n_latents,
+        "top_k": top_k, "exhaustive": bool(exhaustive),
+        "estimate": "attribution patching: grad(metric) at the corrupt run through decode · (clean − corrupt) latents",
+        "verified": {target.name: [[0.0] * n_cols for _ in range(len(rows) + 1)]},
+    })
+    ordered = sorted(only, key=lambda cell: (-abs(float(estimate[cell])), cell))
+    meta["verified_values"] = [{"layer": r, "col": c, "estimate": corrupt_value + float(estimate[r, c]), "actual": None}
+                               for r, c in ordered]
+    result = FeatureResult(
+        kind="feature_patch", tokens=pair.clean_tokens, columns=[pair.clean_tokens[p] for p in cols],
+        layers=[f"L{layer} #{i}" for i in rows] + [f"L{layer} error"], metric=scorer.label,
+        raw={target.name: (corrupt_value + estimate).unsqueeze(0)}, clean=clean_value,
+        corrupt=torch.tensor([corrupt_value]), meta=meta,
+        warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
+        rows_done={target.name: len(rows) + 1},
+    )
+    differ = (pair.clean_ids[0] != pair.corrupt_ids[0]).nonzero()
+    sweep = LatentSweep(view=target.name, base=Base(pair.corrupt_ids, corrupt_run), metric=scorer,
+                        n_rows=len(rows) + 1, n_cols=n_cols, only=only, agrees_before=int(differ[0]) if len(differ) else T,
+                        site=target, latents=[*rows, None], positions=cols,
+                        donors={target.name: clean_latents, error.name: clean_error})
+    return VerifiedPlan(backend, result, [sweep], batch, True)
+
+
+@dataclass
+class LatentSweep(Sweep):
+    """Exact denoising patches of (latent, position) cells: cell ``(row, col)`` writes the
+    clean value of latent ``latents[row]`` at position ``positions[col]`` through ``site``
+    (the error site's whole value where ``latents[row]`` is ``None``). Values go to
+    ``meta["verified_values"]`` beside the screening estimate, not into the grid."""
+
+    stage: ClassVar[str] = "checks"
+    site: LatentSite | None = None
+    latents: list[int | None] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    donors: dict[str, torch.Tensor] = field(default_factory=dict)  # clean values at the site's layer, [1, T, width]
+
+    def cell(self, row: int, col: int, seed: int) -> Cell:
+        site, latent, position = self.site, self.latents[row], self.positions[col]
+        assert site is not None, "a LatentSweep needs its site"
+        if latent is None:
+            site = site.error_site
+            op = Op(site, site.layer, site.cell(position), self.donors[site.name][:, [position]])
+        else:
+            op = Op(site, site.layer, site.cell(position, latent), self.donors[site.name][:, [position], latent:latent + 1])
+        return Cell(row, col, seed, start=site.start_layer(site.layer), ops=[op])
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False
+
+    def store(self, result: Any, cell: Cell, value: float) -> None:
+        for entry in result.meta["verified_values"]:
+            if (entry["layer"], entry["col"]) == (cell.row, cell.col):
+                entry["actual"] = value
+        result.meta["verified"][self.view][cell.row][cell.col] = 1.0
+
+
+def _title(meta: dict) -> str:
+    return pair_title("Feature patching", meta, f"denoise, {meta.get('site', 'latents')}")
+
+
+DECLARATION = Experiment(
+    name="feature_patch", kind="feature_patch", noun="feature patching",
+    summary="Feature patching: screen every SAE latent × position by attribution, patch the top ones exactly.",
+    planner=plan_feature_patch, prompts=PAIR, title=_title,
+    params=(
+        *PAIR_PARAMS,
+        Param("site", help="the latent site (pipatch.load_sae(..., model)), or an SAE folder", annotation="Any"),
+        METRIC,
+        Param("top_k", 20, "how many screened (latent, position) cells to patch exactly, largest |estimated effect| "
+              "first", "int", parse=positive_int),
+        Param("latents", None, "latent ids whose rows to patch exactly at every position, instead of the top_k cells",
+              "Sequence[int] | None", parse=id_list, shown="the screened top_k",
+              flag_help="as a flag: 12,345"),
+        Param("exhaustive", False, "patch every latent at every position exactly (a small SAE)", "bool", switch=True),
+        replace(POSITIONS, help="the positions (columns) to screen and patch"),
+        BATCH_SIZE,
+    ),
+    example='%%feature_patch --site saes/L3 --answer " Paris" --foil " Rome" --top-k 10 -o feats\n'
+            "clean: The Eiffel Tower is in the city of\n"
+            "corrupt: The Colosseum is in the city of",
+    doc="""
+    See :mod:`pipatch._protocols.feature_patch` for the method.
+
+    Returns
+    -------
+    FeatureResult
+        ``kind="feature_patch"``; rows are the latents chosen, then the SAE's error
+        (``meta["latents"]``: their ids, ``"error"``), columns the positions. ``raw[site]``
+        is tensor[1, rows, columns] of ``corrupt metric + estimated change`` and
+        ``result.grid`` its normalized recovery. ``meta["verified_values"]`` holds the exact
+        patches (``{"layer": row, "col", "estimate", "actual"}``, raw metric units),
+        ``meta["agreement"]`` their rank correlation with the screening, and ``frame()`` one
+        line per (latent, position) cell: ``latent``, ``position``, ``value``, ``exact``.
+
+    Examples
+    --------
+    >>> sae = pipatch.load_sae("saes/L3", model)
+    >>> r = pipatch.feature_patch(model, clean="The Eiffel Tower is in the city of",
+    ...                           corrupt="The Colosseum is in the city of",
+    ...                           answer=" Paris", foil=" Rome", site=sae, top_k=10)
+    >>> r.frame().dropna()
+    """,
+)
