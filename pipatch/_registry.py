@@ -13,6 +13,7 @@ name            command         what it does
 ``path_patch``  ``path-patch``  path patching: one sender's direct effect on receivers
 ``lens``        ``lens``        the logit lens: each layer's residual read as the output
 ``circuit``     ``circuit``     edge attribution (EAP / EAP-IG), checked by exact edge patches
+``features``    ``features``    which SAE latents fire where: top-k per position, with labels
 ==============  ==============  ======================================================
 
 **Another package's experiments** are found through the ``pipatch.experiments`` entry-point
@@ -36,7 +37,7 @@ from typing import Any
 
 from ._declare import EXPERIMENTS, PAIR, PROMPT, Experiment, Param, PromptForm, experiment, register
 from ._models import PipatchError
-from ._protocols import attribution, circuits, lens, patching, paths, tracing
+from ._protocols import attribution, circuits, features, lens, patching, paths, tracing
 
 __all__ = ["EXPERIMENTS", "Experiment", "Param", "PromptForm", "PROMPT", "PAIR", "experiment", "register",
            "add_options", "given_options", "ENTRY_POINTS"]
@@ -44,7 +45,7 @@ __all__ = ["EXPERIMENTS", "Experiment", "Param", "PromptForm", "PROMPT", "PAIR",
 #: The entry-point group other packages declare their experiments in.
 ENTRY_POINTS = "pipatch.experiments"
 
-for _module in (tracing, patching, attribution, paths, lens, circuits):
+for _module in (tracing, patching, attribution, paths, lens, circuits, features):
     register(_module.DECLARATION)
 
 
