@@ -24,7 +24,7 @@ an installed package registers) are derived from their declarations
 from . import _api, tasks
 from ._compare import compare
 from ._features import load_sae, load_saes
-from ._features._contexts import feature_contexts
+from ._features._corpus import feature_contexts
 from ._features._labels import load_labels
 from ._load import load_model
 from ._models import PipatchError

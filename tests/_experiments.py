@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from tests._saes import sae_folder
+from tests._tiny import D_MODEL
 from tests.conftest import COLOSSEUM, EIFFEL
 
 BIG_BEN = "The Big Ben is in the city of"  # as many tiny-tokenizer tokens as EIFFEL
@@ -59,6 +61,12 @@ EMBEDDED: dict[str, dict] = {
         "body": PAIR,
         "argv": ["circuit", *PAIR_ARGV, "--method", "eap", "--verify", "2", "--curve", "3"],
     },
+    "features": {  # a random SAE of the embedded model's layer 6 (640 wide)
+        "kwargs": {"prompt": EIFFEL, "saes": [sae_folder(640, 6)], "k": 3},
+        "line": f"--saes {sae_folder(640, 6)} --k 3",
+        "body": EIFFEL,
+        "argv": ["features", EIFFEL, "--saes", sae_folder(640, 6), "--k", "3"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -69,6 +77,7 @@ TINY: dict[str, dict] = {
     "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
     "lens": {"prompt": EIFFEL, "answer": " Paris", "metric": "logprob"},
     "circuit": {**TINY_PAIR, "steps": 2, "verify": 3, "curve": 4},
+    "features": {"prompt": EIFFEL, "saes": sae_folder(D_MODEL, 1), "k": 4},
 }
 
 

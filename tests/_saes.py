@@ -77,3 +77,21 @@ def save_gemma_scope(folder: Path, weights: dict[str, torch.Tensor], hook: str, 
     save_file({k: v.contiguous() for k, v in params.items()}, str(folder / "params.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+_FOLDERS: dict[tuple, Path] = {}
+
+
+def sae_folder(d_model: int, layer: int, seed: int = 0) -> str:
+    """A random JumpReLU SAE of a ``d_model``-wide model's block ``layer`` output, written once
+    per process to a temporary folder (SAELens's format, naming no model: any model of that
+    width takes it). The experiments' examples (:mod:`tests._experiments`) read features with it."""
+    import tempfile
+
+    key = (d_model, layer, seed)
+    if key not in _FOLDERS:
+        folder = Path(tempfile.mkdtemp(prefix="pipatch-sae-")) / f"L{layer}"
+        save_saelens(folder, "jumprelu", random_weights("jumprelu", d_model, d_model, seed=seed),
+                     f"blocks.{layer}.hook_resid_post", "")
+        _FOLDERS[key] = folder
+    return str(_FOLDERS[key])

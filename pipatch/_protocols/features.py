@@ -12,28 +12,54 @@ and, where the SAE's folder holds them, their top contexts over a corpus
 The result (:class:`~pipatch._features._result.FeatureResult`) is a grid per SAE, ranks ×
 positions of activations, and a table with one row per (SAE, position, latent):
 ``result.frame()``. Only latents that fire (activation > 0) are shown; a rank no latent fills
-is NaN in the grid and absent from the table.
+is NaN in the grid and absent from the table. A click on a cell shows the top next tokens of
+the run with that latent set to 0 there (:class:`LatentSweep`): what the model says without it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._cells import Base, Cell, Op
+from .._checks import whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
-from .._engine import Plan
+from .._engine import Plan, Sweep
 from .._errors import PipatchError
 from .._features import LatentSite, load_sae
-from .._features._contexts import load_contexts, read_latents
+from .._features._contexts import NO_METRIC, load_contexts, read_latents
 from .._features._labels import labels_next_to, load_labels
 from .._features._result import FeatureResult, top_latents
 from ._inputs import POSITIONS, encode, model_meta, sweep_positions
 
-__all__ = ["plan_features", "DECLARATION"]
+__all__ = ["plan_features", "LatentSweep", "DECLARATION"]
+
+
+@dataclass
+class LatentSweep(Sweep):
+    """A feature grid's cells as patched runs, for clicks only (the grid is read in one
+    forward): cell ``(rank, col)`` is the prompt's run with that latent set to 0 at that
+    position (the SAE's error kept, so the rest of the run is the plain one): what the model
+    says without it. A cell where no latent fires is the plain run."""
+
+    site: LatentSite | None = None
+    ids: list[list[int | None]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def cell(self, row: int, col: int, seed: int) -> Cell:
+        site, latent = self.site, self.ids[row][col]
+        assert site is not None, "a LatentSweep needs its site"
+        ops = [] if latent is None else [Op(site, site.layer, site.cell(self.positions[col], latent), torch.zeros(1, 1, 1))]
+        return Cell(row, col, seed, start=0, ops=ops)
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False  # every row is read before the plan runs
 
 
 def _sites(backend: Any, saes: Any) -> list[LatentSite]:
@@ -75,13 +101,12 @@ def plan_features(backend: Any, prompt: str, *, saes: Any, k: int, positions: Se
     """
     if not isinstance(prompt, str):
         raise PipatchError("features() reads one prompt at a time: pass a string (call it once per prompt)")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise PipatchError(f"k must be a whole number ≥ 1 (latents shown per position), got {k!r}")
+    k = whole_number(k, "k (latents shown per position)", 1)
     sites = _sites(backend, saes)
     named = _labels_of(sites, labels)
     input_ids, tokens, _ = encode(backend, prompt)
     cols = sweep_positions(positions, input_ids.shape[1])
-    read = read_latents(backend, input_ids, sites)
+    read, run = read_latents(backend, input_ids, sites)
     raw: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {**model_meta(backend), "prompt": prompt, "positions": cols, "k": k, "site": "latent",
                             "col_axis": "token", "normalize": False, "latents": {}, "labels": {}, "contexts": {},
@@ -101,7 +126,10 @@ def plan_features(backend: Any, prompt: str, *, saes: Any, k: int, positions: Se
                            layers=[f"top {r + 1}" for r in range(k)], metric="activation", raw=raw,
                            clean=math.nan, corrupt=torch.tensor([math.nan]), meta=meta,
                            rows_done={s.name: k for s in sites})
-    return Plan(backend, result, [], 1)
+    base = Base(input_ids, run)
+    sweeps = [LatentSweep(view=s.name, base=base, metric=NO_METRIC, n_rows=k, n_cols=len(cols), prune=False,
+                          only=set(), site=s, ids=meta["latents"][s.name], positions=cols) for s in sites]
+    return Plan(backend, result, sweeps, 1, fast=False)
 
 
 def _path_or_site(value: str) -> str:
