@@ -4,18 +4,7 @@ Each experiment is declared once, in its protocol module, as ``DECLARATION``
 (:class:`pipatch._declare.Experiment`); this module lists pipatch's own and registers them,
 then those of other packages:
 
-=================  =================  ==============================================================
-name               command            what it does
-=================  =================  ==============================================================
-``trace``          ``trace``          ROME causal tracing: noise the subject, restore states
-``patch``          ``patch``          activation patching between a clean and a corrupt prompt
-``attribute``      ``attribute``      attribution patching: first-order estimate of ``patch``
-``path_patch``     ``path-patch``     path patching: one sender's direct effect on receivers
-``lens``           ``lens``           the logit lens: each layer's residual read as the output
-``circuit``        ``circuit``        edge attribution (EAP / EAP-IG), checked by exact edge patches
-``feature_patch``  ``feature-patch``  SAE latents screened by attribution, the top ones patched
-=================  =================  ==============================================================
-
+=================  =================  =======================================================
 **Another package's experiments** are found through the ``pipatch.experiments`` entry-point
 group: each entry point names a module (its declaration is the module's ``DECLARATION``) or an
 :class:`~pipatch._declare.Experiment` itself::
@@ -37,7 +26,7 @@ from typing import Any
 
 from ._declare import EXPERIMENTS, PAIR, PROMPT, Experiment, Param, PromptForm, experiment, register
 from ._models import PipatchError
-from ._protocols import attribution, circuits, feature_patch, lens, patching, paths, tracing
+from ._protocols import attribution, circuits, feature_patch, features, lens, patching, paths, tracing
 
 __all__ = ["EXPERIMENTS", "Experiment", "Param", "PromptForm", "PROMPT", "PAIR", "experiment", "register",
            "add_options", "given_options", "ENTRY_POINTS"]
@@ -45,7 +34,7 @@ __all__ = ["EXPERIMENTS", "Experiment", "Param", "PromptForm", "PROMPT", "PAIR",
 #: The entry-point group other packages declare their experiments in.
 ENTRY_POINTS = "pipatch.experiments"
 
-for _module in (tracing, patching, attribution, paths, lens, circuits, feature_patch):
+for _module in (tracing, patching, attribution, paths, lens, circuits, features, feature_patch):
     register(_module.DECLARATION)
 
 

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from tests._saes import shared_sae
+from tests._saes import sae_folder
+from tests._tiny import D_MODEL
 from tests.conftest import COLOSSEUM, EIFFEL
 
 BIG_BEN = "The Big Ben is in the city of"  # as many tiny-tokenizer tokens as EIFFEL
@@ -60,11 +61,17 @@ EMBEDDED: dict[str, dict] = {
         "body": PAIR,
         "argv": ["circuit", *PAIR_ARGV, "--method", "eap", "--verify", "2", "--curve", "3"],
     },
+    "features": {  # a random SAE of the embedded model's layer 6 (640 wide)
+        "kwargs": {"prompt": EIFFEL, "saes": [sae_folder(640, 6)], "k": 3},
+        "line": f"--saes {sae_folder(640, 6)} --k 3",
+        "body": EIFFEL,
+        "argv": ["features", EIFFEL, "--saes", sae_folder(640, 6), "--k", "3"],
+    },
     "feature_patch": {  # a random SAE after layer 6 (the embedded model is 640 wide)
-        "kwargs": {**PAIR_KWARGS, "site": shared_sae("embedded", 640, 6), "top_k": 3, "positions": [2, -1]},
-        "line": f'--answer " Paris" --foil " Rome" --site {shared_sae("embedded", 640, 6)} --top-k 3 --positions 2,-1',
+        "kwargs": {**PAIR_KWARGS, "site": sae_folder(640, 6), "top_k": 3, "positions": [2, -1]},
+        "line": f'--answer " Paris" --foil " Rome" --site {sae_folder(640, 6)} --top-k 3 --positions 2,-1',
         "body": PAIR,
-        "argv": ["feature-patch", *PAIR_ARGV, "--site", shared_sae("embedded", 640, 6), "--top-k", "3",
+        "argv": ["feature-patch", *PAIR_ARGV, "--site", sae_folder(640, 6), "--top-k", "3",
                  "--positions", "2,-1"],
     },
 }
@@ -77,7 +84,8 @@ TINY: dict[str, dict] = {
     "path_patch": dict(TINY_PAIR),  # no sender: a sweep over every head
     "lens": {"prompt": EIFFEL, "answer": " Paris", "metric": "logprob"},
     "circuit": {**TINY_PAIR, "steps": 2, "verify": 3, "curve": 4},
-    "feature_patch": {**TINY_PAIR, "site": shared_sae("tiny", 64, 1), "top_k": 4},
+    "features": {"prompt": EIFFEL, "saes": sae_folder(D_MODEL, 1), "k": 4},
+    "feature_patch": {**TINY_PAIR, "site": sae_folder(D_MODEL, 1), "top_k": 4},
 }
 
 

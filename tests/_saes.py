@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["KINDS", "D_SAE", "random_weights", "save_saelens", "save_gemma_scope", "shared_sae"]
+__all__ = ["KINDS", "D_SAE", "random_weights", "save_saelens", "save_gemma_scope", "sae_folder"]
 
 KINDS = ["jumprelu", "topk", "relu", "transcoder"]
 D_SAE = 40
@@ -80,12 +80,18 @@ def save_gemma_scope(folder: Path, weights: dict[str, torch.Tensor], hook: str, 
     return folder
 
 
-def shared_sae(name: str, d_model: int, layer: int) -> str:
-    """The folder of a random JumpReLU SAE of the residual stream after ``layer`` of a
-    ``d_model``-wide model, named by no model (so any model of that width takes it), written
-    once per machine under the temporary directory: what the experiment catalogue
-    (:mod:`tests._experiments`) names as ``site`` for :func:`pipatch.feature_patch`."""
-    folder = Path(tempfile.gettempdir()) / "pipatch-test-saes" / f"{name}-{d_model}-L{layer}"
-    if not (folder / "cfg.json").exists():
-        save_saelens(folder, "jumprelu", random_weights("jumprelu", d_model), f"blocks.{layer}.hook_resid_post", "")
-    return str(folder)
+_FOLDERS: dict[tuple, Path] = {}
+
+
+def sae_folder(d_model: int, layer: int, seed: int = 0) -> str:
+    """A random JumpReLU SAE of a ``d_model``-wide model's block ``layer`` output, written once
+    per process to a temporary folder (SAELens's format, naming no model: any model of that
+    width takes it). The experiments' examples (:mod:`tests._experiments`) read features with it."""
+
+    key = (d_model, layer, seed)
+    if key not in _FOLDERS:
+        folder = Path(tempfile.mkdtemp(prefix="pipatch-sae-")) / f"L{layer}"
+        save_saelens(folder, "jumprelu", random_weights("jumprelu", d_model, d_model, seed=seed),
+                     f"blocks.{layer}.hook_resid_post", "")
+        _FOLDERS[key] = folder
+    return str(_FOLDERS[key])

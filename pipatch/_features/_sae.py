@@ -71,7 +71,12 @@ class SAE:
         The model it was trained on, as its config names it (``None``: not named).
     name
         What to call it (its SAELens id, its folder's name).
+    folder
+        The folder it was read from (``None``: an SAELens object or release), where its labels
+        and top contexts are kept (:mod:`pipatch._features._labels`, :mod:`._contexts`).
     """
+
+    folder: Path | None = None
 
     def __init__(self, *, activation: str, W_enc: torch.Tensor, b_enc: torch.Tensor, W_dec: torch.Tensor,
                  b_dec: torch.Tensor, hook: str, threshold: torch.Tensor | None = None, k: int | None = None,
@@ -267,10 +272,13 @@ def read_folder(folder: str | Path, name: str | None = None) -> SAE:
     folder = Path(folder).expanduser()
     label = name or folder.name
     if (folder / "cfg.json").is_file() and (folder / "sae_weights.safetensors").is_file():
-        return _from_saelens_config(_config(folder / "cfg.json"), _tensors(folder / "sae_weights.safetensors"), label)
-    if (folder / "params.safetensors").is_file() and (folder / "config.json").is_file():
-        return _gemma_scope(folder, label)
-    raise PipatchError(f"{folder} holds no SAE pipatch reads: expected {_FOLDERS}")
+        sae = _from_saelens_config(_config(folder / "cfg.json"), _tensors(folder / "sae_weights.safetensors"), label)
+    elif (folder / "params.safetensors").is_file() and (folder / "config.json").is_file():
+        sae = _gemma_scope(folder, label)
+    else:
+        raise PipatchError(f"{folder} holds no SAE pipatch reads: expected {_FOLDERS}")
+    sae.folder = folder
+    return sae
 
 
 def from_release(release: str, sae_id: str) -> SAE:

@@ -19,7 +19,7 @@ vector–Jacobian product of ``decode``, ``W_dec``'s rows for a linear decoder).
 e_corrupt)`` summed over the width: one number per position.
 
 The cells with the largest ``|score|`` (:func:`top_cells`) are then patched exactly, and the
-result (:class:`FeatureResult`) keeps both numbers, like attribution's ``verify=``. Nothing
+result (:class:`FeaturePatchResult`) keeps both numbers, like attribution's ``verify=``. Nothing
 here runs a model.
 """
 
@@ -35,9 +35,9 @@ from .._result import Result, recovery_undefined
 from .._sites import Site
 from .._tables import table
 
-__all__ = ["latent_gradient", "cell_scores", "top_cells", "check_latents", "FeatureResult", "ERROR"]
+__all__ = ["latent_gradient", "cell_scores", "top_cells", "check_latents", "FeaturePatchResult", "ERROR"]
 
-#: A feature result's ``latent`` for its error row (:meth:`FeatureResult.frame`).
+#: A feature result's ``latent`` for its error row (:meth:`FeaturePatchResult.frame`).
 ERROR = "error"
 
 
@@ -107,7 +107,7 @@ def check_latents(latents: Any, n_latents: int, what: str) -> list[int]:
     return out
 
 
-class FeatureResult(Result, file_kind="feature_patch"):
+class FeaturePatchResult(Result, file_kind="feature_patch"):
     """A feature sweep's result: rows are latents (and the SAE's error), columns positions.
 
     ``raw[site]`` ([1, rows, columns]) holds every cell's screening estimate (corrupt metric

@@ -20,7 +20,7 @@ The grid's rows are the latents chosen (in order of their largest estimated effe
 row for the SAE's **error** (``"L12 error"``: the part of the value the SAE does not explain,
 patched clean-into-corrupt like a latent, exactly at every position), so a large error row
 says the SAE misses what carries the answer. The grid reads as normalized recovery, like a
-patching grid; :meth:`~pipatch._features._screen.FeatureResult.frame` lists every cell with its
+patching grid; :meth:`~pipatch._features._screen.FeaturePatchResult.frame` lists every cell with its
 latent id, position, estimate and exact value.
 """
 
@@ -40,7 +40,7 @@ from .._declare import positions as id_list
 from .._engine import Sweep, check_batch_size
 from .._errors import PipatchError
 from .._features import LatentSite, load_sae
-from .._features._screen import ERROR, FeatureResult, cell_scores, check_latents, rows_of, top_cells
+from .._features._screen import ERROR, FeaturePatchResult, cell_scores, check_latents, rows_of, top_cells
 from .._features._site import ErrorSite
 from .._programs.capture import captures
 from .._programs.gradients import gradients
@@ -136,7 +136,7 @@ def plan_feature_patch(
     ordered = sorted(only, key=lambda cell: (-abs(float(estimate[cell])), cell))
     meta["verified_values"] = [{"layer": r, "col": c, "estimate": corrupt_value + float(estimate[r, c]), "actual": None}
                                for r, c in ordered]
-    result = FeatureResult(
+    result = FeaturePatchResult(
         kind="feature_patch", tokens=pair.clean_tokens, columns=[pair.clean_tokens[p] for p in cols],
         layers=[f"L{layer} #{i}" for i in rows] + [f"L{layer} error"], metric=scorer.label,
         raw={target.name: (corrupt_value + estimate).unsqueeze(0)}, clean=clean_value,
@@ -215,7 +215,7 @@ DECLARATION = Experiment(
 
     Returns
     -------
-    FeatureResult
+    FeaturePatchResult
         ``kind="feature_patch"``; rows are the latents chosen, then the SAE's error
         (``meta["latents"]``: their ids, ``"error"``), columns the positions. ``raw[site]``
         is tensor[1, rows, columns] of ``corrupt metric + estimated change`` and

@@ -22,9 +22,10 @@ from tests.conftest import COLOSSEUM, EIFFEL
 
 
 def test_the_registry_lists_every_experiment_once_in_order():
-    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens", "circuit", "feature_patch"]
+    assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens", "circuit", "features",
+                                 "feature_patch"]
     assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens", "circuit",
-                                                         "feature-patch"]
+                                                         "features", "feature-patch"]
     assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
     for entry in EXPERIMENTS.values():
         flags = [o.flag for o in entry.options] + [f for o in entry.options for f in o.alias_flags]
