@@ -15,7 +15,7 @@ from typing import Any
 
 from ._models import PipatchError
 
-__all__ = ["flag", "whole_number"]
+__all__ = ["flag", "is_whole", "whole_number"]
 
 # Base-10 digits only: int() would also take "1_000" and non-ASCII digits ("٣").
 _DIGITS = re.compile(r"[+-]?[0-9]+")
@@ -32,6 +32,12 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f" ≤ {maximum}"
     return ""
+
+
+def is_whole(value: Any) -> bool:
+    """Whether ``value`` is an integral number (a numpy integer too) and not a bool: what a
+    count or an id may be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def whole_number(value: Any, what: str, minimum: int | None = 0, maximum: int | None = None) -> int:
@@ -61,7 +67,7 @@ def whole_number(value: Any, what: str, minimum: int | None = 0, maximum: int | 
         ``"sender head 9 is out of range: use 0..3"``.
     """
     wanted = f"a whole number{_bounds(minimum, maximum)}"
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if is_whole(value):
         number = int(value)
     elif isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
         number = int(value.strip())

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._checks import is_whole
 from .._errors import PipatchError
 from .._result import Result, recovery_undefined
 from .._sites import Site
@@ -96,7 +97,7 @@ def check_latents(latents: Any, n_latents: int, what: str) -> list[int]:
         latents = [latents]
     out = []
     for latent in latents:
-        if isinstance(latent, bool) or not isinstance(latent, int) or not 0 <= latent < n_latents:
+        if not is_whole(latent) or not 0 <= latent < n_latents:
             raise PipatchError(f"latent {latent!r} is not a latent of {what}: pass ids from 0 to {n_latents - 1}")
         out.append(int(latent))
     if not out:
