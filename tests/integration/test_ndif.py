@@ -22,6 +22,7 @@ import torch
 import pipatch
 from pipatch import cli
 from pipatch._backends import backend_for
+from pipatch._registry import EXPERIMENTS
 from pipatch._backends.ndif import NDIFBackend
 from pipatch._known import remember
 from pipatch._models import PipatchError
@@ -33,8 +34,9 @@ from tests.conftest import EIFFEL
 from tests.unit.test_ndif_checks import one_line
 
 #: The options each experiment takes for ``fast`` (attribution has none: it runs no sweep of
-#: patched runs but its verification, which has no shortcut to take).
-SLOW = {name: ({} if name == "attribute" else {"fast": False}) for name in EMBEDDED}
+#: patched runs but its verification, which has no shortcut to take; nor do the feature
+#: experiments).
+SLOW = {name: ({"fast": False} if "fast" in [o.keyword for o in EXPERIMENTS[name].options] else {}) for name in EMBEDDED}
 
 
 @pytest.fixture(scope="module")
