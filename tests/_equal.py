@@ -108,7 +108,11 @@ def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") 
     senders, receivers = {kind(e["sender"]) for e in mine}, {kind(e["receiver"]) for e in mine}
     assert senders == {"emb", "head", "mlp"} and receivers == {"qkv", "mlp", "logits"}, (senders, receivers)
     assert checked.meta["agreement"]["n"] == 30
-    assert not checked.warnings, checked.warnings
+    # No warning but the low-agreement advice (EAP on this pair agrees with exact patches at
+    # about 0.7), which both backends give alike.
+    advice = "the edge estimates agree poorly"
+    assert not [w for w in checked.warnings if not w.startswith(advice)], checked.warnings
+    assert any(w.startswith(advice) for w in checked.warnings) == any(w.startswith(advice) for w in scored.warnings)
     mine, theirs = checked.meta["faithfulness"], scored.meta["faithfulness"]
     assert mine["sizes"] == theirs["sizes"] and mine["size"] == theirs["size"] is not None
     print(f"faithfulness curve on {backend}: max |Δ| "

@@ -22,11 +22,11 @@ import torch
 import pipatch
 from pipatch import cli
 from pipatch._backends import backend_for
-from pipatch._registry import EXPERIMENTS
 from pipatch._backends.ndif import NDIFBackend
 from pipatch._known import remember
 from pipatch._models import PipatchError
 from pipatch._programs import gradients
+from pipatch._registry import EXPERIMENTS
 from tests._equal import assert_close
 from tests._experiments import EMBEDDED, TINY, python_result
 from tests._tiny import tiny_model
