@@ -26,6 +26,7 @@ latent id, position, estimate and exact value.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from .._features._screen import ERROR, FeaturePatchResult, cell_scores, check_la
 from .._features._site import ErrorSite
 from .._programs.capture import captures
 from .._programs.gradients import gradients
+from .._result import load_result
 from ._inputs import (
     BATCH_SIZE,
     METRIC,
@@ -85,12 +87,15 @@ def plan_feature_patch(
     exhaustive: bool,
     positions: Sequence[int] | None,
     batch_size: int | None,
+    scores: Any = None,
 ) -> VerifiedPlan:
     """Screen every (latent, position) cell; plan the exact patches of the chosen ones.
 
     ``backend`` runs the model; the other parameters are :func:`pipatch.feature_patch`'s.
     The screening runs here (the returned plan's grid is complete); running the plan patches
-    the chosen cells and the error row exactly.
+    the chosen cells and the error row exactly. ``scores`` (a feature patch's result computed
+    on a model that takes gradients, or its file) stands in for the screening: its rows and
+    estimates are taken and its checked cells patched here.
     """
     target = latent_site_of(site, backend)
     error = target.error_site
@@ -105,25 +110,19 @@ def plan_feature_patch(
     batch = check_batch_size(batch_size, T, backend)
     scorer, layer = pair.metric, target.layer
 
+    if scores is None and not backend.capabilities.gradients:
+        raise PipatchError(f"feature_patch screens by gradients, which the {backend.name} backend does not compute: "
+                           "screen on backend='transformers' (the default) and patch here, "
+                           "pipatch.feature_patch(..., scores=result)")
     clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], scorer, [target, error])
-    values, grads, corrupt_value = gradients(backend, pair.corrupt_ids, scorer, target)
-    clean_value = float(clean_run.metric[0])
+    clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
     clean_latents, clean_error = clean_run.sites[target.name][layer], clean_run.sites[error.name][layer]
-    latent_scores = cell_scores(target, clean_latents, values[layer], grads[layer])[cols].T  # [n_latents, C]
-    error_scores = cell_scores(error, clean_error, corrupt_run.sites[error.name][layer], grads[layer])[cols].sum(-1)
-
-    if exhaustive:
-        rows, checked = list(range(target.n_latents)), None
-    elif chosen is not None:
-        rows, checked = chosen, None
-    else:
-        cells = top_cells(latent_scores, top_k)
-        rows = rows_of(cells)
-        checked = {(rows.index(latent), col) for latent, col in cells}
     n_cols = len(cols)
-    estimate = torch.cat([latent_scores[rows], error_scores[None]])  # [rows + error, C]
-    only = ({(r, c) for r in range(len(rows) + 1) for c in range(n_cols)} if checked is None
-            else checked | {(len(rows), c) for c in range(n_cols)})
+    if scores is not None:
+        rows, estimate, only = _given_scores(scores, target, cols)
+    else:
+        rows, estimate, only = _screen(backend, pair, target, cols, clean_latents, clean_error, corrupt_run,
+                                       top_k, chosen, exhaustive)
 
     meta = model_meta(backend)
     meta.update({
@@ -150,6 +149,50 @@ def plan_feature_patch(
                         site=target, latents=[*rows, None], positions=cols,
                         donors={target.name: clean_latents, error.name: clean_error})
     return VerifiedPlan(backend, result, [sweep], batch, True)
+
+
+def _screen(backend: Any, pair: Any, target: LatentSite, cols: list[int], clean_latents: torch.Tensor,
+            clean_error: torch.Tensor, corrupt_run: Any, top_k: int, chosen: list[int] | None,
+            exhaustive: bool) -> tuple[list[int], torch.Tensor, set[tuple[int, int]]]:
+    """The screening: every (latent, position) cell's attribution estimate from one gradient
+    pass of the corrupt run; ``(rows, estimate [rows + error, C], cells to patch)``: the
+    latents shown (every one, ``chosen``, or those of the ``top_k`` cells), their estimates
+    and the error row's, and the cells patched exactly (the error row's always)."""
+    error, layer = target.error_site, target.layer
+    values, grads, _ = gradients(backend, pair.corrupt_ids, pair.metric, target)
+    latent_scores = cell_scores(target, clean_latents, values[layer], grads[layer])[cols].T  # [n_latents, C]
+    error_scores = cell_scores(error, clean_error, corrupt_run.sites[error.name][layer], grads[layer])[cols].sum(-1)
+    if exhaustive:
+        rows, checked = list(range(target.n_latents)), None
+    elif chosen is not None:
+        rows, checked = chosen, None
+    else:
+        cells = top_cells(latent_scores, top_k)
+        rows = rows_of(cells)
+        checked = {(rows.index(latent), col) for latent, col in cells}
+    n_cols = len(cols)
+    estimate = torch.cat([latent_scores[rows], error_scores[None]])
+    only = ({(r, c) for r in range(len(rows) + 1) for c in range(n_cols)} if checked is None
+            else checked | {(len(rows), c) for c in range(n_cols)})
+    return rows, estimate, only
+
+
+def _given_scores(value: Any, target: LatentSite, cols: list[int]) -> tuple[list[int], torch.Tensor,
+                                                                            set[tuple[int, int]]]:
+    """``scores=``: the screening of a feature patch computed elsewhere (its result, or the
+    file it was saved to), for a backend that takes no gradients (vLLM, a served model):
+    its rows, estimates and checked cells, as :func:`_screen` returns them. It must be of the
+    same SAE at the same positions."""
+    found = load_result(value) if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(found, FeaturePatchResult):
+        raise PipatchError(f"scores={type(value).__name__}: give the result of pipatch.feature_patch (or the file it "
+                           "was saved to) computed on a model that takes gradients (backend='transformers')")
+    if (found.meta.get("sae"), found.meta.get("positions")) != (target.sae.name, cols):
+        raise PipatchError(f"scores=: it screened SAE {found.meta.get('sae')!r} at positions {found.meta.get('positions')}, "
+                           f"this run {target.sae.name!r} at {cols}: screen the same SAE and positions and pass that result")
+    rows = [latent for latent in found.meta["latents"] if latent != ERROR]
+    estimate = (found.raw[target.name][0] - float(found.corrupt[0])).float()
+    return rows, estimate, {(entry["layer"], entry["col"]) for entry in found.meta["verified_values"]}
 
 
 @dataclass
@@ -206,6 +249,9 @@ DECLARATION = Experiment(
         Param("exhaustive", False, "patch every latent at every position exactly (a small SAE)", "bool", switch=True),
         replace(POSITIONS, help="the positions (columns) to screen and patch"),
         BATCH_SIZE,
+        Param("scores", None, "the screening of a feature patch computed elsewhere (its result, or the file it was "
+              "saved to): a model that takes no gradients (vLLM, served) patches its cells exactly",
+              "Result | str | None", shown="computed here"),
     ),
     example='%%feature_patch --site saes/L3 --answer " Paris" --foil " Rome" --top-k 10 -o feats\n'
             "clean: The Eiffel Tower is in the city of\n"

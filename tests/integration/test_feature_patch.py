@@ -217,3 +217,23 @@ def test_bad_latents_top_k_and_sites_are_one_line(tmp_path):
         with pytest.raises(pipatch.PipatchError, match=says) as error:
             pipatch.feature_patch(model, **kwargs)
         assert "\n" not in str(error.value), options
+
+
+def test_a_screening_given_as_scores_is_patched_here_as_there(tmp_path):
+    """``scores=``: another run takes a screening's rows, estimates and checked cells (what a
+    backend without gradients does) and its exact patches equal the screening run's; a
+    screening of another SAE or other positions is one line."""
+    model, _, folder = saelens_folder(tmp_path, "llama", "jumprelu")
+    site = pipatch.load_sae(folder, model)
+    pair = dict(clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, progress=False)
+    screened = pipatch.feature_patch(model, **pair, site=site, top_k=5)
+    saved = screened.save(tmp_path / "screened.json")
+    again = pipatch.feature_patch(model, **pair, site=site, scores=str(saved))
+    assert again.meta["latents"] == screened.meta["latents"] and checked(again).keys() == checked(screened).keys()
+    assert all(abs(checked(again)[cell] - value) < 1e-6 for cell, value in checked(screened).items())
+    assert torch.allclose(again.raw[site.name], screened.raw[site.name], atol=1e-6)
+    with pytest.raises(pipatch.PipatchError, match="screen the same SAE and positions") as error:
+        pipatch.feature_patch(model, **pair, site=site, scores=screened, positions=[-1])
+    assert "\n" not in str(error.value)
+    with pytest.raises(pipatch.PipatchError, match="give the result of pipatch.feature_patch"):
+        pipatch.feature_patch(model, **pair, site=site, scores=pipatch.lens(model, CLEAN, answer=ANSWER, progress=False))

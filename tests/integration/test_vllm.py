@@ -498,6 +498,30 @@ def test_a_latent_site_patches_on_vllm_as_on_transformers(vllm_model, model, kin
     assert (hf.raw[name][0][6] - float(hf.corrupt[0])).abs().max() > 1e-3
 
 
+
+def test_latents_read_and_patch_on_vllm_as_on_transformers(vllm_model, model, tmp_path):
+    """Features on vLLM: ``features()`` reads the same latents; ``feature_patch`` refuses to
+    screen (no gradients) in one line naming ``scores=``, and given the transformers
+    screening patches its cells (the error row's too) to the same values."""
+    from tests._saes import random_weights, save_saelens
+
+    folder = save_saelens(tmp_path / "sae", "jumprelu", random_weights("jumprelu", 640, 640), "blocks.6.hook_resid_post",
+                          "google/gemma-3-270m")
+    hf_site, vl_site = (pipatch.load_sae(folder, m) for m in (model, vllm_model))
+    read = [pipatch.features(m, EIFFEL, saes=[s], k=5) for m, s in ((model, hf_site), (vllm_model, vl_site))]
+    assert read[1].meta["latents"] == read[0].meta["latents"]  # the top 5 ids at each position
+    assert_close(read[1].raw[vl_site.name], read[0].raw[hf_site.name])
+    with pytest.raises(PipatchError, match=r"scores=result\)$") as error:
+        pipatch.feature_patch(vllm_model, **PAIR, site=vl_site, top_k=4)
+    assert "\n" not in str(error.value)
+    screened = pipatch.feature_patch(model, **PAIR, site=hf_site, top_k=4, positions=[2, 3, -1])
+    patched = pipatch.feature_patch(vllm_model, **PAIR, site=vl_site, positions=[2, 3, -1], scores=screened)
+    assert patched.meta["backend"] == "vllm" and patched.meta["latents"] == screened.meta["latents"]
+    mine = {(e["layer"], e["col"]): e["actual"] for e in patched.meta["verified_values"]}
+    theirs = {(e["layer"], e["col"]): e["actual"] for e in screened.meta["verified_values"]}
+    assert mine.keys() == theirs.keys() and len(mine) == 4 + 3
+    assert_close(torch.tensor([mine[c] for c in theirs]), torch.tensor(list(theirs.values())))
+
 def test_bad_backend_choices_are_one_line():
     with pytest.raises(PipatchError, match="unknown backend 'vlm': use transformers or vllm"):
         pipatch.load_model(backend="vlm")
