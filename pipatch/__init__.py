@@ -23,7 +23,7 @@ an installed package registers) are derived from their declarations
 
 from . import _api, tasks
 from ._compare import compare
-from ._features import load_sae, load_saes
+from ._features import embedded_sae, load_sae, load_saes
 from ._features._corpus import feature_contexts
 from ._features._labels import load_labels
 from ._load import load_model
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 globals().update(_api.functions())
 
 __all__ = [
-    "load_model", "load_sae", "load_saes", "load_labels", "feature_contexts", *_api.functions(), "compare", "plot", "Result", "load_result",
+    "load_model", "load_sae", "load_saes", "embedded_sae", "load_labels", "feature_contexts", *_api.functions(), "compare", "plot", "Result", "load_result",
     "PipatchError",
     "study", "load_study", "Study", "known_facts", "tasks",
     "PatchGrid", "load_ipython_extension", "__version__",

@@ -20,7 +20,7 @@ from ._hooks import Hook, locate
 from ._sae import SAE, from_release, from_saelens, read_folder
 from ._site import InOut, LatentSite, latent_site
 
-__all__ = ["load_sae", "load_saes", "SAE", "LatentSite", "InOut", "Hook"]
+__all__ = ["load_sae", "load_saes", "embedded_sae", "EMBEDDED_SAE", "SAE", "LatentSite", "InOut", "Hook"]
 
 
 def _read(source: Any, sae_id: str | None, name: str | None) -> SAE:
@@ -129,6 +129,19 @@ def load_sae(source: Any, model: Any = None, *, sae_id: str | None = None, name:
     """
     sae = _read(source, sae_id, name)
     return sae if model is None else bind(sae, model, name, check_model)
+
+
+#: The SAE pipatch ships for the embedded Gemma 3 270M: 2,048 TopK latents (k = 32) of block
+#: 6's output, trained with SAELens's trainer by ``scripts/train_sae.py`` (its corpus, settings
+#: and held-out L0, explained variance and dead share: ``metrics.json`` beside the weights).
+EMBEDDED_SAE = Path(__file__).resolve().parent.parent / "data" / "sae" / "gemma-3-270m-res-l6-topk-2k"
+
+
+def embedded_sae(model: Any = None) -> Any:
+    """The SAE shipped for the embedded model (:data:`EMBEDDED_SAE`), as :func:`load_sae`
+    reads it: the latent site of ``model`` at layer 6, or its :class:`SAE` without one.
+    Its folder is ``pipatch.embedded_sae().folder``."""
+    return load_sae(EMBEDDED_SAE, model)
 
 
 def load_saes(sources: Sequence[Any], model: Any, *, check_model: bool = True) -> list[LatentSite]:

@@ -21,7 +21,7 @@ from pipatch._cells import Base, Cell, Metric, Op
 from pipatch._programs import PatchRequest, capture, patch
 from tests._reference import record
 
-SHIPPED = Path(pipatch.__file__).parent / "data" / "sae" / "gemma-3-270m-res-l6-topk-2k"
+SHIPPED = Path(pipatch.embedded_sae().folder)
 LAYER = 6
 #: Explained variance of block 6's output on the held-out facts below, at least: 0.90 measured
 #: on the shipped SAE (0.91 on all held-out tokens, scripts/train_sae.py); the margin allows a
