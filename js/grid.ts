@@ -676,7 +676,9 @@ export class GridView {
     const { rows, cols } = m;
     const lines: string[] = [];
     const i = row * cols + col;
-    lines.push(`layer: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
+    lines.push(`${s.row_axis || 'layer'}: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
+    // A row's note (a latent's label, its top contexts) is text, one line per line, escaped like every label.
+    for (const note of (s.row_notes[row] ?? '').split('\n')) if (note) lines.push(tooltipLabel(note, 160));
     lines.push(`${s.col_axis === 'head' ? 'head' : 'token'} ${col}: ${tooltipLabel(s.col_labels[col] ?? String(col))}${s.subject.includes(col) ? ' (subject)' : ''}`);
     if (!this.isDone(row, rows)) {
       lines.push('pending (not computed yet)');
