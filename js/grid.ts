@@ -669,14 +669,17 @@ export class GridView {
     this.tooltip.style.display = 'block';
   }
 
-  /** Tooltip lines for one cell (also used by tests). */
-  cellInfo(row: number, col: number): string[] {
+  /** Tooltip lines for one cell (also used by tests); `notes`: the row's note lines too (the
+   * tooltip's; the detail pane's one-line head leaves them out). */
+  cellInfo(row: number, col: number, notes = true): string[] {
     const s = this.state!;
     const m = this.matrix();
     const { rows, cols } = m;
     const lines: string[] = [];
     const i = row * cols + col;
-    lines.push(`layer: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
+    lines.push(`${s.row_axis || 'layer'}: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
+    // A row's note (a latent's label, its top contexts) is text, one line per line, escaped like every label.
+    if (notes) for (const note of (s.row_notes[row] ?? '').split('\n')) if (note) lines.push(tooltipLabel(note, 160));
     lines.push(`${s.col_axis === 'head' ? 'head' : 'token'} ${col}: ${tooltipLabel(s.col_labels[col] ?? String(col))}${s.subject.includes(col) ? ' (subject)' : ''}`);
     if (!this.isDone(row, rows)) {
       lines.push('pending (not computed yet)');
@@ -730,7 +733,7 @@ export class GridView {
       return;
     }
     const kids: HTMLElement[] = [];
-    kids.push(h('div', 'pipatch-detail-head', this.cellInfo(sel.row, sel.col).join(' · ')));
+    kids.push(h('div', 'pipatch-detail-head', this.cellInfo(sel.row, sel.col, false).join(' · ')));
     kids.push(...detailBody(s, sel as Selection, !!this.cb.live));
     this.detailEl.replaceChildren(...kids);
   }

@@ -23,6 +23,8 @@ export const STATE_SCHEMA = {
   model_name: 'str',
   metric: 'str',
   row_labels: 'str[]',
+  row_axis: 'str',
+  row_notes: 'str[]',
   col_labels: 'str[]',
   col_axis: 'str',
   views: 'str[]',

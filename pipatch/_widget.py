@@ -113,6 +113,8 @@ class GridWidget(anywidget.AnyWidget):
     model_name = t.Unicode("").tag(sync=True)
     metric = t.Unicode("").tag(sync=True)
     row_labels = t.List(t.Unicode()).tag(sync=True)
+    row_axis = t.Unicode("").tag(sync=True)  # what a row is: "" a layer, "latent" an SAE latent
+    row_notes = t.List(t.Unicode()).tag(sync=True)  # per row, its hover text ([]: none)
     col_labels = t.List(t.Unicode()).tag(sync=True)
     col_axis = t.Unicode("token").tag(sync=True)
     views = t.List(t.Unicode()).tag(sync=True)

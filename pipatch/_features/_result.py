@@ -71,6 +71,11 @@ class LatentsResult(Result, file_kind="features"):
     def edges(self):
         raise PipatchError("edges() is a circuit's table; this is a features result: use frame()")
 
+    def to_state(self, *, live: bool = False) -> dict[str, Any]:
+        """Any result's view state (:meth:`pipatch.Result.to_state`), its rows ranks: a row
+        holds a different latent at each position, so it has no note of its own."""
+        return {**super().to_state(live=live), "row_axis": "rank"}
+
     def __repr__(self) -> str:
         k = len(self.layers)
         fired = sum(int((self.latents(view) >= 0).sum()) for view in self.views)

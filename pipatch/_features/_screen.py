@@ -35,11 +35,14 @@ from .._errors import PipatchError
 from .._result import Result, recovery_undefined
 from .._sites import Site
 from .._tables import table
+from .._views import conform_state
 
 __all__ = ["latent_gradient", "cell_scores", "top_cells", "check_latents", "FeaturePatchResult", "ERROR"]
 
 #: A feature result's ``latent`` for its error row (:meth:`FeaturePatchResult.frame`).
 ERROR = "error"
+#: How many of a latent's top contexts its row's hover text shows (all are in ``meta``).
+NOTE_CONTEXTS = 3
 
 
 def latent_gradient(site: Site, value: torch.Tensor, holder_grad: torch.Tensor) -> torch.Tensor:
@@ -114,13 +117,37 @@ class FeaturePatchResult(Result, file_kind="feature_patch"):
     ``raw[site]`` ([1, rows, columns]) holds every cell's screening estimate (corrupt metric
     + attribution score); ``meta["verified_values"]`` the exactly patched cells with both
     numbers, as attribution's ``verify=`` keeps them; ``meta["latents"]`` each row's latent id
-    (``"error"`` for the error row); ``meta["agreement"]`` their rank correlation.
+    (``"error"`` for the error row); ``meta["agreement"]`` their rank correlation;
+    ``meta["labels"]`` and ``meta["contexts"]`` the rows' labels and top contexts
+    (``{site: {id: ...}}``), the grid's hover text.
     """
 
     @property
     def latents(self) -> list[int | str]:
         """Each row's latent id, ``"error"`` for the SAE's error row."""
         return list(self.meta.get("latents", []))
+
+    def label(self, latent: int) -> str:
+        """The label of row latent ``latent``, ``""`` where it has none."""
+        return str(self.meta.get("labels", {}).get(self.views[0], {}).get(str(int(latent)), ""))
+
+    def contexts(self, latent: int) -> list[tuple[str, float]]:
+        """The top contexts of row latent ``latent`` as ``(window, activation)``, largest
+        first; none where the SAE's folder held no contexts."""
+        found = self.meta.get("contexts", {}).get(self.views[0], {}).get(str(int(latent)), [])
+        return [(str(window), float(value)) for window, value in found]
+
+    def to_state(self, *, live: bool = False) -> dict[str, Any]:
+        """Any result's view state (:meth:`pipatch.Result.to_state`), its rows latents: each
+        row's note is its label and its top :data:`NOTE_CONTEXTS` contexts, one per line."""
+        notes = []
+        for latent in self.latents:
+            if latent == ERROR:
+                notes.append("the SAE's error: the part of the value it does not explain")
+                continue
+            found = [f"{window}  ({value:.3g})" for window, value in self.contexts(int(latent))[:NOTE_CONTEXTS]]
+            notes.append("\n".join([self.label(int(latent)), *found]).strip("\n"))
+        return {**super().to_state(live=live), **conform_state({"row_axis": "latent", "row_notes": notes})}
 
     def exact(self) -> torch.Tensor:
         """The exact patches' normalized recovery, tensor[rows, columns] (NaN where unchecked)."""

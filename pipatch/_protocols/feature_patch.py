@@ -41,6 +41,8 @@ from .._declare import positions as id_list
 from .._engine import Sweep, check_batch_size
 from .._errors import PipatchError
 from .._features import LatentSite, load_sae
+from .._features._contexts import load_contexts
+from .._features._labels import labels_next_to, load_labels
 from .._features._screen import ERROR, FeaturePatchResult, cell_scores, check_latents, rows_of, top_cells
 from .._features._site import ErrorSite
 from .._programs.capture import captures
@@ -87,6 +89,7 @@ def plan_feature_patch(
     exhaustive: bool,
     positions: Sequence[int] | None,
     batch_size: int | None,
+    labels: Any = None,
     scores: Any = None,
 ) -> VerifiedPlan:
     """Screen every (latent, position) cell; plan the exact patches of the chosen ones.
@@ -104,6 +107,8 @@ def plan_feature_patch(
     if exhaustive and latents is not None:
         raise PipatchError("exhaustive=True patches every latent and latents= only those given: pass one of them")
     chosen = None if latents is None else check_latents(latents, target.n_latents, target.name)
+    named = labels_next_to(target.sae.folder) if labels is None else load_labels(labels)
+    contexts = load_contexts(target.sae.folder)
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
     T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
@@ -132,6 +137,9 @@ def plan_feature_patch(
         "estimate": "attribution patching: grad(metric) at the corrupt run through decode · (clean − corrupt) latents",
         "verified": {target.name: [[0.0] * n_cols for _ in range(len(rows) + 1)]},
     })
+    meta["labels"] = {target.name: {str(i): named[i] for i in rows if i in named}}
+    meta["contexts"] = {target.name: {} if contexts is None else {
+        str(i): [list(c) for c in contexts.top(i)] for i in rows if i < contexts.activation.shape[0] and contexts.top(i)}}
     ordered = sorted(only, key=lambda cell: (-abs(float(estimate[cell])), cell))
     meta["verified_values"] = [{"layer": r, "col": c, "estimate": corrupt_value + float(estimate[r, c]), "actual": None}
                                for r, c in ordered]
@@ -249,6 +257,8 @@ DECLARATION = Experiment(
         Param("exhaustive", False, "patch every latent at every position exactly (a small SAE)", "bool", switch=True),
         replace(POSITIONS, help="the positions (columns) to screen and patch"),
         BATCH_SIZE,
+        Param("labels", None, "latent labels, shown on hover: a Neuronpedia export or {id: label} JSON file, or a dict",
+              "Any", shown="the labels.json next to the SAE"),
         Param("scores", None, "the screening of a feature patch computed elsewhere (its result, or the file it was "
               "saved to): a model that takes no gradients (vLLM, served) patches its cells exactly",
               "Result | str | None", shown="computed here"),
@@ -269,6 +279,9 @@ DECLARATION = Experiment(
         patches (``{"layer": row, "col", "estimate", "actual"}``, raw metric units),
         ``meta["agreement"]`` their rank correlation with the screening, and ``frame()`` one
         line per (latent, position) cell: ``latent``, ``position``, ``value``, ``exact``.
+        ``meta["labels"]`` and ``meta["contexts"]`` hold the rows' labels and top contexts
+        (``{site: {id: ...}}``, as :func:`pipatch.features` keeps them), shown on hover in
+        the grid.
 
     Examples
     --------

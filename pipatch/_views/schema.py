@@ -51,6 +51,8 @@ STATE_SCHEMA: dict[str, str] = {
     "model_name": "str",
     "metric": "str",
     "row_labels": "str[]",
+    "row_axis": "str",  # what a row is: "" a layer, "latent" an SAE latent, "rank" a rank (named in the tooltip)
+    "row_notes": "str[]",  # per row, text shown on hover under its name (a latent's label and top contexts; [] none)
     "col_labels": "str[]",
     "col_axis": "str",
     "views": "str[]",
