@@ -148,7 +148,11 @@ def load_saes(sources: Sequence[Any], model: Any, *, check_model: bool = True) -
     """:func:`load_sae` for several SAEs (one per layer, say) of one model: their latent sites,
     in the order given. Two that would share a name are refused (pass each one's ``name`` via
     :func:`load_sae`)."""
-    sites = [load_sae(source, model, check_model=check_model) for source in sources]
+    return distinct([load_sae(source, model, check_model=check_model) for source in sources])
+
+
+def distinct(sites: list[LatentSite]) -> list[LatentSite]:
+    """``sites``, refused in one line where two share a name (results key values by it)."""
     names = [site.name for site in sites]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

@@ -67,7 +67,7 @@ from ._inputs import (
 )
 from .patching import pair_inputs
 
-__all__ = ["plan_attribute", "spearman", "VerifiedPlan", "DECLARATION"]
+__all__ = ["plan_attribute", "spearman", "Checks", "VerifiedPlan", "DECLARATION"]
 
 
 def plan_attribute(
@@ -140,11 +140,13 @@ def plan_attribute(
     return VerifiedPlan(backend, result, [sweep], batch, True)
 
 
-@dataclass
-class _VerifySweep(SiteSweep):
-    """Real denoising patches of the chosen cells; values go to ``meta``, not the estimate grid."""
+class Checks:
+    """A sweep of exact checks (a mixin before a :class:`~pipatch._engine.Sweep`): its cells'
+    values go to ``meta["verified_values"]`` beside their estimates, and ``meta["verified"]``
+    marks them, not into the estimate grid. Attribution's and a feature patch's checks."""
 
     stage = "checks"
+    view: str
 
     @property
     def tracks_rows(self) -> bool:
@@ -155,6 +157,11 @@ class _VerifySweep(SiteSweep):
             if (entry["layer"], entry["col"]) == (cell.row, cell.col):
                 entry["actual"] = value
         result.meta["verified"][self.view][cell.row][cell.col] = 1.0
+
+
+@dataclass
+class _VerifySweep(Checks, SiteSweep):
+    """Real denoising patches of the chosen cells; values go to ``meta``, not the estimate grid."""
 
 
 class VerifiedPlan(Plan):

@@ -30,7 +30,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -58,7 +58,7 @@ from ._inputs import (
     sweep_positions,
     undefined_recovery_warning,
 )
-from .attribution import VerifiedPlan
+from .attribution import Checks, VerifiedPlan
 from .patching import pair_inputs
 
 __all__ = ["plan_feature_patch", "LatentSweep", "DECLARATION"]
@@ -204,13 +204,12 @@ def _given_scores(value: Any, target: LatentSite, cols: list[int]) -> tuple[list
 
 
 @dataclass
-class LatentSweep(Sweep):
+class LatentSweep(Checks, Sweep):
     """Exact denoising patches of (latent, position) cells: cell ``(row, col)`` writes the
     clean value of latent ``latents[row]`` at position ``positions[col]`` through ``site``
     (the error site's whole value where ``latents[row]`` is ``None``). Values go to
     ``meta["verified_values"]`` beside the screening estimate, not into the grid."""
 
-    stage: ClassVar[str] = "checks"
     site: LatentSite | None = None
     latents: list[int | None] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -225,16 +224,6 @@ class LatentSweep(Sweep):
         else:
             op = Op(site, site.layer, site.cell(position, latent), self.donors[site.name][:, [position], latent:latent + 1])
         return Cell(row, col, seed, start=site.start_layer(site.layer), ops=[op])
-
-    @property
-    def tracks_rows(self) -> bool:
-        return False
-
-    def store(self, result: Any, cell: Cell, value: float) -> None:
-        for entry in result.meta["verified_values"]:
-            if (entry["layer"], entry["col"]) == (cell.row, cell.col):
-                entry["actual"] = value
-        result.meta["verified"][self.view][cell.row][cell.col] = 1.0
 
 
 def _title(meta: dict) -> str:

@@ -31,7 +31,7 @@ from .._checks import whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, Sweep
 from .._errors import PipatchError
-from .._features import LatentSite, load_sae
+from .._features import LatentSite, distinct, load_sae
 from .._features._contexts import NO_METRIC, load_contexts, read_latents
 from .._features._labels import labels_next_to, load_labels
 from .._features._result import LatentsResult, top_latents
@@ -68,13 +68,7 @@ def _sites(backend: Any, saes: Any) -> list[LatentSite]:
     if not given:
         raise PipatchError("features() needs saes=: a latent site (pipatch.load_sae(source, model)), an SAE folder, "
                            "or a list of them")
-    sites = [s if isinstance(s, LatentSite) else load_sae(s, backend.model) for s in given]
-    names = [s.name for s in sites]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise PipatchError(f"several SAEs are called {', '.join(map(repr, twice))}: load them with "
-                           "pipatch.load_sae(..., name=...) to tell them apart")
-    return sites
+    return distinct([s if isinstance(s, LatentSite) else load_sae(s, backend.model) for s in given])
 
 
 def _labels_of(sites: Sequence[LatentSite], labels: Any) -> dict[str, dict[int, str]]:
