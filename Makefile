@@ -106,6 +106,7 @@ test-e2e: $(STAMP) chromium
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(PY) bench/lens.py
+	$(PY) bench/features.py
 	$(PY) bench/ndif.py
 	$(PY) bench/study.py --repeat 1
 	$(PY) bench/circuit.py

@@ -65,7 +65,7 @@ def test_a_run_the_cost_model_puts_above_the_threshold_is_announced_in_one_line(
     with pytest.warns(PipatchWarning) as caught:
         plan_trace(tiny, prompt, subject=[3], answer=" Paris", seeds=2).run()
     (line,) = [str(w.message) for w in caught]
-    assert "\n" not in line and line.startswith("pipatch: this trace will take about")
+    assert "\n" not in line and line.startswith("pipatch: this trace will take ") and " on this CPU (" in line
     assert f"{cells:,} patched runs" in line and "positions=" in line and "seeds=" in line
 
 
@@ -73,7 +73,7 @@ def test_a_long_lens_is_announced_before_its_read(monkeypatch):
     tiny = tiny_model("gpt2")
     prompt = " ".join(["the city of Paris is in France and"] * 12)
     monkeypatch.setattr(_cost, "LONG_SECONDS", 0.0)
-    with pytest.warns(PipatchWarning, match=r"the logit lens will take about .* layers through the "
+    with pytest.warns(PipatchWarning, match=r"the logit lens will take (about|under) .* layers through the "
                                                    r"unembedding\): narrow it with positions="):
         r = pipatch.lens(tiny, prompt, answer=" Paris")
     assert r.status == "done"

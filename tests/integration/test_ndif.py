@@ -36,7 +36,7 @@ from tests.unit.test_ndif_checks import one_line
 #: The options each experiment takes for ``fast`` (attribution has none: it runs no sweep of
 #: patched runs but its verification, which has no shortcut to take; nor do the feature
 #: experiments).
-SLOW = {name: ({"fast": False} if "fast" in [o.keyword for o in EXPERIMENTS[name].options] else {}) for name in EMBEDDED}
+SLOW = {name: ({"fast": False} if "fast" in [p.keyword for p in EXPERIMENTS[name].params] else {}) for name in EMBEDDED}
 
 
 @pytest.fixture(scope="module")

@@ -173,3 +173,10 @@ def test_the_estimate_is_one_line_that_names_what_cuts_it():
                            "6-point curve)") and "\n" not in line
     assert "steps=" in line and "verify=" in line and "curve=" in line
     assert "step" not in estimate_line(0.1, 1, "cuda", "eap", None, 20, 16).split("(")[1].split(")")[0]
+
+
+def test_a_duration_reads_as_a_person_says_it():
+    from pipatch._engine import duration
+
+    assert [duration(s) for s in (0.4, 40, 180, 9000)] == ["under 1 s", "about 40 s", "about 3 min", "about 2.5 h"]
+    assert estimate_line(0.001, 1, "CPU", "eap", None, 1, 1).startswith("circuit: under 1 s on this CPU (")
