@@ -370,7 +370,7 @@ def write_report(lines: list[str], report: dict, out: str) -> int:
 def prompt_of(model, n_tokens: int) -> tuple[str, str]:
     """A clean/corrupt pair of exactly n_tokens tokens (filler text before the fact)."""
     tok = model.tokenizer
-    filler = "It was a bright cold day in April, and the clocks were striking thirteen. " * 20
+    filler = "It was a bright cold day in April, and the clocks were striking thirteen. " * (n_tokens // 15 + 1)
     words = filler.split(" ")
     for k in range(len(words) + 1):
         prefix = " ".join(words[:k]) + (" " if k else "")
