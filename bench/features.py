@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
-from bench.run import CLEAN, CORRUPT, write_report  # noqa: E402
+from bench.run import CLEAN, CORRUPT, best, write_report  # noqa: E402
 from pipatch._api import plan  # noqa: E402
 from pipatch._protocols.attribution import spearman  # noqa: E402
 
@@ -42,15 +42,6 @@ REPEAT = 3
 #: How many screened cells the exact checks patch (the issue's "top 50").
 TOP = 50
 
-
-def best(fn, repeat: int = REPEAT) -> tuple[float, object]:
-    """The least of ``repeat`` timings of ``fn()``, and its last value."""
-    times, value = [], None
-    for _ in range(repeat):
-        started = time.perf_counter()
-        value = fn()
-        times.append(time.perf_counter() - started)
-    return min(times), value
 
 
 def main(argv=None) -> int:
@@ -61,8 +52,8 @@ def main(argv=None) -> int:
     sae = pipatch.embedded_sae(model)
     pair = {"clean": CLEAN, "corrupt": CORRUPT, "answer": " Paris", "foil": " Rome"}
     pipatch.attribute(model, **pair, site="resid", verify=0, progress=False)  # warm up
-    attribution, _ = best(lambda: pipatch.attribute(model, **pair, site="resid", verify=0, progress=False))
-    screening, planned = best(lambda: plan("feature_patch", model, **pair, site=sae, top_k=TOP))
+    attribution, _ = best(lambda: pipatch.attribute(model, **pair, site="resid", verify=0, progress=False), REPEAT)
+    screening, planned = best(lambda: plan("feature_patch", model, **pair, site=sae, top_k=TOP), REPEAT)
     started = time.perf_counter()
     result = planned.run()
     checks = time.perf_counter() - started

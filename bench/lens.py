@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,20 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
-from bench.run import prompt_of, write_report  # noqa: E402
+from bench.run import best, prompt_of, write_report  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 
 REPEAT = 2
 
-
-def best(fn, repeat: int = REPEAT) -> tuple[float, object]:
-    """The least of ``repeat`` timings of ``fn()``, and its last value."""
-    times, value = [], None
-    for _ in range(repeat):
-        started = time.perf_counter()
-        value = fn()
-        times.append(time.perf_counter() - started)
-    return min(times), value
 
 
 def main(argv=None) -> int:
@@ -66,9 +56,9 @@ def main(argv=None) -> int:
     ids = model.tokenizer(prompt, return_tensors="pt").input_ids
     hf, n_layers = model._module, backend.adapter.n_layers
     pipatch.lens(model, "The Eiffel Tower is in the city of", answer=" Paris")  # warm up
-    forward, _ = best(lambda: hf(ids))
-    forward_last, _ = best(lambda: hf(ids, logits_to_keep=1))
-    last16, few = best(lambda: pipatch.lens(model, prompt, answer=" Paris", positions=list(range(-16, 0))))
+    forward, _ = best(lambda: hf(ids), REPEAT)
+    forward_last, _ = best(lambda: hf(ids, logits_to_keep=1), REPEAT)
+    last16, few = best(lambda: pipatch.lens(model, prompt, answer=" Paris", positions=list(range(-16, 0))), REPEAT)
     vocab, d = len(model.tokenizer), backend.adapter.d_model
     report = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "torch_threads": torch.get_num_threads()},

@@ -357,6 +357,16 @@ def trace_limit(model, peak: float, n_tokens: int, subject: list[int], seeds: in
     return limit(model, peak, n_tokens, cells, vocab_of(model), 1 + seeds, seconds)
 
 
+def best(fn, repeat: int) -> tuple[float, object]:
+    """The least of ``repeat`` timings of ``fn()`` (the least disturbed run), and its last value."""
+    times, value = [], None
+    for _ in range(repeat):
+        started = time.perf_counter()
+        value = fn()
+        times.append(time.perf_counter() - started)
+    return min(times), value
+
+
 def write_report(lines: list[str], report: dict, out: str) -> int:
     """Print a benchmark's lines, write its numbers as JSON to ``out``; the exit status (0)."""
     print("\n".join(lines))
