@@ -199,7 +199,7 @@ def _given_scores(value: Any, target: LatentSite, cols: list[int]) -> tuple[list
         raise PipatchError(f"scores=: it screened SAE {found.meta.get('sae')!r} at positions {found.meta.get('positions')}, "
                            f"this run {target.sae.name!r} at {cols}: screen the same SAE and positions and pass that result")
     rows = [latent for latent in found.meta["latents"] if latent != ERROR]
-    estimate = (found.raw[target.name][0] - float(found.corrupt[0])).float()
+    estimate = (found.raw[target.name][0] - found.corrupt).float()
     return rows, estimate, {(entry["layer"], entry["col"]) for entry in found.meta["verified_values"]}
 
 

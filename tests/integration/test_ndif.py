@@ -110,7 +110,7 @@ def test_a_circuit_is_scored_locally_and_checked_remotely():
     scored = pipatch.circuit(local, **TINY["circuit"])
     checked = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored})
     assert checked.meta["scores_from"]["backend"] == "transformers" and checked.meta["method"] == scored.meta["method"]
-    assert torch.allclose(checked.raw["edges"] - checked.corrupt[0], scored.raw["edges"] - scored.corrupt[0],
+    assert torch.allclose(checked.raw["edges"] - checked.corrupt, scored.raw["edges"] - scored.corrupt,
                           atol=1e-6, equal_nan=True)  # the scores given, on this run's corrupt baseline
     mine, theirs = checked.meta["checked"], scored.meta["checked"]
     assert [(e["sender"], e["receiver"]) for e in mine] == [(e["sender"], e["receiver"]) for e in theirs]

@@ -336,7 +336,7 @@ def test_a_study_runs_facts_in_flight_each_its_single_trace(served, tmp_path):
     for i, fact in enumerate(facts):
         single = pipatch.trace(served, fact["prompt"], subject=fact["subject"], answer=" " + fact["attribute"], **cheap)
         assert torch.equal(found[i].raw["resid"], single.raw["resid"]), i
-        assert torch.equal(found[i].corrupt, single.corrupt) and found[i].clean == single.clean
+        assert torch.equal(found[i].corrupt_seeds, single.corrupt_seeds) and found[i].clean == single.clean
 
 
 def test_server_memory_is_flat_under_load(served, server):
