@@ -2,8 +2,7 @@
 
 A :class:`Result` holds the *raw* metric of every patched run — ``raw[view]`` is
 [seeds, layers, columns] — and the two baselines it is read against: the clean run's metric and
-the corrupt (base) runs' metric, each one float (``clean_seeds`` / ``corrupt_seeds``: one per
-seed). Everything else is derived on demand:
+the corrupt (base) runs' mean (``corrupt_seeds``: one per seed). Everything else is derived:
 
 * normalized recovery ``(patched − corrupt) / (clean − corrupt)`` per seed: 0 is the corrupt
   run, 1 the clean one. Where ``clean − corrupt`` is too small to divide by, recovery is NaN and
@@ -76,10 +75,9 @@ class Result:
         ``{view: tensor[seeds, layers, columns]}``, the metric of every patched run (NaN where
         not computed).
     clean, corrupt
-        The baselines, each one Python float: the clean run's metric and the corrupt runs'
-        metric, the mean over the runs (seeds; a dataset's prompts × seeds). Given to the
-        constructor as one float, or as one value per run (a tensor); the runs stay in
-        :attr:`clean_seeds` and :attr:`corrupt_seeds`, tensor[runs].
+        The baselines, each one Python float: the clean and the corrupt runs' metric, the mean
+        over the runs (seeds; a dataset's prompts × seeds). Given as one float or one value per
+        run (a tensor); the runs stay in :attr:`clean_seeds` / :attr:`corrupt_seeds`, tensor[runs].
     rows_done, row_order
         ``{view: n}``: ``n`` rows of that view are finished: rows ``0 .. n-1``, or the last ``n``
         where ``row_order[view]`` is ``-1`` (the engine runs rows from the last layer down when
@@ -114,13 +112,11 @@ class Result:
             Result.FILE_KINDS[file_kind] = cls
 
     def __post_init__(self) -> None:
-        # The runs behind each baseline: recovery is per run, and the clean run is one value
-        # unless it differs by run (a dataset's prompts).
+        # Recovery is per run: the runs stay; the clean run is one value unless a dataset's rows differ.
         self.corrupt_seeds = torch.as_tensor(self.corrupt, dtype=torch.float32).reshape(-1)
         self._clean_runs = torch.as_tensor(self.clean, dtype=torch.float32).reshape(-1)
         self.corrupt = float(self.corrupt_seeds.mean())
-        self.clean = (float(self.clean) if not isinstance(self.clean, torch.Tensor) or self.clean.numel() == 1
-                      else float(self._clean_runs.mean()))
+        self.clean = float(self.clean if self._clean_runs.numel() == 1 else self._clean_runs.mean())
 
     # -- derived values -------------------------------------------------------------------
     @property
@@ -141,8 +137,7 @@ class Result:
         raw = self.raw[self._view(view)]
         if not self.normalized:
             return raw.clone()
-        clean = self.clean_seeds
-        corrupt = self.corrupt_seeds
+        clean, corrupt = self.clean_seeds, self.corrupt_seeds
         out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
         bad = torch.tensor([recovery_undefined(float(a), float(c)) for a, c in zip(clean, corrupt)])
         out[bad] = float("nan")
@@ -156,8 +151,7 @@ class Result:
 
     @property
     def clean_seeds(self) -> torch.Tensor:
-        """The clean baseline per run, tensor[runs] (float32), beside :attr:`corrupt_seeds`: one
-        value repeated, or (a dataset) each row's prompt's."""
+        """The clean baseline per run, tensor[runs] beside :attr:`corrupt_seeds` (a dataset: its prompt's)."""
         runs = self._clean_runs
         return runs.expand(self.corrupt_seeds.numel()) if runs.numel() == 1 else runs
 
@@ -168,8 +162,7 @@ class Result:
 
     @property
     def corrupt_value(self) -> float:
-        """The corrupt baseline as one number: the mean over its runs (seeds, prompts); the
-        same as :attr:`corrupt`."""
+        """:attr:`corrupt`: the mean of the corrupt runs (seeds, prompts)."""
         return self.corrupt
 
     @property
@@ -393,10 +386,10 @@ class Result:
         """A plain-JSON copy: the first view's mean grid as a list of rows, plus every view.
 
         Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, corrupt_seeds,
-        views, ...`` (``clean`` and ``corrupt`` each one number, ``corrupt_seeds`` one per run, and
-        ``clean_seeds`` too where the clean run differs by run: a dataset); ``views[view]`` holds ``mean``, ``std``, ``raw`` (means over seeds) and ``raw_seeds``
-        (the raw metric per seed, ``[seeds][layers][columns]``), so :func:`load_result` reads the
-        file back whole. NaN becomes ``null``.
+        views, ...`` (the baselines one number each, ``corrupt_seeds`` one per run, ``clean_seeds``
+        too where rows differ: a dataset); ``views[view]`` holds ``mean``, ``std``, ``raw`` (means
+        over seeds) and ``raw_seeds`` (the raw metric per seed, ``[seeds][layers][columns]``), so
+        :func:`load_result` reads the file back whole. NaN becomes ``null``.
 
         Parameters
         ----------
@@ -446,8 +439,7 @@ class Result:
 
     @staticmethod
     def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The file parts (header, tensors) of a result's :meth:`to_json` document (one written
-        before the baselines were floats too: its ``corrupt``, and a dataset's ``clean``, a list)."""
+        """The file parts (header, tensors) of a :meth:`to_json` document (older ones too: runs as lists)."""
         views = doc["views"]
         header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
                                                 "row_order", "status", "message", "warnings", "meta")}
