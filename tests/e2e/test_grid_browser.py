@@ -258,9 +258,11 @@ def test_the_tooltip_of_a_grid_of_three_rows_stays_inside_the_widget(page, lab_s
     name = lab_server.write_notebook("short.ipynb", [code_cell(SHORT_SRC), code_cell("PatchGrid(r)"), code_cell("r")])
     open_notebook(page, lab_server, name)
     run_all(page)
-    page.wait_for_selector(f"{GRID}[data-status='done']")
-    for grid in (page.locator(GRID).first, page.locator(".jp-OutputArea-output .pipatch-mime .pipatch-grid").first):
-        grid.wait_for(state="visible")
+    live, saved = (grid_cell(page, i).locator(".pipatch-grid[data-status='done']") for i in (1, 2))
+    live.wait_for(timeout=120_000)
+    saved.wait_for(timeout=120_000)
+    assert grid_cell(page, 2).locator(".pipatch-mime").count() == 1  # cell 2 is the document's renderer
+    for grid in (live, saved):
         assert grid.get_attribute("data-rows") == "3"
         for row in range(3):
             text = hover_text(page, grid, row, 4)
