@@ -113,8 +113,8 @@ class Result:
 
     def __post_init__(self) -> None:
         # Recovery is per run: the runs stay; the clean run is one value unless a dataset's rows differ.
-        self.corrupt_seeds = torch.as_tensor(self.corrupt, dtype=torch.float32).reshape(-1)
-        self._clean_runs = torch.as_tensor(self.clean, dtype=torch.float32).reshape(-1)
+        self.corrupt_seeds = torch.as_tensor(self.corrupt, dtype=torch.float32, device="cpu").reshape(-1)
+        self._clean_runs = torch.as_tensor(self.clean, dtype=torch.float32, device="cpu").reshape(-1)
         self.corrupt = float(self.corrupt_seeds.mean())
         self.clean = float(self.clean if self._clean_runs.numel() == 1 else self._clean_runs.mean())
 
