@@ -48,7 +48,7 @@ def assert_equal_results(got, want, atol: float) -> None:
     assert got.status == want.status == "done"
     assert (got.kind, got.tokens, got.columns, got.layers, got.views) == (
         want.kind, want.tokens, want.columns, want.layers, want.views)
-    assert_close(got.corrupt, want.corrupt, atol, rtol=0)
+    assert_close(got.corrupt_seeds, want.corrupt_seeds, atol, rtol=0)
     for view in want.views:
         assert_close(got.raw[view], want.raw[view], atol, rtol=0)
     assert got.meta["backend"] == "ndif" and got.meta["remote"] == "local"
