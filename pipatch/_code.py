@@ -62,6 +62,8 @@ __all__ = ["script", "pair_inputs", "pair_site", "PAIR_BASELINES", "dotted_path"
 
 _IDENTIFIER_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
+#: The metric of a result that reads values and scores nothing (a feature read's activations).
+NO_METRIC = "activation"
 _METRIC_DOC = {
     "prob": "P(answer) at the last position",
     "logprob": "log P(answer) at the last position",
@@ -107,6 +109,7 @@ layers = model.$blocks
 n_layers = len(layers)
 N_HEADS, HEAD_DIM = $n_heads, $head_dim  # head h: the slice [h·HEAD_DIM, (h+1)·HEAD_DIM) of z, $out_proj's input
 torch.set_grad_enabled(False)  # plain forward runs (attribution turns gradients on where it needs them)
+EXTRA = {}  # what an experiment writes beside its grid (a feature patch: its exact checks)
 # The metric reads the last position only: $last_only_doc
 LAST_ONLY = $last_only
 
@@ -124,12 +127,7 @@ def first(output):
 def site(name, layer):
     """The activation called `name` at `layer`, [1, T, width], readable and writable inside a trace."""
 $site_lines
-
-
-def metric(logits, answer, foil=None):
-    """$metric_doc, from the last position's logits [vocab]."""
-    $metric_body
-
+$metric_part
 
 def recovery(raw, clean, corrupt):
     """Normalized recovery (raw − corrupt) / (clean − corrupt) per seed, [seeds, layers, columns]:
@@ -139,6 +137,13 @@ def recovery(raw, clean, corrupt):
     out = (raw - corrupt.reshape(-1, 1, 1)) / span
     undefined = span.abs() <= 1e-6 + 1e-3 * torch.maximum(clean.abs(), corrupt.abs()).reshape(-1, 1, 1)
     return torch.where(undefined, torch.tensor(float("nan")), out)
+''')
+
+_METRIC = Template('''
+
+def metric(logits, answer, foil=None):
+    """$metric_doc, from the last position's logits [vocab]."""
+    $metric_body
 ''')
 
 _SINGLE = Template('''
@@ -182,7 +187,7 @@ def as_json(t):
 
 
 with open(sys.argv[1], "w") as handle:
-    json.dump({"grid": as_json(grid), "grids": {view: as_json(g) for view, g in grids.items()}}, handle)
+    json.dump({"grid": as_json(grid), "grids": {view: as_json(g) for view, g in grids.items()}, **EXTRA}, handle)
 print(grid)
 ''')
 
@@ -326,7 +331,11 @@ def _script(result: Any) -> str:
         raise PipatchError(f"code() cannot write a script for a {result.kind!r} result: it covers {known} results")
     adapter = _adapter(meta)
     function, experiment, sites, summary = declaration.code(result, adapter)
-    if result.metric not in _METRIC_BODY:
+    if result.metric == NO_METRIC:
+        metric_part = ""
+    elif result.metric in _METRIC_BODY:
+        metric_part = _METRIC.substitute(metric_doc=_METRIC_DOC[result.metric], metric_body=_METRIC_BODY[result.metric])
+    else:
         raise PipatchError(f"code(): unknown metric {result.metric!r}")
     device = str(meta.get("device", "cpu"))
     dtype = str(meta.get("dtype", "float32"))
@@ -340,7 +349,7 @@ def _script(result: Any) -> str:
                        else "this model's forward cannot skip the other positions."),
         blocks=dotted_path(adapter.blocks, "blocks"), n_heads=adapter.n_heads, head_dim=adapter.head_dim,
         out_proj=f"{adapter.attn}.{adapter.out_proj}", site_lines=_site_lines(adapter, sites),
-        metric_doc=_METRIC_DOC[result.metric], metric_body=_METRIC_BODY[result.metric],
+        metric_part=metric_part,
     )
     # A normalized result's grid is recovery against its baselines; the logit lens's, the metric.
     values = "recovery(values, clean, corrupt)" if result.normalized else "values"
