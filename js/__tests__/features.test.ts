@@ -81,7 +81,6 @@ describe('feature rows in the tooltip', () => {
     expect(g.cellInfo(1, 0).slice(0, 3)).toEqual(['rank: top 2', 'latent 3', 'token 0: The']);
     expect(g.cellInfo(1, 1)[1]).toBe('token 1:  Eiffel'); // no latent fires there: no note
     expect(g.cellInfo(0, 0, false)).not.toContain('latent 12'); // the detail pane's head leaves notes out
-    const cellH = (g as unknown as { layout: { cellH: number } }).layout.cellH;
     const cellW = (g as unknown as { layout: { cellW: number } }).layout.cellW;
     el.querySelector('.pipatch-overlay')!.dispatchEvent(
       new MouseEvent('mousemove', { bubbles: true, clientX: cellW + 1, clientY: 1 }),
