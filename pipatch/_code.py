@@ -6,7 +6,8 @@ of a hand-written recipe — load the model with transformers, wrap it in nnsigh
 the clean and corrupt baselines, then one patched run per cell (a row's cells batched as
 invokes of one trace) — and writes ``{"grid": [[...], ...], "grids": {view: ...}}``, the same
 quantity as ``result.grid`` / ``result.grids`` (normalized recovery, mean over seeds or
-prompts). It imports torch, transformers and nnsight only, never pipatch.
+prompts), and what an experiment reports beside its grid (``EXTRA``: a feature patch's exact
+checks, a feature read's latent ids). It imports torch, transformers and nnsight only, never pipatch.
 
 What the script needs comes from ``result.meta`` alone, so a result read back with
 :func:`pipatch.load_result` (or from ``to_json``) gives the same script:
@@ -29,8 +30,10 @@ A script has three parts, and :func:`script` puts them together:
 Each experiment's template lives beside the protocol it writes out: causal tracing in
 :mod:`pipatch._protocols.tracing`, activation patching in :mod:`~pipatch._protocols.patching`,
 attribution patching in :mod:`~pipatch._protocols.attribution`, the logit lens in
-:mod:`~pipatch._protocols.lens`, path patching in :mod:`~pipatch._protocols._paths_code` and
-circuits in :mod:`~pipatch._protocols._circuit_code`. This module keeps the header and the
+:mod:`~pipatch._protocols.lens`, path patching in :mod:`~pipatch._protocols._paths_code`,
+circuits in :mod:`~pipatch._protocols._circuit_code` and feature reads and patches (the SAE's
+math spelled out, its weights read from the file it was loaded from) in
+:mod:`~pipatch._protocols._feature_code`. This module keeps the header and the
 assembly, and what several experiments share: :func:`pair_inputs` (a clean/corrupt pair's
 inputs), :data:`PAIR_BASELINES` and :func:`pair_site` (patching's and attribution's clean run
 and site) and :func:`dotted_path` (a module path from the metadata, checked before it becomes
