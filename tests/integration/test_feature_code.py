@@ -102,6 +102,17 @@ def test_the_script_recomputes_a_feature_read_and_patch_on_tiny_models(name, tmp
     assert_same_patch(pipatch.feature_patch(model, **PAIR, site=site, top_k=4, progress=False), tmp_path)
 
 
+def test_the_script_reads_several_saes_in_forward_order(tmp_path):
+    """Two SAEs given in reverse forward order (a transcoder of layer 1 before an SAE of layer
+    0's output): one run reads both, each view its own SAE's latents."""
+    model, transcoder = tiny_site(tmp_path, "gemma3", "transcoder", "saelens")
+    weights = random_weights("jumprelu", adapter_for(model).d_model, seed=1)
+    first = pipatch.load_sae(save_saelens(tmp_path / "L0", "jumprelu", weights, "blocks.0.hook_resid_post", ""), model)
+    read = pipatch.features(model, CLEAN, saes=[transcoder, first], k=3, progress=False)
+    assert read.views == [transcoder.name, first.name]
+    assert_same_read(read, tmp_path)
+
+
 def test_the_script_recomputes_features_of_the_embedded_sae(model, tmp_path):
     site = pipatch.embedded_sae(model)
     read = pipatch.features(model, EIFFEL, saes=site, k=5, positions=[2, 3, -1], progress=False)
