@@ -104,6 +104,7 @@ _ACTIVATIONS = {
 }
 
 _FEATURES = Template('''
+
 SAES = {
 $saes
 }
@@ -135,6 +136,7 @@ def features(prompt, positions, k):
 ''')
 
 _FEATURE_PATCH = Template('''
+
 SAE = load_sae($recipe)
 VIEW = $view
 # The grid's rows: the latents pipatch chose (those of the top_k cells of largest |score|, or
