@@ -36,13 +36,12 @@ from .._result import Result, recovery_undefined
 from .._sites import Site
 from .._tables import table
 from .._views import conform_state
+from ._result import latent_note
 
 __all__ = ["latent_gradient", "cell_scores", "top_cells", "check_latents", "FeaturePatchResult", "ERROR"]
 
 #: A feature result's ``latent`` for its error row (:meth:`FeaturePatchResult.frame`).
 ERROR = "error"
-#: How many of a latent's top contexts its row's hover text shows (all are in ``meta``).
-NOTE_CONTEXTS = 3
 
 
 def latent_gradient(site: Site, value: torch.Tensor, holder_grad: torch.Tensor) -> torch.Tensor:
@@ -139,14 +138,13 @@ class FeaturePatchResult(Result, file_kind="feature_patch"):
 
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
         """Any result's view state (:meth:`pipatch.Result.to_state`), its rows latents: each
-        row's note is its label and its top :data:`NOTE_CONTEXTS` contexts, one per line."""
+        row's note is its label and its top contexts, one per line (:func:`~._result.latent_note`)."""
         notes = []
         for latent in self.latents:
             if latent == ERROR:
                 notes.append("the SAE's error: the part of the value it does not explain")
                 continue
-            found = [f"{window}  ({value:.3g})" for window, value in self.contexts(int(latent))[:NOTE_CONTEXTS]]
-            notes.append("\n".join([self.label(int(latent)), *found]).strip("\n"))
+            notes.append(latent_note(self.label(int(latent)), self.contexts(int(latent))))
         return {**super().to_state(live=live), **conform_state({"row_axis": "latent", "row_notes": notes})}
 
     def exact(self) -> torch.Tensor:

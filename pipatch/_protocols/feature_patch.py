@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .. import _code
 from .._cells import Base, Cell, Op
 from .._checks import flag, whole_number
 from .._declare import PAIR, Experiment, Param, positive_int
@@ -48,6 +49,7 @@ from .._features._site import ErrorSite
 from .._programs.capture import captures
 from .._programs.gradients import gradients
 from .._result import load_result
+from ._feature_code import feature_patch_code
 from ._inputs import (
     BATCH_SIZE,
     METRIC,
@@ -133,7 +135,7 @@ def plan_feature_patch(
     meta.update({
         **pair.meta(backend), "site": target.name, "sae": target.sae.name, "layer": layer, "col_axis": "token",
         "direction": "denoise", "positions": cols, "latents": [*rows, ERROR], "n_latents": target.n_latents,
-        "top_k": top_k, "exhaustive": bool(exhaustive),
+        "top_k": top_k, "exhaustive": bool(exhaustive), "saes": [target.describe()],
         "estimate": "attribution patching: grad(metric) at the corrupt run through decode · (clean − corrupt) latents",
         "verified": {target.name: [[0.0] * n_cols for _ in range(len(rows) + 1)]},
     })
@@ -280,4 +282,5 @@ DECLARATION = Experiment(
     ...                           answer=" Paris", foil=" Rome", site=sae, top_k=10)
     >>> r.frame().dropna()
     """,
+    code=feature_patch_code, code_inputs=_code.pair_inputs,
 )
