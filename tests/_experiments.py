@@ -74,6 +74,15 @@ EMBEDDED: dict[str, dict] = {
         "argv": ["feature-patch", *PAIR_ARGV, "--site", sae_folder(640, 6), "--top-k", "3",
                  "--positions", "2,-1"],
     },
+    "feature_trace": {  # the same SAE; one seed, the subject's last token and the last position
+        "kwargs": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "site": sae_folder(640, 6),
+                   "seeds": 1, "scale": 3.0, "top_k": 3, "positions": [3, -1]},
+        "line": f'--subject "Eiffel Tower" --answer " Paris" --site {sae_folder(640, 6)} --seeds 1 --scale 3 '
+                "--top-k 3 --positions 3,-1",
+        "body": EIFFEL,
+        "argv": ["feature-trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--site",
+                 sae_folder(640, 6), "--seeds", "1", "--scale", "3", "--top-k", "3", "--positions", "3,-1"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -86,6 +95,8 @@ TINY: dict[str, dict] = {
     "circuit": {**TINY_PAIR, "steps": 2, "verify": 3, "curve": 4},
     "features": {"prompt": EIFFEL, "saes": sae_folder(D_MODEL, 1), "k": 4},
     "feature_patch": {**TINY_PAIR, "site": sae_folder(D_MODEL, 1), "top_k": 4},
+    "feature_trace": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "site": sae_folder(D_MODEL, 1),
+                      "seeds": 2, "scale": 3.0, "top_k": 4},
 }
 
 

@@ -471,7 +471,8 @@ class TransformersBackend(Described):
         with torch.enable_grad(), model.trace(**adapter.trace_kwargs(metric.n_read)) as tracer:
             saved = list().save()  # type: ignore[attr-defined]  # nnsight's
             with tracer.invoke(metric.inputs(request.input_ids)):
-                saved.append(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1]))
+                saved.append(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1],
+                                          request.ops))
         return saved[0]
 
     # -- a circuit's programs ------------------------------------------------------------------

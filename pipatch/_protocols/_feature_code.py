@@ -253,6 +253,9 @@ def feature_patch_code(result: Any, adapter: Adapter) -> tuple[str, str, list[Si
     the sites it reads (none of pipatch's) and a summary."""
     (recipe,) = _recipes(result)
     meta = result.meta
+    if meta.get("direction", "denoise") != "denoise":
+        raise PipatchError(f"code() writes denoising feature patches; this one is direction={meta['direction']!r}: "
+                           "run feature_patch with the default direction for a script, or read this result's frame()")
     checks = [[int(e["layer"]), int(e["col"])] for e in meta["verified_values"]]
     code = _sae_math([recipe]) + _FEATURE_PATCH.substitute(
         recipe=repr(recipe), view=repr(result.views[0]), latents=repr(list(meta["latents"])), checks=repr(checks),
