@@ -17,8 +17,8 @@ nnsight wrapper (forward hooks, removed on the way out; no parameter gradient is
   the upstream SAE writes, row by row, so row ``r`` holds ``d (w_r · node_r) / dx_up``. The
   forward stops once the downstream SAE has read its value.
 
-Only metrics read from one input row (a one-token answer and foil) are supported: the protocol
-refuses the others in one line.
+Only metrics read at the last prompt position (a one-token answer and foil) are supported:
+the protocol refuses the others in one line.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
 ``edges()`` are pandas tables, its grid the per-(SAE, position) sums of node scores.
 
-**Backends.** The scores need gradients: the transformers backend's. Only metrics read from
-one input (a one-token answer and foil) are scored; the others are refused in one line.
+**Backends.** The scores need gradients: the transformers backend's. Only metrics read at
+the last prompt position (a one-token answer and foil) are scored; the others are refused in
+one line.
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
     sites = _sites(backend, saes)
     pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
     scorer = pair.metric
-    if scorer.n_inputs != 1:
-        raise PipatchError("feature_circuit scores metrics read from one run input: give a one-token answer and foil")
+    if not scorer.single:
+        raise PipatchError("feature_circuit scores metrics read at the last prompt position: give a one-token answer "
+                           "and foil")
     T = pair.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T, backend)
