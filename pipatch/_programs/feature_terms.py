@@ -8,8 +8,8 @@ nnsight wrapper (forward hooks, removed on the way out; no parameter gradient is
 * **node gradients** (:func:`node_gradients`): ``dM/dx`` at the value each SAE writes (a
   block's output; a transcoder's MLP output), from one forward and one backward. With
   ``steps > 1``, integrated gradients as Marks et al. take them: for each SAE alone, the mean
-  of ``dM/dx`` over ``steps`` runs whose written value at that SAE is
-  ``x_corrupt + (k / steps)(x_clean − x_corrupt)``, ``k = 0 … steps − 1`` (``steps=1`` is
+  of ``dM/dx`` over ``steps`` runs whose latents and error at that SAE are
+  ``corrupt + (k / steps)(clean − corrupt)``, ``k = 0 … steps − 1`` (``steps=1`` is
   attribution patching's gradient at the corrupt run), the other SAEs' values free;
 * **edge pull-backs** (:func:`edge_pullbacks`): for a chunk of downstream nodes, one batch
   whose row ``r`` belongs to node ``r``: the backward of ``Σ_r w_r · node_r`` (``w_r``: the
@@ -35,7 +35,7 @@ from .._models import _get, first
 from ._program import Program, register_program
 
 __all__ = ["NODE_GRADIENTS", "EDGE_PULLBACKS", "NodeGradientsRequest", "EdgePullbacksRequest", "node_gradients",
-           "edge_pullbacks", "written_values"]
+           "edge_pullbacks"]
 
 
 class _Reached(Exception):
@@ -86,14 +86,15 @@ def _score(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class NodeGradientsRequest:
-    """The node gradients of a pair ([1, T] ids each) at ``sites`` (forward order), by
-    integrated gradients over ``steps`` points (1: at the corrupt run)."""
+    """The node gradients of the corrupt prompt ([1, T]) at ``sites`` (forward order), by
+    integrated gradients over ``steps`` points along ``deltas`` (1: at the corrupt run;
+    :func:`node_gradients`)."""
 
-    clean_ids: torch.Tensor
     corrupt_ids: torch.Tensor
     metric: Metric
     sites: list[Any]
     steps: int
+    deltas: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -108,23 +109,12 @@ class EdgePullbacksRequest:
     weights: list[torch.Tensor]
 
 
-def written_values(hf: Any, adapter: Any, ids: torch.Tensor, sites: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """What each site writes on a plain run of ``ids`` ([1, T]), ``{name: [1, T, d]}``."""
-    found: dict[str, torch.Tensor] = {}
-
-    def keep(site):
-        def seen(value):
-            found[site.name] = value.detach().clone()
-        return seen
-    with torch.no_grad():
-        _run(hf, ids, [(site.writes, keep(site)) for site in sites], adapter)
-    return found
-
-
-def node_gradients(hf: Any, adapter: Any, metric: Metric, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor,
-                   sites: Sequence[Any], steps: int) -> tuple[dict[str, torch.Tensor], float]:
+def node_gradients(hf: Any, adapter: Any, metric: Metric, corrupt_ids: torch.Tensor, sites: Sequence[Any],
+                   steps: int, deltas: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
     """``dM/dx`` at each site's written value, ``{name: [T, d]}`` (float32), and the corrupt
-    run's metric (module docstring)."""
+    run's metric (module docstring). ``deltas[name]`` ([1, T, d]) is how far the site's
+    clean value moves what it writes: ``decode(f_clean) − decode(f_corrupt) + e_clean −
+    e_corrupt`` (a transcoder's skip stays live, as in an exact patch of its latents)."""
     T, last = corrupt_ids.shape[1], adapter.trace_kwargs(metric.n_read)
     if steps == 1:
         held: dict[str, torch.Tensor] = {}
@@ -138,17 +128,20 @@ def node_gradients(hf: Any, adapter: Any, metric: Metric, clean_ids: torch.Tenso
             score = _score(metric, out.logits)[0]
             grads = torch.autograd.grad(score, [held[s.name] for s in sites])
         return {s.name: g[0, :T].float() for s, g in zip(sites, grads)}, float(score.detach())
-    clean, corrupt = written_values(hf, adapter, clean_ids, sites), written_values(hf, adapter, corrupt_ids, sites)
-    alphas = torch.arange(steps, dtype=torch.float32) / steps
+    alphas = torch.arange(steps, dtype=torch.float32).view(-1, 1, 1) / steps
     out_grads, value = {}, float("nan")
     for site in sites:
-        start, end = corrupt[site.name], clean[site.name]
-        alpha = alphas.to(start.device, start.dtype).view(-1, 1, 1)
-        point = (start + alpha * (end - start)).detach().requires_grad_(True)
+        points: list[torch.Tensor] = []
+
+        def step(live, delta=deltas[site.name]):
+            shift = torch.zeros_like(live)
+            shift[:, :T] = alphas.to(live.device, live.dtype) * delta.to(live.device, live.dtype)
+            points.append((live.detach() + shift).requires_grad_(True))
+            return points[0]
         with torch.enable_grad():
-            out = _run(hf, corrupt_ids.expand(steps, -1), [(site.writes, lambda value, p=point: p)], adapter, **last)
+            out = _run(hf, corrupt_ids.expand(steps, -1), [(site.writes, step)], adapter, **last)
             scores = _score(metric, out.logits)
-            (grad,) = torch.autograd.grad(scores.sum(), [point])
+            (grad,) = torch.autograd.grad(scores.sum(), points)
         out_grads[site.name] = grad[:, :T].float().mean(0)
         value = float(scores[0].detach())
     return out_grads, value
@@ -203,9 +196,8 @@ def edge_pullbacks(hf: Any, adapter: Any, corrupt_ids: torch.Tensor, upstream: A
 
 def node_gradients_body(view: Any, request: NodeGradientsRequest) -> tuple[dict[str, torch.Tensor], float]:
     """:func:`node_gradients` on the view's torch model."""
-    device = view.device
-    return node_gradients(view.torch_model, view.adapter, request.metric, request.clean_ids.to(device),
-                          request.corrupt_ids.to(device), request.sites, request.steps)
+    return node_gradients(view.torch_model, view.adapter, request.metric, request.corrupt_ids.to(view.device),
+                          request.sites, request.steps, request.deltas)
 
 
 def edge_pullbacks_body(view: Any, request: EdgePullbacksRequest) -> torch.Tensor:

@@ -143,7 +143,10 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
     errors = [s.error_site for s in sites]
     clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], scorer, [*sites, *errors])
     clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
-    grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(pair.clean_ids, pair.corrupt_ids, scorer, sites, steps))
+    deltas = {s.name: _written_change(s, clean_run.sites[s.name][s.layer], corrupt_run.sites[s.name][s.layer],
+                                      clean_run.sites[e.name][s.layer], corrupt_run.sites[e.name][s.layer])
+              for s, e in zip(sites, errors)}
+    grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(pair.corrupt_ids, scorer, sites, steps, deltas))
     scored = [_Scored(s, clean_run.sites[s.name][s.layer], corrupt_run.sites[s.name][s.layer],
                       clean_run.sites[e.name][s.layer], corrupt_run.sites[e.name][s.layer], grads[s.name][None])
               for s, e in zip(sites, errors)]
@@ -184,6 +187,14 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
                         checked=checked, ops=[_ablation(nodes[i], by_name) for i in checked],
                         corrupt_value=corrupt_value)
     return _CheckedPlan(backend, result, [sweep], batch, True)
+
+
+def _written_change(site: LatentSite, clean: torch.Tensor, corrupt: torch.Tensor, clean_error: torch.Tensor,
+                    corrupt_error: torch.Tensor) -> torch.Tensor:
+    """How far ``site``'s clean latents and error move what it writes: ``decode(f_clean) −
+    decode(f_corrupt) + e_clean − e_corrupt`` ([1, T, d]), the line integrated gradients walk."""
+    with torch.no_grad():
+        return (site.decode(clean) - site.decode(corrupt)).float() + (clean_error - corrupt_error).float()
 
 
 def _nodes(scored: list[_Scored], cols: list[int]) -> tuple[list[dict[str, Any]], torch.Tensor]:

@@ -24,10 +24,12 @@ from tests._reference import first
 from tests._saes import random_weights, save_saelens
 from tests._tiny import tiny_model
 from tests.conftest import COLOSSEUM, EIFFEL
-from tests.integration.test_features import CLEAN, CORRUPT, FAMILIES, hand_decode, hand_encode
+from tests.integration.test_features import CLEAN, CORRUPT, FAMILIES, hand_decode, hand_encode, hand_skip
 
 ANSWER, FOIL = " Rome", " Moscow"
 N_LAYERS = 3
+#: The kind of SAE each model built here has, by the model's id.
+KINDS: dict[int, str] = {}
 
 
 def ids_of(model, text):
@@ -43,29 +45,44 @@ def logit_diff(model, logits):
 
 
 def build(tmp_path, family, kind="jumprelu"):
-    """A tiny model and a random ``kind`` SAE at every block's output: ``(model, weights by
-    layer, latent sites)``."""
+    """A tiny model and a random ``kind`` SAE at every block's output (a transcoder: at every
+    MLP): ``(model, weights by layer, latent sites)``."""
     model = tiny_model(family)
     d = adapter_for(model).d_model
     weights = {layer: random_weights(kind, d, d, seed=10 + layer) for layer in range(N_LAYERS)}
-    folders = [save_saelens(tmp_path / f"{family}-L{layer}", kind, weights[layer],
-                            f"blocks.{layer}.hook_resid_post", f"tiny-{family}") for layer in range(N_LAYERS)]
+    hooks = [(f"blocks.{layer}.hook_mlp_in", f"blocks.{layer}.hook_mlp_out") if kind == "transcoder"
+             else (f"blocks.{layer}.hook_resid_post", None) for layer in range(N_LAYERS)]
+    folders = [save_saelens(tmp_path / f"{family}-L{layer}", kind, weights[layer], hook, f"tiny-{family}", hook_out)
+               for layer, (hook, hook_out) in enumerate(hooks)]
+    KINDS[id(model)] = kind  # what the hand references below rebuild
     return model, weights, pipatch.load_saes(folders, model)
 
 
-def block(model, layer):
+def modules_at(model, layer):
+    """``(module read, module written)`` at ``layer``: the block, or (a transcoder) the MLP and
+    the module whose output the MLP adds."""
     a = adapter_for(model)
-    return _get(model._module, a.blocks)[layer]
+    block = _get(model._module, a.blocks)[layer]
+    if KINDS[id(model)] != "transcoder":
+        return block, block
+    return _get(block, a.mlp), _get(block, a.mlp_post_norm or a.mlp)
 
 
 def run_with(model, ids, edits):
-    """``model._module(ids)`` with ``edits[layer](output) -> new output`` on block outputs."""
+    """``model._module(ids)`` with ``edits[layer](x_in, out) -> new out`` at each layer's
+    written module (``x_in``: what the SAE reads there)."""
     handles = []
     for layer, edit in edits.items():
-        def put(module, args, output, edit=edit):
-            new = edit(first(output))
+        read, written = modules_at(model, layer)
+        seen = {}
+        if KINDS[id(model)] == "transcoder":
+            handles.append(read.register_forward_pre_hook(lambda m, args, seen=seen: seen.__setitem__("x", args[0])))
+
+        def put(module, args, output, edit=edit, seen=seen):
+            out = first(output)
+            new = edit(seen.get("x", out), out)
             return (new, *output[1:]) if isinstance(output, tuple) else new
-        handles.append(block(model, layer).register_forward_hook(put))
+        handles.append(written.register_forward_hook(put))
     try:
         return model._module(ids).logits
     finally:
@@ -73,15 +90,20 @@ def run_with(model, ids, edits):
             handle.remove()
 
 
+def rebuild(weights, x_in, f, e):
+    """What the SAE writes from latents ``f`` and error ``e`` (a transcoder's skip from ``x_in``)."""
+    return hand_decode(weights, f) + hand_skip(weights, x_in) + e
+
+
 def hand_values(model, weights, kind, ids):
     """Each layer's latents and error on a plain run, ``{layer: (f, e)}`` ([1, T, ...])."""
     store = {}
 
     def keep(layer):
-        def edit(x):
-            f = hand_encode(weights[layer], kind, x)
-            store[layer] = (f.detach(), (x - hand_decode(weights[layer], f)).detach())
-            return x
+        def edit(x_in, out):
+            f = hand_encode(weights[layer], kind, x_in)
+            store[layer] = (f.detach(), (out - rebuild(weights[layer], x_in, f, 0)).detach())
+            return out
         return edit
     with torch.no_grad():
         run_with(model, ids, {layer: keep(layer) for layer in range(N_LAYERS)})
@@ -97,7 +119,7 @@ def hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer
         f = (corrupt[layer][0] + alpha * (clean[layer][0] - corrupt[layer][0])).requires_grad_(True)
         e = (corrupt[layer][1] + alpha * (clean[layer][1] - corrupt[layer][1])).requires_grad_(True)
         with torch.enable_grad():
-            logits = run_with(model, corrupt_ids, {layer: lambda x: hand_decode(weights[layer], f) + e})
+            logits = run_with(model, corrupt_ids, {layer: lambda x_in, out: rebuild(weights[layer], x_in, f, e)})
             gf, ge = torch.autograd.grad(logit_diff(model, logits)[0], [f, e])
         total_f, total_e = total_f + gf, total_e + ge
     return total_f / steps, total_e / steps
@@ -111,15 +133,16 @@ def hand_edge(model, weights, kind, corrupt_ids, corrupt, up, down, target, grad
     e = corrupt[up][1].clone().requires_grad_(True)
     seen = {}
 
-    def read(x):
-        seen["x"] = x
-        return x
+    def read(x_in, out):
+        seen.update(x=x_in, out=out)
+        return out
     q, j = target
     with torch.enable_grad():
-        run_with(model, corrupt_ids, {up: lambda x: hand_decode(weights[up], f) + e, down: read})
+        run_with(model, corrupt_ids, {up: lambda x_in, out: rebuild(weights[up], x_in, f, e), down: read})
         latents = hand_encode(weights[down], kind, seen["x"])
         if j is None:
-            value = ((seen["x"] - hand_decode(weights[down], latents))[0, q] * grad_e_down[0, q]).sum()
+            error = seen["out"] - rebuild(weights[down], seen["x"], latents, 0)
+            value = (error[0, q] * grad_e_down[0, q]).sum()
         else:
             value = latents[0, q, j] * grad_f_down[0, q, j]
         return torch.autograd.grad(value, [f, e])
@@ -130,16 +153,16 @@ def hand_patch(model, weights, kind, corrupt_ids, node, clean):
     its clean value, the block's output rebuilt as decode(latents) + error."""
     layer, p = node["layer"], node["position"]
 
-    def edit(x):
-        f = hand_encode(weights[layer], kind, x)
-        e = x - hand_decode(weights[layer], f)
+    def edit(x_in, out):
+        f = hand_encode(weights[layer], kind, x_in)
+        e = out - rebuild(weights[layer], x_in, f, 0)
         if node["latent"] == "error":
             e = e.clone()
             e[0, p] = clean[layer][1][0, p]
         else:
             f = f.clone()
             f[0, p, int(node["latent"])] = clean[layer][0][0, p, int(node["latent"])]
-        return hand_decode(weights[layer], f) + e
+        return rebuild(weights[layer], x_in, f, e)
     with torch.no_grad():
         return float(logit_diff(model, run_with(model, corrupt_ids, {layer: edit}))[0])
 
@@ -209,6 +232,17 @@ def test_integrated_gradients_and_a_topk_sae_equal_the_hand_references(family, t
                                      steps=3, verify=4, top_nodes=10, top_edges=30, progress=False)
     assert result.meta["method"] == "ig"
     check_against_hands(model, weights, sites, "topk", result, steps=3)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_transcoders_at_every_mlp_equal_the_hand_references(family, tmp_path):
+    """Transcoders read each MLP's input and write its output (Gemma: after its post-norm),
+    with an affine skip that stays live in every patch and along the integrated gradients."""
+    model, weights, sites = build(tmp_path, family, kind="transcoder")
+    for steps in (1, 2):
+        result = pipatch.feature_circuit(model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
+                                         steps=steps, verify=4, top_nodes=10, top_edges=30, progress=False)
+        check_against_hands(model, weights, sites, "transcoder", result, steps=steps)
 
 
 def test_pruning_tables_grid_file_and_plot(tmp_path):
