@@ -52,6 +52,7 @@ interface FieldTypes {
   bool: boolean;
   '{str: int}': Record<string, number>;
   '{str: float?}': Record<string, number>;
+  '{str: str[]}': Record<string, string[]>;
   arrays: Record<string, DecodedArray>;
   detail: Detail;
   'top[]': TopToken[];
@@ -230,6 +231,11 @@ function readField(type: keyof FieldTypes, x: unknown, fallback: unknown, errors
     case '{str: float?}': {
       const out: Record<string, number> = {};
       for (const [k, v] of Object.entries(asRecord(x))) out[k] = type === '{str: int}' ? asNumber(v, 0) : asNumber(v, NaN);
+      return out;
+    }
+    case '{str: str[]}': {
+      const out: Record<string, string[]> = {};
+      for (const [k, v] of Object.entries(asRecord(x))) out[k] = asStringList(v);
       return out;
     }
     case 'arrays': {

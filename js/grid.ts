@@ -689,6 +689,8 @@ export class GridView {
     lines.push(`${s.row_axis || 'layer'}: ${tooltipLabel(s.row_labels[row] ?? String(row))}`);
     // A row's note (a latent's label, its top contexts) is text, one line per line, escaped like every label.
     if (notes) for (const note of (s.row_notes[row] ?? '').split('\n')) if (note) lines.push(tooltipLabel(note, 160));
+    // A cell's own note (a feature read: the latent at this rank and position, its label and contexts), the same way.
+    if (notes) for (const note of (s.cell_notes[this.ui.view]?.[i] ?? '').split('\n')) if (note) lines.push(tooltipLabel(note, 160));
     lines.push(`${s.col_axis === 'head' ? 'head' : 'token'} ${col}: ${tooltipLabel(s.col_labels[col] ?? String(col))}${s.subject.includes(col) ? ' (subject)' : ''}`);
     if (!this.isDone(row, rows)) {
       lines.push('pending (not computed yet)');

@@ -5,7 +5,7 @@
  * listens to exactly its keys: a new field is one line here and one in the Python schema.
  *
  * Types: 'str', 'str[]', 'int', 'int[]', 'int?' (null for none), 'float', 'float[]', 'float?'
- * (null when not finite), 'float?[]', 'bool', '{str: int}', '{str: float?}', 'arrays'
+ * (null when not finite), 'float?[]', 'bool', '{str: int}', '{str: float?}', '{str: str[]}', 'arrays'
  * ({name: {data, dtype, shape}}), and the named objects 'detail', 'top[]', 'selection', 'ui',
  * 'circuit' ('node[]', 'check[]', 'faithfulness'). Arrays are named `<view>/<what>`; `ARRAY_SCHEMA` gives
  * each `what` its shape in rows (row_labels), cols (col_labels) and seeds (n_seeds).
@@ -25,6 +25,7 @@ export const STATE_SCHEMA = {
   row_labels: 'str[]',
   row_axis: 'str',
   row_notes: 'str[]',
+  cell_notes: '{str: str[]}', // per view, each cell's hover text, row-major (a feature read's latents; {} none)
   col_labels: 'str[]',
   col_axis: 'str',
   views: 'str[]',

@@ -6,7 +6,8 @@ of a hand-written recipe — load the model with transformers, wrap it in nnsigh
 the clean and corrupt baselines, then one patched run per cell (a row's cells batched as
 invokes of one trace) — and writes ``{"grid": [[...], ...], "grids": {view: ...}}``, the same
 quantity as ``result.grid`` / ``result.grids`` (normalized recovery, mean over seeds or
-prompts). It imports torch, transformers and nnsight only, never pipatch.
+prompts), and what an experiment reports beside its grid (``EXTRA``: a feature patch's exact
+checks, a feature read's latent ids). It imports torch, transformers and nnsight only, never pipatch.
 
 What the script needs comes from ``result.meta`` alone, so a result read back with
 :func:`pipatch.load_result` (or from ``to_json``) gives the same script:
@@ -29,8 +30,10 @@ A script has three parts, and :func:`script` puts them together:
 Each experiment's template lives beside the protocol it writes out: causal tracing in
 :mod:`pipatch._protocols.tracing`, activation patching in :mod:`~pipatch._protocols.patching`,
 attribution patching in :mod:`~pipatch._protocols.attribution`, the logit lens in
-:mod:`~pipatch._protocols.lens`, path patching in :mod:`~pipatch._protocols._paths_code` and
-circuits in :mod:`~pipatch._protocols._circuit_code`. This module keeps the header and the
+:mod:`~pipatch._protocols.lens`, path patching in :mod:`~pipatch._protocols._paths_code`,
+circuits in :mod:`~pipatch._protocols._circuit_code` and feature reads and patches (the SAE's
+math spelled out, its weights read from the file it was loaded from) in
+:mod:`~pipatch._protocols._feature_code`. This module keeps the header and the
 assembly, and what several experiments share: :func:`pair_inputs` (a clean/corrupt pair's
 inputs), :data:`PAIR_BASELINES` and :func:`pair_site` (patching's and attribution's clean run
 and site) and :func:`dotted_path` (a module path from the metadata, checked before it becomes
@@ -62,6 +65,8 @@ __all__ = ["script", "pair_inputs", "pair_site", "PAIR_BASELINES", "dotted_path"
 
 _IDENTIFIER_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
+#: The metric of a result that reads values and scores nothing (a feature read's activations).
+NO_METRIC = "activation"
 _METRIC_DOC = {
     "prob": "P(answer) at the last position",
     "logprob": "log P(answer) at the last position",
@@ -107,6 +112,7 @@ layers = model.$blocks
 n_layers = len(layers)
 N_HEADS, HEAD_DIM = $n_heads, $head_dim  # head h: the slice [h·HEAD_DIM, (h+1)·HEAD_DIM) of z, $out_proj's input
 torch.set_grad_enabled(False)  # plain forward runs (attribution turns gradients on where it needs them)
+EXTRA = {}  # what an experiment writes beside its grid (a feature patch: its exact checks)
 # The metric reads the last position only: $last_only_doc
 LAST_ONLY = $last_only
 
@@ -124,12 +130,7 @@ def first(output):
 def site(name, layer):
     """The activation called `name` at `layer`, [1, T, width], readable and writable inside a trace."""
 $site_lines
-
-
-def metric(logits, answer, foil=None):
-    """$metric_doc, from the last position's logits [vocab]."""
-    $metric_body
-
+$metric_part
 
 def recovery(raw, clean, corrupt):
     """Normalized recovery (raw − corrupt) / (clean − corrupt) per seed, [seeds, layers, columns]:
@@ -139,6 +140,13 @@ def recovery(raw, clean, corrupt):
     out = (raw - corrupt.reshape(-1, 1, 1)) / span
     undefined = span.abs() <= 1e-6 + 1e-3 * torch.maximum(clean.abs(), corrupt.abs()).reshape(-1, 1, 1)
     return torch.where(undefined, torch.tensor(float("nan")), out)
+''')
+
+_METRIC = Template('''
+
+def metric(logits, answer, foil=None):
+    """$metric_doc, from the last position's logits [vocab]."""
+    $metric_body
 ''')
 
 _SINGLE = Template('''
@@ -182,7 +190,7 @@ def as_json(t):
 
 
 with open(sys.argv[1], "w") as handle:
-    json.dump({"grid": as_json(grid), "grids": {view: as_json(g) for view, g in grids.items()}}, handle)
+    json.dump({"grid": as_json(grid), "grids": {view: as_json(g) for view, g in grids.items()}, **EXTRA}, handle)
 print(grid)
 ''')
 
@@ -326,7 +334,11 @@ def _script(result: Any) -> str:
         raise PipatchError(f"code() cannot write a script for a {result.kind!r} result: it covers {known} results")
     adapter = _adapter(meta)
     function, experiment, sites, summary = declaration.code(result, adapter)
-    if result.metric not in _METRIC_BODY:
+    if result.metric == NO_METRIC:
+        metric_part = ""
+    elif result.metric in _METRIC_BODY:
+        metric_part = _METRIC.substitute(metric_doc=_METRIC_DOC[result.metric], metric_body=_METRIC_BODY[result.metric])
+    else:
         raise PipatchError(f"code(): unknown metric {result.metric!r}")
     device = str(meta.get("device", "cpu"))
     dtype = str(meta.get("dtype", "float32"))
@@ -340,7 +352,7 @@ def _script(result: Any) -> str:
                        else "this model's forward cannot skip the other positions."),
         blocks=dotted_path(adapter.blocks, "blocks"), n_heads=adapter.n_heads, head_dim=adapter.head_dim,
         out_proj=f"{adapter.attn}.{adapter.out_proj}", site_lines=_site_lines(adapter, sites),
-        metric_doc=_METRIC_DOC[result.metric], metric_body=_METRIC_BODY[result.metric],
+        metric_part=metric_part,
     )
     # A normalized result's grid is recovery against its baselines; the logit lens's, the metric.
     values = "recovery(values, clean, corrupt)" if result.normalized else "values"

@@ -539,7 +539,7 @@ class Result:
         return conform_state({
             "title": self.title, "kind": self.kind, "model_name": str(meta.get("model", "")),
             "metric": self.metric, "row_labels": list(self.layers), "col_labels": list(self.columns),
-            "row_axis": "", "row_notes": [],  # rows are layers, with nothing more to say (features: latents)
+            "row_axis": "", "row_notes": [], "cell_notes": {},  # rows are layers, with nothing more to say (features: latents)
             "col_axis": self.col_axis, "views": self.views,
             "n_seeds": self.n_seeds, **self._seed_axis(), "arrays": self.arrays(live=live), "rows_done": dict(self.rows_done),
             "row_order": dict(self.row_order),

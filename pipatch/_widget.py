@@ -115,6 +115,7 @@ class GridWidget(anywidget.AnyWidget):
     row_labels = t.List(t.Unicode()).tag(sync=True)
     row_axis = t.Unicode("").tag(sync=True)  # what a row is: "" a layer, "latent" an SAE latent
     row_notes = t.List(t.Unicode()).tag(sync=True)  # per row, its hover text ([]: none)
+    cell_notes = t.Dict().tag(sync=True)  # per view, each cell's hover text, row-major ({}: none)
     col_labels = t.List(t.Unicode()).tag(sync=True)
     col_axis = t.Unicode("token").tag(sync=True)
     views = t.List(t.Unicode()).tag(sync=True)

@@ -74,6 +74,24 @@ EMBEDDED: dict[str, dict] = {
         "argv": ["feature-patch", *PAIR_ARGV, "--site", sae_folder(640, 6), "--top-k", "3",
                  "--positions", "2,-1"],
     },
+    "feature_trace": {  # the same SAE; one seed, the subject's last token and the last position
+        "kwargs": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "site": sae_folder(640, 6),
+                   "seeds": 1, "scale": 3.0, "top_k": 3, "positions": [3, -1]},
+        "line": f'--subject "Eiffel Tower" --answer " Paris" --site {sae_folder(640, 6)} --seeds 1 --scale 3 '
+                "--top-k 3 --positions 3,-1",
+        "body": EIFFEL,
+        "argv": ["feature-trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--site",
+                 sae_folder(640, 6), "--seeds", "1", "--scale", "3", "--top-k", "3", "--positions", "3,-1"],
+    },
+    "feature_circuit": {  # random SAEs after layers 5 and 6: nodes of both, edges between them
+        "kwargs": {**PAIR_KWARGS, "saes": [sae_folder(640, 5), sae_folder(640, 6)], "verify": 2, "top_nodes": 6,
+                   "positions": [2, -1]},
+        "line": f'--answer " Paris" --foil " Rome" --saes {sae_folder(640, 5)} --saes {sae_folder(640, 6)} '
+                "--verify 2 --top-nodes 6 --positions 2,-1",
+        "body": PAIR,
+        "argv": ["feature-circuit", *PAIR_ARGV, "--saes", sae_folder(640, 5), "--saes", sae_folder(640, 6),
+                 "--verify", "2", "--top-nodes", "6", "--positions", "2,-1"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -86,6 +104,10 @@ TINY: dict[str, dict] = {
     "circuit": {**TINY_PAIR, "steps": 2, "verify": 3, "curve": 4},
     "features": {"prompt": EIFFEL, "saes": sae_folder(D_MODEL, 1), "k": 4},
     "feature_patch": {**TINY_PAIR, "site": sae_folder(D_MODEL, 1), "top_k": 4},
+    "feature_trace": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "site": sae_folder(D_MODEL, 1),
+                      "seeds": 2, "scale": 3.0, "top_k": 4},
+    "feature_circuit": {**TINY_PAIR, "saes": [sae_folder(D_MODEL, 0), sae_folder(D_MODEL, 1)], "verify": 3,
+                        "top_nodes": 8},
 }
 
 

@@ -59,11 +59,45 @@ describe('feature rows in the tooltip', () => {
     expect(g.cellInfo(0, 0)[1].length).toBeLessThanOrEqual(160);
     expect(g.cellInfo(1, 0)[1]).toMatch(/^token 0/); // a row without a note adds no line
   });
+  it("shows a feature read's cell note: the latent at that rank and position, its label and contexts", () => {
+    const read = normalizeState({
+      views: ['L6 resid_post', 'L3 resid_post'],
+      row_labels: ['top 1', 'top 2'],
+      col_labels: ['The', ' Eiffel'],
+      row_axis: 'rank',
+      cell_notes: {
+        'L6 resid_post': ['latent 12\nthe Eiffel Tower\n… the «Eiffel» Tower  (4.2)', `latent 3\n${HOSTILE_LABEL}`, 'latent 3', ''],
+        'L3 resid_post': ['latent 8', '', '', ''],
+      },
+      status: 'done',
+      arrays: { 'L6 resid_post/mean': f32spec([2, 1.5, 1, NaN], [2, 2]), 'L3 resid_post/mean': f32spec([1, NaN, NaN, NaN], [2, 2]) },
+    });
+    const el = document.createElement('div');
+    document.body.appendChild(el);
+    const g = new GridView(el, {});
+    g.update(read, { view: 'L6 resid_post', seed: -1, mode: 'recovery' });
+    expect(g.cellInfo(0, 0).slice(0, 4)).toEqual(['rank: top 1', 'latent 12', 'the Eiffel Tower', '… the «Eiffel» Tower  (4.2)']);
+    expect(g.cellInfo(0, 0)[4]).toBe('token 0: The');
+    expect(g.cellInfo(1, 0).slice(0, 3)).toEqual(['rank: top 2', 'latent 3', 'token 0: The']);
+    expect(g.cellInfo(1, 1)[1]).toBe('token 1:  Eiffel'); // no latent fires there: no note
+    expect(g.cellInfo(0, 0, false)).not.toContain('latent 12'); // the detail pane's head leaves notes out
+    const cellW = (g as unknown as { layout: { cellW: number } }).layout.cellW;
+    el.querySelector('.pipatch-overlay')!.dispatchEvent(
+      new MouseEvent('mousemove', { bubbles: true, clientX: cellW + 1, clientY: 1 }),
+    );
+    const lines = Array.from(el.querySelectorAll('.pipatch-tooltip .pipatch-tip-line')).map((e) => e.textContent);
+    expect(lines.slice(0, 3)).toEqual(['rank: top 1', 'latent 3', HOSTILE_LABEL]);
+    expect(el.querySelector('img')).toBeNull();
+    g.update(read, { view: 'L3 resid_post', seed: -1, mode: 'recovery' });
+    expect(g.cellInfo(0, 0)[1]).toBe('latent 8'); // each view its own SAE's latents
+    g.destroy();
+  });
   it('reads an older document without the fields as layer rows without notes', () => {
     const { state, errors } = documentToState({ version: 1, row_labels: ['0', '1'], col_labels: ['a'] });
     expect(errors).toEqual([]);
     expect(state.row_axis).toBe('');
     expect(state.row_notes).toEqual([]);
+    expect(state.cell_notes).toEqual({});
     const g = new GridView(document.createElement('div'), {});
     g.update(normalizeState({ row_labels: ['0'], col_labels: ['a'], views: ['resid'], arrays: { 'resid/mean': f32spec([1], [1, 1]) } }));
     expect(g.cellInfo(0, 0)[0]).toBe('layer: 0');

@@ -133,6 +133,8 @@ function hasType(type: string, v: unknown): boolean {
       return isObj(v) && Object.values(v).every(isInt);
     case '{str: float?}':
       return isObj(v) && Object.values(v).every((x) => x === null || typeof x === 'number');
+    case '{str: str[]}':
+      return isObj(v) && Object.values(v).every((x) => hasType('str[]', x));
     case 'arrays':
       return isObj(v) && Object.values(v).every((a) => isObj(a) && typeof a.data === 'string' && Array.isArray(a.shape));
     case 'detail':

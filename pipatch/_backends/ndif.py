@@ -156,7 +156,8 @@ class NDIFBackend(TransformersBackend):
         model, adapter, metric = self.model, self.adapter, request.metric
         ids = metric.inputs(request.input_ids).cpu()
         with _remote_errors(), torch.enable_grad(), model.trace(ids, **self._sent(), **adapter.trace_kwargs(metric.n_read)):
-            out = nnsight.save(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1]))
+            out = nnsight.save(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1],
+                                                   [op.compact() for op in request.ops]))
         return out
 
     # -- the requests -------------------------------------------------------------------------

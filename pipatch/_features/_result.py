@@ -18,6 +18,7 @@ Its table (:meth:`LatentsResult.frame`) has one row per (SAE, position, latent s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,10 +26,21 @@ import torch
 from .._errors import PipatchError
 from .._result import Result
 from .._tables import table
+from .._views import conform_state
 
-__all__ = ["LatentsResult"]
+__all__ = ["LatentsResult", "latent_note", "NOTE_CONTEXTS"]
 
 COLUMNS = ["sae", "position", "token", "rank", "latent", "value", "label"]
+#: How many of a latent's top contexts its hover text shows (all are in ``meta``).
+NOTE_CONTEXTS = 3
+
+
+def latent_note(label: str, contexts: Sequence[tuple[str, float]], head: str = "") -> str:
+    """A latent's hover text, one line each: ``head`` (which latent), its label and its top
+    :data:`NOTE_CONTEXTS` contexts with their activations; lines with nothing to say left out
+    at either end."""
+    found = [f"{window}  ({value:.3g})" for window, value in contexts[:NOTE_CONTEXTS]]
+    return "\n".join([head, label, *found]).strip("\n")
 
 
 class LatentsResult(Result, file_kind="features"):
@@ -73,8 +85,13 @@ class LatentsResult(Result, file_kind="features"):
 
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
         """Any result's view state (:meth:`pipatch.Result.to_state`), its rows ranks: a row
-        holds a different latent at each position, so it has no note of its own."""
-        return {**super().to_state(live=live), "row_axis": "rank"}
+        holds a different latent at each position, so each cell has the note
+        (``cell_notes``, per view, row-major): which latent it is, its label and top contexts
+        (:func:`latent_note`; ``""`` where none fires)."""
+        notes = {view: [latent_note(self.label(i, view), self.contexts(i, view), f"latent {i}") if i is not None else ""
+                        for row in self.meta.get("latents", {}).get(view, []) for i in row]
+                 for view in self.views}
+        return {**super().to_state(live=live), **conform_state({"row_axis": "rank", "cell_notes": notes})}
 
     def __repr__(self) -> str:
         k = len(self.layers)

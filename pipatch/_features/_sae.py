@@ -41,6 +41,12 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "jumprelu_skip_transcoder": ("jumprelu", True, True),
 }
 
+#: Gemma Scope 2's weights file, and its tensors' names for SAELens's (its affine skip is
+#: stored ``[d_in, d_out]``, SAELens's ``W_skip`` transposed).
+GEMMA_SCOPE_FILE = "params.safetensors"
+GEMMA_SCOPE_NAMES = {"W_enc": "w_enc", "b_enc": "b_enc", "W_dec": "w_dec", "b_dec": "b_dec", "threshold": "threshold",
+                     "W_skip": "affine_skip_connection"}
+
 _FOLDERS = ("SAELens's cfg.json + sae_weights.safetensors, or Gemma Scope 2's config.json + params.safetensors")
 
 
@@ -77,6 +83,8 @@ class SAE:
     """
 
     folder: Path | None = None
+    #: The safetensors file its weights were read from (``None``: not read from a folder).
+    file: Path | None = None
 
     def __init__(self, *, activation: str, W_enc: torch.Tensor, b_enc: torch.Tensor, W_dec: torch.Tensor,
                  b_dec: torch.Tensor, hook: str, threshold: torch.Tensor | None = None, k: int | None = None,
@@ -159,6 +167,22 @@ class SAE:
         if self.W_skip is not None:
             out = out + x.to(self.dtype) @ self.W_skip.T
         return out
+
+    def recipe(self) -> dict[str, Any] | None:
+        """What a script needs to redo this SAE's math without pipatch (``Result.code()``), as
+        plain JSON: its weights file and the names of its tensors there (``transposed``: those
+        stored the other way round), its dtype and architecture. ``None`` for an SAE not read
+        from a folder (an SAELens object or release)."""
+        if self.file is None:
+            return None
+        gemma = self.file.name == GEMMA_SCOPE_FILE
+        ours = ["W_enc", "b_enc", "W_dec", "b_dec", *(["threshold"] if self.threshold is not None else []),
+                *(["W_skip"] if self.W_skip is not None else [])]
+        return {"file": str(self.file), "tensors": {n: GEMMA_SCOPE_NAMES[n] if gemma else n for n in ours},
+                "transposed": ["W_skip"] if gemma and self.W_skip is not None else [],
+                "dtype": str(self.dtype).removeprefix("torch."), "activation": self.activation, "k": self.k,
+                "apply_b_dec_to_input": self.apply_b_dec_to_input,
+                "rescale_by_decoder_norm": self.rescale_by_decoder_norm}
 
     def __repr__(self) -> str:
         kind = "transcoder" if self.transcoder else "SAE"
@@ -249,12 +273,12 @@ def _gemma_scope(folder: Path, name: str) -> SAE:
     if not hook:
         raise PipatchError(f"{folder / 'config.json'} names no hook (hf_hook_point_in): add the module path the SAE "
                            "reads, e.g. \"model.layers.12.output\"")
-    state = _tensors(folder / "params.safetensors")
+    state = _tensors(folder / GEMMA_SCOPE_FILE)
     missing = [key for key in ("w_enc", "w_dec", "b_enc", "b_dec", "threshold") if key not in state]
     if missing:
         raise PipatchError(f"{folder / 'params.safetensors'} lacks {', '.join(missing)}: Gemma Scope's params hold "
                            "w_enc, w_dec, b_enc, b_dec and threshold")
-    skip = state.get("affine_skip_connection")
+    skip = state.get(GEMMA_SCOPE_NAMES["W_skip"])
     return SAE(activation="jumprelu", W_enc=state["w_enc"], b_enc=state["b_enc"], W_dec=state["w_dec"],
                b_dec=state["b_dec"], threshold=state["threshold"], W_skip=None if skip is None else skip.T.contiguous(),
                hook=hook, hook_out=cfg.get("hf_hook_point_out"), model_name=cfg.get("model_name"), name=name)
@@ -273,8 +297,10 @@ def read_folder(folder: str | Path, name: str | None = None) -> SAE:
     label = name or folder.name
     if (folder / "cfg.json").is_file() and (folder / "sae_weights.safetensors").is_file():
         sae = _from_saelens_config(_config(folder / "cfg.json"), _tensors(folder / "sae_weights.safetensors"), label)
+        sae.file = folder / "sae_weights.safetensors"
     elif (folder / "params.safetensors").is_file() and (folder / "config.json").is_file():
         sae = _gemma_scope(folder, label)
+        sae.file = folder / GEMMA_SCOPE_FILE
     else:
         raise PipatchError(f"{folder} holds no SAE pipatch reads: expected {_FOLDERS}")
     sae.folder = folder

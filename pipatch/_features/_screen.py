@@ -32,17 +32,17 @@ import torch
 
 from .._checks import is_whole
 from .._errors import PipatchError
-from .._result import Result, recovery_undefined
+from .._result import Result, _nanmean, recovery_undefined
 from .._sites import Site
 from .._tables import table
 from .._views import conform_state
+from ._result import latent_note
 
-__all__ = ["latent_gradient", "cell_scores", "top_cells", "check_latents", "FeaturePatchResult", "ERROR"]
+__all__ = ["latent_gradient", "cell_scores", "top_cells", "check_latents", "FeaturePatchResult", "FeatureTraceResult",
+           "ERROR"]
 
 #: A feature result's ``latent`` for its error row (:meth:`FeaturePatchResult.frame`).
 ERROR = "error"
-#: How many of a latent's top contexts its row's hover text shows (all are in ``meta``).
-NOTE_CONTEXTS = 3
 
 
 def latent_gradient(site: Site, value: torch.Tensor, holder_grad: torch.Tensor) -> torch.Tensor:
@@ -139,26 +139,27 @@ class FeaturePatchResult(Result, file_kind="feature_patch"):
 
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
         """Any result's view state (:meth:`pipatch.Result.to_state`), its rows latents: each
-        row's note is its label and its top :data:`NOTE_CONTEXTS` contexts, one per line."""
+        row's note is its label and its top contexts, one per line (:func:`~._result.latent_note`)."""
         notes = []
         for latent in self.latents:
             if latent == ERROR:
                 notes.append("the SAE's error: the part of the value it does not explain")
                 continue
-            found = [f"{window}  ({value:.3g})" for window, value in self.contexts(int(latent))[:NOTE_CONTEXTS]]
-            notes.append("\n".join([self.label(int(latent)), *found]).strip("\n"))
+            notes.append(latent_note(self.label(int(latent)), self.contexts(int(latent))))
         return {**super().to_state(live=live), **conform_state({"row_axis": "latent", "row_notes": notes})}
 
     def exact(self) -> torch.Tensor:
-        """The exact patches' normalized recovery, tensor[rows, columns] (NaN where unchecked)."""
+        """The exact patches' normalized recovery, tensor[rows, columns] (NaN where unchecked):
+        each seed's recovery against its own corrupt run, averaged over the seeds (one seed
+        but for a feature trace)."""
         raw = torch.full(self.raw[self.views[0]].shape, float("nan"))
         for entry in self.meta.get("verified_values", []):
             if entry["actual"] is not None:
-                raw[0, entry["layer"], entry["col"]] = entry["actual"]
-        clean, corrupt = self.clean_value, self.corrupt_value
-        if recovery_undefined(clean, corrupt):
-            return torch.full_like(raw[0], float("nan"))
-        return (raw[0] - corrupt) / (clean - corrupt)
+                raw[entry.get("seed", 0), entry["layer"], entry["col"]] = entry["actual"]
+        clean, corrupt = self.clean_seeds, self.corrupt_seeds
+        out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
+        out[[recovery_undefined(float(a), float(c)) for a, c in zip(clean, corrupt)]] = float("nan")
+        return _nanmean(out)
 
     def frame(self):
         """A long pandas DataFrame, one row per (latent, position) cell of the grid:
@@ -171,3 +172,10 @@ class FeaturePatchResult(Result, file_kind="feature_patch"):
                  "exact": float(exact[row, col])}
                 for row, latent in enumerate(self.latents) for col in range(grid.shape[1])]
         return table(rows, ["latent", "position", "value", "exact"])
+
+
+class FeatureTraceResult(FeaturePatchResult, file_kind="feature_trace"):
+    """A feature trace's result (:func:`pipatch.feature_trace`): a :class:`FeaturePatchResult`
+    with one grid per noise seed, ``raw[site]`` [seeds, rows, columns] and ``corrupt`` [seeds];
+    its ``meta["verified_values"]`` name each exact patch's ``seed``, and :attr:`grid`,
+    :meth:`exact` and :meth:`frame` average each seed's recovery over the seeds."""

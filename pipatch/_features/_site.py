@@ -103,8 +103,10 @@ class LatentSite(Site):
 
     @property
     def place_key(self) -> tuple:
-        """Latent sites reading and writing the same modules share their holder's place."""
-        return ("latent", self.reads, self.writes)
+        """Latent sites reading and writing the same modules share their holder's place: at a
+        layer, SAEs trained at other layers read the same module values (a trace serves each
+        once, in forward order), so the key names the block's values, not the SAE's layer."""
+        return ("latent", self.reads.module_value, self.writes.module_value)
 
     @property
     def reads_input(self) -> bool:
@@ -142,6 +144,19 @@ class LatentSite(Site):
         """An op's index of latent(s) ``latent`` at prompt position ``position``."""
         width = slice(latent, latent + 1) if isinstance(latent, int) else list(latent)
         return self.index([position], width=width)
+
+    def describe(self) -> dict[str, Any]:
+        """This site as results record it (``meta["saes"]``, plain JSON): its name, layer,
+        hook, width and folder, and ``recipe``: what ``Result.code()``'s script needs to redo
+        its math (:meth:`SAE.recipe` with the layer and the modules it reads and writes, each
+        ``[path under the block, is the module's input]``; ``None``: an SAE not read from a
+        folder)."""
+        recipe = self.sae.recipe()
+        if recipe is not None:
+            recipe.update(layer=self.layer, order=self.reads.order, transcoder=self.transcoder,
+                          reads=[self.reads.path, self.reads.reads_in], writes=[self.writes.path, self.writes.reads_in])
+        return {"name": self.name, "layer": self.layer, "hook": self.sae.hook, "d_sae": self.n_latents,
+                "folder": None if self.sae.folder is None else str(self.sae.folder), "recipe": recipe}
 
     @property
     def error_site(self) -> ErrorSite:

@@ -6,29 +6,34 @@ inside the backend's trace (an nnsight model in this process, or a request to ND
 embedding output is swapped for a detached leaf and the backward is restricted to it
 (``inputs=[leaf]``), so autograd walks every activation between the embedding and the metric
 but never computes a parameter gradient: no ``.grad`` is left on the model, and a frozen model
-(``requires_grad=False``) works too. A backend without the capability ``gradients`` (vLLM
+(``requires_grad=False``) works too. A base run's ops at the embedding (causal tracing's noise,
+:func:`pipatch._protocols.tracing.noise_ops`) are added to the leaf first, so the gradient is
+the noised run's. A backend without the capability ``gradients`` (vLLM
 runs inference only) refuses it in one line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._cells import Metric
+from .._cells import Metric, Op
 from .._sites import Site
 from ._program import Program, View, register_program
 
 __all__ = ["GRADIENTS", "GradientRequest", "gradients", "gradients_body"]
 
 
-def gradients_body(view: View, site: Site, metric: Metric, prompt: int) -> tuple[list[Any], list[Any], Any]:
+def gradients_body(view: View, site: Site, metric: Metric, prompt: int,
+                   ops: Sequence[Op] = ()) -> tuple[list[Any], list[Any], Any]:
     """Inside a trace of the run's input: ``(values, grads, metric)``: ``site``'s value per
     layer at the first ``prompt`` positions ([1, T, width], the first input's), ``d metric /
     d holder value`` per layer (a prompt position's gradients from every input of the run added up)
-    and the metric. nnsight serves ``.grad`` in the reverse of the forward order.
+    and the metric, of the run under ``ops`` (writes at the embedding output only: a noised
+    run's). nnsight serves ``.grad`` in the reverse of the forward order.
 
     For a plain site the holder's value is the site's. An encoding site's value is
     ``encode`` of its holder's (an SAE's latents) and its gradient is still the holder's,
@@ -36,7 +41,10 @@ def gradients_body(view: View, site: Site, metric: Metric, prompt: int) -> tuple
     (:func:`pipatch._features._screen.latent_gradient`)."""
     model, adapter, m = view.model, view.adapter, metric.n_read
     embedding = adapter.embedding(model)
-    leaf = embedding.output.detach().requires_grad_(True)
+    leaf = embedding.output.detach().clone()
+    for op in ops:
+        op.apply(leaf)
+    leaf.requires_grad_(True)
     embedding.output = leaf
     acts = [site.value(adapter, model, layer) for layer in range(adapter.n_layers)]
     values = [site.encode(act[:1, :prompt]).detach().clone() for act in acts]
@@ -54,14 +62,18 @@ GRADIENTS = register_program(Program("gradients", 1, "gradients", gradients_body
 
 @dataclass
 class GradientRequest:
-    """The gradient pass of ``input_ids`` ([1, T]) for ``metric`` at ``site``."""
+    """The gradient pass of ``input_ids`` ([1, T]) for ``metric`` at ``site``, under ``ops``
+    (writes at the embedding output: a noised run's)."""
 
     input_ids: torch.Tensor
     metric: Metric
     site: Site
+    ops: Sequence[Op] = ()
 
 
-def gradients(backend: Any, input_ids: torch.Tensor, metric: Metric, site: Site) -> tuple[list[Any], list[Any], float]:
-    """``(values, grads, metric)`` of ``site`` at every layer (:func:`gradients_body`)."""
-    values, grads, value = backend.run(GRADIENTS, GradientRequest(input_ids, metric, site))
+def gradients(backend: Any, input_ids: torch.Tensor, metric: Metric, site: Site,
+              ops: Sequence[Op] = ()) -> tuple[list[Any], list[Any], float]:
+    """``(values, grads, metric)`` of ``site`` at every layer (:func:`gradients_body`), of the
+    run under ``ops`` (none: the plain run)."""
+    values, grads, value = backend.run(GRADIENTS, GradientRequest(input_ids, metric, site, list(ops)))
     return list(values), list(grads), float(value)

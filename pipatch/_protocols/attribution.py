@@ -153,8 +153,8 @@ class Checks:
         return False
 
     def store(self, result: Any, cell: Cell, value: float) -> None:
-        for entry in result.meta["verified_values"]:
-            if (entry["layer"], entry["col"]) == (cell.row, cell.col):
+        for entry in result.meta["verified_values"]:  # a feature trace's checks run once per noise seed
+            if (entry["layer"], entry["col"], entry.get("seed", 0)) == (cell.row, cell.col, cell.seed):
                 entry["actual"] = value
         result.meta["verified"][self.view][cell.row][cell.col] = 1.0
 

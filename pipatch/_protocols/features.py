@@ -35,6 +35,7 @@ from .._features import LatentSite, distinct, load_sae
 from .._features._contexts import NO_METRIC, load_contexts, read_latents
 from .._features._labels import labels_next_to, load_labels
 from .._features._result import LatentsResult, top_latents
+from ._feature_code import features_code, features_inputs
 from ._inputs import POSITIONS, encode, model_meta, sweep_positions
 
 __all__ = ["plan_features", "LatentSweep", "DECLARATION"]
@@ -104,8 +105,7 @@ def plan_features(backend: Any, prompt: str, *, saes: Any, k: int, positions: Se
     raw: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {**model_meta(backend), "prompt": prompt, "positions": cols, "k": k, "site": "latent",
                             "col_axis": "token", "normalize": False, "latents": {}, "labels": {}, "contexts": {},
-                            "saes": [{"name": s.name, "layer": s.layer, "hook": s.sae.hook, "d_sae": s.n_latents,
-                                      "folder": None if s.sae.folder is None else str(s.sae.folder)} for s in sites]}
+                            "saes": [s.describe() for s in sites]}
     for site in sites:
         values, ids = top_latents(read[site.name][cols], k)
         raw[site.name] = values[None]
@@ -175,4 +175,5 @@ DECLARATION = Experiment(
     >>> r = pipatch.features(model, "The Eiffel Tower is in the city of", saes=site, k=5)
     >>> r.frame().query("position == 4")
     """,
+    code=features_code, code_inputs=features_inputs,
 )

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import _code
-from .._cells import METRICS, Base, Metric
+from .._cells import METRICS, Base, Capture, Metric
 from .._checks import flag
 from .._declare import PAIR, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size
@@ -62,7 +62,8 @@ from ._inputs import (
     undefined_recovery_warning,
 )
 
-__all__ = ["plan_patch", "pair_inputs", "PairInputs", "DIRECTIONS", "DECLARATION"]
+__all__ = ["plan_patch", "pair_inputs", "PairInputs", "DIRECTIONS", "DIRECTION", "MEAN_PROMPTS", "mean_prompt_ids",
+           "direction_base", "direction_donor", "DECLARATION"]
 
 DIRECTIONS = ("denoise", "noise", "zero", "mean")
 
@@ -113,6 +114,45 @@ def pair_inputs(backend, clean: str, corrupt: str, answer: str, foil: str | None
     return PairInputs(clean, corrupt, clean_ids, clean_tokens, corrupt_ids, corrupt_tokens, scorer, answer, foil)
 
 
+def mean_prompt_ids(backend, direction: str, mean_prompts: Sequence[str] | None, pair: PairInputs) -> list[torch.Tensor]:
+    """The token ids [1, T] of the prompts a ``mean`` ablation averages over (``mean_prompts``,
+    default the pair's two), none for another direction. Each must be the pair's token length
+    (one :class:`PipatchError` line otherwise)."""
+    if direction != "mean":
+        return []
+    T, means = pair.clean_ids.shape[1], []
+    for text in list(mean_prompts) if mean_prompts else [pair.clean, pair.corrupt]:
+        ids, _, _ = encode(backend, text, "mean prompt")
+        if ids.shape[1] != T:
+            raise PipatchError(
+                f"mean prompt {text!r} is {ids.shape[1]} tokens, the clean prompt {T}: "
+                "mean ablation needs prompts of the same token length"
+            )
+        means.append(ids)
+    return means
+
+
+def direction_base(direction: str, pair: PairInputs, clean_run: Capture, corrupt_run: Capture) -> tuple[Capture, torch.Tensor]:
+    """The run a ``direction``'s patches write into, and its token ids: the corrupt run to
+    denoise, the clean run otherwise (noise, zero and mean ablation)."""
+    return (corrupt_run, pair.corrupt_ids) if direction == "denoise" else (clean_run, pair.clean_ids)
+
+
+def direction_donor(direction: str, clean_run: Capture, corrupt_run: Capture, mean_runs: Sequence[Capture],
+                    name: str) -> list[torch.Tensor]:
+    """What a ``direction``'s patches write, per layer, of site ``name``: the clean run's
+    values (denoise), the corrupt run's (noise), zeros, or the mean over ``mean_runs`` at each
+    position (mean ablation)."""
+    if direction == "denoise":
+        return clean_run.sites[name]
+    if direction == "noise":
+        return corrupt_run.sites[name]
+    if direction == "zero":
+        return [torch.zeros_like(t) for t in clean_run.sites[name]]
+    return [torch.stack([r.sites[name][layer][0] for r in mean_runs]).mean(0, keepdim=True)
+            for layer in range(len(clean_run.sites[name]))]
+
+
 def plan_patch(
     backend,
     *,
@@ -144,28 +184,10 @@ def plan_patch(
     scorer = pair.metric
 
     # Every baseline in one trace (the weights read once): clean, corrupt, and the mean prompts.
-    means = []
-    if direction == "mean":
-        for text in list(mean_prompts) if mean_prompts else [clean, corrupt]:
-            ids, _, _ = encode(backend, text, "mean prompt")
-            if ids.shape[1] != T:
-                raise PipatchError(
-                    f"mean prompt {text!r} is {ids.shape[1]} tokens, the clean prompt {T}: "
-                    "mean ablation needs prompts of the same token length"
-                )
-            means.append(ids)
+    means = mean_prompt_ids(backend, direction, mean_prompts, pair)
     clean_run, corrupt_run, *mean_runs = captures(backend, [pair.clean_ids, pair.corrupt_ids, *means], scorer, [target])
-    if direction == "denoise":
-        base, base_ids, donor = corrupt_run, pair.corrupt_ids, clean_run.sites[target.name]
-    elif direction == "noise":
-        base, base_ids, donor = clean_run, pair.clean_ids, corrupt_run.sites[target.name]
-    elif direction == "zero":
-        base, base_ids = clean_run, pair.clean_ids
-        donor = [torch.zeros_like(t) for t in clean_run.sites[target.name]]
-    else:
-        donor = [torch.stack([r.sites[target.name][layer][0] for r in mean_runs]).mean(0, keepdim=True)
-                 for layer in range(adapter.n_layers)]
-        base, base_ids = clean_run, pair.clean_ids
+    base, base_ids = direction_base(direction, pair, clean_run, corrupt_run)
+    donor = direction_donor(direction, clean_run, corrupt_run, mean_runs, target.name)
 
     columns = target.columns(adapter, pair.clean_tokens, cols)
     raw = {target.name: torch.full((1, adapter.n_layers, len(columns)), float("nan"))}
@@ -271,18 +293,18 @@ def _title(meta: dict) -> str:
     return pair_title("Activation patching", meta, f"{meta.get('direction', 'denoise')}, {meta.get('site', 'resid')}")
 
 
+DIRECTION = Param("direction", "denoise", "denoise (clean into corrupt), noise (corrupt into clean), zero or mean "
+                  "ablation", "str")
+MEAN_PROMPTS = Param("mean_prompts", None, "for direction mean: prompts of the same token length to average over",
+                     "Sequence[str] | None", many=True, shown="the clean and corrupt prompts", flag_name="--mean-prompt")
+
 DECLARATION = Experiment(
     name="patch", kind="patch", noun="activation patching",
     summary="Activation patching: paste one run's activations into another's, site by site.",
     planner=plan_patch, prompts=PAIR, title=_title,
     params=(
         *PAIR_PARAMS, SITE, METRIC,
-        Param("direction", "denoise", "denoise (clean into corrupt), noise (corrupt into clean), zero or mean "
-              "ablation", "str"),
-        POSITIONS,
-        Param("mean_prompts", None, "for direction mean: prompts of the same token length to average over",
-              "Sequence[str] | None", many=True, shown="the clean and corrupt prompts", flag_name="--mean-prompt"),
-        BATCH_SIZE, FAST,
+        DIRECTION, POSITIONS, MEAN_PROMPTS, BATCH_SIZE, FAST,
     ),
     example='%%patch --answer " Paris" --foil " Rome" --site head -o heads\n'
             "clean: The Eiffel Tower is in the city of\n"

@@ -39,13 +39,14 @@ reproduces the donor by construction, whichever run the donor came from.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from string import Template
 from typing import Any
 
 import torch
 
 from .. import _code
-from .._cells import Base, Metric, Op
+from .._cells import Base, Capture, Metric, Op
 from .._checks import flag, whole_number
 from .._declare import PROMPT, Experiment, Param, positive_int
 from .._engine import Plan, SiteSweep, check_batch_size
@@ -70,7 +71,8 @@ from ._inputs import (
     sweep_positions,
 )
 
-__all__ = ["plan_trace", "noise_draws", "noise_ops", "KINDS", "AUTO_SCALES", "DECLARATION"]
+__all__ = ["plan_trace", "noise_draws", "noise_ops", "noise_runs", "check_noise", "Noised", "KINDS", "AUTO_SCALES",
+           "DECLARATION"]
 
 AUTO_SCALES = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0)
 COLLAPSE_FRACTION = 0.1
@@ -97,12 +99,84 @@ def noise_ops(noise: torch.Tensor, positions: Sequence[int]) -> list[list[Op]]:
 
 def parse_kinds(sites: str | Sequence[str]) -> list[str]:
     """``"resid,mlp"`` or ``["resid", "mlp"]`` → checked, de-duplicated list of the sites traced."""
+    if not isinstance(sites, (str, Sequence)):
+        raise PipatchError(f"sites={sites!r}: a trace restores resid, mlp or attn states; trace an SAE's latents "
+                           "with pipatch.feature_trace(..., site=sae)")
     kinds = [k.strip() for k in sites.split(",")] if isinstance(sites, str) else list(sites)
     if not kinds:
         raise PipatchError("sites is empty: use resid, mlp, attn or a comma-separated list of them")
     for k in kinds:
         check_choice(k, KINDS, "site")
     return list(dict.fromkeys(kinds))
+
+
+def check_noise(seeds: Any, scale: Any) -> int:
+    """``seeds`` as a whole number ≥ 1; ``scale`` a positive number or ``"auto"`` (one
+    :class:`PipatchError` line otherwise)."""
+    seeds = whole_number(seeds, "seeds", minimum=1)
+    if not (scale == "auto" or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
+        raise PipatchError(f"scale must be a positive number or 'auto', got {scale!r}")
+    if scale != "auto" and not scale > 0:
+        raise PipatchError(f"scale must be positive, got {scale!r}: noise of scale × σ needs scale > 0")
+    return seeds
+
+
+@dataclass
+class Noised:
+    """The noised runs of a causal trace: each seed's ops (its draw at the embedding), their
+    capture (one batch row per seed), the scale used, every scale tried (``{"scale", "worst",
+    "mean"}``) and the warnings of seeds that did not collapse."""
+
+    ops: list[list[Op]]
+    capture: Capture
+    scale: float
+    tried: list[dict]
+    warnings: list[str]
+
+
+def noise_runs(backend: Any, input_ids: torch.Tensor, scorer: Metric, sites: Sequence[Site], subject_at: list[int],
+               seeds: int, scale: float | str, sigma: float, clean_prob: float) -> Noised:
+    """Noise the subject's embedding outputs (``scale × sigma``, one seeded draw per seed) and
+    capture the noised runs, keeping ``sites``; ``scale="auto"``: the smallest of
+    :data:`AUTO_SCALES` whose worst seed collapses P(answer) to :data:`COLLAPSE_FRACTION` of
+    ``clean_prob`` (the module docstring). Every causal trace's corruption, layers' or latents'."""
+    threshold = COLLAPSE_FRACTION * clean_prob
+    warnings: list[str] = []
+    tried = []
+
+    def corrupt_at(value: float):
+        noise = noise_draws(seeds, len(subject_at), backend.adapter.d_model, value, sigma).to(input_ids.device)
+        ops = noise_ops(noise, subject_at)
+        return ops, capture(backend, input_ids, scorer, sites, ops=ops)
+
+    if scale == "auto":
+        chosen = None
+        for value in AUTO_SCALES:
+            corrupting, corrupt = corrupt_at(value)
+            worst, mean = float(corrupt.prob.max()), float(corrupt.prob.mean())
+            tried.append({"scale": value, "worst": worst, "mean": mean})
+            if worst <= threshold:
+                chosen = value
+                break
+        if chosen is None:
+            chosen = AUTO_SCALES[-1]
+            warnings.append(
+                f"no noise scale up to {chosen:g}σ collapsed every seed (worst P(answer) "
+                f"{tried[-1]['worst']:.3g} > {threshold:.3g}); recovery is less reliable — "
+                "try a longer subject or another prompt"
+            )
+        scale_value = chosen
+    else:
+        scale_value = float(scale)
+        corrupting, corrupt = corrupt_at(scale_value)
+        tried.append({"scale": scale_value, "worst": float(corrupt.prob.max()), "mean": float(corrupt.prob.mean())})
+    failed = [i for i, p in enumerate(corrupt.prob.tolist()) if p > threshold]
+    if failed:
+        warnings.append(
+            f"seed(s) {', '.join(map(str, failed))} did not corrupt the answer at {scale_value:g}σ "
+            f"(P(answer) above {threshold:.3g}); raise the scale or drop them"
+        )
+    return Noised(corrupting, corrupt, scale_value, tried, warnings)
 
 
 def plan_trace(
@@ -129,12 +203,8 @@ def plan_trace(
     """
     kinds = parse_kinds(sites)
     check_choice(metric, ("prob", "logprob"), "metric for tracing")
-    seeds, window = whole_number(seeds, "seeds", minimum=1), whole_number(window, "window", minimum=1)
+    seeds, window = check_noise(seeds, scale), whole_number(window, "window", minimum=1)
     control, fast = flag(control, "control"), flag(fast, "fast")
-    if not (scale == "auto" or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
-        raise PipatchError(f"scale must be a positive number or 'auto', got {scale!r}")
-    if scale != "auto" and not scale > 0:
-        raise PipatchError(f"scale must be positive, got {scale!r}: noise of scale × σ needs scale > 0")
     adapter = backend.adapter
     sites = [site_named(k, adapter) for k in kinds]
     input_ids, tokens, offsets = encode(backend, prompt)
@@ -147,42 +217,8 @@ def plan_trace(
     clean = capture(backend, input_ids, scorer, sites)
     sigma = float(clean.embedded[0, subject_at].float().std())
     clean_prob = float(clean.prob[0])
-    threshold = COLLAPSE_FRACTION * clean_prob
-    warnings: list[str] = []
-    scales_tried = []
-
-    def corrupt_at(value: float):
-        noise = noise_draws(seeds, len(subject_at), adapter.d_model, value, sigma).to(input_ids.device)
-        ops = noise_ops(noise, subject_at)
-        return ops, capture(backend, input_ids, scorer, sites, ops=ops)
-
-    if scale == "auto":
-        chosen = None
-        for value in AUTO_SCALES:
-            corrupting, corrupt = corrupt_at(value)
-            worst, mean = float(corrupt.prob.max()), float(corrupt.prob.mean())
-            scales_tried.append({"scale": value, "worst": worst, "mean": mean})
-            if worst <= threshold:
-                chosen = value
-                break
-        if chosen is None:
-            chosen = AUTO_SCALES[-1]
-            warnings.append(
-                f"no noise scale up to {chosen:g}σ collapsed every seed (worst P(answer) "
-                f"{scales_tried[-1]['worst']:.3g} > {threshold:.3g}); recovery is less reliable — "
-                "try a longer subject or another prompt"
-            )
-        scale_value = chosen
-    else:
-        scale_value = float(scale)
-        corrupting, corrupt = corrupt_at(scale_value)
-        scales_tried.append({"scale": scale_value, "worst": float(corrupt.prob.max()), "mean": float(corrupt.prob.mean())})
-    failed = [i for i, p in enumerate(corrupt.prob.tolist()) if p > threshold]
-    if failed:
-        warnings.append(
-            f"seed(s) {', '.join(map(str, failed))} did not corrupt the answer at {scale_value:g}σ "
-            f"(P(answer) above {threshold:.3g}); raise the scale or drop them"
-        )
+    noised = noise_runs(backend, input_ids, scorer, sites, subject_at, seeds, scale, sigma, clean_prob)
+    corrupt, scale_value = noised.capture, noised.scale
 
     n_layers = adapter.n_layers
     raw = {k: torch.full((seeds, n_layers, len(cols)), float("nan")) for k in kinds}
@@ -191,7 +227,7 @@ def plan_trace(
         "prompt": prompt, "subject": subject if isinstance(subject, str) else list(subject),
         "subject_positions": subject_at, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
         "seeds": seeds,
-        "scale": scale_value, "scale_requested": scale, "sigma": sigma, "scales": scales_tried,
+        "scale": scale_value, "scale_requested": scale, "sigma": sigma, "scales": noised.tried,
         "collapse_fraction": COLLAPSE_FRACTION, "window": window, "kinds": kinds, "control": control,
         "clean_prob": clean_prob, "corrupt_prob": corrupt.prob.tolist(), "site": RESID.name, "col_axis": RESID.axis,
         "positions": cols,
@@ -199,10 +235,10 @@ def plan_trace(
     result = Result(
         kind="trace", tokens=tokens, columns=[tokens[p] for p in cols], layers=layer_labels(backend), metric=metric,
         raw=raw, clean=float(clean.metric[0]), corrupt=corrupt.metric.detach().float().cpu(),
-        meta=meta, warnings=warnings,
+        meta=meta, warnings=noised.warnings,
     )
     donor = corrupt.sites if control else clean.sites
-    base = Base(input_ids, corrupt, ops=corrupting)
+    base = Base(input_ids, corrupt, ops=noised.ops)
     sweeps = [
         SiteSweep(view=s.name, base=base, metric=scorer, n_rows=n_layers, n_cols=len(cols), prune=not control,
                   agrees_before=min(subject_at),

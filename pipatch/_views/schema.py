@@ -10,7 +10,7 @@ example). A new field is one line here and one in ``js/schema.ts``.
 
 Types: ``str``, ``str[]``, ``int``, ``int[]``, ``int?`` (``null`` for none), ``float``,
 ``float[]``, ``float?`` (``null`` when not finite), ``float?[]``, ``bool``, ``{str: int}``,
-``{str: float?}``, ``arrays`` (``{name: {data, dtype, shape}}``), and the named objects
+``{str: float?}``, ``{str: str[]}``, ``arrays`` (``{name: {data, dtype, shape}}``), and the named objects
 ``detail``, ``top[]``, ``selection``, ``ui``, ``circuit`` (``node[]``, ``check[]``,
 ``faithfulness``): ``OBJECT_SCHEMAS``.
 
@@ -53,6 +53,7 @@ STATE_SCHEMA: dict[str, str] = {
     "row_labels": "str[]",
     "row_axis": "str",  # what a row is: "" a layer, "latent" an SAE latent, "rank" a rank (named in the tooltip)
     "row_notes": "str[]",  # per row, text shown on hover under its name (a latent's label and top contexts; [] none)
+    "cell_notes": "{str: str[]}",  # per view, text per cell (row-major) shown on hover (a feature read's latents; {} none)
     "col_labels": "str[]",
     "col_axis": "str",
     "views": "str[]",
@@ -215,6 +216,8 @@ def _conform(kind: str, value: Any) -> Any:
         return {clean_text(k): int(v) for k, v in dict(value or {}).items()}
     if kind == "{str: float?}":
         return {clean_text(k): _finite_or_none(v) for k, v in dict(value or {}).items()}
+    if kind == "{str: str[]}":
+        return {clean_text(k): [clean_text(x) for x in v] for k, v in dict(value or {}).items()}
     if kind == "arrays":
         return {clean_text(k): encode_array(v) for k, v in dict(value or {}).items()}
     if kind == "detail":

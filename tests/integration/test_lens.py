@@ -207,6 +207,21 @@ def test_the_read_equals_the_patched_lens_it_replaced(family, answer, request):
         torch.testing.assert_close(got.grid, want, atol=tolerance, rtol=tolerance)
 
 
+def test_the_read_equals_the_patched_lens_in_float64():
+    """The embedded model in float64, where the batch shapes' float32 rounding no longer hides
+    the comparison: the one-forward lens equals the patched runs it replaced within 1e-6 for
+    every metric (a multi-token answer, the harder path). The logits are float32 by design
+    (:meth:`~pipatch._backends._unembedding.Unembedding.capped`), so a log-probability of
+    magnitude ~20 is compared to its float32 resolution (``rtol``)."""
+    from pipatch._load import shared_model
+
+    subject = shared_model(dtype=torch.float64, device="cpu")
+    for metric in ("prob", "logprob", "rank"):
+        got = pipatch.lens(subject, EIFFEL, answer=" New York", metric=metric, progress=False)
+        want = patched_lens(subject, EIFFEL, " New York", metric)
+        torch.testing.assert_close(got.grid, want, atol=1e-6, rtol=1e-6)
+
+
 def long_prompt(model, n_tokens: int) -> str:
     """A prompt of at least ``n_tokens`` tokens, a fact at its end."""
     filler = "It was a bright cold day in April, and the clocks were striking thirteen. "

@@ -59,8 +59,8 @@ def assert_equal_results(got, want, atol: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-# A circuit's scores need local backward passes: NDIF refuses it (test below).
-REMOTE_EXPERIMENTS = [name for name in EMBEDDED if name != "circuit"]
+# A circuit's and a feature circuit's scores need local backward passes: NDIF refuses them (tests below).
+REMOTE_EXPERIMENTS = [name for name in EMBEDDED if name not in ("circuit", "feature_circuit")]
 
 
 @pytest.mark.parametrize("name", REMOTE_EXPERIMENTS)
@@ -119,6 +119,14 @@ def test_a_circuit_is_scored_locally_and_checked_remotely():
     assert [w for w in checked.warnings if w.startswith("no faithfulness curve:") and "curve=0" in w]
     quiet = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored, "curve": 0})
     assert not [w for w in quiet.warnings if "faithfulness" in w]
+
+
+def test_a_feature_circuit_is_refused_remotely_in_one_line():
+    remote = tiny_model("qwen2")
+    remember(remote, remote="local")
+    with pytest.raises(PipatchError, match="backend='transformers'") as caught:
+        pipatch.feature_circuit(remote, **TINY["feature_circuit"])
+    assert "\n" not in str(caught.value)
 
 
 def test_attribution_runs_its_gradients_as_a_request(simulated, model):

@@ -4,8 +4,8 @@ One server for the module, started once on a free loopback port with an API key,
 would start it (``python -m pipatch.cli serve --port P --api-key K``: a web server, a vLLM
 engine process and its worker, about 7.4 GB on this CPU). The client (``load_model(serve=)``:
 a weightless module tree in this process) runs every experiment there; the numbers must be
-the transformers backend's within 1e-4. Then the failures (bad request, wrong key, wrong
-model, timeout, unreachable), four clients at once, memory under load, Stop and interrupts,
+the transformers backend's within 1e-4 (feature reads and latent patches included). Then the
+failures (bad request, wrong key, wrong model, timeout, unreachable), four clients at once, memory under load, Stop and interrupts,
 the CLI, a notebook cell in a real kernel, and last: SIGTERM stops the server and leaves none of its processes behind.
 
 Run apart from the other vLLM suites (``make test-vllm`` does), one pytest process each.
@@ -189,6 +189,35 @@ def test_attribution_is_refused_in_one_line(served):
     with pytest.raises(PipatchError) as error:
         pipatch.attribute(served, **PAIR)
     assert "\n" not in str(error.value) and "backend='transformers'" in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["jumprelu", "transcoder"])
+def test_latents_read_and_patch_on_the_server_as_on_transformers(served, model, kind, tmp_path):
+    """Features through the server: an SAE of layer 6's output (a transcoder replacing layer 6's
+    MLP) loaded onto the client; ``features()`` reads the same latents (ids and activations);
+    ``feature_patch`` refuses to screen (no gradients) in one line naming ``scores=``, and given
+    the transformers screening patches its cells (the error row's too) to the same values."""
+    from tests._saes import random_weights, save_saelens
+
+    hooks = ("blocks.6.hook_mlp_in", "blocks.6.hook_mlp_out") if kind == "transcoder" else ("blocks.6.hook_resid_post", None)
+    folder = save_saelens(tmp_path / kind, kind, random_weights(kind, 640, 640), hooks[0], "google/gemma-3-270m", hooks[1])
+    hf_site, sv_site = (pipatch.load_sae(folder, m) for m in (model, served))
+    read = [pipatch.features(m, EIFFEL, saes=[s], k=5) for m, s in ((model, hf_site), (served, sv_site))]
+    assert read[1].meta["backend"] == "served" and read[1].meta["latents"] == read[0].meta["latents"]
+    assert_close(read[1].raw[sv_site.name], read[0].raw[hf_site.name])
+    with pytest.raises(PipatchError, match=r"scores=result\)$") as error:
+        pipatch.feature_patch(served, **PAIR, site=sv_site, top_k=4)
+    assert "\n" not in str(error.value)
+    screened = pipatch.feature_patch(model, **PAIR, site=hf_site, top_k=4, positions=[2, 3, -1])
+    patched = pipatch.feature_patch(served, **PAIR, site=sv_site, positions=[2, 3, -1], scores=screened)
+    assert patched.meta["backend"] == "served" and patched.meta["latents"] == screened.meta["latents"]
+    mine = {(e["layer"], e["col"]): e["actual"] for e in patched.meta["verified_values"]}
+    theirs = {(e["layer"], e["col"]): e["actual"] for e in screened.meta["verified_values"]}
+    assert mine.keys() == theirs.keys() and len(mine) == 4 + 3
+    print(f"{kind}: exact patches through the server, max |Δ| "
+          f"{max(abs(mine[cell] - value) for cell, value in theirs.items()):.2g}")
+    assert_close(torch.tensor([mine[c] for c in theirs]), torch.tensor(list(theirs.values())))
+    assert max(abs(value - screened.corrupt) for value in theirs.values()) > 1e-3  # the patches move it
 
 
 # --------------------------------------------------------------------------------------------

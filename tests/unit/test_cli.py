@@ -23,9 +23,9 @@ from tests.conftest import COLOSSEUM, EIFFEL
 
 def test_the_registry_lists_every_experiment_once_in_order():
     assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens", "circuit", "features",
-                                 "feature_patch"]
+                                 "feature_patch", "feature_trace", "feature_circuit"]
     assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens", "circuit",
-                                                         "features", "feature-patch"]
+                                                         "features", "feature-patch", "feature-trace", "feature-circuit"]
     assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
     for entry in EXPERIMENTS.values():
         flags = [o.flag for o in entry.options] + [f for o in entry.options for f in o.alias_flags]

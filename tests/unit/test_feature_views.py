@@ -10,8 +10,8 @@ import torch
 
 import pipatch
 from pipatch._features._contexts import shown_tokens, window
-from pipatch._features._result import LatentsResult
-from pipatch._features._screen import ERROR, NOTE_CONTEXTS, FeaturePatchResult
+from pipatch._features._result import NOTE_CONTEXTS, LatentsResult
+from pipatch._features._screen import ERROR, FeaturePatchResult
 from pipatch._result import Result
 from pipatch._views import mime_document
 from pipatch._widget import GridWidget
@@ -68,3 +68,30 @@ def test_a_context_window_leaves_special_tokens_out_of_its_text():
     record = window(shown, 6, text=0)
     assert (record["before"], record["token"], record["after"]) == ("The Eiffel Tower is in", " Paris", "")
     assert window(shown, 1, text=0)["before"] == ""
+
+
+def test_a_feature_reads_cells_are_noted_with_their_latent_label_and_top_contexts(tmp_path):
+    """A feature read's rows are ranks: each cell holds its own latent, so each cell has the
+    note (``cell_notes``, per view, row-major) a feature patch's latent row has, headed by the
+    latent's id; a cell where none fires has none. It reaches the document, the widget and a
+    file read back."""
+    contexts = [[f"… ctx {i}«tok»", 5.0 - i] for i in range(NOTE_CONTEXTS + 2)]
+    read = LatentsResult(kind="features", tokens=["a", "b"], columns=["a", "b"], layers=["top 1", "top 2"],
+                         metric="activation", raw={SITE: torch.tensor([[[2.0, 1.5], [1.0, float("nan")]]])},
+                         clean=float("nan"), corrupt=torch.tensor([float("nan")]),
+                         meta={"latents": {SITE: [[7, 3], [3, None]]}, "labels": {SITE: {"7": "the Eiffel Tower",
+                                                                                     "3": HOSTILE}},
+                               "contexts": {SITE: {"7": contexts}}, "normalize": False})
+    state = read.to_state()
+    seven, three, three_again, none = state["cell_notes"][SITE]
+    assert seven.split("\n") == ["latent 7", "the Eiffel Tower",
+                                 *(f"… ctx {i}«tok»  ({5.0 - i:.3g})" for i in range(NOTE_CONTEXTS))]
+    assert three == three_again == "latent 3\n<img src=x onerror=window.__pwned=1> lone\ufffd"  # text, UTF-8 safe
+    assert none == "" and state["row_notes"] == []
+    document = json.loads(json.dumps(mime_document(state), allow_nan=False))
+    assert document["cell_notes"] == state["cell_notes"]
+    widget = GridWidget(read)
+    assert widget.cell_notes == state["cell_notes"]
+    widget.close()
+    assert pipatch.load_result(read.save(tmp_path / "read.json")).to_state()["cell_notes"] == state["cell_notes"]
+    assert feature_result().to_state()["cell_notes"] == {} and GridWidget().cell_notes == {}

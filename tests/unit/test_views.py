@@ -75,6 +75,8 @@ def _has_type(kind: str, value) -> bool:
         return isinstance(value, dict) and all(isinstance(v, int) for v in value.values())
     if kind == "{str: float?}":
         return isinstance(value, dict) and all(v is None or isinstance(v, float) for v in value.values())
+    if kind == "{str: str[]}":
+        return isinstance(value, dict) and all(_has_type("str[]", v) for v in value.values())
     if kind == "arrays":
         return isinstance(value, dict)
     if kind == "detail":
