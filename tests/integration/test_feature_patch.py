@@ -75,8 +75,8 @@ def hand_run(model, weights, kind, ids, grad=False):
     return store["f"].detach(), store["e"].detach(), *grads
 
 
-def hand_error_patch(model, weights, kind, ids, position, clean_error):
-    """The metric of the ``ids`` run with the SAE's error at ``position`` set to ``clean_error``
+def hand_error_logits(model, weights, kind, ids, position, clean_error):
+    """Logits of the ``ids`` run with the SAE's error at ``position`` set to ``clean_error``
     there: the written output becomes decode(f) + skip + the edited error."""
     read, written = modules_of(model, kind)
     store = {}
@@ -93,7 +93,12 @@ def hand_error_patch(model, weights, kind, ids, position, clean_error):
     hooks = [(written, "post", put)]
     if kind == "transcoder":
         hooks.insert(0, (read, "pre", lambda m, args: store.__setitem__("x", args[0].detach().clone())))
-    return float(logit_diff(model, hooked(hooks, lambda: logits_of(model, ids))))
+    return hooked(hooks, lambda: logits_of(model, ids))
+
+
+def hand_error_patch(model, weights, kind, ids, position, clean_error):
+    """The metric (logit difference) of :func:`hand_error_logits`' run."""
+    return float(logit_diff(model, hand_error_logits(model, weights, kind, ids, position, clean_error)))
 
 
 def checked(result):

@@ -22,7 +22,16 @@ from pipatch._models import _get, adapter_for
 from tests._reference import first, hooked, logits_of
 from tests._saes import D_SAE
 from tests.integration.test_feature_patch import ANSWER as PAIR_ANSWER
-from tests.integration.test_feature_patch import FOIL, checked, hand_error_patch, hand_run, ids_of, logit_diff, token
+from tests.integration.test_feature_patch import (
+    FOIL,
+    checked,
+    hand_error_logits,
+    hand_error_patch,
+    hand_run,
+    ids_of,
+    logit_diff,
+    token,
+)
 from tests.integration.test_features import (
     CLEAN,
     CORRUPT,
@@ -156,27 +165,6 @@ def test_every_restoration_and_score_equals_the_hand_reference(family, kind, tmp
     assert moved > 1e-2  # the restorations reach the answer's log-probability
     frame = result.frame()
     assert len(frame) == (D_SAE + 1) * T and frame["exact"].notna().all()
-
-
-def hand_error_logits(model, weights, kind, ids, position, clean_error):
-    """Logits of the ``ids`` run with the SAE's error at ``position`` set to ``clean_error``
-    there (the hook of :func:`test_feature_patch.hand_error_patch`, read as logits)."""
-    read, written = modules_of(model, kind)
-    store = {}
-
-    def put(module, args, output):
-        out = first(output).clone()
-        x = store.get("x", out)
-        latents = hand_encode(weights, kind, x)
-        error = out - hand_decode(weights, latents) - hand_skip(weights, x)
-        error[:, position] = clean_error[:, position]
-        new = hand_decode(weights, latents) + hand_skip(weights, x) + error
-        return (new,) + tuple(output[1:]) if isinstance(output, tuple) else new
-
-    hooks = [(written, "post", put)]
-    if kind == "transcoder":
-        hooks.insert(0, (read, "pre", lambda m, args: store.__setitem__("x", args[0].detach().clone())))
-    return hooked(hooks, lambda: logits_of(model, ids))
 
 
 def test_the_noise_is_traces_and_fixed_seeds_reproduce(tmp_path):
