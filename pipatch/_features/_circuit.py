@@ -7,8 +7,9 @@ its error's): attribution patching's estimate for the whole value the SAE reads 
 grid reads as normalized recovery like a patching grid. The graph itself is in ``meta``:
 ``meta["nodes"]`` (one dict per node: ``node``, ``site``, ``layer``, ``position``, ``latent``
 (an id, ``"error"`` or ``"metric"``), ``score``, ``exact`` (``None`` where not checked),
-``circuit`` (kept by the pruning)) and ``meta["edges"]`` (``upstream``, ``downstream``,
-``score``), so the result saves and loads as any result does (safetensors + JSON, no pickle).
+``circuit`` (kept by the pruning)), ``meta["edges"]`` (``upstream``, ``downstream``,
+``score``, ``exact``) and ``meta["curve"]`` (the faithfulness curve's measured metrics:
+:func:`faithfulness_rows`), so the result saves and loads as any result does (safetensors + JSON, no pickle).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from .._result import Result
 from .._tables import table
 
-__all__ = ["FeatureCircuitResult", "VIEW_NODES", "METRIC_NODE"]
+__all__ = ["FeatureCircuitResult", "VIEW_NODES", "METRIC_NODE", "faithfulness_rows"]
 
 #: A feature circuit's one grid: SAEs × positions.
 VIEW_NODES = "nodes"
@@ -31,6 +32,23 @@ _NODE_COLUMNS = ["node", "site", "layer", "position", "latent", "score", "exact"
 
 def _number(value: Any) -> float:
     return float("nan") if value is None else float(value)
+
+
+def faithfulness_rows(curve: dict[str, Any]) -> list[dict[str, Any]]:
+    """The faithfulness curve's rows from its entry ``meta["curve"]`` (``full``: ``m(M)``,
+    ``empty``: ``m(∅)``, ``points``: each size's ``with``, ``m(C)``, and ``without``,
+    ``m(M∖C)``; :mod:`pipatch._protocols._feature_checks`): ``n_nodes``, ``faithfulness``
+    ``(m(C) − m(∅)) / (m(M) − m(∅))``, ``completeness`` ``(m(M∖C) − m(∅)) / (m(M) − m(∅))``,
+    ``with`` and ``without``; NaN where a value has not come yet, or where ``m(M) = m(∅)``."""
+    empty = _number(curve.get("empty"))
+    span = curve["full"] - empty
+    span = span if span != 0 else float("nan")
+    rows = []
+    for point in curve["points"]:
+        kept, dropped = _number(point["with"]), _number(point["without"])
+        rows.append({"n_nodes": point["n_nodes"], "faithfulness": (kept - empty) / span,
+                     "completeness": (dropped - empty) / span, "with": kept, "without": dropped})
+    return rows
 
 
 class FeatureCircuitResult(Result, file_kind="feature_circuit"):
@@ -49,9 +67,23 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
 
     def edges(self):
         """One row per edge kept, largest ``|score|`` first: ``upstream``, ``downstream`` (node
-        names) and ``score`` (the estimated change of the metric carried from the upstream
-        node's clean value through the downstream node). A pandas DataFrame."""
-        return table([dict(edge) for edge in self.meta.get("edges", [])], ["upstream", "downstream", "score"])
+        names), ``score`` (the estimated change of the metric carried from the upstream
+        node's clean value through the downstream node) and ``exact`` (the exact edge patch's
+        change: the downstream node alone set to the value the upstream node's clean value
+        gives it; NaN where not checked). A pandas DataFrame."""
+        rows = [{**edge, "exact": _number(edge.get("exact"))} for edge in self.meta.get("edges", [])]
+        return table(rows, ["upstream", "downstream", "score", "exact"])
+
+    def faithfulness(self):
+        """The faithfulness and completeness curve (Marks et al. 2024): one row per circuit
+        size measured, ``n_nodes`` (the nodes of largest ``|score|``), ``faithfulness``,
+        ``completeness``, ``with`` (the metric with the rest ablated) and ``without`` (with
+        the circuit ablated); NaN where not measured yet. Empty where the curve was not asked
+        for (``curve=0``). ``meta["curve"]["nodes_for_80"]``: the least size measured whose
+        faithfulness reaches 0.8. A pandas DataFrame."""
+        curve = self.meta.get("curve")
+        return table(faithfulness_rows(curve) if curve else [],
+                     ["n_nodes", "faithfulness", "completeness", "with", "without"])
 
     def frame(self):
         """A feature circuit's table is its nodes: :meth:`nodes`."""

@@ -57,6 +57,7 @@ from .._features._circuit import METRIC_NODE, VIEW_NODES, FeatureCircuitResult
 from .._features._screen import cell_scores, latent_gradient
 from .._programs.capture import captures
 from .._programs.feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, EdgePullbacksRequest, NodeGradientsRequest
+from ._feature_checks import ABLATIONS, edge_checks, faithfulness_curve, finish_checks
 from ._inputs import (
     BATCH_SIZE,
     METRIC,
@@ -119,11 +120,17 @@ class _Scored:
 def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str, foil: str | None, saes: Any,
                          metric: str, steps: int, verify: int, top_nodes: int, node_threshold: float,
                          top_edges: int, edge_threshold: float, positions: Sequence[int] | None,
-                         batch_size: int | None) -> Plan:
+                         batch_size: int | None, verify_edges: int, curve: int, ablation: str) -> Plan:
     """Score every node and the edges between kept nodes; plan the exact checks of the top
-    ``verify`` nodes. The parameters are :func:`pipatch.feature_circuit`'s."""
+    ``verify`` nodes and ``verify_edges`` edges and the faithfulness curve's ``curve``
+    points. The parameters are :func:`pipatch.feature_circuit`'s."""
     steps = whole_number(steps, "steps (integrated-gradient points; 1: attribution patching)", minimum=1)
     verify = whole_number(verify, "verify (nodes patched exactly)", minimum=0)
+    verify_edges = whole_number(verify_edges, "verify_edges (edges patched exactly)", minimum=0)
+    curve = whole_number(curve, "curve (circuit sizes the faithfulness curve measures; 0: none)", minimum=0)
+    if ablation not in ABLATIONS:
+        raise PipatchError(f"ablation must be one of {', '.join(ABLATIONS)} (what the faithfulness curve sets "
+                           f"the nodes it ablates to), got {ablation!r}")
     top_nodes = whole_number(top_nodes, "top_nodes (nodes the circuit keeps)", minimum=1)
     top_edges = whole_number(top_edges, "top_edges (edges the circuit keeps)", minimum=0)
     node_threshold, edge_threshold = _threshold(node_threshold, "node_threshold"), _threshold(edge_threshold,
@@ -168,7 +175,7 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
         "method": "atp" if steps == 1 else "ig",
         "saes": [{"name": s.name, "layer": s.layer, "sae": s.sae.name, "d_sae": s.n_latents} for s in sites],
         "verify": verify, "top_nodes": top_nodes, "node_threshold": node_threshold, "top_edges": top_edges,
-        "edge_threshold": edge_threshold, "nodes": nodes, "edges": edges,
+        "edge_threshold": edge_threshold, "verify_edges": verify_edges, "nodes": nodes, "edges": edges,
     })
     result = FeatureCircuitResult(
         kind="feature_circuit", tokens=pair.clean_tokens, columns=[pair.clean_tokens[p] for p in cols],
@@ -182,11 +189,20 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
         nodes[i]["exact"] = None
     differ = (pair.clean_ids[0] != pair.corrupt_ids[0]).nonzero()
     by_name = {s.site.name: s for s in scored}
-    sweep = _NodeChecks(view=VIEW_NODES, base=Base(pair.corrupt_ids, corrupt_run), metric=scorer,
-                        n_rows=len(checked), n_cols=1, agrees_before=int(differ[0]) if len(differ) else T,
+    corrupt_base = Base(pair.corrupt_ids, corrupt_run)
+    agrees_before = int(differ[0]) if len(differ) else T
+    sweep = _NodeChecks(view=VIEW_NODES, base=corrupt_base, metric=scorer,
+                        n_rows=len(checked), n_cols=1, agrees_before=agrees_before,
                         checked=checked, ops=[_ablation(nodes[i], by_name) for i in checked],
                         corrupt_value=corrupt_value)
-    return _CheckedPlan(backend, result, [sweep], batch, True)
+    in_edges = {e[end] for e in edges for end in ("upstream", "downstream")}
+    writes = {n["node"]: _ablation(n, by_name) for n in nodes if n["node"] in in_edges}
+    edge_sweep = edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges, corrupt_base, scorer,
+                             corrupt_value)
+    curve_sweep, result.meta["curve"] = faithfulness_curve(sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored},
+                                            nodes, cols, curve, ablation, Base(pair.clean_ids, clean_run), scorer,
+                                            clean_value)
+    return _CheckedPlan(backend, result, [sweep, edge_sweep, curve_sweep], batch, True)
 
 
 def _written_change(site: LatentSite, clean: torch.Tensor, corrupt: torch.Tensor, clean_error: torch.Tensor,
@@ -303,9 +319,11 @@ class _NodeChecks(Sweep):
 
 
 class _CheckedPlan(Plan):
-    """The checks' rank correlation with the estimates, ``meta["agreement"]``, at the end."""
+    """The checks' rank correlation with the estimates, ``meta["agreement"]`` (nodes) and
+    ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end."""
 
     def finish(self) -> None:
+        finish_checks(self.result.meta)
         done = [n for n in self.result.meta["nodes"] if n["latent"] != METRIC_NODE and n["exact"] is not None]
         if not done:
             return
@@ -337,6 +355,11 @@ DECLARATION = Experiment(
         Param("steps", 1, "integrated-gradient points per SAE (1: attribution patching at the corrupt run)", "int",
               parse=positive_int),
         Param("verify", 10, "nodes of largest |score| patched exactly", "int", parse=count),
+        Param("verify_edges", 10, "edges of largest |score| patched exactly (that edge alone)", "int", parse=count),
+        Param("curve", 8, "circuit sizes the faithfulness and completeness curve measures (0: none)", "int",
+              parse=count),
+        Param("ablation", "corrupt", "what the curve sets ablated nodes to: corrupt, mean (over the corrupt "
+              "prompts) or zero", "str"),
         Param("top_nodes", 30, "nodes the circuit keeps (largest |score| first); edges join kept nodes", "int",
               parse=positive_int),
         Param("node_threshold", 0.0, "the least |score| a kept node has", "float", parse=_number),
