@@ -85,12 +85,13 @@ EMBEDDED: dict[str, dict] = {
     },
     "feature_circuit": {  # random SAEs after layers 5 and 6: nodes of both, edges between them
         "kwargs": {**PAIR_KWARGS, "saes": [sae_folder(640, 5), sae_folder(640, 6)], "verify": 2, "top_nodes": 6,
-                   "positions": [2, -1]},
+                   "verify_edges": 2, "curve": 2, "ablation": "zero", "positions": [2, -1]},
         "line": f'--answer " Paris" --foil " Rome" --saes {sae_folder(640, 5)} --saes {sae_folder(640, 6)} '
-                "--verify 2 --top-nodes 6 --positions 2,-1",
+                "--verify 2 --top-nodes 6 --verify-edges 2 --curve 2 --ablation zero --positions 2,-1",
         "body": PAIR,
         "argv": ["feature-circuit", *PAIR_ARGV, "--saes", sae_folder(640, 5), "--saes", sae_folder(640, 6),
-                 "--verify", "2", "--top-nodes", "6", "--positions", "2,-1"],
+                 "--verify", "2", "--top-nodes", "6", "--verify-edges", "2", "--curve", "2", "--ablation", "zero",
+                 "--positions", "2,-1"],
     },
 }
 

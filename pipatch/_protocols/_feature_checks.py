@@ -235,7 +235,7 @@ def faithfulness_curve(sites: list[LatentSite], corrupt: dict[str, tuple[torch.T
     sizes = curve_sizes(points, len(graph), sum(1 for n in graph if n["circuit"]))
     only = {(0, 0)} | {(row, col) for row in range(1, len(sizes) + 1) for col in (0, 1)}
     sweep = _Curve(view=VIEW_NODES, base=base, metric=metric, n_rows=len(sizes) + 1 if sizes else 0, n_cols=2,
-                   prune=False, only=only, sites=list(whole.values()), positions=positions, values=values,
+                   only=only, sites=list(whole.values()), positions=positions, values=values,
                    ranked=[where(n) for n in graph], sizes=sizes)
     entry = {"ablation": ablation, "full": clean_value, "empty": None, "nodes_for_80": None,
              "points": [{"n_nodes": n, "with": None, "without": None} for n in sizes]}

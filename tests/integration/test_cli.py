@@ -31,7 +31,9 @@ def test_every_command_writes_the_python_api_result(model, name, tmp_path, capsy
         assert want.text(view) in captured.out  # the text heatmap
     # A circuit's grid is complete when planned; its bars count its stages' rows: a gradient pass
     # (one pair), the exact edge patches, then the curve's runs.
+    # A feature circuit's: its exact node and edge checks, then the curve's runs.
     totals = ([1, len(want.meta["checked"]), None] if name == "circuit"
+              else [want.meta["verify"] + want.meta["verify_edges"], None] if name == "feature_circuit"
               else [len(want.layers) * len(want.views)])
     # The progress bar (tqdm redraws it after "\r"): one line per stage as a terminal shows it,
     # ending at the total, once (an attribution's verification rows are its checks' stage).

@@ -251,7 +251,7 @@ def test_pruning_tables_grid_file_and_plot(tmp_path):
     result = pipatch.feature_circuit(model, **kwargs, verify=3, top_nodes=8, top_edges=5)
     nodes, edges = result.nodes(), result.edges()
     assert list(nodes.columns) == ["node", "site", "layer", "position", "latent", "score", "exact", "circuit"]
-    assert list(edges.columns) == ["upstream", "downstream", "score"]
+    assert list(edges.columns) == ["upstream", "downstream", "score", "exact"]
     assert nodes.iloc[0]["latent"] == "metric"
     assert nodes.iloc[0]["score"] == pytest.approx(result.clean_value - result.corrupt_value)
     rest = nodes.iloc[1:]
@@ -292,10 +292,11 @@ def test_bad_input_is_one_line(tmp_path):
 
 def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
     """One SAE (layer 6): its latents and errors as nodes, no edges; the top 20 nodes' estimates
-    against their exact patches (the rank correlation is printed)."""
+    against their exact patches (the rank correlation is printed), and the faithfulness curve
+    (printed: at the circuit's size, and the nodes it takes to reach 80 %)."""
     site = pipatch.embedded_sae(model)
     result = pipatch.feature_circuit(model, saes=[site], clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris",
-                                     foil=" Rome", verify=20, progress=False)
+                                     foil=" Rome", verify=20, curve=4, progress=False)
     nodes = result.nodes().iloc[1:]
     T = len(result.tokens)
     assert (nodes["latent"] == "error").sum() == T and len(nodes) > T
@@ -304,3 +305,11 @@ def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
     assert agreement["n"] == 20 and not math.isnan(agreement["spearman"])
     print(f"embedded SAE L6, Eiffel/Colosseum: {len(nodes)} nodes, top-20 rank correlation "
           f"{agreement['spearman']:.3f}, max |estimate − exact| {agreement['max_abs_error']:.3f}")
+    # Every latent and error of the one SAE at every position ablated to its corrupt value is
+    # the corrupt run's stream from layer 6 on; every node kept is the clean run.
+    curve, rows = result.meta["curve"], result.faithfulness()
+    assert curve["empty"] == pytest.approx(result.corrupt_value, abs=1e-3)
+    assert rows["n_nodes"].iloc[-1] == len(nodes) and rows["faithfulness"].iloc[-1] == pytest.approx(1, abs=1e-3)
+    at = rows[rows["n_nodes"] == int(nodes["circuit"].sum())].iloc[0]
+    print(f"faithfulness at the circuit's {int(at['n_nodes'])} nodes {at['faithfulness']:.3f} (completeness "
+          f"{at['completeness']:.3f}); 80 % reached at {curve['nodes_for_80']} nodes of the sizes measured")

@@ -1,0 +1,195 @@
+"""A feature circuit's exact edge checks and its faithfulness / completeness curve (issue #47),
+on tiny random models of three families with a random SAE (or transcoder) at every layer,
+each value against a hand-written reference of plain torch forward hooks
+(:mod:`tests.integration.test_feature_circuit`'s: each layer's output rebuilt as
+``decode(f) + skip + e`` from its latents ``f`` and error ``e``):
+
+* an edge's ``exact``: the corrupt run with the upstream node at its clean value, the
+  downstream node's value there read off; then the corrupt run with only the downstream node
+  set to that value; the metric's change from the corrupt run (one edge at a time);
+* the curve's points: the clean run with, at every layer and position, the latents and
+  errors outside the circuit (or, for completeness, inside it) set to their ablation value,
+  the rest computed freely; ``m(∅)`` with every latent and error set; so faithfulness is 1
+  when the circuit holds every node, 0 with none;
+* bad options are one line.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pipatch
+from tests.integration.test_feature_circuit import (
+    ANSWER,
+    FOIL,
+    N_LAYERS,
+    build,
+    hand_values,
+    ids_of,
+    logit_diff,
+    rebuild,
+    run_with,
+)
+from tests.integration.test_features import CLEAN, CORRUPT, FAMILIES, hand_encode
+
+
+def split(weights, kind, layer, x_in, out):
+    """Layer ``layer``'s latents and error on the live run: ``(f, e)``."""
+    f = hand_encode(weights[layer], kind, x_in)
+    return f, out - rebuild(weights[layer], x_in, f, 0)
+
+
+def metric(model, ids, edits):
+    with torch.no_grad():
+        return float(logit_diff(model, run_with(model, ids, edits))[0])
+
+
+def hand_edge(model, weights, kind, corrupt_ids, clean, up, down):
+    """The exact edge patch of ``up`` → ``down`` (node dicts): the patched metric, by two
+    hooked runs."""
+    seen = {}
+
+    def set_up(x_in, out):
+        f, e = split(weights, kind, up["layer"], x_in, out)
+        f, e = f.clone(), e.clone()
+        if up["latent"] == "error":
+            e[0, up["position"]] = clean[up["layer"]][1][0, up["position"]]
+        else:
+            f[0, up["position"], int(up["latent"])] = clean[up["layer"]][0][0, up["position"], int(up["latent"])]
+        return rebuild(weights[up["layer"]], x_in, f, e)
+
+    def read_down(x_in, out):
+        f, e = split(weights, kind, down["layer"], x_in, out)
+        q = down["position"]
+        seen["value"] = e[0, q].clone() if down["latent"] == "error" else f[0, q, int(down["latent"])].clone()
+        return out
+
+    def set_down(x_in, out):
+        f, e = split(weights, kind, down["layer"], x_in, out)
+        f, e = f.clone(), e.clone()
+        if down["latent"] == "error":
+            e[0, down["position"]] = seen["value"]
+        else:
+            f[0, down["position"], int(down["latent"])] = seen["value"]
+        return rebuild(weights[down["layer"]], x_in, f, e)
+
+    metric(model, corrupt_ids, {up["layer"]: set_up, down["layer"]: read_down})
+    return metric(model, corrupt_ids, {down["layer"]: set_down})
+
+
+def hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement):
+    """The clean run's metric with, at every layer, each latent and error outside ``circuit``
+    (``complement``: inside it) set to ``ablated[layer]``'s ``(f, e)``; ``circuit`` a set of
+    ``(layer, position, latent or "error")``."""
+    def edit(layer):
+        def put(x_in, out):
+            f, e = split(weights, kind, layer, x_in, out)
+            T, d_sae = f.shape[1], f.shape[2]
+            keep_f = torch.zeros(T, d_sae, dtype=torch.bool)
+            keep_e = torch.zeros(T, dtype=torch.bool)
+            for where, p, latent in circuit:
+                if where == layer and latent == "error":
+                    keep_e[p] = True
+                elif where == layer:
+                    keep_f[p, latent] = True
+            if complement:
+                keep_f, keep_e = ~keep_f, ~keep_e
+            f = torch.where(keep_f, f[0], ablated[layer][0][0])[None]
+            e = torch.where(keep_e[:, None], e[0], ablated[layer][1][0])[None]
+            return rebuild(weights[layer], x_in, f, e)
+        return put
+    return metric(model, clean_ids, {layer: edit(layer) for layer in range(N_LAYERS)})
+
+
+def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
+    clean_ids, corrupt_ids = ids_of(model, CLEAN), ids_of(model, CORRUPT)
+    clean = hand_values(model, weights, kind, clean_ids)
+    corrupt = hand_values(model, weights, kind, corrupt_ids)
+    nodes = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
+    by_name = {n["node"]: n for n in nodes}
+    # Every checked edge: two hooked runs.
+    edges = result.meta["edges"]
+    checked = [e for e in edges if e["exact"] is not None]
+    assert len(checked) == min(result.meta["verify_edges"], len(edges)) > 0
+    assert checked == edges[:len(checked)]  # the largest |score| first
+    base = metric(model, corrupt_ids, {})
+    for edge in checked:
+        want = hand_edge(model, weights, kind, corrupt_ids, clean, by_name[edge["upstream"]],
+                         by_name[edge["downstream"]]) - base
+        assert abs(edge["exact"] - want) < 1e-5, (edge, want)
+    assert max(abs(e["exact"]) for e in checked) > 1e-4  # the patches move the metric
+    table = result.edges()
+    assert table["exact"].notna().sum() == len(checked)
+    # Every point of the curve, and its ends.
+    if ablation == "zero":
+        ablated = {layer: (torch.zeros_like(f), torch.zeros_like(e)) for layer, (f, e) in corrupt.items()}
+    else:  # one pair: the mean over its corrupt prompt is the corrupt run's value
+        ablated = corrupt
+    curve = result.meta["curve"]
+    assert curve["ablation"] == ablation
+    full = metric(model, clean_ids, {})
+    empty = hand_ablated(model, weights, kind, clean_ids, ablated, set(), complement=False)
+    assert abs(curve["full"] - full) < 1e-5 and abs(curve["empty"] - empty) < 1e-5
+    rows = result.faithfulness()
+    assert list(rows.columns) == ["n_nodes", "faithfulness", "completeness", "with", "without"]
+    assert list(rows["n_nodes"]) == sorted(set(rows["n_nodes"])) and rows["n_nodes"].iloc[-1] == len(nodes)
+    assert int(sum(n["circuit"] for n in nodes)) in set(rows["n_nodes"])
+    for _, row in rows.iterrows():
+        circuit = {(n["layer"], n["position"], n["latent"]) for n in nodes[:int(row["n_nodes"])]}
+        kept = hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement=False)
+        dropped = hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement=True)
+        assert abs(row["with"] - kept) < 1e-5 and abs(row["without"] - dropped) < 1e-5, (row, kept, dropped)
+        assert row["faithfulness"] == pytest.approx((kept - empty) / (full - empty), abs=1e-4)
+        assert row["completeness"] == pytest.approx((dropped - empty) / (full - empty), abs=1e-4)
+    # The whole graph kept is the clean run: nothing is ablated but latents off on both prompts.
+    assert rows["faithfulness"].iloc[-1] == pytest.approx(1.0, abs=1e-4)
+    reached = [n for n, f in zip(rows["n_nodes"], rows["faithfulness"]) if f >= 0.8]
+    assert curve["nodes_for_80"] == min(reached)
+    agreement = result.meta["edge_agreement"]
+    assert agreement["n"] == len(checked) and (len(checked) < 3 or -1 <= agreement["spearman"] <= 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_edges_and_the_curve_equal_the_hand_references(family, tmp_path):
+    model, weights, sites = build(tmp_path, family)
+    result = pipatch.feature_circuit(model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
+                                     verify=0, top_nodes=10, top_edges=12, verify_edges=6, curve=4, batch_size=4,
+                                     progress=False)
+    check_edges_and_curve(model, weights, "jumprelu", result)
+
+
+def test_transcoders_and_zero_ablation_equal_the_hand_references(tmp_path):
+    """A transcoder's latents and error replace the MLP (its skip stays live) in both checks."""
+    model, weights, sites = build(tmp_path, "gemma3", kind="transcoder")
+    result = pipatch.feature_circuit(model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
+                                     verify=0, top_nodes=8, top_edges=6, verify_edges=6, curve=4, ablation="zero",
+                                     progress=False)
+    check_edges_and_curve(model, weights, "transcoder", result, ablation="zero")
+
+
+def test_no_checks_asked_and_the_file(tmp_path):
+    model, weights, sites = build(tmp_path, "llama")
+    result = pipatch.feature_circuit(model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
+                                     verify=0, top_nodes=6, top_edges=4, verify_edges=0, curve=0, progress=False)
+    assert result.edges()["exact"].isna().all() and "edge_agreement" not in result.meta
+    assert result.faithfulness().empty and result.meta["curve"]["points"] == []
+    mean = pipatch.feature_circuit(model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
+                                   verify=0, top_nodes=6, top_edges=4, verify_edges=2, curve=3, ablation="mean",
+                                   progress=False)
+    for name in ("r.safetensors", "r.json"):
+        back = pipatch.load_result(mean.save(tmp_path / name))
+        assert back.edges().equals(mean.edges()) and back.faithfulness().equals(mean.faithfulness())
+    assert not math.isnan(mean.faithfulness()["faithfulness"].iloc[-1])
+
+
+def test_bad_check_options_are_one_line(tmp_path):
+    model, weights, sites = build(tmp_path, "gpt2")
+    kwargs = dict(saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, progress=False)
+    for bad, words in [({"verify_edges": -1}, "verify_edges"), ({"curve": 1.5}, "curve"),
+                       ({"ablation": "noise"}, "ablation must be one of corrupt, mean, zero")]:
+        with pytest.raises(pipatch.PipatchError) as error:
+            pipatch.feature_circuit(model, **{**kwargs, **bad})
+        assert words in str(error.value) and "\n" not in str(error.value)
