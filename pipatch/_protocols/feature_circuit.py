@@ -29,7 +29,19 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   or that error, at that position set to its clean value through its SAE in the corrupt run,
   everything else free: :func:`pipatch.feature_patch`'s patch), and the estimates'
   rank correlation with the exact changes is ``meta["agreement"]``, as component circuits
-  report theirs.
+  report theirs. The ``verify_edges`` kept edges of largest ``|score|`` are patched exactly
+  too, each alone: the downstream node alone set, in the corrupt run, to the value the
+  upstream node's clean value gives it (what the edge score's two factors stand for, taken
+  exactly); ``meta["edge_agreement"]`` their rank correlation
+  (:mod:`pipatch._protocols._feature_checks`);
+* **faithfulness and completeness** as Marks et al. define them: the circuit of the ``n``
+  nodes of largest ``|score|`` on the clean prompt, every other latent and error (at the
+  SAEs and positions scored) ablated (``ablation``: to its corrupt, mean or zero value),
+  ``(m(C) − m(∅)) / (m(M) − m(∅))``; completeness the same with the circuit ablated and the
+  rest kept; for ``curve`` sizes from 1 to every node, the circuit's own among them
+  (:mod:`pipatch._protocols._feature_checks`; ``result.faithfulness()``).
+
+The checks and the curve are sweeps of patched runs (live, batched): they need no gradients.
 
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
 ``edges()`` are pandas tables, its grid the per-(SAE, position) sums of node scores.
@@ -345,7 +357,7 @@ def _number(value: str) -> float:
 DECLARATION = Experiment(
     name="feature_circuit", kind="feature_circuit", noun="feature circuit",
     summary="Feature circuit: SAE latents and errors at each position as nodes, scored by attribution, "
-            "edges between SAEs, the top nodes checked exactly.",
+            "edges between SAEs, the top nodes and edges checked exactly, a faithfulness curve.",
     planner=plan_feature_circuit, prompts=PAIR, title=_title,
     params=(
         *PAIR_PARAMS,
@@ -379,9 +391,12 @@ DECLARATION = Experiment(
     FeatureCircuitResult
         ``kind="feature_circuit"``; ``nodes()`` (``node``, ``site``, ``layer``, ``position``,
         ``latent``: an id, ``"error"`` or ``"metric"``, ``score``, ``exact``: NaN where not
-        checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``, ``score``) are
-        pandas tables, scores in the metric's units (the change from the corrupt run);
-        ``meta["agreement"]`` the checked nodes' rank correlation with their estimates;
+        checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``, ``score``,
+        ``exact``: NaN where not checked) are pandas tables, scores in the metric's units (the
+        change from the corrupt run); ``meta["agreement"]`` and ``meta["edge_agreement"]`` the
+        checked nodes' and edges' rank correlation with their estimates; ``faithfulness()``
+        the curve (``n_nodes``, ``faithfulness``, ``completeness``, ``with``, ``without``)
+        and ``meta["curve"]["nodes_for_80"]`` the least size measured reaching 0.8;
         ``raw["nodes"]`` [1, SAEs, positions] ``corrupt metric +`` each place's summed scores.
 
     Examples
@@ -389,6 +404,6 @@ DECLARATION = Experiment(
     >>> saes = pipatch.load_saes(["saes/L3", "saes/L6"], model)
     >>> r = pipatch.feature_circuit(model, saes=saes, clean="The Eiffel Tower is in the city of",
     ...                             corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome")
-    >>> r.nodes().head(), r.edges().head()
+    >>> r.nodes().head(), r.edges().head(), r.faithfulness()
     """,
 )
