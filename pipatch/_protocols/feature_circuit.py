@@ -53,6 +53,7 @@ one line.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,7 @@ import torch
 from .._cells import Base, Cell, Op
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
-from .._engine import Plan, Sweep, check_batch_size
+from .._engine import Plan, Predictor, Sweep, check_batch_size
 from .._errors import PipatchError
 from .._features import LatentSite, distinct, load_sae
 from .._features._circuit import METRIC_NODE, VIEW_NODES, FeatureCircuitResult
@@ -332,7 +333,11 @@ class _NodeChecks(Sweep):
 
 class _CheckedPlan(Plan):
     """The checks' rank correlation with the estimates, ``meta["agreement"]`` (nodes) and
-    ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end."""
+    ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end. Its sweeps share
+    the one view; a click on it is answered by the node checks' (the first)."""
+
+    def predictor(self) -> Predictor:
+        return Predictor(self.backend, {VIEW_NODES: dataclasses.replace(self.sweeps[0], only=None)})
 
     def finish(self) -> None:
         finish_checks(self.result.meta)
