@@ -131,8 +131,8 @@ def edge_checks(edges: list[dict[str, Any]], nodes: list[dict[str, Any]], sites:
                 writes: dict[str, Op], verify_edges: int, base: Base, metric: Metric,
                 corrupt_value: float) -> _EdgeChecks:
     """The exact checks of the ``verify_edges`` first of ``edges`` (largest ``|score|`` first);
-    ``writes[name]`` is node ``name``'s clean-value op (its exact node patch). Marks each
-    every edge's ``exact`` ``None``: not checked, or not yet."""
+    ``writes[name]`` is node ``name``'s clean-value op (its exact node patch). Sets every
+    edge's ``exact`` to ``None``: not checked, or not yet."""
     by_name = {n["node"]: n for n in nodes}
     for edge in edges:
         edge["exact"] = None
@@ -191,15 +191,11 @@ class _Curve(Sweep):
         for site in self.sites:
             width = self.values[site.name].shape[-1]
             for p in self.positions:
-                mine = in_circuit.get((site.name, p), [])
-                if col == 1:
-                    ablate = sorted(mine)
-                else:
-                    keep = torch.zeros(width, dtype=torch.bool)
-                    keep[mine] = True
-                    ablate = (~keep).nonzero().flatten().tolist()
-                if ablate:
-                    index = (slice(None), slice(p, p + 1), torch.tensor(ablate))
+                chosen = torch.zeros(width, dtype=torch.bool)
+                chosen[in_circuit.get((site.name, p), [])] = True
+                ablate = (chosen if col == 1 else ~chosen).nonzero().flatten()
+                if len(ablate):
+                    index = (slice(None), slice(p, p + 1), ablate)
                     ops.append(Op(site, site.layer, index, self.values[site.name][index]))
         return Cell(row, col, seed, start=min((op.site.start_layer(op.layer) for op in ops), default=0), ops=ops)
 
