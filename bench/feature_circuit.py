@@ -13,6 +13,11 @@ replaces is an exact patch per node. Rows, on "The Eiffel Tower is in the city o
 * ``exact, every node``: ``verify=`` every node: each patched exactly;
 * the rank correlation (Spearman) between the scores and the exact values over every node and
   over the top 20;
+* ``exact, every kept edge``: ``verify_edges=`` every kept edge, each patched alone (two runs
+  an edge), and their rank correlation with the edge scores;
+* ``faithfulness curve``: ``curve=8`` (Marks et al.'s faithfulness and completeness, corrupt
+  ablation), with the faithfulness at the circuit's size and the least size measured that
+  reaches 80 %;
 * each row's peak resident memory (the model and the SAEs included).
 
 Each time is the best of :data:`REPEAT`. Figures go to ``bench/results/feature_circuit.json``.
@@ -74,28 +79,46 @@ def main(argv=None) -> int:
         saes = [pipatch.load_sae(random_sae(Path(tmp) / "random-l5", trained), model), trained]
         pair = {"clean": CLEAN, "corrupt": CORRUPT, "answer": " Paris", "foil": " Rome", "saes": saes,
                 "progress": False}
-        scored, scored_peak, graph = measured(lambda: pipatch.feature_circuit(model, **pair, verify=0))
+        none = {"verify": 0, "verify_edges": 0, "curve": 0}
+        scored, scored_peak, graph = measured(lambda: pipatch.feature_circuit(model, **pair, **none))
         nodes = graph.nodes()
         n_nodes = int((nodes["latent"] != "metric").sum())
-        exact_s, exact_peak, checked = measured(lambda: pipatch.feature_circuit(model, **pair, verify=n_nodes))
+        n_edges = len(graph.edges())
+        exact_s, exact_peak, checked = measured(
+            lambda: pipatch.feature_circuit(model, **pair, **{**none, "verify": n_nodes}))
+        edges_s, edges_peak, edged = measured(
+            lambda: pipatch.feature_circuit(model, **pair, **{**none, "verify_edges": n_edges}))
+        curve_s, curve_peak, curved = measured(lambda: pipatch.feature_circuit(model, **pair, **{**none, "curve": 8}))
     table = checked.nodes()
     table = table[table["latent"] != "metric"].dropna(subset=["exact"])
     rho_all = spearman(torch.tensor(table["score"].to_list()), torch.tensor(table["exact"].to_list()))
     top = table.reindex(table["score"].abs().sort_values(ascending=False).index)[:TOP]
     rho_top = spearman(torch.tensor(top["score"].to_list()), torch.tensor(top["exact"].to_list()))
-    n_edges = len(graph.edges())
+    rho_edges = edged.meta["edge_agreement"]["spearman"]
+    curve = curved.faithfulness()
+    kept = int(nodes["circuit"].sum()) - 1  # the metric's node is always kept
+    at_circuit = float(curve[curve["n_nodes"] == kept]["faithfulness"].iloc[0])
+    reach = curved.meta["curve"]["nodes_for_80"]
     gb = 1 / 2 ** 30
     report = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "torch_threads": torch.get_num_threads()},
               "saes": [s.sae.name for s in saes], "positions": len(graph.columns), "nodes": n_nodes,
               "edges_kept": n_edges, "scoring_s": scored, "scoring_peak_gb": scored_peak * gb,
               "exact_every_node_s": exact_s, "exact_peak_gb": exact_peak * gb, "nodes_checked": len(table),
-              "spearman_all": rho_all, f"spearman_top{TOP}": rho_top}
+              "spearman_all": rho_all, f"spearman_top{TOP}": rho_top, "exact_every_edge_s": edges_s,
+              "exact_edges_peak_gb": edges_peak * gb, "spearman_edges": rho_edges, "curve_s": curve_s,
+              "curve_peak_gb": curve_peak * gb, "curve_sizes": curve["n_nodes"].to_list(),
+              "faithfulness": curve["faithfulness"].to_list(), "completeness": curve["completeness"].to_list(),
+              "faithfulness_at_circuit": at_circuit, "circuit_nodes": kept, "nodes_for_80": reach}
     lines = [f"feature circuit, SAEs at blocks 5 (random) and 6 (trained), {len(graph.columns)} positions, "
              f"{n_nodes} nodes, {n_edges} edges kept, {torch.get_num_threads()} thread(s):",
              f"  scoring every node and edge       {scored:6.2f} s   peak {scored_peak * gb:5.2f} GB",
              f"  exact patch of every node ({len(table)})  {exact_s:6.2f} s   peak {exact_peak * gb:5.2f} GB",
-             f"  scores vs exact, rank correlation: every node {rho_all:5.3f}, top {TOP} {rho_top:5.3f}"]
+             f"  scores vs exact, rank correlation: every node {rho_all:5.3f}, top {TOP} {rho_top:5.3f}",
+             f"  exact patch of every kept edge ({n_edges})  {edges_s:6.2f} s   peak {edges_peak * gb:5.2f} GB"
+             f"   rank correlation {rho_edges:5.3f}",
+             f"  faithfulness curve ({len(curve)} sizes)      {curve_s:6.2f} s   peak {curve_peak * gb:5.2f} GB"
+             f"   {at_circuit:5.3f} at the circuit's {kept} nodes, 80 % at {reach} nodes"]
     return write_report(lines, report, args.out)
 
 
