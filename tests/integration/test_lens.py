@@ -156,7 +156,8 @@ def test_a_list_of_prompts_needs_a_subject_to_name_positions(model):
 # --------------------------------------------------------------------------------------------
 
 
-def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("prob",)) -> dict[str, torch.Tensor]:
+def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("prob",),
+                 foil: str | None = None) -> dict[str, torch.Tensor]:
     """Per metric, [layers, positions]: the lens as pipatch computed it before it read (the old
     computation), with plain forward hooks: per layer one batched forward whose row ``p`` writes
     that layer's state at position ``p`` into the last block's output at the last prompt
@@ -170,7 +171,8 @@ def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("p
     tokenizer = model.tokenizer
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     answer_ids = tuple(tokenizer(answer, add_special_tokens=False).input_ids)
-    scorers = {metric: Metric(metric, answer_ids) for metric in metrics}
+    foil_ids = None if foil is None else tuple(tokenizer(foil, add_special_tokens=False).input_ids)
+    scorers = {metric: Metric(metric, answer_ids, foil_ids if metric == "logit_diff" else None) for metric in metrics}
     scorer = scorers[metrics[0]]
     run_ids, T, m = scorer.inputs(ids), ids.shape[1], scorer.n_read
     blocks = _get(hf, adapter.blocks)
@@ -209,6 +211,27 @@ def test_the_read_equals_the_patched_lens_it_replaced(family, answer, request):
         assert got.grid.shape == want.shape
         tolerance = 1e-5 if family is None else 1e-6
         torch.testing.assert_close(got.grid, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("family", [None, "llama", "gemma2"])
+def test_the_logit_difference_lens_equals_the_patched_lens(family, request):
+    """A foil's lens (answer − foil logits, two rows of the unembedding per reading) equals the
+    patched runs read by hand, as the other metrics do, on the embedded model and two tiny
+    families (Gemma 2 soft-caps its logits: the difference is of capped logits)."""
+    subject = request.getfixturevalue("model") if family is None else tiny_model(family)
+    want = patched_lens(subject, EIFFEL, " Paris", ("logit_diff",), foil=" Rome")["logit_diff"]
+    got = pipatch.lens(subject, EIFFEL, answer=" Paris", foil=" Rome", metric="logit_diff", progress=False)
+    tolerance = 1e-5 if family is None else 1e-6
+    torch.testing.assert_close(got.grid, want, atol=tolerance, rtol=tolerance)
+    assert got.metric == "logit_diff" and got.meta["foil"] == " Rome" and "vs ' Rome'" in got.title
+
+
+def test_a_foil_goes_with_the_logit_difference_only(model):
+    for kwargs in ({"foil": " Rome"}, {"metric": "logit_diff"}, {"foil": " Rome", "metric": "rank"}):
+        with pytest.raises(pipatch.PipatchError, match="foil only for metric='logit_diff'"):
+            pipatch.lens(model, EIFFEL, answer=" Paris", progress=False, **kwargs)
+    with pytest.raises(pipatch.PipatchError, match="one-token answer and foil"):
+        pipatch.lens(model, EIFFEL, answer=" New York", foil=" Rome", metric="logit_diff", progress=False)
 
 
 def test_the_read_equals_the_patched_lens_in_float64():
