@@ -63,7 +63,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         tree (needs ``pipatch[vllm]`` installed, no GPU). ``name`` must be the model the
         server serves (``None``: the embedded one); ``dtype`` is the server's.
     api_key
-        With ``serve``: a key the server accepts (one of its ``--api-key-file``); default: the
+        With ``serve``: a key the server accepts (one of its key file's); default: the
         ``PIPATCH_API_KEY`` environment variable. A refused key fails here, in one line.
     timeout
         With ``serve``: seconds to wait for one batch's answer before giving up.
