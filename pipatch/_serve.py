@@ -429,10 +429,10 @@ class Spawned:
 
     For scripts, benchmarks and tests that need a server of their own::
 
-        server = Spawned("--api-key", key)          # returns once the port accepts requests
+        server = Spawned(env={"PIPATCH_API_KEY": key})  # returns once the port accepts requests
         model = pipatch.load_model(serve=server.url, api_key=key)
         ...
-        server.stop()                               # SIGTERM: the engine processes go too
+        server.stop()                                   # SIGTERM: the engine processes go too
 
     ``tree`` lists the pids it started (the web server, the engine core, its workers),
     ``rss_gb()`` their resident memory and ``alive()`` those still running. ``env`` adds to
