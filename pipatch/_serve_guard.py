@@ -212,14 +212,11 @@ def _prompt_tokens(prompt: Any, tokenizer: Any) -> int:
     return 0
 
 
-class _TooLarge(Exception):
-    """Raised from a request's ``receive`` once its body passed the limit."""
-
-
 class BodyLimit:
     """ASGI middleware: an HTTP request whose body is over ``limits.request_bytes`` is answered
     ``413`` (one line naming the limit and its flag): at once where its ``Content-Length``
-    says so, else when the bytes received pass it (a chunked body), before the route has it."""
+    says so, else once the bytes received pass it (a chunked body). The body is read here,
+    up to the limit, and handed to the route whole (the routes read it whole anyway)."""
 
     def __init__(self, app: Any, limits: Limits):
         self.app, self.limits = app, limits
@@ -231,26 +228,26 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:  # else the HTTP server's to refuse
             return await _refuse(send, 413, self.limits.over("request_bytes", f"the request body has {int(declared):,} bytes"))
+        chunks: list[bytes] = []
         received = 0
-        started = False
-
-        async def counted() -> dict:
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _TooLarge
+            if message["type"] != "http.request":  # the client went away
+                return
+            received += len(message.get("body", b""))
+            if received > limit:
+                return await _refuse(send, 413, self.limits.over("request_bytes",
+                                                                 f"the request body (sent in chunks) has more than {limit:,} bytes"))
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        whole: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict:
+            nonlocal whole
+            if whole is None:
+                return await receive()  # after the body: the disconnect, when it comes
+            message, whole = whole, None
             return message
 
-        async def watched(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted, watched)
-        except _TooLarge:
-            if started:  # the route answered before reading it all: nothing more to say
-                return
-            await _refuse(send, 413, self.limits.over("request_bytes", f"the request body has over {limit:,} bytes"))
+        await self.app(scope, replay, send)

@@ -205,8 +205,8 @@ BAD = {
 def test_bad_requests_are_refused_in_one_line_and_the_server_serves_right_after(server, files, served):
     reference = pipatch.lens(served, EIFFEL, answer=" Paris")
     cases = [(what, lambda run=run: run(server, files, served), expected) for what, (run, expected) in BAD.items()]
-    cases.append(("a 50 MB body, streamed", lambda: _streamed_50_mb(server, files), "413: the request body has over "
-                  "4,000,000 bytes, over this server's limit of 4,000,000 (pipatch serve --max-request-bytes)"))
+    cases.append(("a 50 MB body, streamed", lambda: _streamed_50_mb(server, files), "413: the request body (sent in chunks) "
+                  "has more than 4,000,000 bytes, over this server's limit of 4,000,000 (pipatch serve --max-request-bytes)"))
     bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])  # the key file's second key
     for what, call, expected in cases:
         started = time.perf_counter()
