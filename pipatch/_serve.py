@@ -135,7 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_tls(args: argparse.Namespace) -> None:
-    """``--ssl-certfile`` and ``--ssl-keyfile`` come together and name readable files."""
+    """``--ssl-certfile`` and ``--ssl-keyfile`` come together and name a certificate and its
+    key (loaded here once, so that a wrong file is one line before the engine starts)."""
+    import ssl
+
     from ._models import PipatchError
 
     given = {flag: path for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile))
@@ -145,6 +148,13 @@ def _check_tls(args: argparse.Namespace) -> None:
     for flag, path in given.items():
         if not os.access(path, os.R_OK) or not os.path.isfile(path):
             raise PipatchError(f"{flag} {path}: no readable file there: pass the PEM file's path")
+    if given:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except ssl.SSLError as error:
+            raise PipatchError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile {args.ssl_keyfile}: not a certificate "
+                               f"and its private key in PEM ({error.reason or error}): pass the files your CA "
+                               "or `openssl req -x509` made") from None
 
 
 def _split_engine_words(parser: argparse.ArgumentParser, words: list[str]) -> tuple[list[str], list[str]]:

@@ -205,6 +205,7 @@ def test_limits_name_the_limit_and_its_flag():
     (["--api-key-file", "/nonexistent/keys"], "--api-key-file /nonexistent/keys: cannot read it"),
     (["--ssl-certfile", "cert.pem"], "--ssl-certfile needs its pair"),
     (["--ssl-certfile", "/nonexistent/c.pem", "--ssl-keyfile", "/nonexistent/k.pem"], "no readable file there"),
+    (["--ssl-certfile", __file__, "--ssl-keyfile", __file__], "not a certificate and its private key in PEM"),
     (["--max-invokes", "0"], "--max-invokes"),
     (["--max-request-bytes", "lots"], "--max-request-bytes"),
     (["--host", "0.0.0.0"], "add --api-key-file PATH"),
