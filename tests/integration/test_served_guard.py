@@ -219,18 +219,23 @@ def test_bad_requests_are_refused_in_one_line_and_the_server_serves_right_after(
 
 
 def test_a_batch_over_the_byte_limit_goes_as_requests_that_fit(served, server, files):
+    """A client sizes its requests by the server's byte limit (its info): halved until each
+    fits, the answers the same as from one request."""
     backend = backend_for(served)
     small = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
     small.server.describe()
-    jobs = [([2, 9079, 563, 7], (backend.adapter,))] * 8
-    whole = backend._request(circuit_baselines_request, jobs)
-    limit = len(whole) * 2 // 3
+    jobs = [(list(range(1000 + 300 * i, 1200 + 300 * i)), (backend.adapter,)) for i in range(8)]  # 200 tokens each
+    whole, one = (len(backend._request(circuit_baselines_request, part)) for part in (jobs, jobs[:1]))
+    limit = (whole + one) // 2  # half the jobs fit (a request is a fixed part and a part per invoke), all do not
     fitted = small._fitted(circuit_baselines_request, jobs, limit)
+    print(f"8 invokes: {whole:,} bytes; 1: {one:,}; at most {limit:,}: {[len(part) for part, _ in fitted]} invokes")
     assert len(fitted) >= 2 and all(len(blob) <= limit for _, blob in fitted)
     assert [job for part, _ in fitted for job in part] == jobs
     small.server.info["limits"] = {**LIMITS, "request_bytes": limit}  # as a server started with that limit says
-    kwargs = {**PAIR, "site": "mlp", "positions": [-1]}
-    assert torch.equal(pipatch.patch(small, **kwargs).raw["mlp"], pipatch.patch(backend, **kwargs).raw["mlp"])
+    got, want = small._invokes(circuit_baselines_request, jobs), backend._invokes(circuit_baselines_request, jobs)
+    assert len(got) == len(want) == 8
+    for mine, reference in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(mine, reference))
     message = _refused(lambda: small._fitted(circuit_baselines_request, jobs[:1], 100))
     assert "over the server's limit of 100: start the server with a larger --max-request-bytes" in message
     small.server.close()
