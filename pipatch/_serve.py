@@ -30,8 +30,12 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
 * **The tree by name.** On pipatch's CPU workers, a request names the model's envoy tree
   (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke,
   here and on the way to the engine (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
-* **Who may send code.** Requests carry code the server runs: the server listens on the
-  loopback only, unless ``--host`` comes with ``--api-key``.
+* **Who may send code, and how much.** Requests carry code the server runs: the server
+  listens on the loopback only, unless ``--host`` comes with keys (``--api-key-file`` or
+  ``PIPATCH_API_KEY``, compared in constant time; only ``/health`` answers without one), and
+  each request is bounded in body bytes, invokes and prompt tokens, each by a flag
+  (:mod:`pipatch._serve_guard`). ``--ssl-certfile/--ssl-keyfile`` serve HTTPS (uvicorn's
+  own TLS), so keys and results do not cross a network in clear text.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
   versions; a client checks it when it connects (and a wrong key fails there, at once).
 
@@ -43,11 +47,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from ._serve_guard import MAX_INVOKES, MAX_REQUEST_BYTES, BodyLimit, KeyGate, Keys, Limits, server_keys
 
 __all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK"]
 
@@ -70,9 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF id or local folder (default: the embedded Gemma 3 270M)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="bind address (default 127.0.0.1; any other needs --api-key)")
+                        help="bind address (default 127.0.0.1; any other needs a key)")
     parser.add_argument("--port", default=6677, help="port (default 6677)")
-    parser.add_argument("--api-key", default=None, help="require this key (header ndif-api-key)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="require one of the keys in PATH (one per line, # comments); "
+                             "also accepted: the key in $PIPATCH_API_KEY")
+    parser.add_argument("--api-key", default=None,
+                        help="require this key (every local user can read it in the process list: "
+                             "prefer --api-key-file or $PIPATCH_API_KEY)")
+    parser.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="the certificate's private key")
+    parser.add_argument("--max-request-bytes", default=None, metavar="N",
+                        help=f"largest request body (default {MAX_REQUEST_BYTES})")
+    parser.add_argument("--max-invokes", default=None, metavar="N",
+                        help=f"most invokes in one request (default {MAX_INVOKES})")
+    parser.add_argument("--max-prompt-tokens", default=None, metavar="N",
+                        help="most tokens in one invoke's prompt (default: the engine's max_model_len)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
     return parser
@@ -92,14 +112,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         import_before_nnsight()
         # Checked here, not by argparse's int: its error would not name the range.
         args.port = whole_number(args.port, "--port", minimum=1, maximum=65535)
+        args.keys, warnings = server_keys(args.api_key_file, args.api_key)
+        for name in ("max_request_bytes", "max_invokes", "max_prompt_tokens"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(args, name, whole_number(value, "--" + name.replace("_", "-"), minimum=1))
+        _check_tls(args)
         engine_args = _engine_args(engine_words)
-        if args.host not in LOOPBACK and not args.api_key:
+        if args.host not in LOOPBACK and not args.keys:
             raise PipatchError(f"--host {args.host} lets other machines send code for this server to run: "
-                               "add --api-key KEY (clients pass api_key=KEY), or keep the default 127.0.0.1")
+                               "add --api-key-file PATH (or set $PIPATCH_API_KEY; clients pass api_key=), "
+                               "or keep the default 127.0.0.1")
+        if args.host not in LOOPBACK and not args.ssl_certfile:
+            warnings.append(f"--host {args.host} without --ssl-certfile: keys and results cross the network in "
+                            "clear text (add --ssl-certfile/--ssl-keyfile, or keep 127.0.0.1 and use ssh -L)")
+        for warning in warnings:
+            sys.stderr.write(f"pipatch serve: warning: {warning}\n")
         return _serve(args, engine_args)
     except PipatchError as error:
         sys.stderr.write(f"pipatch serve: error: {error}\n")
         return 2
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """``--ssl-certfile`` and ``--ssl-keyfile`` come together and name a certificate and its
+    key (loaded here once, so that a wrong file is one line before the engine starts)."""
+    import ssl
+
+    from ._models import PipatchError
+
+    given = {flag: path for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile))
+             if path is not None}
+    if len(given) == 1:
+        raise PipatchError(f"{next(iter(given))} needs its pair: pass both --ssl-certfile CERT and --ssl-keyfile KEY")
+    for flag, path in given.items():
+        if not os.access(path, os.R_OK) or not os.path.isfile(path):
+            raise PipatchError(f"{flag} {path}: no readable file there: pass the PEM file's path")
+    if given:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except ssl.SSLError as error:
+            raise PipatchError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile {args.ssl_keyfile}: not a certificate "
+                               f"and its private key in PEM ({error.reason or error}): pass the files your CA "
+                               "or `openssl req -x509` made") from None
 
 
 def _split_engine_words(parser: argparse.ArgumentParser, words: list[str]) -> tuple[list[str], list[str]]:
@@ -171,18 +226,24 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     async def describe() -> dict[str, Any]:
         return info
 
+    limits = Limits(request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, invokes=args.max_invokes or MAX_INVOKES,
+                    prompt_tokens=args.max_prompt_tokens or info["max_model_len"])
+    info["limits"] = dataclasses.asdict(limits)
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
-    _saves_per_invoke(server)
+    _saves_per_invoke(server, limits)
     _one_skip_at_a_time(server)
     info["skip_rooms"] = True
-    if args.api_key:
-        nnsight_compat.require_api_key(server.app, args.api_key)
+    # Added last, so run first (Starlette's order): the key, then the body's size, then the rooms.
+    server.app.add_middleware(BodyLimit, limits=limits)
+    if args.keys:
+        server.app.add_middleware(KeyGate, keys=Keys(args.keys))
+    scheme = "https" if args.ssl_certfile else "http"
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
-                print(f"pipatch serve: ready at http://{args.host}:{args.port} ({label}, {info['dtype']}, "
+                print(f"pipatch serve: ready at {scheme}://{args.host}:{args.port} ({label}, {info['dtype']}, "
                       f"{info['device']}; pid {os.getpid()})", flush=True)
 
     # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal with the
@@ -190,7 +251,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # shut down below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning")).run()
+        Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning",
+                              ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
@@ -200,8 +262,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0
 
 
-def _saves_per_invoke(server: Any) -> None:
-    """Add :data:`GENERATE_PATH`: nnsight's generate flow, with two differences.
+def _saves_per_invoke(server: Any, limits: Limits) -> None:
+    """Add :data:`GENERATE_PATH`: nnsight's generate flow, with these differences.
 
     * Each invoke's saves come back under their own keys (``name@request-id``, in invoke
       order), where nnsight's route merges them by name (the last invoke's value only).
@@ -209,6 +271,8 @@ def _saves_per_invoke(server: Any) -> None:
       one per invoke (each a round trip through the engine core: 16 a request).
     * A trace's invokes start in one engine step (:func:`_together`), where nnsight's route
       adds them one by one and the engine starts stepping on the first.
+    * A request over ``limits`` (invokes, prompt tokens) is answered 413 in one line once
+      built, before the engine sees it (:meth:`~pipatch._serve_guard.Limits.refusal`).
 
     The build (rebuild the trace, prepare its workers, attach them to the requests) and the
     run (one engine request per invoke) are nnsight's own steps; nnsight's route answers
@@ -218,6 +282,7 @@ def _saves_per_invoke(server: Any) -> None:
     import uuid
 
     from fastapi import Request
+    from fastapi.responses import JSONResponse
     from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.engines.engine import merge_collected
 
@@ -231,6 +296,9 @@ def _saves_per_invoke(server: Any) -> None:
             prompts, params, loras = build_request(server, model, body, compress)
         except Exception as exception:  # noqa: BLE001 - the client re-raises it, in one line
             return answer(server, {}, capture_exception(exception))
+        refusal = limits.refusal(prompts, model.tokenizer)
+        if refusal is not None:
+            return JSONResponse(status_code=413, content={"detail": refusal})
         engine = model.vllm_entrypoint
         ids = [str(uuid.uuid4()) for _ in prompts]
 
@@ -371,16 +439,19 @@ class Spawned:
 
     For scripts, benchmarks and tests that need a server of their own::
 
-        server = Spawned("--api-key", key)          # returns once the port accepts requests
+        server = Spawned(env={"PIPATCH_API_KEY": key})  # returns once the port accepts requests
         model = pipatch.load_model(serve=server.url, api_key=key)
         ...
-        server.stop()                               # SIGTERM: the engine processes go too
+        server.stop()                                   # SIGTERM: the engine processes go too
 
     ``tree`` lists the pids it started (the web server, the engine core, its workers),
-    ``rss_gb()`` their resident memory and ``alive()`` those still running.
+    ``rss_gb()`` their resident memory and ``alive()`` those still running. ``env`` adds to
+    the child's environment (``{"PIPATCH_API_KEY": key}``); with ``--ssl-certfile`` its
+    ``url`` is ``https://``.
     """
 
-    def __init__(self, *args: str, port: int | None = None, timeout: float = 600, python: str | None = None):
+    def __init__(self, *args: str, port: int | None = None, timeout: float = 600, python: str | None = None,
+                 env: dict[str, str] | None = None):
         import socket
         import subprocess
         import threading
@@ -392,11 +463,12 @@ class Spawned:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        scheme = "https" if "--ssl-certfile" in args else "http"
+        self.port, self.url = port, f"{scheme}://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [python or sys.executable, "-m", "pipatch.cli", "serve", "--port", str(port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.tree = [self.proc.pid]
         ready = threading.Event()

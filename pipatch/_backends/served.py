@@ -27,7 +27,11 @@ differs, in :meth:`ServedBackend._invokes`:
   module tree goes by name where the server's workers know it (its info says
   ``tree_by_reference``: pipatch's CPU workers), not as 264 pickled envoys per request. The answer is
   nnsight's ``torch.save`` of the saved values: connect only to servers you trust (the
-  ``api_key`` says who may send code; nothing authenticates the server).
+  ``api_key`` says who may send code; over ``https://`` the server's certificate is checked,
+  against ``verify=``'s CA file where given).
+* **The server's limits.** Its info names how many invokes and body bytes one request may
+  carry (``pipatch serve --max-invokes/--max-request-bytes``): a batch goes as requests that
+  fit, halved until each does.
 * **Errors.** Unreachable server, refused key, another model, a failure inside the trace, a
   timeout: each is one :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
   and keeps the finished rows. Kernel ▸ Interrupt and Stop land between requests: requests
@@ -43,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -53,6 +58,7 @@ import torch
 
 from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
+from .._serve_guard import KEY_ENV
 from ._contract import Capabilities
 from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING, tree_by_reference, vllm_adapter
 from ._vllm_worker import ANSWERS
@@ -77,13 +83,14 @@ _ALLOWING = threading.Lock()
 class Server:
     """The HTTP side: one connection pool to one ``pipatch serve`` server."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0,
+                 verify: bool | str | os.PathLike = True):
         import httpx
 
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise PipatchError(f"serve={url!r} is not a server URL: pass 'http://host:port' (pipatch serve prints it)")
         self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, float(timeout)
-        self._http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENCY))
+        self._http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENCY), verify=_tls(verify))
         self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="pipatch-serve")
         self.info: dict[str, Any] = {}
 
@@ -103,16 +110,19 @@ class Server:
             raise PipatchError(f"the server at {self.url} did not answer within {self.timeout:g} s: it may be "
                                "busy or stuck; load the model with a larger timeout=, or check the server") from None
         except httpx.TransportError as error:
+            if "CERTIFICATE_VERIFY_FAILED" in str(error):
+                raise PipatchError(f"the server at {self.url} sent a certificate this client does not trust "
+                                   f"({_reason(error)}): pass verify='cert.pem' (the server's certificate or its CA), "
+                                   "or verify=False for a test server") from None
             raise PipatchError(f"cannot reach a pipatch server at {self.url} ({type(error).__name__}: {error}): "
                                "start one with `pipatch serve`, or check the URL") from None
         if response.status_code == 401:
-            raise PipatchError(f"the server at {self.url} refused the API key: pass api_key= as given to "
-                               "`pipatch serve --api-key`")
+            raise PipatchError(f"the server at {self.url} refused the API key: pass api_key= (or set $PIPATCH_API_KEY) "
+                               "with a key the server accepts (its --api-key-file)")
         if response.status_code == 404 and path.endswith("/info"):
             raise PipatchError(f"{self.url} is not a pipatch server (no {path}): start it with `pipatch serve`")
         if response.status_code != 200:
-            raise PipatchError(f"the server at {self.url} answered {response.status_code}: "
-                               f"{response.text.strip()[:200] or response.reason_phrase}")
+            raise PipatchError(f"the server at {self.url} answered {response.status_code}: {_detail(response)}")
         return response
 
     def describe(self) -> dict[str, Any]:
@@ -159,13 +169,17 @@ class Server:
         self._http.close()
 
 
-def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = None, timeout: float = 600.0) -> Any:
+def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = None, timeout: float = 600.0,
+            verify: bool | str | os.PathLike = True) -> Any:
     """A weightless ``VLLM`` client for ``name`` whose experiments run on the server at ``url``.
 
-    Checks first (one line each, before the module tree, which takes a while, is built): the server answers, takes
-    the key, serves ``name`` (``None``: the embedded model) in ``dtype`` (if given).
+    Checks first (one line each, before the module tree, which takes a while, is built): the server answers
+    (over ``https://``, with a certificate ``verify`` trusts), takes the key (``api_key``, else
+    ``$PIPATCH_API_KEY``), serves ``name`` (``None``: the embedded model) in ``dtype`` (if given).
     """
-    server = Server(url, api_key, timeout)
+    if api_key is None:
+        api_key = os.environ.get(KEY_ENV) or None
+    server = Server(url, api_key, timeout, verify)
     info = server.describe()
     want = EMBEDDED_NAME if name is None else str(name)
     if info.get("model") != want:
@@ -233,9 +247,12 @@ class ServedBackend(VLLMBackend):
         runs it only beside requests that skip as many); what each job's invoke returned, in
         order."""
         self.log.add("requests", invokes=len(jobs), skip=skip)
-        parts = [jobs[i : i + INVOKES_PER_REQUEST] for i in range(0, len(jobs), INVOKES_PER_REQUEST)]
+        limits = self.server.info.get("limits") or {}
+        per_request = min(INVOKES_PER_REQUEST, int(limits.get("invokes") or INVOKES_PER_REQUEST))
+        parts = [jobs[i : i + per_request] for i in range(0, len(jobs), per_request)]
         with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
-            blobs = [self._request(body, part) for part in parts]
+            fitted = [piece for part in parts for piece in self._fitted(body, part, limits.get("request_bytes"))]
+        parts, blobs = [part for part, _ in fitted], [blob for _, blob in fitted]
         outs: list[Any] = []
         for part, saves in zip(parts, self.server.generate_all(blobs, skip)):
             if len(saves) != len(part):
@@ -243,6 +260,19 @@ class ServedBackend(VLLMBackend):
                                    "a pipatch server of this version; restart it with this pipatch's `pipatch serve`")
             outs += saves.values()
         return outs
+
+    def _fitted(self, body: Any, jobs: list[tuple[list[int], tuple]], max_bytes: int | None) -> list[tuple[list, bytes]]:
+        """``jobs`` as ``(jobs, request)`` pairs, each request at most ``max_bytes`` (the
+        server's ``--max-request-bytes``): halved until each fits; one invoke over it fails
+        in one line."""
+        blob = self._request(body, jobs)
+        if not max_bytes or len(blob) <= max_bytes:
+            return [(jobs, blob)]
+        if len(jobs) == 1:
+            raise PipatchError(f"one invoke's request is {len(blob):,} bytes, over the server's limit of {max_bytes:,}: "
+                               "start the server with a larger --max-request-bytes")
+        half = len(jobs) // 2
+        return self._fitted(body, jobs[:half], max_bytes) + self._fitted(body, jobs[half:], max_bytes)
 
     def _request(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> bytes:
         """nnsight's serialized trace of ``body(model, *args)``, one invoke per job ``(ids, args)``
@@ -265,6 +295,31 @@ class ServedBackend(VLLMBackend):
 
     def abort_unfinished(self) -> int:
         return 0  # requests in flight finish on the server; their answers are discarded
+
+
+def _tls(verify: Any) -> Any:
+    """``verify=`` → httpx's: ``True`` (the system's CAs), ``False`` (no check: a test server
+    only), or a CA file's path → an SSL context that trusts it."""
+    import ssl
+
+    if isinstance(verify, bool):
+        return verify
+    if not isinstance(verify, (str, os.PathLike)):
+        raise PipatchError(f"verify={verify!r}: pass a CA certificate file's path, True (the system's CAs) or False")
+    try:
+        return ssl.create_default_context(cafile=os.path.expanduser(verify))
+    except (OSError, ssl.SSLError) as error:
+        raise PipatchError(f"verify={str(verify)!r}: no CA certificate read there ({type(error).__name__}): pass the "
+                           "PEM file of the server's certificate or its CA") from None
+
+
+def _detail(response: Any) -> str:
+    """A refusal's one line: the server's ``detail`` (pipatch's and nnsight's JSON errors), else its text."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail or response.text.strip() or response.reason_phrase)[:300]
 
 
 def _reason(error: BaseException) -> str:

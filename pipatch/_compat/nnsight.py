@@ -8,8 +8,7 @@ What pipatch needs of nnsight beyond its public API, and why:
 * naming a model's envoy tree by a persistent id instead of pickling it into every invoke
   (:func:`persistent_id`, :func:`name_worker_tree`, :func:`serve_tree_by_reference`);
 * the server of ``nnsight-serve``, which ``pipatch serve`` extends (:func:`fresh_sources_per_request`,
-  :func:`served_model`, :func:`build_request`, :func:`answer`, :func:`vllm_engine_args`,
-  :func:`require_api_key`);
+  :func:`served_model`, :func:`build_request`, :func:`answer`, :func:`vllm_engine_args`);
 * the worker class a ``VLLM`` model's engine runs (:func:`worker_class`);
 * NDIF's status and nnsight's remote backend itself (:func:`ndif_status`, :func:`remote_backend`).
 
@@ -27,13 +26,13 @@ from . import missing
 
 __all__ = ["PRIVATE_NAMES", "torch_module", "persistent_id", "name_worker_tree", "serve_tree_by_reference",
            "fresh_sources_per_request", "check_server", "served_model", "build_request", "answer",
-           "vllm_engine_args", "require_api_key", "worker_class", "ndif_status", "remote_backend"]
+           "vllm_engine_args", "worker_class", "ndif_status", "remote_backend"]
 
 #: nnsight's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = (
     "_module", "_persistent_id", "nnsight_persistent_objects", "_persistent_objects", "_build_tracer",
     "SOURCES", "BLOCKS", "clear_shared_locals", "_ready", "_attach_mediators", "_payload",
-    "_parse_vllm_args", "_add_api_key_middleware", "_WORKER_CLS", "_remote_backend", "_get",
+    "_parse_vllm_args", "_WORKER_CLS", "_remote_backend", "_get",
 )
 
 
@@ -221,14 +220,6 @@ def vllm_engine_args(words: list[str]) -> dict[str, Any]:
     from nnsight.modeling.vllm.serve import cli
 
     return _need(cli, "_parse_vllm_args", "nnsight.modeling.vllm.serve.cli")(words)
-
-
-def require_api_key(app: Any, key: str) -> None:
-    """Refuse requests to ``app`` without the header ``ndif-api-key: key``, as ``nnsight-serve
-    --api-key`` does. Private name: ``nnsight.modeling.vllm.serve.cli._add_api_key_middleware``."""
-    from nnsight.modeling.vllm.serve import cli
-
-    _need(cli, "_add_api_key_middleware", "nnsight.modeling.vllm.serve.cli")(app, key)
 
 
 # --------------------------------------------------------------------------------------------
