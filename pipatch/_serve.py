@@ -9,9 +9,9 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
 * **The right worker.** On a machine without CUDA the engine's worker is pipatch's CPU
   adapter (:mod:`pipatch._vllm_cpu_worker`), named before the model is built (the worker
   processes import it by name).
-* **Fresh sources per request.** nnsight memoizes each traced file's source and ``with``
-  blocks by file name, and the server registers each request's shipped source under the
-  *client's* file name: the second, different trace sent from one client file would be
+* **Fresh sources per request** (nnsight's route, with ``--allow-client-code``). nnsight
+  memoizes each traced file's source and ``with`` blocks by file name, and the server
+  registers each request's shipped source under the *client's* file name: the second, different trace sent from one client file would be
   parsed against the first one's source (``WithBlockNotFoundError``). Those memos are
   dropped before each request is built (builds run one at a time, with no ``await``:
   :func:`pipatch._compat.nnsight.fresh_sources_per_request`).
@@ -30,9 +30,9 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
 * **One skip at a time.** A client's batch skips the blocks below its patches, and nnsight's
   batched skip has to cover every request of an engine step: requests enter the engine
   together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
-* **The tree by name.** On pipatch's CPU workers, a request names the model's envoy tree
-  (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke,
-  here and on the way to the engine (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
+* **The tree by name.** On pipatch's CPU workers, an invoke names the model's envoy tree
+  (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke on
+  the way to the engine (and in nnsight clients' requests) (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
 * **Who may send requests.** The server listens on the loopback only, unless ``--host``
   comes with ``--api-key``.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
