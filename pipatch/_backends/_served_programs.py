@@ -11,7 +11,7 @@ tensor widths) before anything runs, and then builds the nnsight trace itself fr
 copy of the body (:func:`build`), as the vLLM backend builds it in process.
 
 The wire format is data only: ``torch.save`` of plain containers (dicts, lists, tuples,
-strings, numbers, booleans, ``None``) and tensors, read with ``torch.load(weights_only=True)``
+strings, numbers, booleans, ``None``) and tensors, read by ``torch.load`` with ``weights_only=True``
 and no extra allowed classes, so loading a request builds no object the sender names. Sites
 travel by name (``"resid"``, ``"q_proj"``); pipatch's own types (:class:`~pipatch._cells.Metric`,
 :class:`~pipatch._cells.Op`, :class:`~pipatch._programs.circuit.Baselines`) are rebuilt from
