@@ -11,8 +11,9 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   processes import it by name).
 * **Fresh sources per request** (nnsight's route, with ``--allow-client-code``). nnsight
   memoizes each traced file's source and ``with`` blocks by file name, and the server
-  registers each request's shipped source under the *client's* file name: the second, different trace sent from one client file would be
-  parsed against the first one's source (``WithBlockNotFoundError``). Those memos are
+  registers each request's shipped source under the *client's* file name: the second,
+  different trace sent from one client file would be parsed against the first one's source
+  (``WithBlockNotFoundError``). Those memos are
   dropped before each request is built (builds run one at a time, with no ``await``:
   :func:`pipatch._compat.nnsight.fresh_sources_per_request`).
 * **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
@@ -31,8 +32,9 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   batched skip has to cover every request of an engine step: requests enter the engine
   together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
 * **The tree by name.** On pipatch's CPU workers, an invoke names the model's envoy tree
-  (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke on
-  the way to the engine (and in nnsight clients' requests) (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
+  (:data:`~pipatch._models.TREE_ID`) on its way to the engine (and in nnsight clients'
+  requests) instead of pickling its 264 envoys
+  (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
 * **Who may send requests.** The server listens on the loopback only, unless ``--host``
   comes with ``--api-key``.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
