@@ -78,7 +78,7 @@ BAD_REQUESTS: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ("negative token id", _job(lambda ids, args: ([-1, *ids[1:]], args)), "token ids in [0,"),
     ("huge token id", _job(lambda ids, args: ([*ids[:-1], 10**12], args)), "token ids in [0,"),
     ("token ids as text", _job(lambda ids, args: ("The Eiffel Tower", args)), "token ids"),
-    ("a prompt longer than the context", _job(lambda ids, args: (ids * 100_000, args)), "token ids"),
+    ("a prompt longer than the context", _job(lambda ids, args: (ids * 100_000, args)), "token ids has"),
     ("no token ids", _job(lambda ids, args: ([], args)), "token ids"),
     ("an argument missing", _job(lambda ids, args: (ids, args[:-1])), "has 3 arguments"),
     ("layer as text", _op("layer", "1"), "layer is '1'"),
@@ -93,5 +93,5 @@ BAD_REQUESTS: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ("negative skip", _edit(lambda sent: sent.update(skip=-1)), "skip is -1"),
     ("skip the invokes do not", _edit(lambda sent: sent.update(skip=3)), "skips 3 blocks"),
     ("no jobs", _edit(lambda sent: sent.update(jobs=[])), "no jobs"),
-    ("too many invokes", _edit(lambda sent: sent.update(jobs=sent["jobs"] * 65)), "at most 64"),
+    ("too many invokes", _edit(lambda sent: sent.update(jobs=sent["jobs"] * 65)), "65 items, more than 64"),
 ]

@@ -27,6 +27,7 @@ before anything is sent.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -140,8 +141,10 @@ def _bool(value: Any, what: str) -> bool:
 
 
 def _list(value: Any, what: str, most: int) -> list:
-    if type(value) is not list or len(value) > most:
+    if type(value) is not list:
         raise _bad(what, value, f"a list of at most {most}")
+    if len(value) > most:
+        raise BadRequest(f"{what} has {len(value)} items, more than {most}: send smaller requests")
     return value
 
 
@@ -359,7 +362,8 @@ def decode(blob: bytes, bounds: Bounds) -> ProgramRequest:
     try:
         sent = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - whatever the bytes are, one line
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        said = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()  # torch colours its advice
+        reason = (said.splitlines() or [type(error).__name__])[0].split(". ")[0][:120]
         raise BadRequest(f"the request is no pipatch program request ({reason}): send it from pipatch's served "
                          "backend (load_model(..., serve=URL))") from None
     if type(sent) is not dict or set(sent) != {"pipatch", "format", "program", "skip", "jobs"}:
