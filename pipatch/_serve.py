@@ -9,35 +9,41 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
 * **The right worker.** On a machine without CUDA the engine's worker is pipatch's CPU
   adapter (:mod:`pipatch._vllm_cpu_worker`), named before the model is built (the worker
   processes import it by name).
-* **Fresh sources per request.** nnsight memoizes each traced file's source and ``with``
-  blocks by file name, and the server registers each request's shipped source under the
-  *client's* file name: the second, different trace sent from one client file would be
-  parsed against the first one's source (``WithBlockNotFoundError``). Those memos are
+* **Fresh sources per request** (nnsight's route, with ``--allow-client-code``). nnsight
+  memoizes each traced file's source and ``with`` blocks by file name, and the server
+  registers each request's shipped source under the *client's* file name: the second,
+  different trace sent from one client file would be parsed against the first one's source
+  (``WithBlockNotFoundError``). Those memos are
   dropped before each request is built (builds run one at a time, with no ``await``:
   :func:`pipatch._compat.nnsight.fresh_sources_per_request`).
 * **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
   engine and its worker processes (the stock server leaves them running, with the engine's
   memory).
-* **Saves kept apart per invoke.** nnsight's ``/v1/nnsight/generate`` merges the saves of a
-  trace's invokes by name, so a name saved in every invoke comes back holding the last one's
-  value. ``POST /v1/pipatch/generate`` runs the same build and run, but each invoke's saves
-  come back under their own keys (``name@request-id``, in invoke order): a client sends a
-  batch of cells as one trace of several invokes; and the invokes are collected from the
-  workers in one call, not one each (:func:`_saves_per_invoke`).
+* **Programs by name, no client code.** ``POST /v1/pipatch/generate`` takes a program's
+  name and its jobs' data, never code (:mod:`pipatch._backends._served_programs`): every
+  field is checked before anything runs (a malformed request is HTTP 400 with one line),
+  and the server builds the nnsight trace from its own copy of the program. Each invoke's
+  saves come back under their own keys (``name@request-id``, in invoke order), where
+  nnsight's route merges them by name; and the invokes are collected from the workers in one
+  call, not one each (:func:`_programs_by_name`). nnsight's own routes, which run the code
+  a client sends, answer 403 unless the server is started with ``--allow-client-code``
+  (:func:`_no_client_code`).
 * **One skip at a time.** A client's batch skips the blocks below its patches, and nnsight's
   batched skip has to cover every request of an engine step: requests enter the engine
   together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
-* **The tree by name.** On pipatch's CPU workers, a request names the model's envoy tree
-  (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke,
-  here and on the way to the engine (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
-* **Who may send code, and how much.** Requests carry code the server runs: the server
-  listens on the loopback only, unless ``--host`` comes with keys (``--api-key-file`` or
-  ``PIPATCH_API_KEY``, compared in constant time; only ``/health`` answers without one), and
-  each request is bounded in body bytes, invokes and prompt tokens, each by a flag
-  (:mod:`pipatch._serve_guard`). ``--ssl-certfile/--ssl-keyfile`` serve HTTPS (uvicorn's
-  own TLS), so keys and results do not cross a network in clear text.
+* **The tree by name.** On pipatch's CPU workers, an invoke names the model's envoy tree
+  (:data:`~pipatch._models.TREE_ID`) on its way to the engine (and in nnsight clients'
+  requests) instead of pickling its 264 envoys
+  (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
+* **Who may send requests, and how much.** The server listens on the loopback only, unless
+  ``--host`` comes with keys (``--api-key-file`` or ``PIPATCH_API_KEY``, compared in constant
+  time; only ``/health`` answers without one), and each request is bounded in body bytes,
+  invokes and prompt tokens, each by a flag (:mod:`pipatch._serve_guard`; over one: HTTP 413,
+  one line naming the flag). ``--ssl-certfile/--ssl-keyfile`` serve HTTPS (uvicorn's own
+  TLS), so keys and results do not cross a network in clear text.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
-  versions; a client checks it when it connects (and a wrong key fails there, at once).
+  versions, and the program format; a client checks it when it connects (a wrong key, or
+  another pipatch version, fails there, at once, in one line).
 
 The ready line (``pipatch serve: ready at http://...``) is printed on stdout once the port
 accepts requests.
@@ -56,16 +62,19 @@ from typing import Any
 
 from ._serve_guard import MAX_INVOKES, MAX_REQUEST_BYTES, BodyLimit, KeyGate, Keys, Limits, server_keys
 
-__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK"]
+__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK", "CLIENT_CODE_PREFIX"]
 
 #: Where a client asks the server what it serves.
 INFO_PATH = "/v1/pipatch/info"
-#: Where a client sends a trace whose invokes' saves it wants back one by one.
+#: Where a client sends a program by name and its jobs' data; each invoke's saves come back
+#: apart.
 GENERATE_PATH = "/v1/pipatch/generate"
 #: The header a request names, by their count, the blocks its invokes skip with (0: none;
 #: :class:`_Rooms`).
 SKIP_HEADER = "X-Pipatch-Skip"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: nnsight's own routes, which run the code a client sends: closed unless --allow-client-code.
+CLIENT_CODE_PREFIX = "/v1/nnsight/"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most tokens in one invoke's prompt (default: the engine's max_model_len)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
+    parser.add_argument("--allow-client-code", action="store_true",
+                        help="also run nnsight traces (Python code) that clients send, on nnsight's own routes "
+                             "(default: off; pipatch clients send programs by name)")
     return parser
 
 
@@ -120,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_tls(args)
         engine_args = _engine_args(engine_words)
         if args.host not in LOOPBACK and not args.keys:
-            raise PipatchError(f"--host {args.host} lets other machines send code for this server to run: "
+            raise PipatchError(f"--host {args.host} lets other machines send requests: "
                                "add --api-key-file PATH (or set $PIPATCH_API_KEY; clients pass api_key=), "
                                "or keep the default 127.0.0.1")
         if args.host not in LOOPBACK and not args.ssl_certfile:
@@ -192,6 +204,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import uvicorn
     from nnsight.modeling.vllm.serve import server
 
+    from ._backends._served_programs import PROGRAM_FORMAT, PROGRAMS, Bounds
+    from ._backends._vllm_engine import vllm_adapter
     from ._compat import nnsight as nnsight_compat
     from ._compat import vllm as vllm_compat
     from ._models import EMBEDDED_NAME, TREE_ID, build_vllm
@@ -216,6 +230,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "max_model_len": int(config.model_config.max_model_len),
         "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
         "pipatch": _version("pipatch"), "nnsight": _version("nnsight"), "vllm": _version("vllm"),
+        "program_format": PROGRAM_FORMAT, "programs": sorted(PROGRAMS), "client_code": bool(args.allow_client_code),
     }
     # pipatch's CPU workers name their tree (pipatch._vllm_cpu_worker); nnsight's CUDA worker
     # does not, and an engine in another process takes no function to run on its workers.
@@ -230,7 +245,15 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     prompt_tokens=args.max_prompt_tokens or info["max_model_len"])
     info["limits"] = dataclasses.asdict(limits)
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
-    _saves_per_invoke(server, limits)
+    adapter = vllm_adapter(model, info["tensor_parallel_size"])
+    _programs_by_name(server, adapter,
+                      Bounds.of(adapter, config.model_config.get_vocab_size(), info["max_model_len"], limits))
+    if args.allow_client_code:
+        print("pipatch serve: --allow-client-code: nnsight's routes run the Python code clients send, as this "
+              "server's user, with its files and the engine's memory; give keys only to people you would give "
+              "a shell here", flush=True)
+    else:
+        _no_client_code(server)
     _one_skip_at_a_time(server)
     info["skip_rooms"] = True
     # Added last, so run first (Starlette's order): the key, then the body's size, then the rooms.
@@ -262,43 +285,49 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0
 
 
-def _saves_per_invoke(server: Any, limits: Limits) -> None:
-    """Add :data:`GENERATE_PATH`: nnsight's generate flow, with these differences.
+def _programs_by_name(server: Any, adapter: Any, bounds: Any) -> None:
+    """Add :data:`GENERATE_PATH`: a program by name, checked, built here and run.
 
+    * The request names one of pipatch's programs and carries its jobs' data
+      (:mod:`pipatch._backends._served_programs`); it is checked against ``bounds`` (the
+      model's vocabulary, layers, width, context and sites) before anything runs, and a
+      malformed one is answered 400 with one line; one over the server's limits (invokes,
+      prompt tokens: ``bounds.limits``), 413 naming the limit's flag. Its skip must be the one its
+      :data:`SKIP_HEADER` said (the rooms admitted it by that).
+    * The trace is built here from the server's own copy of the program, with the server's
+      ``adapter``; a failure while it runs comes back in nnsight's answer, as the error of
+      that request only.
     * Each invoke's saves come back under their own keys (``name@request-id``, in invoke
       order), where nnsight's route merges them by name (the last invoke's value only).
-    * A trace's invokes are collected in one call to the workers, where nnsight's route makes
-      one per invoke (each a round trip through the engine core: 16 a request).
-    * A trace's invokes start in one engine step (:func:`_together`), where nnsight's route
+    * A request's invokes are collected in one call to the workers, where nnsight's route
+      makes one per invoke (each a round trip through the engine core: 16 a request).
+    * A request's invokes start in one engine step (:func:`_together`), where nnsight's route
       adds them one by one and the engine starts stepping on the first.
-    * A request over ``limits`` (invokes, prompt tokens) is answered 413 in one line once
-      built, before the engine sees it (:meth:`~pipatch._serve_guard.Limits.refusal`).
-
-    The build (rebuild the trace, prepare its workers, attach them to the requests) and the
-    run (one engine request per invoke) are nnsight's own steps; nnsight's route answers
-    nnsight clients unchanged.
     """
     import asyncio
     import uuid
 
     from fastapi import Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import PlainTextResponse
     from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.engines.engine import merge_collected
 
-    from ._compat.nnsight import answer, build_request, served_model
+    from ._backends._served_programs import BadRequest, OverLimit, build, decode
+    from ._compat.nnsight import answer, served_model
 
     async def generate(request: Request) -> Any:
         model = served_model(server)
-        body = await request.body()
-        compress = request.headers.get("nnsight-compress", "False").lower() == "true"
         try:
-            prompts, params, loras = build_request(server, model, body, compress)
+            program = decode(await request.body(), bounds)
+            if request.headers.get(SKIP_HEADER, "0") != str(program.skip):
+                raise BadRequest(f"the request skips {program.skip} blocks, its {SKIP_HEADER} header says "
+                                 f"{request.headers.get(SKIP_HEADER, '0')[:20]!r}: send both alike")
+        except BadRequest as refused:
+            return PlainTextResponse(str(refused), status_code=413 if isinstance(refused, OverLimit) else 400)
+        try:
+            prompts, params, loras = build(model, adapter, program)
         except Exception as exception:  # noqa: BLE001 - the client re-raises it, in one line
             return answer(server, {}, capture_exception(exception))
-        refusal = limits.refusal(prompts, model.tokenizer)
-        if refusal is not None:
-            return JSONResponse(status_code=413, content={"detail": refusal})
         engine = model.vllm_entrypoint
         ids = [str(uuid.uuid4()) for _ in prompts]
 
@@ -324,6 +353,22 @@ def _saves_per_invoke(server: Any, limits: Limits) -> None:
 
     generate.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
     server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
+
+
+def _no_client_code(server: Any) -> None:
+    """nnsight's own routes (``/v1/nnsight/...``: a trace's code to run, a block to install
+    on every request) answer 403 with one line; ``/health`` and pipatch's routes are as they
+    were. ``pipatch serve --allow-client-code`` leaves them open."""
+    from fastapi.responses import PlainTextResponse
+
+    async def refuse_code(request: Any, call_next: Any) -> Any:
+        if request.url.path.startswith(CLIENT_CODE_PREFIX):
+            return PlainTextResponse("this server runs no client code (nnsight traces): pipatch clients send programs "
+                                     "by name; start the server with --allow-client-code to run nnsight clients' code",
+                                     status_code=403)
+        return await call_next(request)
+
+    server.app.middleware("http")(refuse_code)
 
 
 async def _together(engine: Any, ids: list[str], prompts: list, params: list, loras: list | None) -> list:

@@ -8,43 +8,46 @@ invoke bodies (:func:`~pipatch._backends.vllm._capture_run`,
 :func:`~pipatch._backends.vllm._patched_run`), so the same numbers — and only the transport
 differs, in :meth:`ServedBackend._invokes`:
 
-* **Many invokes per request.** A batch of cells goes as traces of up to
+* **Many invokes per request.** A batch of cells goes as requests of up to
   :data:`INVOKES_PER_REQUEST` invokes each (a cell's invokes, as in process: as a rule one
-  request a batch), serialized here one after another (nnsight's tracer is not thread-safe)
-  and sent together on a pool of connections; the server adds a request's invokes to its
-  engine with the scheduler held, so they start in one step, as an in-process trace's do.
-  nnsight's own route would merge the invokes' saves by name (the last one's value only), so
-  they go to ``pipatch serve``'s route that keeps them apart
-  (:data:`~pipatch._serve.GENERATE_PATH`). A batch of cells returns when its last request
-  does, so the live grid fills in batch by batch.
+  request a batch), sent together on a pool of connections; the server adds a request's
+  invokes to its engine with the scheduler held, so they start in one step, as an in-process
+  trace's do, and keeps each invoke's saves apart (:data:`~pipatch._serve.GENERATE_PATH`).
+  A batch of cells returns when its last request does, so the live grid fills in batch by
+  batch.
 * **Blocks below a patch are skipped**, as in process: each request says how many blocks its
   invokes skip (:data:`~pipatch._serve.SKIP_HEADER`), and the server lets requests into its
   engine together only where they skip as many (nnsight's batched skip has to cover every
   request of a step; ``pipatch serve``'s rooms, first come first served).
-* **What travels.** nnsight's request format (``RequestModel``): the invoke's source, the
-  values it reads (a cell's donor slices and noise draw, a few KB), and the invoke body by
-  reference to pipatch's module, so the server runs the same pipatch version. The model's
-  module tree goes by name where the server's workers know it (its info says
-  ``tree_by_reference``: pipatch's CPU workers), not as 264 pickled envoys per request. The answer is
-  nnsight's ``torch.save`` of the saved values: connect only to servers you trust (the
-  ``api_key`` says who may send code; over ``https://`` the server's certificate is checked,
-  against ``verify=``'s CA file where given).
+* **What travels: programs by name, no code.** A request names the invoke body (one of the
+  vLLM backend's request bodies, :data:`~._served_programs.PROGRAMS`) and carries its jobs'
+  data: token ids, the metric, the ops (sites by name, indices, values: a cell's donor slices
+  and noise draw, a few KB), the skipped blocks' states, the pipatch version and program
+  format (:mod:`._served_programs`; data only, ``torch.save`` of plain containers and
+  tensors). An SAE's latent site travels as data too: its description and tensors, which the
+  server checks against its model and rebuilds with pipatch's own classes. The server checks
+  every field and builds the trace from its own copy of the body, so a site it cannot name
+  (a site of your own) is refused here, in one line. The answer is nnsight's ``torch.save``
+  of the saved values, read with ``weights_only=True``: connect only to servers you trust
+  (the ``api_key`` says who may send requests; over ``https://`` the server's certificate is
+  checked, against ``verify=``'s CA file where given).
 * **The server's limits.** Its info names how many invokes and body bytes one request may
   carry (``pipatch serve --max-invokes/--max-request-bytes``): a batch goes as requests that
-  fit, halved until each does.
-* **Errors.** Unreachable server, refused key, another model, a failure inside the trace, a
-  timeout: each is one :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
+  fit, halved until each does; one invoke (an SAE's site with it) over the byte limit is one
+  line naming ``--max-request-bytes``.
+* **Errors.** Unreachable server, refused key, another model or pipatch version (checked at
+  connect), a request the server refuses, a failure inside the trace, a timeout: each is one
+  :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
   and keeps the finished rows. Kernel ▸ Interrupt and Stop land between requests: requests
   not yet sent are dropped, those in flight finish on the server and are discarded here.
 
-NDIF (``remote=True``) takes the same request format, but runs only code from its allowed
+NDIF (``remote=True``) takes nnsight's code format and runs only code from its allowed
 modules, and pipatch's invoke bodies are pipatch functions: it is not this backend with
 another transport, so it is not offered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import os
@@ -60,7 +63,8 @@ from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
 from .._serve_guard import KEY_ENV
 from ._contract import Capabilities
-from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING, tree_by_reference, vllm_adapter
+from ._served_programs import check_versions, encode
+from ._vllm_engine import INVOKES_PER_REQUEST, vllm_adapter
 from ._vllm_worker import ANSWERS
 from .vllm import VLLMBackend
 
@@ -72,9 +76,6 @@ CONCURRENCY = 32
 #: A study's facts in flight at once: while one fact's request runs on the server, the next
 #: ones' are built and sent, and requests of one skip depth share the engine's steps.
 FACTS_IN_FLIGHT = 4
-
-#: nnsight's tracer keeps per-thread and per-model state: requests are built one at a time.
-_TRACING = threading.Lock()
 
 #: An answer's load allows pipatch's named tuples (ANSWERS) one load at a time (Server.generate).
 _ALLOWING = threading.Lock()
@@ -133,7 +134,8 @@ class Server:
         return self.info
 
     def generate(self, blob: bytes, skip: int = 0) -> dict[str, Any]:
-        """Send one serialized trace whose invokes skip ``skip`` blocks; its saved values, each
+        """Send one program request (:func:`~._served_programs.encode`) whose invokes skip
+        ``skip`` blocks; its saved values, each
         invoke's apart (``name@request``, in invoke order: :data:`~pipatch._serve.GENERATE_PATH`);
         a failure in it: one line."""
         from nnsight.intervention.errors import raise_deferred
@@ -175,12 +177,14 @@ def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = Non
 
     Checks first (one line each, before the module tree, which takes a while, is built): the server answers
     (over ``https://``, with a certificate ``verify`` trusts), takes the key (``api_key``, else
-    ``$PIPATCH_API_KEY``), serves ``name`` (``None``: the embedded model) in ``dtype`` (if given).
+    ``$PIPATCH_API_KEY``), runs this pipatch version and program format, serves ``name`` (``None``: the
+    embedded model) in ``dtype`` (if given).
     """
     if api_key is None:
         api_key = os.environ.get(KEY_ENV) or None
     server = Server(url, api_key, timeout, verify)
     info = server.describe()
+    check_versions(info, server.url)
     want = EMBEDDED_NAME if name is None else str(name)
     if info.get("model") != want:
         hint = "omit the name" if info.get("model") == EMBEDDED_NAME else f"pass {info.get('model')!r}"
@@ -192,8 +196,7 @@ def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = Non
                            "(results use the server's), or start a server with --dtype")
     length = {"max_model_len": int(info["max_model_len"])} if info.get("max_model_len") else {}
     model = build_vllm(name, dtype=served_dtype, engine_args=length, dispatch=False)  # the server's config
-    # The connection is kept beside the model (nnsight pickles the model's attributes into
-    # every request), as long as the model lives, and closed when it goes.
+    # The connection is kept beside the model, as long as the model lives, and closed when it goes.
     remember(model, server=server)
     weakref.finalize(model, server.close)
     ServedBackend(model, server)  # its adapter found (and kept) now: a family pipatch cannot map fails at load
@@ -242,16 +245,15 @@ class ServedBackend(VLLMBackend):
         return {**super().meta(), "server": self.server.url}
 
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
-        """The jobs as traces of up to :data:`INVOKES_PER_REQUEST` invokes, all sent at once
-        (module docstring), each request saying how many blocks its invokes skip (the server
+        """The jobs as program requests of up to :data:`INVOKES_PER_REQUEST` invokes, all sent
+        at once (module docstring), each saying how many blocks its invokes skip (the server
         runs it only beside requests that skip as many); what each job's invoke returned, in
         order."""
         self.log.add("requests", invokes=len(jobs), skip=skip)
         limits = self.server.info.get("limits") or {}
         per_request = min(INVOKES_PER_REQUEST, int(limits.get("invokes") or INVOKES_PER_REQUEST))
         parts = [jobs[i : i + per_request] for i in range(0, len(jobs), per_request)]
-        with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
-            fitted = [piece for part in parts for piece in self._fitted(body, part, limits.get("request_bytes"))]
+        fitted = [piece for part in parts for piece in self._fitted(body, part, skip, limits.get("request_bytes"))]
         parts, blobs = [part for part, _ in fitted], [blob for _, blob in fitted]
         outs: list[Any] = []
         for part, saves in zip(parts, self.server.generate_all(blobs, skip)):
@@ -261,31 +263,19 @@ class ServedBackend(VLLMBackend):
             outs += saves.values()
         return outs
 
-    def _fitted(self, body: Any, jobs: list[tuple[list[int], tuple]], max_bytes: int | None) -> list[tuple[list, bytes]]:
-        """``jobs`` as ``(jobs, request)`` pairs, each request at most ``max_bytes`` (the
-        server's ``--max-request-bytes``): halved until each fits; one invoke over it fails
-        in one line."""
-        blob = self._request(body, jobs)
+    def _fitted(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int,
+                max_bytes: int | None) -> list[tuple[list, bytes]]:
+        """``jobs`` (skipping ``skip`` blocks) as ``(jobs, request)`` pairs, each request
+        (:func:`~._served_programs.encode`) at most ``max_bytes`` (the server's
+        ``--max-request-bytes``): halved until each fits; one invoke over it fails in one line."""
+        blob = encode(body, jobs, skip, self.adapter)
         if not max_bytes or len(blob) <= max_bytes:
             return [(jobs, blob)]
         if len(jobs) == 1:
             raise PipatchError(f"one invoke's request is {len(blob):,} bytes, over the server's limit of {max_bytes:,}: "
                                "start the server with a larger --max-request-bytes")
         half = len(jobs) // 2
-        return self._fitted(body, jobs[:half], max_bytes) + self._fitted(body, jobs[half:], max_bytes)
-
-    def _request(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> bytes:
-        """nnsight's serialized trace of ``body(model, *args)``, one invoke per job ``(ids, args)``
-        on its token list ``ids``."""
-        import nnsight
-
-        model, request = self.model, _Serialized()
-        named = tree_by_reference(model) if self.server.info.get("tree_by_reference") else contextlib.nullcontext()
-        with named, torch.no_grad(), model.trace(backend=request, **SAMPLING) as tracer:
-            for ids, args in jobs:
-                with tracer.invoke(ids):
-                    out = nnsight.save(body(model, *args))  # noqa: F841 - the server returns it by this name
-        return request.blob
+        return self._fitted(body, jobs[:half], skip, max_bytes) + self._fitted(body, jobs[half:], skip, max_bytes)
 
     def logits(self, hidden: torch.Tensor, token_ids: Sequence[int] | None = None) -> torch.Tensor:
         raise PipatchError("logits of given states need the engine in this process: load the model without serve=")
@@ -330,14 +320,3 @@ def _reason(error: BaseException) -> str:
     said = [line for line in lines if line[0] not in "~^" and ("Error" in line or "error" in line)]
     line = (said or lines or [""])[-1][:200]
     return line if line.startswith(kind) else f"{kind}: {line}"
-
-
-class _Serialized:
-    """An nnsight backend that runs nothing: it keeps the trace's serialized request."""
-
-    blob: bytes = b""
-
-    def __call__(self, tracer: Any) -> None:
-        from nnsight.schema.request import RequestModel
-
-        self.blob = RequestModel.serialize(tracer, compress=False)

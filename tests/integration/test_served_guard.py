@@ -33,6 +33,7 @@ pytest.importorskip("psutil")
 
 import pipatch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
+from pipatch._backends._served_programs import encode  # noqa: E402
 from pipatch._backends._vllm_worker import circuit_baselines_request  # noqa: E402
 from pipatch._backends.served import ServedBackend, Server  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
@@ -164,7 +165,7 @@ def _raw(server, files, key=ALICE) -> Server:
 def _request_of(served, jobs) -> bytes:
     """A real request of the served client: one circuit-baseline invoke per token list."""
     backend = backend_for(served)
-    return backend._request(circuit_baselines_request, [(ids, (backend.adapter,)) for ids in jobs])
+    return encode(circuit_baselines_request, [(ids, (backend.adapter,)) for ids in jobs], 0, backend.adapter)
 
 
 def _refused(call) -> str:
@@ -225,9 +226,9 @@ def test_a_batch_over_the_byte_limit_goes_as_requests_that_fit(served, server, f
     small = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
     small.server.describe()
     jobs = [(list(range(1000 + 300 * i, 1200 + 300 * i)), (backend.adapter,)) for i in range(8)]  # 200 tokens each
-    whole, one = (len(backend._request(circuit_baselines_request, part)) for part in (jobs, jobs[:1]))
+    whole, one = (len(encode(circuit_baselines_request, part, 0, backend.adapter)) for part in (jobs, jobs[:1]))
     limit = (whole + one) // 2  # half the jobs fit (a request is a fixed part and a part per invoke), all do not
-    fitted = small._fitted(circuit_baselines_request, jobs, limit)
+    fitted = small._fitted(circuit_baselines_request, jobs, 0, limit)
     print(f"8 invokes: {whole:,} bytes; 1: {one:,}; at most {limit:,}: {[len(part) for part, _ in fitted]} invokes")
     assert len(fitted) >= 2 and all(len(blob) <= limit for _, blob in fitted)
     assert [job for part, _ in fitted for job in part] == jobs
@@ -236,7 +237,7 @@ def test_a_batch_over_the_byte_limit_goes_as_requests_that_fit(served, server, f
     assert len(got) == len(want) == 8
     for mine, reference in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(mine, reference))
-    message = _refused(lambda: small._fitted(circuit_baselines_request, jobs[:1], 100))
+    message = _refused(lambda: small._fitted(circuit_baselines_request, jobs[:1], 0, 100))
     assert "over the server's limit of 100: start the server with a larger --max-request-bytes" in message
     small.server.close()
 

@@ -1,0 +1,147 @@
+"""Programs by name (:mod:`pipatch._backends._served_programs`), with no model and no server:
+what a served client encodes decodes on the server to the same arguments, and every bad
+request is refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipatch._backends._served_programs import (
+    PROGRAM_FORMAT,
+    PROGRAMS,
+    BadRequest,
+    Bounds,
+    check_versions,
+    decode,
+    encode,
+    pipatch_version,
+)
+from pipatch._backends._vllm_worker import (
+    capture_request,
+    circuit_baselines_request,
+    circuit_request,
+    head_request,
+    lens_request,
+    patch_request,
+)
+from pipatch._cells import Metric, Op
+from pipatch._models import Adapter, PipatchError
+from pipatch._programs.circuit import Baselines
+from pipatch._sites import EMBED, HEAD, MLP, RESID, Site, projection
+from tests._program_requests import BAD_REQUESTS, good_request
+
+ADAPTER = Adapter(family="gemma3_text", embed="model.embed_tokens", blocks="model.layers", attn="self_attn", mlp="mlp",
+                  out_proj="o_proj", unembed="lm_head", final_norm="model.norm", n_layers=4, n_heads=4, n_kv_heads=1,
+                  head_dim=8, d_model=32, softcap=None, sublayers_are_contributions=True, qkv=("qkv_proj",),
+                  qkv_layout="stacked")
+BOUNDS = Bounds.of(ADAPTER, vocab=1000, max_len=64)
+IDS = [2, 651, 128, 997, 603, 575]
+METRIC = Metric("logit_diff", (17,), (23,))
+
+
+def same(a, b) -> bool:
+    """Equal values, tensors by value and dtype, through containers and pipatch's dataclasses."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def round_trip(body, jobs, skip=0):
+    request = decode(encode(body, jobs, skip, ADAPTER), BOUNDS)
+    assert request.program == body.__name__ and request.body is body and request.skip == skip
+    assert len(request.jobs) == len(jobs)
+    for (ids, args), (got_ids, got_args) in zip(jobs, request.jobs):
+        assert got_ids == list(ids)
+        assert same(tuple(args[1:]), got_args), (args[1:], got_args)  # the adapter stays with the client
+    return request
+
+
+def test_every_program_arrives_as_it_was_sent():
+    ops = [Op(EMBED, 0, (slice(None), [1, 2]), torch.randn(1, 2, 32), add=True),
+           Op(HEAD, 2, (slice(None), slice(-1, None), slice(8, 16)), torch.randn(1, 1, 8)),
+           Op(projection("qkv_proj", 0), 1, (slice(None), (3, 4), slice(0, 8))),
+           Op(RESID, 3, (slice(None), torch.tensor([True, False, True, False, True, False])), torch.randn(1, 3, 32))]
+    state = torch.randn(len(IDS), 32)
+    means = Baselines(*(torch.randn(2, 4, 5, 32) for _ in Baselines._fields))
+    round_trip(patch_request, [(IDS, (ADAPTER, METRIC, ops, False, None)),
+                               (IDS[:3], (ADAPTER, Metric("prob", (5, 6)), [], True, None))])
+    round_trip(patch_request, [(IDS, (ADAPTER, METRIC, ops[2:], False, (2, state, True)))], skip=2)
+    round_trip(capture_request, [(IDS, (ADAPTER, METRIC, [MLP, RESID], ops[:1], 6)),
+                                 (IDS, (ADAPTER, Metric("rank", (9,)), None, [], 6))])
+    round_trip(head_request, [(IDS[:1], (ADAPTER, METRIC, torch.randn(3, 1, 32)))])
+    round_trip(lens_request, [(IDS, (ADAPTER, METRIC, [0, 3, -1]))])
+    round_trip(circuit_baselines_request, [(IDS, (ADAPTER,)), (IDS[:4], (ADAPTER,))])
+    round_trip(circuit_request, [(IDS, (ADAPTER, METRIC, torch.rand(5, 3, 4) > 0.5, torch.randn(1, 6, 32), means)),
+                                 (IDS, (ADAPTER, METRIC, torch.rand(5, 3, 4), torch.randn(1, 6, 32), None))])
+    assert set(PROGRAMS) == {"capture_request", "patch_request", "head_request", "lens_request",
+                             "circuit_baselines_request", "circuit_request"}
+
+
+def test_the_server_uses_its_own_sites_and_adapter():
+    request = round_trip(patch_request, [(IDS, (ADAPTER, METRIC, [Op(RESID, 1, (slice(None), -1))], False, None))])
+    (op,) = request.jobs[0][1][1]
+    assert op.site is RESID  # the server's own instance, found by name
+    assert not any(isinstance(arg, Adapter) for arg in request.jobs[0][1])
+
+
+@pytest.mark.parametrize("what, broken, words", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
+def test_a_bad_request_is_refused_in_one_line(what, broken, words):
+    good = good_request(ADAPTER, IDS, 17, 23)
+    assert decode(good, BOUNDS).program == "patch_request"
+    with pytest.raises(BadRequest) as error:
+        decode(broken(good), BOUNDS)
+    message = str(error.value)
+    assert "\n" not in message and words in message, message
+
+
+def test_values_that_do_not_fit_the_model_are_refused():
+    too_wide = (2, torch.randn(len(IDS), 33), True)
+    cases = [
+        (patch_request, [(IDS, (ADAPTER, METRIC, [], False, too_wide))], 2, "33 wide, not the model's 32"),
+        (head_request, [(IDS[:1], (ADAPTER, METRIC, torch.randn(3, 32)))], 0, "of 3 dimensions"),
+        (patch_request, [(IDS, (ADAPTER, Metric("prob", (1000,)), [], False, None))], 0, "token ids in [0, 1000)"),
+        (lens_request, [(IDS, (ADAPTER, METRIC, [64]))], 0, "item is 64"),
+        (patch_request, [(IDS, (ADAPTER, METRIC, [], False, (5, torch.randn(6, 32), True)))], 4, "below is 5"),
+        (patch_request, [(IDS, (ADAPTER, METRIC, [], False, (1, torch.randn(6, 32), True)))], 2, "skips 2 blocks"),
+    ]
+    for body, jobs, skip, words in cases:
+        with pytest.raises(BadRequest) as error:
+            decode(encode(body, jobs, skip, ADAPTER), BOUNDS)
+        assert "\n" not in str(error.value) and words in str(error.value), (words, str(error.value))
+
+
+def test_a_site_or_body_without_a_name_is_refused_on_the_client():
+    @dataclasses.dataclass(frozen=True)
+    class Mine(Site):
+        pass
+
+    for site in (Mine("resid", order=7, holder="block", sublayer=False), Site("o_proj", order=0, holder="proj")):
+        with pytest.raises(PipatchError) as error:
+            encode(patch_request, [(IDS, (ADAPTER, METRIC, [Op(site, 1, (slice(None), -1))], False, None))], 0, ADAPTER)
+        assert "\n" not in str(error.value) and "has no name a pipatch server knows" in str(error.value)
+
+    def patch_request_of_mine(model, adapter):  # a body of the same kind, not one of pipatch's
+        return None
+
+    with pytest.raises(PipatchError, match="no program a pipatch server runs"):
+        encode(patch_request_of_mine, [(IDS, (ADAPTER,))], 0, ADAPTER)
+
+
+def test_another_version_is_one_line_naming_both_at_connect():
+    check_versions({"pipatch": pipatch_version(), "program_format": PROGRAM_FORMAT}, "http://h:1")
+    for info, words in [({"pipatch": "0.0.1", "program_format": PROGRAM_FORMAT}, "runs pipatch 0.0.1"),
+                        ({"pipatch": pipatch_version(), "program_format": 99}, "program format 99"),
+                        ({}, "runs pipatch ? (program format ?)")]:
+        with pytest.raises(PipatchError) as error:
+            check_versions(info, "http://h:1")
+        message = str(error.value)
+        assert "\n" not in message and words in message and f"this client pipatch {pipatch_version()}" in message
