@@ -13,15 +13,18 @@ copy of the body (:func:`build`), as the vLLM backend builds it in process.
 The wire format is data only: ``torch.save`` of plain containers (dicts, lists, tuples,
 strings, numbers, booleans, ``None``) and tensors, read by ``torch.load`` with ``weights_only=True``
 and no extra allowed classes, so loading a request builds no object the sender names. Sites
-travel by name (``"resid"``, ``"q_proj"``); pipatch's own types (:class:`~pipatch._cells.Metric`,
+travel by name (``"resid"``, ``"q_proj"``), an SAE's latent site as data (its description and
+tensors, checked against the model and rebuilt with pipatch's own classes: :mod:`._served_latents`);
+pipatch's own types (:class:`~pipatch._cells.Metric`,
 :class:`~pipatch._cells.Op`, :class:`~pipatch._programs.circuit.Baselines`) are rebuilt from
 their fields on the server. The adapter (where the model keeps its modules) is the server's
 own: a request never names a module.
 
 Failures: a request the server cannot read or that fails a check raises :class:`BadRequest`,
-one line naming the field and the fix (``pipatch serve`` answers it as HTTP 400); a site that
-has no name here (an SAE's latents, a site of your own) is refused on the client, in one line,
-before anything is sent.
+one line naming the field and the fix (``pipatch serve`` answers it as HTTP 400; over the
+server's invoke or prompt-token limit, :class:`OverLimit`, HTTP 413 naming the flag); a site
+that has no name here and is no SAE's (a site of your own) is refused on the client, in one
+line, before anything is sent.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from typing import Any
 import torch
 
 from .._cells import Metric, Op
+from .._features._site import LatentSite
 from .._models import Adapter, PipatchError
 from .._programs.circuit import Baselines
 from .._serve_guard import Limits
 from .._sites import EMBED, LOGITS, MLP_IN, SITES, Site, projection
+from ._served_latents import decode_latent, encode_latent
 from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING
 from ._vllm_worker import (
     capture_request,
@@ -79,10 +84,11 @@ class Bounds:
     max_len: int  # the engine's context: a prompt and the one token generated after it
     sites: dict[str, Site]
     limits: Limits | None = None  # the server's per-request limits (``pipatch serve --max-...``)
+    adapter: Adapter | None = None  # the model's (a latent site's places are checked against it)
 
     @classmethod
     def of(cls, adapter: Adapter, vocab: int, max_len: int, limits: Limits | None = None) -> Bounds:
-        return cls(int(vocab), adapter.n_layers, adapter.d_model, int(max_len), sites_of(adapter), limits)
+        return cls(int(vocab), adapter.n_layers, adapter.d_model, int(max_len), sites_of(adapter), limits, adapter)
 
 
 @dataclass
@@ -190,15 +196,22 @@ def _decode_metric(value: Any, what: str, bounds: Bounds) -> Metric:
                   None if foil is None else tuple(foil))
 
 
-def _encode_site(site: Site, sites: dict[str, Site]) -> str:
+def _encode_site(site: Site, sites: dict[str, Site]) -> str | dict:
+    if isinstance(site, LatentSite):
+        return encode_latent(site)
     if sites.get(site.name) != site:
         raise PipatchError(f"site {site.name!r} ({type(site).__name__}) has no name a pipatch server knows: a served "
-                           "model patches the built-in sites (resid, attn, mlp, head, q/k/v); load the model "
+                           "model patches the built-in sites (resid, attn, mlp, head, q/k/v) and SAE latents; load the model "
                            "in this process (backend='vllm' or 'transformers') for this site")
     return site.name
 
 
 def _decode_site(value: Any, what: str, bounds: Bounds) -> Site:
+    if type(value) is dict and bounds.adapter is not None:
+        try:
+            return decode_latent(value, bounds.adapter, what)
+        except PipatchError as refused:
+            raise BadRequest(str(refused)) from None
     if type(value) is not str or value not in bounds.sites:
         raise BadRequest(f"{what} {str(value)[:40]!r} is no site of this model: use one of {', '.join(bounds.sites)}")
     return bounds.sites[value]

@@ -273,7 +273,8 @@ class ServedBackend(VLLMBackend):
             return [(jobs, blob)]
         if len(jobs) == 1:
             raise PipatchError(f"one invoke's request is {len(blob):,} bytes, over the server's limit of {max_bytes:,}: "
-                               "start the server with a larger --max-request-bytes")
+                               "start the server with a larger --max-request-bytes (a request carries the weights of "
+                               "any SAE whose latents it reads or patches)")
         half = len(jobs) // 2
         return self._fitted(body, jobs[:half], skip, max_bytes) + self._fitted(body, jobs[half:], skip, max_bytes)
 

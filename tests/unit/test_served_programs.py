@@ -145,3 +145,110 @@ def test_another_version_is_one_line_naming_both_at_connect():
             check_versions(info, "http://h:1")
         message = str(error.value)
         assert "\n" not in message and words in message and f"this client pipatch {pipatch_version()}" in message
+
+
+# --------------------------------------------------------------------------------------------
+# SAE latent sites travel as data
+# --------------------------------------------------------------------------------------------
+
+
+def _latent_site(kind: str = "jumprelu", n: int = 48):
+    """A random SAE (or skip transcoder) of layer 2 of the hand-made model, bound to it."""
+    from pipatch._features._hooks import locate
+    from pipatch._features._sae import SAE
+    from pipatch._features._site import latent_site
+
+    d = ADAPTER.d_model
+    transcoder = kind == "transcoder"
+    sae = SAE(activation="topk" if kind == "topk" else "jumprelu", k=5 if kind == "topk" else None,
+              W_enc=torch.randn(d, n), b_enc=torch.randn(n), W_dec=torch.randn(n, d), b_dec=torch.randn(d),
+              threshold=None if kind == "topk" else torch.rand(n), W_skip=torch.randn(d, d) if transcoder else None,
+              hook="blocks.2.hook_mlp_in" if transcoder else "blocks.2.hook_resid_post",
+              hook_out="blocks.2.hook_mlp_out" if transcoder else None, name=f"random {kind}")
+    reads = locate(sae.hook, ADAPTER)
+    writes = locate(sae.hook_out, ADAPTER) if transcoder else reads
+    return latent_site(sae, reads, writes, f"L2 {kind}")
+
+
+@pytest.mark.parametrize("kind", ["jumprelu", "topk", "transcoder"])
+def test_a_latent_site_arrives_as_the_same_sae(kind):
+    """An SAE's latent and error sites travel as data (description and tensors) and are rebuilt
+    on the server with pipatch's classes: the same name, place and math; a second request
+    naming the same SAE gets the site built for the first (kept by its content's hash)."""
+    from pipatch._features._site import ErrorSite, InOut, LatentSite
+
+    site = _latent_site(kind)
+    ops = [Op(site, 2, site.cell(3, [1, 2]), torch.randn(1, 1, 2)),
+           Op(site.error_site, 2, site.error_site.cell(3), torch.randn(1, 1, 32))]
+    jobs = [(IDS, (ADAPTER, METRIC, ops, False, None))] * 3
+    first, second = (decode(encode(patch_request, jobs, 0, ADAPTER), BOUNDS) for _ in range(2))
+    latent, error = (op.site for op in first.jobs[0][1][1])
+    assert type(latent) is LatentSite and type(error) is ErrorSite
+    assert (latent.name, error.name, latent.place_key, latent.holder) == (site.name, f"{site.name} error",
+                                                                         site.place_key, site.holder)
+    assert all(op.site.sae is latent.sae for _, args in first.jobs + second.jobs for op in args[1])
+    x = torch.randn(2, 5, 32)
+    raw = InOut(x, torch.randn(2, 5, 32)) if kind == "transcoder" else x
+    for mine, theirs in ((latent, site), (error, site.error_site)):
+        assert torch.equal(mine.encode(raw), theirs.encode(raw))
+        assert torch.equal(mine.decode(theirs.encode(raw)), theirs.decode(theirs.encode(raw)))
+    for got, sent in zip(first.jobs[0][1][1], ops):
+        assert got.index == sent.index and torch.equal(got.value, sent.value)
+    captured = decode(encode(capture_request, [(IDS, (ADAPTER, METRIC, [site, RESID], [], 6))], 0, ADAPTER), BOUNDS)
+    assert [s.name for s in captured.jobs[0][1][1]] == [site.name, "resid"]
+
+
+def _sae_edit(change):
+    """The request naming a latent site, with ``change`` applied to the site's description."""
+    import io
+
+    site = _latent_site()
+    blob = encode(patch_request, [(IDS, (ADAPTER, METRIC, [Op(site, 2, site.cell(3, 1))], False, None))], 0, ADAPTER)
+    sent = torch.load(io.BytesIO(blob), weights_only=True)
+    change(sent["jobs"][0][1][1][0]["site"])
+    buffer = io.BytesIO()
+    torch.save(sent, buffer)
+    return buffer.getvalue()
+
+
+BAD_SAES = {
+    "a missing field": (lambda d: d.pop("k"), "the SAE's description is not"),
+    "an unknown activation": (lambda d: d.update(activation="gelu"), "activation 'gelu' is not one of"),
+    "a layer the model lacks": (lambda d: d.update(reads=[9, *d["reads"][1:]]), "reads layer 9 is not in [0, 4)"),
+    "a module path of its own": (lambda d: d.update(reads=[2, "resid_post", "mlp.__class__", False]),
+                                 "is no place pipatch reads in this gemma3_text model"),
+    "another model's width": (lambda d: d["tensors"].update(W_enc=torch.randn(64, 48)),
+                              "tensor W_enc is [64, 48] float32, not [32, 48] float32"),
+    "a decoder of another size": (lambda d: d["tensors"].update(W_dec=torch.randn(40, 32)), "tensor W_dec is [40, 32]"),
+    "integer weights": (lambda d: d["tensors"].update(b_dec=torch.zeros(32, dtype=torch.int64)),
+                        "tensor b_dec is not a dense float tensor"),
+    "no threshold for a JumpReLU": (lambda d: d["tensors"].update(threshold=None), "only one, has a threshold"),
+    "a k for a JumpReLU": (lambda d: d.update(k=3), "k is for TopK SAEs only"),
+    "a transcoder writing elsewhere": (lambda d: d.update(hook_out="x"), "a transcoder reads a layer's MLP input"),
+    "a multi-line name": (lambda d: d.update(name="L2\nresid"), "name is not a name of 1 to 200 printable"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SAES, ids=list(BAD_SAES))
+def test_a_malformed_sae_is_refused_in_one_line(case):
+    change, words = BAD_SAES[case]
+    with pytest.raises(BadRequest) as error:
+        decode(_sae_edit(change), BOUNDS)
+    message = str(error.value)
+    assert "\n" not in message and words in message and message.startswith("jobs[0] ops[0].site:"), message
+
+
+def test_a_request_over_the_servers_limits_names_the_flag():
+    """Invokes and prompt tokens over the server's limits are refused (413: OverLimit) before
+    the request's own checks, naming the flag; within them the request decodes."""
+    from pipatch._backends._served_programs import OverLimit
+    from pipatch._serve_guard import Limits
+
+    bounds = dataclasses.replace(BOUNDS, limits=Limits(request_bytes=10**6, invokes=2, prompt_tokens=5))
+    job = (IDS[:5], (ADAPTER, METRIC, [], False, None))
+    assert len(decode(encode(patch_request, [job, job], 0, ADAPTER), bounds).jobs) == 2
+    for jobs, words in (([job] * 3, "the request has 3 invokes, over this server's limit of 2 (pipatch serve --max-invokes)"),
+                        ([job, (IDS, job[1])], "invoke 1's prompt has 6 tokens, over this server's limit of 5 "
+                                               "(pipatch serve --max-prompt-tokens)")):
+        with pytest.raises(OverLimit, match=words.replace("(", r"\(").replace(")", r"\)")):
+            decode(encode(patch_request, jobs, 0, ADAPTER), bounds)
