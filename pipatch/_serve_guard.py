@@ -1,8 +1,8 @@
 """What ``pipatch serve`` lets in: the keys that may send requests, and how large one may be.
 
-A request carries code the server runs (nnsight's request format), so a server another
-machine can reach needs keys, and one client's large request must not take the engine's
-memory from everyone:
+A request spends the engine's memory and time (and, with ``--allow-client-code``, carries
+code the server runs), so a server another machine can reach needs keys, and one client's
+large request must not take the engine's memory from everyone:
 
 * **Keys** (:func:`server_keys`): from ``--api-key-file PATH`` (one key per line, ``#``
   comments: one key per person, so one can be removed), from ``PIPATCH_API_KEY``, or from
@@ -11,8 +11,8 @@ memory from everyone:
   compared with each in constant time (:class:`Keys`); only :data:`OPEN_PATHS` answer without
   one (:class:`KeyGate`).
 * **Limits per request** (:class:`Limits`): body bytes (:class:`BodyLimit`, before the body
-  is read), invokes and prompt tokens (:meth:`Limits.refusal`, once the request is built and
-  before the engine sees it). A request over one is answered ``413`` with one line naming the
+  is read), invokes and prompt tokens (:meth:`Limits.refusal`, as a program request is
+  decoded, before its other checks and before the engine sees it). A request over one is answered ``413`` with one line naming the
   limit and the flag that sets it; the server goes on serving the others.
 
 Both gates are plain ASGI middleware (no web framework needed to run or test them).
