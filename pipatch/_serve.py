@@ -60,18 +60,21 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._serve_guard import MAX_INVOKES, MAX_REQUEST_BYTES, BodyLimit, KeyGate, Keys, Limits, server_keys
+from ._serve_guard import (
+    GENERATE_PATH,
+    INFO_PATH,
+    MAX_INVOKES,
+    MAX_REQUEST_BYTES,
+    SKIP_HEADER,
+    BodyLimit,
+    KeyGate,
+    Keys,
+    Limits,
+    server_keys,
+)
 
 __all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK", "CLIENT_CODE_PREFIX"]
 
-#: Where a client asks the server what it serves.
-INFO_PATH = "/v1/pipatch/info"
-#: Where a client sends a program by name and its jobs' data; each invoke's saves come back
-#: apart.
-GENERATE_PATH = "/v1/pipatch/generate"
-#: The header a request names, by their count, the blocks its invokes skip with (0: none;
-#: :class:`_Rooms`).
-SKIP_HEADER = "X-Pipatch-Skip"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: nnsight's own routes, which run the code a client sends: closed unless --allow-client-code.
 CLIENT_CODE_PREFIX = "/v1/nnsight/"

@@ -31,9 +31,17 @@ from typing import Any
 
 from ._errors import PipatchError
 
-__all__ = ["KEY_HEADER", "KEY_ENV", "OPEN_PATHS", "read_keys", "server_keys", "Keys", "KeyGate", "Limits",
+__all__ = ["INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "KEY_HEADER", "KEY_ENV", "OPEN_PATHS", "read_keys", "server_keys", "Keys", "KeyGate", "Limits",
            "BodyLimit", "MAX_REQUEST_BYTES", "MAX_INVOKES"]
 
+#: Where a client asks the server what it serves (``pipatch serve``'s info).
+INFO_PATH = "/v1/pipatch/info"
+#: Where a client sends a program by name and its jobs' data; each invoke's saves come back
+#: apart.
+GENERATE_PATH = "/v1/pipatch/generate"
+#: The header a request names, by their count, the blocks its invokes skip with (0: none;
+#: ``pipatch serve``'s rooms).
+SKIP_HEADER = "X-Pipatch-Skip"
 #: The header a client's key travels in (nnsight's ``nnsight-serve`` client's name for it).
 KEY_HEADER = "ndif-api-key"
 #: The environment variable a server (and a client) reads its key from.

@@ -61,7 +61,7 @@ import torch
 
 from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .._serve_guard import KEY_ENV
+from .._serve_guard import GENERATE_PATH, INFO_PATH, KEY_ENV, SKIP_HEADER
 from ._contract import Capabilities
 from ._served_programs import check_versions, encode
 from ._vllm_engine import INVOKES_PER_REQUEST, vllm_adapter
@@ -128,8 +128,6 @@ class Server:
 
     def describe(self) -> dict[str, Any]:
         """What the server serves (``GET /v1/pipatch/info``)."""
-        from .._serve import INFO_PATH
-
         self.info = self._call("GET", INFO_PATH).json()
         return self.info
 
@@ -139,8 +137,6 @@ class Server:
         invoke's apart (``name@request``, in invoke order: :data:`~pipatch._serve.GENERATE_PATH`);
         a failure in it: one line."""
         from nnsight.intervention.errors import raise_deferred
-
-        from .._serve import GENERATE_PATH, SKIP_HEADER
 
         response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
