@@ -19,6 +19,7 @@ The weights travel with every request that names the site: one too large for the
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -79,7 +80,7 @@ def decode_latent(value: dict, adapter: Adapter, what: str) -> LatentSite:
 
 
 def _text(value: Any, field: str, most: int = 200) -> str:
-    if type(value) is not str or not 0 < len(value) <= most or not value.isprintable():
+    if type(value) is not str or re.fullmatch(rf"[^\x00-\x1f\x7f-\x9f]{{1,{most}}}", value) is None:
         raise _Refused(f"{field} is not a name of 1 to {most} printable characters")
     return value
 
