@@ -397,7 +397,7 @@ def decode(blob: bytes, bounds: Bounds) -> ProgramRequest:
         raise BadRequest(f"unknown program {str(sent['program'])[:60]!r}: this server runs {', '.join(PROGRAMS)}")
     skip = _int(sent["skip"], "skip", 0, bounds.n_layers + 1)
     if bounds.limits is not None:
-        _check_limits(sent["jobs"], bounds.limits)
+        _check_limits(sent["jobs"], bounds)
     jobs = []
     for i, job in enumerate(_list(sent["jobs"], "jobs", INVOKES_PER_REQUEST)):
         if type(job) is not tuple or len(job) != 2:
@@ -415,13 +415,14 @@ def decode(blob: bytes, bounds: Bounds) -> ProgramRequest:
     return ProgramRequest(sent["program"], program.body, skip, jobs)
 
 
-def _check_limits(jobs: Any, limits: Limits) -> None:
+def _check_limits(jobs: Any, bounds: Bounds) -> None:
     """:class:`OverLimit` where ``jobs`` (as sent, before their checks) has more invokes or
-    longer prompts than ``limits`` allow."""
-    if type(jobs) is list:
+    longer prompts than the server's limits allow; more than any request may have (the
+    batch's invokes, the context) is malformed instead, answered by the checks after this."""
+    if type(jobs) is list and len(jobs) <= INVOKES_PER_REQUEST:
         prompts = [{"prompt_token_ids": job[0]} if type(job) is tuple and len(job) == 2 and type(job[0]) is list
-                   else {} for job in jobs]  # a malformed job: its own check says so, after this
-        refusal = limits.refusal(prompts, None)
+                   and len(job[0]) < bounds.max_len else {} for job in jobs]  # else its own check says so
+        refusal = bounds.limits.refusal(prompts, None) if bounds.limits is not None else None
         if refusal is not None:
             raise OverLimit(refusal)
 
