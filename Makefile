@@ -110,6 +110,7 @@ bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
 	$(PY) bench/lens.py
 	$(PY) bench/features.py
+	$(PY) bench/feature_circuit.py
 	$(PY) bench/ndif.py
 	$(PY) bench/study.py --repeat 1
 	$(PY) bench/circuit.py

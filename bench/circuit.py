@@ -84,7 +84,7 @@ def main() -> None:
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     figures = {
         "pairs": args.pairs, "steps": args.steps, "edges": n_edges,
-        "clean_logit_diff": checked.clean, "corrupt_logit_diff": float(checked.corrupt[0]),
+        "clean_logit_diff": checked.clean, "corrupt_logit_diff": checked.corrupt,
         "eap_ig_s": t_scores, "exact_per_edge_s": per_edge, "exact_all_edges_s": per_edge * n_edges,
         "spearman_top": agreement["spearman"], "checked": agreement["n"],
         "top_heads": {h: round(float(v), 3) for h, v in top_heads.head(8).items()},
@@ -94,7 +94,7 @@ def main() -> None:
     }
     print(f"IOI circuit, {known(model).name or 'embedded'}: "
           f"{args.pairs} pairs, {n_edges} edges; logit diff clean {checked.clean:.2f}, corrupt "
-          f"{float(checked.corrupt[0]):.2f}")
+          f"{checked.corrupt:.2f}")
     print(f"  EAP-IG (steps={args.steps}), every edge: {t_scores:7.1f} s")
     print(f"  exact patching, one edge over the dataset: {per_edge:7.2f} s (measured on {args.verify})")
     print(f"  exact patching of every edge (extrapolated): {per_edge * n_edges:9.0f} s "

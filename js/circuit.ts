@@ -20,7 +20,7 @@
 import type { Circuit, GridState, Mode, Selection, UiState } from './data';
 import { selectMatrix } from './data';
 import { divergingColor, formatDuration, formatValue, safeFileName, symmetricMax, tooltipLabel } from './format';
-import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, type GridCallbacks } from './grid';
+import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, showTooltip, type GridCallbacks } from './grid';
 
 /** Edges drawn at first when there is no faithful circuit (the static figure's default too: `TOP_EDGES` in render.py). */
 export const DEFAULT_TOP = 50;
@@ -512,13 +512,7 @@ export class CircuitView implements StateView {
     const e = this.edgeAt(ev.target);
     this.setHover(e);
     if (!e) return;
-    const box = this.root.getBoundingClientRect();
-    let x = ev.clientX - box.left + 14;
-    const tw = this.tooltip.offsetWidth || 240;
-    if (x + tw > box.width) x = Math.max(0, ev.clientX - box.left - tw - 10);
-    this.tooltip.style.left = `${x}px`;
-    this.tooltip.style.top = `${ev.clientY - box.top + 14}px`;
-    this.tooltip.style.display = 'block';
+    showTooltip(this.tooltip, this.root, ev);
   }
 
   private onClick(ev: MouseEvent): void {

@@ -55,6 +55,24 @@ export function tooltipLabel(s: unknown, max = 400): string {
   return truncateLabel(escapeLabel(s), max);
 }
 
+/**
+ * Where a hover tooltip of `tipW` × `tipH` goes for a pointer at (`x`, `y`), all in the
+ * coordinates of the widget's box (`boxW` × `boxH`): below right of the pointer, left of it where
+ * it would pass the right edge, above it where it would pass the bottom, and in every case inside
+ * the box as far as it fits (the output area around a widget clips what passes its edges: a grid
+ * of three rows is shorter than its tooltip below the pointer). A tooltip taller than the box
+ * starts at its top.
+ */
+export function tooltipPlace(x: number, y: number, tipW: number, tipH: number, boxW: number, boxH: number): { left: number; top: number } {
+  const GAP = 14;
+  const place = (at: number, size: number, room: number): number => {
+    const after = at + GAP;
+    const start = after + size > room ? at - size - GAP : after;
+    return Math.max(0, Math.min(start, room - size));
+  };
+  return { left: place(x, tipW, boxW), top: place(y, tipH, boxH) };
+}
+
 export type RGB = [number, number, number];
 
 /**

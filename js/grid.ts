@@ -25,6 +25,7 @@ import {
   shortLabel,
   statusText,
   tooltipLabel,
+  tooltipPlace,
   type Layout,
   type ScaleKind,
 } from './format';
@@ -50,6 +51,21 @@ export function h<K extends keyof HTMLElementTagNameMap>(tag: K, cls?: string, t
   if (cls) e.className = cls;
   if (text !== undefined) e.textContent = text;
   return e;
+}
+
+/**
+ * Show `tip` (a child of `box`, absolutely placed) beside the pointer of `ev`, inside `box`
+ * (`tooltipPlace`): measured at the box's top left first, where its width does not depend on
+ * where it was last.
+ */
+export function showTooltip(tip: HTMLElement, box: HTMLElement, ev: MouseEvent): void {
+  tip.style.left = '0px';
+  tip.style.top = '0px';
+  tip.style.display = 'block';
+  const rect = box.getBoundingClientRect();
+  const place = tooltipPlace(ev.clientX - rect.left, ev.clientY - rect.top, tip.offsetWidth || 240, tip.offsetHeight, rect.width, rect.height);
+  tip.style.left = `${place.left}px`;
+  tip.style.top = `${place.top}px`;
 }
 
 let styleInstalled = false;
@@ -659,14 +675,7 @@ export class GridView {
       this.fillTooltip(cell.row, cell.col);
       this.drawOverlay();
     }
-    const rootRect = this.root.getBoundingClientRect();
-    let x = e.clientX - rootRect.left + 14;
-    const y = e.clientY - rootRect.top + 14;
-    const tw = this.tooltip.offsetWidth || 240;
-    if (x + tw > rootRect.width) x = Math.max(0, e.clientX - rootRect.left - tw - 10);
-    this.tooltip.style.left = `${x}px`;
-    this.tooltip.style.top = `${y}px`;
-    this.tooltip.style.display = 'block';
+    showTooltip(this.tooltip, this.root, e);
   }
 
   /** Tooltip lines for one cell (also used by tests); `notes`: the row's note lines too (the

@@ -46,7 +46,7 @@ class CircuitResult(Result, file_kind="circuit"):
         ``score`` (the estimated change of the metric when that edge alone carries the clean
         value, in the metric's units; a dataset's mean over pairs) and ``exact`` (the exact edge
         patch's change; NaN where not checked). A pandas DataFrame."""
-        change = (self.raw[VIEW_EDGES][0] - float(self.corrupt.mean())).double()
+        change = (self.raw[VIEW_EDGES][0] - self.corrupt).double()
         exact = {(c["sender"], c["receiver"]): c["exact"] for c in self.meta.get("checked", [])}
         rows = [{"sender": sender, "receiver": receiver, "score": float(change[r, s]),
                  "exact": float("nan") if exact.get((sender, receiver)) is None else float(exact[(sender, receiver)])}

@@ -152,7 +152,7 @@ class Comparison(Result, file_kind="compare"):
             layers=list(a.layers), metric=a.metric,
             raw={view: (self._side(a, view) - self._side(b, view))[None] for view in views},
             clean=a.clean_value - b.clean_value,
-            corrupt=torch.tensor([float(a.corrupt.float().mean() - b.corrupt.float().mean())]),
+            corrupt=a.corrupt - b.corrupt,
             meta={"model": models[0] if models[0] == models[1] else f"{models[0]} vs {models[1]}",
                   "values": values, "sides": labels, "site": a.meta.get("site"), "col_axis": a.col_axis,
                   "a": a.meta, "b": b.meta},
@@ -220,7 +220,7 @@ class Comparison(Result, file_kind="compare"):
         """The view state of any result, plus the sides' labels, what was subtracted, and both
         sides' baselines (not their difference)."""
         baselines = {f"{name} {what}": value for name, side in zip(SIDES, (self.a, self.b))
-                     for what, value in (("clean", side.clean_value), ("corrupt", float(np.nanmean(side.corrupt.numpy()))))}
+                     for what, value in (("clean", side.clean_value), ("corrupt", float(np.nanmean(side.corrupt_seeds.numpy()))))}
         return {**super().to_state(live=live),
                 **conform_state({"sides": self.meta["sides"], "compared": self.values, "baselines": baselines})}
 

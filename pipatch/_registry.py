@@ -26,7 +26,18 @@ from typing import Any
 
 from ._declare import EXPERIMENTS, PAIR, PROMPT, Experiment, Param, PromptForm, experiment, register
 from ._models import PipatchError
-from ._protocols import attribution, circuits, feature_patch, feature_trace, features, lens, patching, paths, tracing
+from ._protocols import (
+    attribution,
+    circuits,
+    feature_circuit,
+    feature_patch,
+    feature_trace,
+    features,
+    lens,
+    patching,
+    paths,
+    tracing,
+)
 
 __all__ = ["EXPERIMENTS", "Experiment", "Param", "PromptForm", "PROMPT", "PAIR", "experiment", "register",
            "add_options", "given_options", "ENTRY_POINTS"]
@@ -34,7 +45,8 @@ __all__ = ["EXPERIMENTS", "Experiment", "Param", "PromptForm", "PROMPT", "PAIR",
 #: The entry-point group other packages declare their experiments in.
 ENTRY_POINTS = "pipatch.experiments"
 
-for _module in (tracing, patching, attribution, paths, lens, circuits, features, feature_patch, feature_trace):
+for _module in (tracing, patching, attribution, paths, lens, circuits, features, feature_patch, feature_trace,
+                feature_circuit):
     register(_module.DECLARATION)
 
 

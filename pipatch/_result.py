@@ -2,7 +2,7 @@
 
 A :class:`Result` holds the *raw* metric of every patched run — ``raw[view]`` is
 [seeds, layers, columns] — and the two baselines it is read against: the clean run's metric and
-the corrupt (base) runs' metric, one per seed. Everything else is derived on demand:
+the corrupt (base) runs' mean (``corrupt_seeds``: one per seed). Everything else is derived:
 
 * normalized recovery ``(patched − corrupt) / (clean − corrupt)`` per seed: 0 is the corrupt
   run, 1 the clean one. Where ``clean − corrupt`` is too small to divide by, recovery is NaN and
@@ -75,10 +75,9 @@ class Result:
         ``{view: tensor[seeds, layers, columns]}``, the metric of every patched run (NaN where
         not computed).
     clean, corrupt
-        The clean run's metric (float) and the corrupt runs' metric, one per run (tensor[seeds],
-        one entry where there is one corrupt run). A dataset result (many prompts) has one clean
-        value per row too: tensor[prompts × seeds]. :attr:`clean_value` and
-        :attr:`corrupt_value` are each one float, whatever the result.
+        The baselines, each one Python float: the clean and the corrupt runs' metric, the mean
+        over the runs (seeds; a dataset's prompts × seeds). Given as one float or one value per
+        run (a tensor); the runs stay in :attr:`clean_seeds` / :attr:`corrupt_seeds`, tensor[runs].
     rows_done, row_order
         ``{view: n}``: ``n`` rows of that view are finished: rows ``0 .. n-1``, or the last ``n``
         where ``row_order[view]`` is ``-1`` (the engine runs rows from the last layer down when
@@ -93,8 +92,8 @@ class Result:
     layers: list[str]
     metric: str
     raw: dict[str, torch.Tensor]
-    clean: float | torch.Tensor
-    corrupt: torch.Tensor
+    clean: float
+    corrupt: float
     meta: dict[str, Any] = field(default_factory=dict)
     rows_done: dict[str, int] = field(default_factory=dict)
     row_order: dict[str, int] = field(default_factory=dict)
@@ -111,6 +110,13 @@ class Result:
         super().__init_subclass__(**kwargs)
         if file_kind is not None:
             Result.FILE_KINDS[file_kind] = cls
+
+    def __post_init__(self) -> None:
+        # Recovery is per run: the runs stay; the clean run is one value unless a dataset's rows differ.
+        self.corrupt_seeds = torch.as_tensor(self.corrupt, dtype=torch.float32, device="cpu").reshape(-1)
+        self._clean_runs = torch.as_tensor(self.clean, dtype=torch.float32, device="cpu").reshape(-1)
+        self.corrupt = float(self.corrupt_seeds.mean())
+        self.clean = float(self.clean if self._clean_runs.numel() == 1 else self._clean_runs.mean())
 
     # -- derived values -------------------------------------------------------------------
     @property
@@ -131,8 +137,7 @@ class Result:
         raw = self.raw[self._view(view)]
         if not self.normalized:
             return raw.clone()
-        clean = self._clean_rows()
-        corrupt = self.corrupt.float()
+        clean, corrupt = self.clean_seeds, self.corrupt_seeds
         out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
         bad = torch.tensor([recovery_undefined(float(a), float(c)) for a, c in zip(clean, corrupt)])
         out[bad] = float("nan")
@@ -144,19 +149,21 @@ class Result:
         for the logit lens, which has no clean and corrupt runs: ``meta["normalize"]``)."""
         return self.meta.get("normalize", True) is not False
 
-    def _clean_rows(self) -> torch.Tensor:
-        clean = torch.as_tensor(self.clean, dtype=torch.float32).reshape(-1)
-        return clean.expand(self.corrupt.numel()) if clean.numel() == 1 else clean
+    @property
+    def clean_seeds(self) -> torch.Tensor:
+        """The clean baseline per run, tensor[runs] beside :attr:`corrupt_seeds` (a dataset: its prompt's)."""
+        runs = self._clean_runs
+        return runs.expand(self.corrupt_seeds.numel()) if runs.numel() == 1 else runs
 
     @property
     def clean_value(self) -> float:
-        """The clean baseline as one number (the mean over prompts for a dataset result)."""
-        return float(self._clean_rows().mean())
+        """:attr:`clean` as the float32 mean of :attr:`clean_seeds` (recovery's arithmetic)."""
+        return float(self.clean_seeds.mean())
 
     @property
     def corrupt_value(self) -> float:
-        """The corrupt baseline as one number: the mean over its runs (seeds, prompts)."""
-        return float(self.corrupt.float().mean())
+        """:attr:`corrupt`: the mean of the corrupt runs (seeds, prompts)."""
+        return self.corrupt
 
     @property
     def per_seed(self) -> torch.Tensor:
@@ -189,7 +196,7 @@ class Result:
 
     @property
     def n_seeds(self) -> int:
-        return int(self.corrupt.numel())
+        return int(self.corrupt_seeds.numel())
 
     def finished_rows(self, view: str | None = None) -> range:
         """The finished rows (layers) of ``view``: all of them unless the result is partial."""
@@ -364,7 +371,7 @@ class Result:
         return {
             "schema": SCHEMA_VERSION, "kind": self.kind, "tokens": self.tokens, "columns": self.columns,
             "layers": self.layers, "metric": self.metric, "views": self.views,
-            "clean": self.clean if isinstance(self.clean, float) else None,
+            "clean": self.clean if self._clean_runs.numel() == 1 else None,
             "rows_done": self.rows_done, "row_order": self.row_order, "status": self.status,
             "message": self.message, "warnings": self.warnings, "meta": self.meta,
         }
@@ -378,10 +385,11 @@ class Result:
     def to_json(self, path: str | Path | None = None) -> dict[str, Any] | Path:
         """A plain-JSON copy: the first view's mean grid as a list of rows, plus every view.
 
-        Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, views, ...``;
-        ``views[view]`` holds ``mean``, ``std``, ``raw`` (means over seeds) and ``raw_seeds``
-        (the raw metric per seed, ``[seeds][layers][columns]``), so :func:`load_result` reads the
-        file back whole. NaN becomes ``null``.
+        Keys: ``kind, model, tokens, columns, layers, grid, metric, clean, corrupt, corrupt_seeds,
+        views, ...`` (the baselines one number each, ``corrupt_seeds`` one per run, ``clean_seeds``
+        too where rows differ: a dataset); ``views[view]`` holds ``mean``, ``std``, ``raw`` (means
+        over seeds) and ``raw_seeds`` (the raw metric per seed, ``[seeds][layers][columns]``), so
+        :func:`load_result` reads the file back whole. NaN becomes ``null``.
 
         Parameters
         ----------
@@ -408,8 +416,9 @@ class Result:
         out = {
             "schema": SCHEMA_VERSION, "kind": self.kind, "model": self.meta.get("model"), "tokens": self.tokens,
             "columns": self.columns, "layers": self.layers, "grid": _rows(self.grid), "metric": self.metric,
-            "clean": self.clean if isinstance(self.clean, float) else self._clean_rows().tolist(),
-            "corrupt": self.corrupt.tolist(), "rows_done": self.rows_done, "row_order": self.row_order,
+            "clean": self.clean, "corrupt": self.corrupt, "corrupt_seeds": self.corrupt_seeds.tolist(),
+            **({"clean_seeds": self.clean_seeds.tolist()} if self._clean_runs.numel() > 1 else {}),
+            "rows_done": self.rows_done, "row_order": self.row_order,
             "status": self.status, "message": self.message, "warnings": self.warnings, "meta": self.meta,
             "views": {v: {"mean": _rows(self.mean(v)), "std": _rows(self.std(v)), "raw": _rows(self.raw_mean(v)),
                           "raw_seeds": [_rows(seed) for seed in self.raw[v]]}
@@ -421,26 +430,26 @@ class Result:
         """The JSON header and the tensors of the result's file (read back by :func:`load_result`)."""
         header = self._header()
         tensors = {f"raw/{clean_text(view)}": t.contiguous().float() for view, t in self.raw.items()}
-        tensors["corrupt"] = self.corrupt.contiguous().float()
-        if not isinstance(self.clean, float) or not math.isfinite(self.clean):
-            tensors["clean"] = self._clean_rows().contiguous()
-            if isinstance(self.clean, float):
+        tensors["corrupt"] = self.corrupt_seeds.contiguous()
+        if self._clean_runs.numel() > 1 or not math.isfinite(self.clean):
+            tensors["clean"] = self.clean_seeds.contiguous()
+            if self._clean_runs.numel() == 1:
                 header["clean_scalar"] = True
         return header, tensors
 
     @staticmethod
     def parts_from_json(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The file parts (header, tensors) of a result's :meth:`to_json` document."""
+        """The file parts (header, tensors) of a :meth:`to_json` document (older ones too: runs as lists)."""
         views = doc["views"]
         header = {key: doc.get(key) for key in ("schema", "kind", "tokens", "columns", "layers", "metric", "rows_done",
                                                 "row_order", "status", "message", "warnings", "meta")}
         header["views"] = list(views)
-        tensors = {"corrupt": _tensor(doc["corrupt"])}
+        tensors = {"corrupt": _tensor(doc["corrupt_seeds"] if "corrupt_seeds" in doc else doc["corrupt"])}
         for view, grids in views.items():
             if "raw_seeds" not in grids:
                 raise ValueError(f"view {view!r} holds only means (no raw_seeds): write it again with this pipatch")
             tensors[f"raw/{view}"] = _tensor(grids["raw_seeds"])
-        clean = doc.get("clean")
+        clean = doc["clean_seeds"] if "clean_seeds" in doc else doc.get("clean")
         if isinstance(clean, (int, float)):
             header["clean"] = float(clean)
         else:  # per-row baselines (a dataset), or a non-finite one written as null
@@ -537,7 +546,7 @@ class Result:
             "total_rows": len(self.layers) * len(self.views), "status": self.status,
             "message": self.message, "warnings": list(self.warnings),
             "elapsed": float(meta.get("elapsed", 0.0) or 0.0), "eta": -1.0,
-            "baselines": ({"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt.numpy()))}
+            "baselines": ({"clean": self.clean_value, "corrupt": float(np.nanmean(self.corrupt_seeds.numpy()))}
                           if self.normalized else {"output": self.clean_value} if "output" in meta else {}),
             "stoppable": False, "live_id": "",  # a result is no widget: its copy pairs with none
             "code": self._code_or_empty(),

@@ -245,6 +245,7 @@ def study_main(argv: Sequence[str]) -> int:
     to resume), 2 for bad input (one line)."""
     from ._load import shared_model
     from ._study import study
+    from ._study._facts import facts_file
     from ._study._front import probe_experiment, study_keywords
 
     prog = "pipatch study"
@@ -256,6 +257,7 @@ def study_main(argv: Sequence[str]) -> int:
     args = study_parser(entry).parse_args(list(argv))
     try:
         keywords = study_keywords(args, entry)
+        facts_file(args.facts)  # before the model loads: a wrong path is one line at once
         api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
         model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                              serve=args.serve, api_key=api_key, tensor_parallel_size=args.tensor_parallel_size,

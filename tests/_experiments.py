@@ -83,6 +83,15 @@ EMBEDDED: dict[str, dict] = {
         "argv": ["feature-trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--site",
                  sae_folder(640, 6), "--seeds", "1", "--scale", "3", "--top-k", "3", "--positions", "3,-1"],
     },
+    "feature_circuit": {  # random SAEs after layers 5 and 6: nodes of both, edges between them
+        "kwargs": {**PAIR_KWARGS, "saes": [sae_folder(640, 5), sae_folder(640, 6)], "verify": 2, "top_nodes": 6,
+                   "positions": [2, -1]},
+        "line": f'--answer " Paris" --foil " Rome" --saes {sae_folder(640, 5)} --saes {sae_folder(640, 6)} '
+                "--verify 2 --top-nodes 6 --positions 2,-1",
+        "body": PAIR,
+        "argv": ["feature-circuit", *PAIR_ARGV, "--saes", sae_folder(640, 5), "--saes", sae_folder(640, 6),
+                 "--verify", "2", "--top-nodes", "6", "--positions", "2,-1"],
+    },
 }
 
 TINY_PAIR = {"clean": EIFFEL, "corrupt": BIG_BEN, "answer": " Paris", "foil": " London"}
@@ -97,6 +106,8 @@ TINY: dict[str, dict] = {
     "feature_patch": {**TINY_PAIR, "site": sae_folder(D_MODEL, 1), "top_k": 4},
     "feature_trace": {"prompt": EIFFEL, "subject": "Eiffel Tower", "answer": " Paris", "site": sae_folder(D_MODEL, 1),
                       "seeds": 2, "scale": 3.0, "top_k": 4},
+    "feature_circuit": {**TINY_PAIR, "saes": [sae_folder(D_MODEL, 0), sae_folder(D_MODEL, 1)], "verify": 3,
+                        "top_nodes": 8},
 }
 
 
@@ -130,7 +141,7 @@ def assert_same_result(got, want, atol: float = 1e-6) -> None:
     assert got.status == want.status == "done"
     for view in want.views:
         torch.testing.assert_close(got.raw[view], want.raw[view], atol=atol, rtol=0, equal_nan=True)
-    torch.testing.assert_close(torch.as_tensor(got.corrupt), torch.as_tensor(want.corrupt), atol=atol, rtol=0,
+    torch.testing.assert_close(got.corrupt_seeds, want.corrupt_seeds, atol=atol, rtol=0,
                                equal_nan=True)
     assert (got.clean_value == want.clean_value or abs(got.clean_value - want.clean_value) <= atol
             or math.isnan(got.clean_value) and math.isnan(want.clean_value))  # a read has no metric

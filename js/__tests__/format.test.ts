@@ -15,6 +15,7 @@ import {
   statusText,
   symmetricMax,
   tooltipLabel,
+  tooltipPlace,
   truncateLabel,
 } from '../format';
 import { normalizeState } from '../data';
@@ -194,5 +195,24 @@ describe('CSV', () => {
     expect(up.length).toBe(1 + 2 * 3);
     expect(up[1]).toBe('resid,mean,1,1,0,The,4,0.10000000149011612,6,');
     expect(up[6].startsWith('resid,mean,2,2,2,",",0,')).toBe(true);
+  });
+});
+
+describe('tooltipPlace', () => {
+  it('puts the tooltip below right of the pointer where it fits', () => {
+    expect(tooltipPlace(50, 40, 200, 100, 800, 600)).toEqual({ left: 64, top: 54 });
+  });
+  it('flips it left of and above the pointer near the right and bottom edges', () => {
+    expect(tooltipPlace(700, 500, 200, 100, 800, 600)).toEqual({ left: 486, top: 386 });
+  });
+  it('keeps it inside a short box: a grid of three rows whose tooltip is taller than the room below or above', () => {
+    // A 3-row grid: the box is 160 px high, the pointer on the last row, the tooltip 130 px.
+    const place = tooltipPlace(120, 140, 260, 130, 600, 160);
+    expect(place.top).toBeGreaterThanOrEqual(0);
+    expect(place.top + 130).toBeLessThanOrEqual(160);
+    expect(tooltipPlace(120, 20, 260, 130, 600, 160).top + 130).toBeLessThanOrEqual(160);
+  });
+  it('starts a tooltip taller than the box at the top, never above it', () => {
+    expect(tooltipPlace(10, 50, 100, 400, 600, 160)).toEqual({ left: 24, top: 0 });
   });
 });

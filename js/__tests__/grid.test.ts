@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { normalizeState } from '../data';
-import { GridView } from '../grid';
+import { GridView, showTooltip } from '../grid';
 import { documentToState } from '../mime';
 import { f32bytes, f32spec, toBase64 } from './helpers';
 
@@ -197,5 +197,24 @@ describe('GridView: scales and marks', () => {
     g.update(sample('done'));
     expect(el.querySelectorAll('.pipatch-subject').length).toBe(0);
     g.destroy();
+  });
+});
+
+describe('the hover tooltip', () => {
+  it('stays inside the box of a short grid (three rows) where it would pass the bottom edge', () => {
+    const box = document.createElement('div');
+    const tip = document.createElement('div');
+    box.append(tip);
+    // A widget 160 px high (a grid of three rows) and a tooltip of 260 × 130 px.
+    box.getBoundingClientRect = () => ({ left: 10, top: 500, width: 600, height: 160, right: 610, bottom: 660, x: 10, y: 500, toJSON: () => ({}) });
+    Object.defineProperty(tip, 'offsetWidth', { value: 260 });
+    Object.defineProperty(tip, 'offsetHeight', { value: 130 });
+    for (const clientY of [510, 580, 650]) {
+      showTooltip(tip, box, new MouseEvent('mousemove', { clientX: 300, clientY }));
+      const top = parseFloat(tip.style.top);
+      expect(tip.style.display).toBe('block');
+      expect(top).toBeGreaterThanOrEqual(0);
+      expect(top + 130).toBeLessThanOrEqual(160);
+    }
   });
 });

@@ -69,6 +69,7 @@ from .._programs.circuit import (
     circuit_run_body,
     edge_terms_body,
 )
+from .._programs.feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, edge_pullbacks_body, node_gradients_body
 from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
 from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import METRICS, PATCH, PatchRequest, patch_body
@@ -189,7 +190,10 @@ class TransformersBackend(Described):
 
     def _routines(self) -> dict[str, Any]:
         return {CAPTURE.name: self._capture, PATCH.name: self._patch, METRICS.name: self._metrics,
-                GRADIENTS.name: self._gradients, LENS.name: self._lens, **self._circuit_routines()}
+                GRADIENTS.name: self._gradients, LENS.name: self._lens, **self._circuit_routines(),
+                # A feature circuit's passes call the torch model's modules, as the edge terms do.
+                NODE_GRADIENTS.name: lambda request: node_gradients_body(self, request),
+                EDGE_PULLBACKS.name: lambda request: edge_pullbacks_body(self, request)}
 
     def _capture(self, request: CaptureRequest) -> list[Capture]:
         """The request's runs as one trace (:meth:`_captured`): one capture whose rows are the

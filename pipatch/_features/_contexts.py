@@ -6,7 +6,8 @@ every text of a corpus through the model once (the capture program's read, as
 latent the ``k`` (text, position) pairs where it is largest, with a window of the text around
 each: ``"… the Eiffel Tower is in the city of" + "«Paris»"``. A position where the latent is
 0 never counts, nor does a special token (the BOS token's activations are outliers, as
-Neuronpedia also skips them).
+Neuronpedia also skips them), and a window shows no special token: ``<bos>`` is no text of the
+corpus, so it is left out of the window (:func:`shown_tokens`).
 
 They are stored next to the SAE, in its folder (safetensors + JSON, no pickle):
 
@@ -36,7 +37,7 @@ from .._errors import PipatchError
 from .._programs.capture import capture
 from ._site import LatentSite
 
-__all__ = ["Contexts", "load_contexts", "window", "read_latents", "NO_METRIC", "TENSORS_FILE", "TEXT_FILE"]
+__all__ = ["Contexts", "load_contexts", "window", "shown_tokens", "read_latents", "NO_METRIC", "TENSORS_FILE", "TEXT_FILE"]
 
 TENSORS_FILE = "contexts.safetensors"
 TEXT_FILE = "contexts.json"
@@ -131,7 +132,17 @@ def load_contexts(folder: str | Path | None) -> Contexts | None:
     return Contexts(str(document.get("sae", "")), activation, context, contexts, str(document.get("model", "")))
 
 
+def shown_tokens(tokens: list[str], is_text: list[bool]) -> list[str]:
+    """``tokens`` as a window shows them: a special token (``is_text`` false: BOS, EOS, padding)
+    becomes the empty string, so its markup (``"<bos>"``) never reads as part of the text."""
+    return [token if text else "" for token, text in zip(tokens, is_text)]
+
+
 def window(tokens: list[str], position: int, text: int) -> dict[str, Any]:
+    """The window of ``tokens`` around ``position`` of text number ``text``: up to
+    :data:`BEFORE` tokens before it (``"…"`` first where more came before), the token, and up to
+    :data:`AFTER` after it, as a :class:`Contexts` record (special tokens blanked by
+    :func:`shown_tokens` first)."""
     before = "".join(tokens[max(0, position - BEFORE):position])
     return {"text": text, "position": position, "before": ("…" if position > BEFORE else "") + before,
             "token": tokens[position], "after": "".join(tokens[position + 1:position + 1 + AFTER])}

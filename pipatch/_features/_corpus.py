@@ -13,7 +13,7 @@ from .._api import backend_of
 from .._checks import whole_number
 from .._errors import PipatchError
 from .._protocols._inputs import encode
-from ._contexts import Contexts, read_latents, window
+from ._contexts import Contexts, read_latents, shown_tokens, window
 from ._site import LatentSite
 
 __all__ = ["feature_contexts"]
@@ -73,9 +73,9 @@ def feature_contexts(model: Any, sae: LatentSite, texts: Sequence[str], *, k: in
     tokens_of: list[list[str]] = []
     for number, text in enumerate(texts):
         input_ids, tokens, _ = encode(backend, text, f"text {number}")
-        tokens_of.append(tokens)
-        latents = read_latents(backend, input_ids, [sae])[0][sae.name]  # [T, d_sae]
         keep = torch.tensor([int(i) not in special for i in input_ids[0].tolist()])
+        tokens_of.append(shown_tokens(tokens, keep.tolist()))
+        latents = read_latents(backend, input_ids, [sae])[0][sae.name]  # [T, d_sae]
         latents = torch.where(keep[:, None], latents, torch.zeros(()))
         here = torch.stack([torch.full((len(tokens),), number), torch.arange(len(tokens))], dim=1)
         values = torch.cat([best, latents.T], dim=1)

@@ -60,6 +60,11 @@ class Hook:
     def order(self) -> int:
         return ORDER[self.kind]
 
+    @property
+    def module_value(self) -> tuple[str, bool]:
+        """Which value of a block it is, whatever the layer: ``(path, reads_in)``."""
+        return self.path, self.reads_in
+
     def width(self, adapter: Adapter) -> int:
         """The value's width in this model: every head's output side by side for ``z``, the
         hidden size otherwise."""

@@ -156,7 +156,7 @@ class FeaturePatchResult(Result, file_kind="feature_patch"):
         for entry in self.meta.get("verified_values", []):
             if entry["actual"] is not None:
                 raw[entry.get("seed", 0), entry["layer"], entry["col"]] = entry["actual"]
-        clean, corrupt = self._clean_rows(), self.corrupt.float()
+        clean, corrupt = self.clean_seeds, self.corrupt_seeds
         out = (raw - corrupt.reshape(-1, 1, 1)) / (clean - corrupt).reshape(-1, 1, 1)
         out[[recovery_undefined(float(a), float(c)) for a, c in zip(clean, corrupt)]] = float("nan")
         return _nanmean(out)

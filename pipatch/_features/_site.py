@@ -103,8 +103,10 @@ class LatentSite(Site):
 
     @property
     def place_key(self) -> tuple:
-        """Latent sites reading and writing the same modules share their holder's place."""
-        return ("latent", self.reads, self.writes)
+        """Latent sites reading and writing the same modules share their holder's place: at a
+        layer, SAEs trained at other layers read the same module values (a trace serves each
+        once, in forward order), so the key names the block's values, not the SAE's layer."""
+        return ("latent", self.reads.module_value, self.writes.module_value)
 
     @property
     def reads_input(self) -> bool:

@@ -25,6 +25,10 @@ program                capability needed    what it computes
                                             each layer's streams, heads and MLP (:mod:`.circuit`)
 ``circuit_run``        circuit_runs         the clean prompt run as circuits, grouped-query
                                             attention ungrouped (:mod:`.circuit`)
+``node_gradients``     gradients            d metric / d x at each SAE's written value, or its
+                                            integrated gradients (:mod:`.feature_terms`)
+``edge_pullbacks``     gradients            a feature circuit's edges: one backward per
+                                            downstream node, batched (:mod:`.feature_terms`)
 =====================  ===================  ====================================================
 
 Each program is a :class:`~._program.Program` (name, version, the capability it needs, its
@@ -46,11 +50,12 @@ from .circuit import (
     circuit_runs,
     edge_terms,
 )
+from .feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, EdgePullbacksRequest, NodeGradientsRequest
 from .gradients import GRADIENTS, GradientRequest, gradients
 from .lens import LENS, LensOut, LensRequest, lens
 from .patch import METRICS, PATCH, PatchRequest, metrics, patch
 
 __all__ = ["PROGRAMS", "Program", "View", "CAPTURE", "PATCH", "METRICS", "GRADIENTS", "EDGE_TERMS", "LENS",
-           "CIRCUIT_BASELINES", "CIRCUIT_RUN", "CaptureRequest", "PatchRequest", "GradientRequest", "EdgeTermsRequest",
-           "CircuitRunRequest", "LensRequest", "LensOut", "lens", "Baselines", "capture", "captures", "patch", "metrics", "gradients", "edge_terms",
+           "CIRCUIT_BASELINES", "CIRCUIT_RUN", "NODE_GRADIENTS", "EDGE_PULLBACKS", "CaptureRequest", "PatchRequest", "GradientRequest", "EdgeTermsRequest",
+           "CircuitRunRequest", "NodeGradientsRequest", "EdgePullbacksRequest", "LensRequest", "LensOut", "lens", "Baselines", "capture", "captures", "patch", "metrics", "gradients", "edge_terms",
            "circuit_baselines", "circuit_means", "circuit_runs"]

@@ -177,7 +177,7 @@ class VerifiedPlan(Plan):
         estimates = torch.tensor([r["estimate"] for r in rows], dtype=torch.float64)
         actuals = torch.tensor([r["actual"] for r in rows], dtype=torch.float64)
         error = float((estimates - actuals).abs().max())
-        span = result.clean - float(result.corrupt[0])
+        span = result.clean - result.corrupt
         result.meta["agreement"] = {
             "spearman": spearman(estimates, actuals),
             "max_abs_error": error,

@@ -252,7 +252,7 @@ class _CircuitPlan(Plan):
         result, senders, receivers, valid = self.result, self._graph.senders, self._graph.receivers, self._graph.valid
         scores[~valid] = float("nan")
         self.scores = scores
-        result.raw[VIEW] = (float(result.corrupt[0]) + scores).unsqueeze(0)
+        result.raw[VIEW] = (result.corrupt + scores).unsqueeze(0)
         result.rows_done[VIEW] = len(receivers)
         flat = scores.abs().nan_to_num(-1.0).flatten()
         order = flat.argsort(descending=True, stable=True)[: min(self._verify, int(valid.sum()))].tolist()
@@ -444,7 +444,7 @@ def _given_scores(value: Any, senders: Sequence[Node], receivers: Sequence[Node]
         raise PipatchError(f"scores=: its circuit has {len(theirs[0] or [])} senders and {len(theirs[1] or [])} "
                            f"receivers, this model {len(senders)} and {len(receivers)}: score the same model "
                            "(its transformers checkpoint) and pass that result")
-    return (found.raw[VIEW][0] - float(found.corrupt[0])).float(), dict(found.meta)
+    return (found.raw[VIEW][0] - found.corrupt).float(), dict(found.meta)
 
 
 def _pairs(clean: Any, corrupt: Any, answer: Any, foil: Any) -> list[tuple[str, str, Any, Any]]:

@@ -155,7 +155,7 @@ class DatasetPlan(Plan):
             "prompts": [r.meta.get("prompt") or r.meta.get("clean_prompt") for r in results],
             "rows_per_prompt": [r.n_seeds for r in results],
             "per_prompt_clean": [float(r.clean) for r in results],
-            "per_prompt_corrupt": [r.corrupt.tolist() for r in results],
+            "per_prompt_corrupt": [r.corrupt_seeds.tolist() for r in results],
             # Each prompt's own inputs (what Result.code() replays) and the columns of its named positions.
             "items": [{**{k: v for k, v in r.meta.items() if k not in shared}, "group_columns": g}
                       for r, g in zip(results, self._group_columns)],
@@ -166,7 +166,7 @@ class DatasetPlan(Plan):
             raw={view: torch.cat([group_means(p.result.raw[view], g) for p, g in zip(plans, self._group_columns)])
                  for view in views},
             clean=torch.cat([torch.full((r.n_seeds,), float(r.clean)) for r in results]),
-            corrupt=torch.cat([r.corrupt.float() for r in results]), meta=meta,
+            corrupt=torch.cat([r.corrupt_seeds for r in results]), meta=meta,
             rows_done={view: min(r.rows_done.get(view, 0) for r in results) for view in views},
             warnings=[f"prompt {i}: {w}" for i, r in enumerate(results) for w in r.warnings]
             + [line for line in [mixed_scales([(f"prompt {i}", r.meta.get("scale")) for i, r in enumerate(results)],

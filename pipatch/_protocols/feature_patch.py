@@ -260,7 +260,7 @@ def _given_scores(value: Any, target: LatentSite, cols: list[int],
                            f"this run {target.sae.name!r} at {cols} ({direction}): screen the same SAE and positions "
                            "in the same direction and pass that result")
     rows = [latent for latent in found.meta["latents"] if latent != ERROR]
-    base = torch.tensor(found.meta.get("base", found.corrupt.tolist()), dtype=torch.float32)
+    base = torch.tensor(found.meta.get("base", found.corrupt_seeds.tolist()), dtype=torch.float32)
     estimate = found.raw[target.name].float() - base.reshape(-1, 1, 1)
     return rows, estimate, {(entry["layer"], entry["col"]) for entry in found.meta["verified_values"]}
 

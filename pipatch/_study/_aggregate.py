@@ -42,8 +42,8 @@ def fact_values(result: Result, group_columns: list[list[int]] | None) -> dict[s
     group (``group_columns=None``: the result's own columns, a head grid's)."""
     grouped = {view: group_means(raw, group_columns) for view, raw in result.raw.items()}
     reduced = Result(kind=result.kind, tokens=result.tokens, columns=result.columns, layers=result.layers,
-                     metric=result.metric, raw=grouped, clean=result.clean, corrupt=result.corrupt, meta=result.meta)
-    corrupt = result.corrupt.float().reshape(-1, 1, 1)
+                     metric=result.metric, raw=grouped, clean=result.clean_seeds, corrupt=result.corrupt_seeds, meta=result.meta)
+    corrupt = result.corrupt_seeds.reshape(-1, 1, 1)
     out: dict[str, dict[str, np.ndarray]] = {m: {} for m in METRICS}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -165,10 +165,19 @@ def records_from_text(text: str, where: str = "the text") -> list[Any]:
     return out
 
 
-def _read_path(path: Path) -> list[Any]:
-    where = repr(str(path))
+def facts_file(path: str | Path) -> Path:
+    """``path``, or one :class:`PipatchError` line where there is no such file (naming the copy
+    pipatch ships where the name is ``known_1000.json``)."""
+    path = Path(path)
     if not path.exists():
-        raise PipatchError(f"no facts file at {where}: check the path")
+        shipped = f" (ROME's {path.name} ships with pipatch: pass {str(KNOWN_FACTS)!r}, pipatch.known_facts())"
+        raise PipatchError(f"no facts file at {str(path)!r}: check the path"
+                           + (shipped if path.name == KNOWN_FACTS.name else ""))
+    return path
+
+
+def _read_path(path: Path) -> list[Any]:
+    where = repr(str(facts_file(path)))
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:

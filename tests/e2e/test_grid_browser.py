@@ -231,3 +231,43 @@ def test_mime_renderer_without_kernel(page, lab_server):
     assert grid.get_attribute("data-cols") == "300"
     assert page.locator(".jp-OutputArea img[src='x']").count() == 0
     shot(page, "mime-only")
+
+
+SHORT_SRC = """
+import torch
+from pipatch._live import PatchGrid
+from pipatch._result import Result
+
+r = Result(kind="trace", tokens=["The", " Eiffel", " Tower", " is", " in"], columns=["The", " Eiffel", " Tower", " is", " in"],
+           layers=["0", "1", "2"], metric="prob", raw={"resid": torch.rand(2, 3, 5)}, clean=1.0,
+           corrupt=torch.zeros(2), meta={"model": "m", "seeds": 2}, rows_done={"resid": 3})
+"""
+
+INSIDE = """([tip, grid]) => {
+    const t = tip.getBoundingClientRect(), g = grid.getBoundingClientRect();
+    const clip = grid.closest('.jp-OutputArea-output').getBoundingClientRect();
+    const within = (a, b) => a.top >= b.top - 0.5 && a.bottom <= b.bottom + 0.5 && a.left >= b.left - 0.5 && a.right <= b.right + 0.5;
+    return {inGrid: within(t, g), inOutput: within(t, clip), height: t.height, gridHeight: g.height};
+}"""
+
+
+def test_the_tooltip_of_a_grid_of_three_rows_stays_inside_the_widget(page, lab_server):
+    """A grid of three rows is shorter than the room its tooltip takes below the pointer: the
+    tooltip stays inside the widget (and so inside the output area, which clips what passes its
+    edges), on every row, in the live grid and in its saved copy."""
+    name = lab_server.write_notebook("short.ipynb", [code_cell(SHORT_SRC), code_cell("PatchGrid(r)"), code_cell("r")])
+    open_notebook(page, lab_server, name)
+    run_all(page)
+    live, saved = (grid_cell(page, i).locator(".pipatch-grid[data-status='done']") for i in (1, 2))
+    live.wait_for(timeout=120_000)
+    saved.wait_for(timeout=120_000)
+    assert grid_cell(page, 2).locator(".pipatch-mime").count() == 1  # cell 2 is the document's renderer
+    for grid in (live, saved):
+        assert grid.get_attribute("data-rows") == "3"
+        for row in range(3):
+            text = hover_text(page, grid, row, 4)
+            assert f"layer: {row}" in text
+            where = page.evaluate(INSIDE, [grid.locator(".pipatch-tooltip").element_handle(), grid.element_handle()])
+            assert where["inGrid"] and where["inOutput"], (row, where)
+    shot(page, "short-grid-hover")
+    assert page.console_errors == []

@@ -157,7 +157,7 @@ def tolerance(result: pipatch.Result) -> float:
         return 8
     if not result.normalized:  # the logit lens: the metric itself, no baselines to divide by
         return 1e-4
-    spread = float((result.clean - result.corrupt.float()).abs().min())
+    spread = float((result.clean - result.corrupt_seeds.float()).abs().min())
     return 1e-4 + 1e-6 / spread
 
 

@@ -69,7 +69,7 @@ def test_rows_of_few_cells_share_traces_with_the_same_numbers(model):
     # of every row, before the subject. There the clean and noised runs' states differ by
     # rounding only (one run alone, ten batched): restoring them changes nothing.
     assert r.meta["engine"]["noop_cells"] == 10 * (6 + 2 * 18), r.meta["engine"]
-    assert torch.equal(r.raw["resid"][:, :, :2], r.corrupt[:, None, None].expand(10, 18, 2).to(r.raw["resid"].dtype))
+    assert torch.equal(r.raw["resid"][:, :, :2], r.corrupt_seeds[:, None, None].expand(10, 18, 2).to(r.raw["resid"].dtype))
 
 
 def test_a_run_of_rows_holds_at_most_run_flops(model):

@@ -513,4 +513,4 @@ def test_trace_fast_equals_straightforward_and_control_is_zero(family):
     control = run(control=True)
     for kind in kinds:
         raw = control.raw[kind]
-        assert torch.allclose(raw, control.corrupt.view(-1, 1, 1).expand_as(raw), atol=ATOL, rtol=0), kind
+        assert torch.allclose(raw, control.corrupt_seeds.view(-1, 1, 1).expand_as(raw), atol=ATOL, rtol=0), kind

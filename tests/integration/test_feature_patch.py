@@ -75,8 +75,8 @@ def hand_run(model, weights, kind, ids, grad=False):
     return store["f"].detach(), store["e"].detach(), *grads
 
 
-def hand_error_patch(model, weights, kind, ids, position, clean_error):
-    """The metric of the ``ids`` run with the SAE's error at ``position`` set to ``clean_error``
+def hand_error_logits(model, weights, kind, ids, position, clean_error):
+    """Logits of the ``ids`` run with the SAE's error at ``position`` set to ``clean_error``
     there: the written output becomes decode(f) + skip + the edited error."""
     read, written = modules_of(model, kind)
     store = {}
@@ -93,7 +93,12 @@ def hand_error_patch(model, weights, kind, ids, position, clean_error):
     hooks = [(written, "post", put)]
     if kind == "transcoder":
         hooks.insert(0, (read, "pre", lambda m, args: store.__setitem__("x", args[0].detach().clone())))
-    return float(logit_diff(model, hooked(hooks, lambda: logits_of(model, ids))))
+    return hooked(hooks, lambda: logits_of(model, ids))
+
+
+def hand_error_patch(model, weights, kind, ids, position, clean_error):
+    """The metric (logit difference) of :func:`hand_error_logits`' run."""
+    return float(logit_diff(model, hand_error_logits(model, weights, kind, ids, position, clean_error)))
 
 
 def checked(result):
@@ -116,7 +121,7 @@ def test_exhaustive_screening_and_patches_equal_the_hand_references(family, kind
     f_corrupt, e_corrupt, df, de = hand_run(model, weights, kind, corrupt, grad=True)
     want_latents = ((f_clean - f_corrupt) * df)[0].T  # [D_SAE, T]
     want_error = ((e_clean - e_corrupt) * de)[0].sum(-1)  # [T]
-    got = result.raw[site.name][0] - float(result.corrupt[0])
+    got = result.raw[site.name][0] - result.corrupt
     assert result.meta["latents"] == [*range(D_SAE), "error"]
     assert torch.allclose(got[:D_SAE], want_latents, atol=1e-4, rtol=0), (got[:D_SAE] - want_latents).abs().max()
     assert torch.allclose(got[D_SAE], want_error, atol=1e-4, rtol=0), (got[D_SAE] - want_error).abs().max()
@@ -147,7 +152,7 @@ def test_the_top_k_cells_are_patched_exactly_with_the_error_row(family, kind, tm
                                   exhaustive=True, progress=False)
     result = pipatch.feature_patch(model, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, site=site,
                                    top_k=6, progress=False)
-    scores = (every.raw[site.name][0, :D_SAE] - float(every.corrupt[0])).abs()
+    scores = (every.raw[site.name][0, :D_SAE] - every.corrupt).abs()
     top = scores.flatten().argsort(descending=True, stable=True)[:6].tolist()
     T = scores.shape[1]
     want_cells = {(i // T, i % T) for i in top}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._features._contexts import TENSORS_FILE, TEXT_FILE, load_contexts
+from pipatch._features._contexts import BEFORE, TENSORS_FILE, TEXT_FILE, load_contexts
 from pipatch._features._labels import LABELS_FILE
 from tests._saes import KINDS, sae_folder
 from tests.integration.test_features import FAMILIES, hand_latents, saelens_folder
@@ -123,6 +123,22 @@ def test_the_top_contexts_equal_the_hand_computed_ones_and_features_reads_them(t
     assert result.contexts(latent) == [(w, pytest.approx(a)) for w, a in contexts.top(latent)]
     record = contexts.contexts[contexts.context[latent, 0]]
     assert contexts.top(latent)[0][0] == f"{record['before']}«{record['token']}»{record['after']}"
+
+
+def test_a_context_window_shows_no_special_token(tmp_path):
+    """The BOS token opens every text of the corpus; a window near the start leaves it out
+    rather than show its markup as if it were text, here and in the result's notes."""
+    model, _, folder = saelens_folder(tmp_path, "gemma3", "topk")
+    site = pipatch.load_sae(folder, model)
+    tok = model.tokenizer
+    assert tok(CORPUS[0]).input_ids[0] in tok.all_special_ids  # there is a BOS to leave out
+    contexts = pipatch.feature_contexts(model, site, CORPUS, k=3)
+    windows = [text for latent in range(site.n_latents) for text, _ in contexts.top(latent)]
+    assert any(record["position"] <= BEFORE for record in contexts.contexts)  # windows that reach the BOS
+    assert windows and not [text for text in windows if any(s in text for s in tok.all_special_tokens)]
+    result = pipatch.features(model, PROMPT, saes=site, k=3, progress=False)
+    notes = [text for latent in result.frame().latent for text, _ in result.contexts(int(latent))]
+    assert notes and not [text for text in notes if tok.bos_token in text]
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".json"])

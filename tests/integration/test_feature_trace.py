@@ -22,7 +22,16 @@ from pipatch._models import _get, adapter_for
 from tests._reference import first, hooked, logits_of
 from tests._saes import D_SAE
 from tests.integration.test_feature_patch import ANSWER as PAIR_ANSWER
-from tests.integration.test_feature_patch import FOIL, checked, hand_error_patch, hand_run, ids_of, logit_diff, token
+from tests.integration.test_feature_patch import (
+    FOIL,
+    checked,
+    hand_error_logits,
+    hand_error_patch,
+    hand_run,
+    ids_of,
+    logit_diff,
+    token,
+)
 from tests.integration.test_features import (
     CLEAN,
     CORRUPT,
@@ -133,8 +142,8 @@ def test_every_restoration_and_score_equals_the_hand_reference(family, kind, tmp
     for seed in range(SEEDS):
         f_noised, e_noised, df, de = hand_gradient(model, weights, kind, ids, subject, draws[seed], ANSWER)
         corrupt = logprob(model, noised(model, subject, draws[seed], lambda: logits_of(model, ids)))
-        assert abs(float(result.corrupt[seed]) - corrupt) < 1e-6
-        got = result.raw[site.name][seed] - float(result.corrupt[seed])
+        assert abs(float(result.corrupt_seeds[seed]) - corrupt) < 1e-6
+        got = result.raw[site.name][seed] - float(result.corrupt_seeds[seed])
         want_latents = ((f_clean - f_noised) * df)[0].T.float()
         want_error = ((e_clean - e_noised) * de)[0].sum(-1).float()
         assert torch.allclose(got[:D_SAE], want_latents, atol=1e-4, rtol=0), (got[:D_SAE] - want_latents).abs().max()
@@ -152,31 +161,10 @@ def test_every_restoration_and_score_equals_the_hand_reference(family, kind, tmp
                 return hand_patched_logits(model, weights, kind, ids, col, row, float(f_clean[0, col, row]))
         want = logprob(model, noised(model, subject, draws[seed], run))
         assert abs(value - want) < 1e-5, (row, col, seed, value - want)
-        moved = max(moved, abs(want - float(result.corrupt[seed])))
+        moved = max(moved, abs(want - float(result.corrupt_seeds[seed])))
     assert moved > 1e-2  # the restorations reach the answer's log-probability
     frame = result.frame()
     assert len(frame) == (D_SAE + 1) * T and frame["exact"].notna().all()
-
-
-def hand_error_logits(model, weights, kind, ids, position, clean_error):
-    """Logits of the ``ids`` run with the SAE's error at ``position`` set to ``clean_error``
-    there (the hook of :func:`test_feature_patch.hand_error_patch`, read as logits)."""
-    read, written = modules_of(model, kind)
-    store = {}
-
-    def put(module, args, output):
-        out = first(output).clone()
-        x = store.get("x", out)
-        latents = hand_encode(weights, kind, x)
-        error = out - hand_decode(weights, latents) - hand_skip(weights, x)
-        error[:, position] = clean_error[:, position]
-        new = hand_decode(weights, latents) + hand_skip(weights, x) + error
-        return (new,) + tuple(output[1:]) if isinstance(output, tuple) else new
-
-    hooks = [(written, "post", put)]
-    if kind == "transcoder":
-        hooks.insert(0, (read, "pre", lambda m, args: store.__setitem__("x", args[0].detach().clone())))
-    return hooked(hooks, lambda: logits_of(model, ids))
 
 
 def test_the_noise_is_traces_and_fixed_seeds_reproduce(tmp_path):
@@ -199,7 +187,7 @@ def test_the_noise_is_traces_and_fixed_seeds_reproduce(tmp_path):
     assert first_run.meta["latents"] == again.meta["latents"] and first_run.warnings == again.warnings
 
     every = pipatch.feature_trace(model, PROMPT, **common, site=site, exhaustive=True)
-    mean = (every.raw[site.name][:, :D_SAE] - every.corrupt.reshape(-1, 1, 1)).mean(0).abs()
+    mean = (every.raw[site.name][:, :D_SAE] - every.corrupt_seeds.reshape(-1, 1, 1)).mean(0).abs()
     top = mean.flatten().argsort(descending=True, stable=True)[:5].tolist()
     T = mean.shape[1]
     want = {(i // T, i % T) for i in top}

@@ -219,8 +219,8 @@ def test_pipatch_patch_over_a_latent_site_writes_its_own_layer(family, kind, tmp
         hand_patched_logits(model, weights, kind, corrupt, p, slice(None), donor[0, p])) for p in range(clean.shape[1])])
     assert torch.allclose(got[LAYER], want, atol=1e-5, rtol=0), (got[LAYER] - want).abs().max()
     others = [layer for layer in range(got.shape[0]) if layer != LAYER]
-    assert torch.allclose(got[others], result.corrupt[0].expand(len(others), got.shape[1]), atol=1e-5, rtol=0)
-    assert (got[LAYER] - float(result.corrupt[0])).abs().max() > 1e-3
+    assert torch.allclose(got[others], result.corrupt_seeds[0].expand(len(others), got.shape[1]), atol=1e-5, rtol=0)
+    assert (got[LAYER] - result.corrupt).abs().max() > 1e-3
 
 
 # -- refusals --------------------------------------------------------------------------------------

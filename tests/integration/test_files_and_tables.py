@@ -41,7 +41,9 @@ def test_every_experiments_result_saves_by_suffix_reads_back_and_tabulates(resul
         result.save(tmp_path / f"{name}.pt")
     table = result.frame()
     assert len(table) == sum(result.grids[v].numel() for v in result.views)
-    assert type(result.clean) is float and type(result.clean_value) is float and type(result.corrupt_value) is float
+    assert type(result.clean) is float and type(result.corrupt) is float
+    assert type(result.clean_value) is float and type(result.corrupt_value) is float
+    assert result.corrupt_seeds.shape == (result.n_seeds,) and back.corrupt == result.corrupt
 
 
 def test_each_experiments_repr_names_only_what_it_has(results):

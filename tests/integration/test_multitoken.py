@@ -184,7 +184,7 @@ def test_attribution_equals_a_gradient_by_hand(model, tokens):
             if sign > 0:
                 acts[("value", layer)] = acts[layer][0, :T].detach()
     model._module.zero_grad(set_to_none=True)
-    assert float(result.corrupt[0]) == pytest.approx(total, abs=ATOL)
+    assert result.corrupt == pytest.approx(total, abs=ATOL)
     for layer in range(a.n_layers):
         delta = (grads[layer] * (clean[layer][0] - acts[("value", layer)])).sum(-1)
         assert torch.allclose(result.raw["mlp"][0, layer], total + delta, atol=1e-3), layer

@@ -48,7 +48,7 @@ def assert_equal_results(got, want, atol: float) -> None:
     assert got.status == want.status == "done"
     assert (got.kind, got.tokens, got.columns, got.layers, got.views) == (
         want.kind, want.tokens, want.columns, want.layers, want.views)
-    assert_close(got.corrupt, want.corrupt, atol, rtol=0)
+    assert_close(got.corrupt_seeds, want.corrupt_seeds, atol, rtol=0)
     for view in want.views:
         assert_close(got.raw[view], want.raw[view], atol, rtol=0)
     assert got.meta["backend"] == "ndif" and got.meta["remote"] == "local"
@@ -59,8 +59,8 @@ def assert_equal_results(got, want, atol: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-# A circuit's scores need local backward passes: NDIF refuses it (test below).
-REMOTE_EXPERIMENTS = [name for name in EMBEDDED if name != "circuit"]
+# A circuit's and a feature circuit's scores need local backward passes: NDIF refuses them (tests below).
+REMOTE_EXPERIMENTS = [name for name in EMBEDDED if name not in ("circuit", "feature_circuit")]
 
 
 @pytest.mark.parametrize("name", REMOTE_EXPERIMENTS)
@@ -110,7 +110,7 @@ def test_a_circuit_is_scored_locally_and_checked_remotely():
     scored = pipatch.circuit(local, **TINY["circuit"])
     checked = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored})
     assert checked.meta["scores_from"]["backend"] == "transformers" and checked.meta["method"] == scored.meta["method"]
-    assert torch.allclose(checked.raw["edges"] - checked.corrupt[0], scored.raw["edges"] - scored.corrupt[0],
+    assert torch.allclose(checked.raw["edges"] - checked.corrupt, scored.raw["edges"] - scored.corrupt,
                           atol=1e-6, equal_nan=True)  # the scores given, on this run's corrupt baseline
     mine, theirs = checked.meta["checked"], scored.meta["checked"]
     assert [(e["sender"], e["receiver"]) for e in mine] == [(e["sender"], e["receiver"]) for e in theirs]
@@ -119,6 +119,14 @@ def test_a_circuit_is_scored_locally_and_checked_remotely():
     assert [w for w in checked.warnings if w.startswith("no faithfulness curve:") and "curve=0" in w]
     quiet = pipatch.circuit(remote, **{**TINY["circuit"], "scores": scored, "curve": 0})
     assert not [w for w in quiet.warnings if "faithfulness" in w]
+
+
+def test_a_feature_circuit_is_refused_remotely_in_one_line():
+    remote = tiny_model("qwen2")
+    remember(remote, remote="local")
+    with pytest.raises(PipatchError, match="backend='transformers'") as caught:
+        pipatch.feature_circuit(remote, **TINY["feature_circuit"])
+    assert "\n" not in str(caught.value)
 
 
 def test_attribution_runs_its_gradients_as_a_request(simulated, model):

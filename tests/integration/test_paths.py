@@ -31,7 +31,7 @@ def value(r) -> float:
 
 def effect(r) -> float:
     """How far the path alone moved the metric from the base run's."""
-    base = float(r.corrupt[0]) if r.meta["direction"] == "denoise" else r.clean_value
+    base = r.corrupt if r.meta["direction"] == "denoise" else r.clean_value
     return value(r) - base
 
 
@@ -182,7 +182,7 @@ def test_direct_path_to_logits_matches_its_definition(model):
         logits = hf.lm_head(hf.model.norm(final))[0, -1]
     paris, rome = (tok(t, add_special_tokens=False).input_ids[0] for t in (" Paris", " Rome"))
     expected = float(logits[paris] - logits[rome])
-    print(f"\ndirect path head {layer}.{head} → logits: {value(r):.4f} (corrupt {float(r.corrupt[0]):.4f}, "
+    print(f"\ndirect path head {layer}.{head} → logits: {value(r):.4f} (corrupt {r.corrupt:.4f}, "
           f"clean {r.clean_value:.4f}, recovery {float(r.grid[0, 0]):.3f}); by hand {expected:.4f}")
     assert value(r) == pytest.approx(expected, abs=1e-4)
     assert abs(effect(r)) > 1e-3

@@ -265,7 +265,7 @@ def test_unread_or_unchanging_writes_are_filled_without_a_forward(family):
     skipped = len(kinds) * 2 * (n_tokens - 1 - first + n_layers * first)
     assert first > 0 and fast.meta["engine"]["noop_cells"] >= skipped, fast.meta["engine"]
     assert slow.meta["engine"]["noop_cells"] == 0
-    corrupt = fast.corrupt.to(fast.raw[kinds[0]].dtype)
+    corrupt = fast.corrupt_seeds.to(fast.raw[kinds[0]].dtype)
     for view in kinds:
         top, before = fast.raw[view][:, -1, first:-1], fast.raw[view][:, :, :first]
         assert torch.equal(top, corrupt[:, None].expand_as(top))

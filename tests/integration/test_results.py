@@ -39,7 +39,7 @@ def test_damaged_files_are_refused_whole(tmp_path, eiffel_trace):
     for change, match in ((dict(schema=99), "schema 99"), (dict(layers=["0"]), "inconsistent")):
         bad = dict(header, **change)
         path = tmp_path / "bad.safetensors"
-        save_file({"raw/resid": eiffel_trace.raw["resid"], "corrupt": eiffel_trace.corrupt},
+        save_file({"raw/resid": eiffel_trace.raw["resid"], "corrupt": eiffel_trace.corrupt_seeds},
                   str(path), metadata={"pipatch": json.dumps(bad)})
         with pytest.raises(pipatch.PipatchError, match=match):
             pipatch.load_result(path)

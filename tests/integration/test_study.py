@@ -61,7 +61,7 @@ def test_each_fact_of_a_study_is_its_single_trace(model, six, tmp_path):
         assert found[i].meta["engine"]["chained"] == 4 and "chained" not in alone[i].meta["engine"]
         assert torch.allclose(found[i].raw["resid"], single.raw["resid"], atol=2e-5, rtol=0), i
         for mine in (alone[i], found[i]):
-            assert torch.equal(mine.corrupt, single.corrupt) and mine.clean == single.clean
+            assert torch.equal(mine.corrupt_seeds, single.corrupt_seeds) and mine.clean == single.clean
             assert mine.tokens == single.tokens
 
 
@@ -141,7 +141,7 @@ def test_a_twenty_fact_studys_aggregate_equals_the_list_form_dataset_trace(tmp_p
         assert mine.shape == want.shape == (3, 7)
         assert torch.allclose(mine, want, atol=1e-6, rtol=0, equal_nan=True), (mine - want).abs().nan_to_num(0).max()
     # ROME's raw effect: P(restored) − P(corrupted), averaged the same way.
-    raw = dataset.raw["resid"] - dataset.corrupt.reshape(-1, 1, 1)
+    raw = dataset.raw["resid"] - dataset.corrupt_seeds.reshape(-1, 1, 1)
     assert torch.allclose(found.grid("resid", "raw_effect"), torch.nanmean(raw, 0), atol=1e-6, equal_nan=True)
     # The same facts spelled another way resume (a list of sites is the comma-separated text).
     again = pipatch.study(tiny, facts, store=tmp_path / "tiny.sqlite", known_only=False,

@@ -51,7 +51,7 @@ def test_result_keeps_per_seed_grids_and_their_spread(eiffel_trace):
     assert r.per_seed.shape == (10, 18, 9)
     # Recovery from the stored raw metric and the baselines, by the definition (not through
     # the Result's own recovery()/mean(), which grid and per_seed both are).
-    raw, corrupt = r.raw["resid"], r.corrupt.view(-1, 1, 1)
+    raw, corrupt = r.raw["resid"], r.corrupt_seeds.view(-1, 1, 1)
     by_hand = (raw - corrupt) / (r.clean - corrupt)
     assert not torch.isnan(raw).any() and torch.isfinite(by_hand).all()
     assert torch.allclose(r.per_seed, by_hand, atol=1e-5)
@@ -59,9 +59,9 @@ def test_result_keeps_per_seed_grids_and_their_spread(eiffel_trace):
     # Each seed's own corrupt run normalizes it: restoring the clean last state at the last
     # layer gives 1 for every seed, though the seeds' corrupt baselines differ.
     assert float((r.per_seed[:, -1, -1] - 1).abs().max()) < 1e-4
-    assert float(r.corrupt.max() - r.corrupt.min()) > 0
+    assert float(r.corrupt_seeds.max() - r.corrupt_seeds.min()) > 0
     assert r.std().shape == (18, 9) and float(r.std()[:12, 2].max()) > 0  # seeds differ
-    assert r.meta["seeds"] == 10 and r.corrupt.shape == (10,)
+    assert r.meta["seeds"] == 10 and r.corrupt_seeds.shape == (10,)
 
 
 def test_subject_span_comes_from_offsets(eiffel_trace, model):

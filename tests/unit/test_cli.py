@@ -23,9 +23,9 @@ from tests.conftest import COLOSSEUM, EIFFEL
 
 def test_the_registry_lists_every_experiment_once_in_order():
     assert list(EXPERIMENTS) == ["trace", "patch", "attribute", "path_patch", "lens", "circuit", "features",
-                                 "feature_patch", "feature_trace"]
+                                 "feature_patch", "feature_trace", "feature_circuit"]
     assert [e.command for e in EXPERIMENTS.values()] == ["trace", "patch", "attribute", "path-patch", "lens", "circuit",
-                                                         "features", "feature-patch", "feature-trace"]
+                                                         "features", "feature-patch", "feature-trace", "feature-circuit"]
     assert {e.prompts.name for e in EXPERIMENTS.values()} == {"prompt", "pair"}
     for entry in EXPERIMENTS.values():
         flags = [o.flag for o in entry.options] + [f for o in entry.options for f in o.alias_flags]
@@ -148,3 +148,13 @@ def test_tensor_parallel_size_is_checked_before_any_model_loads(argv, match, cap
     assert cli.main(["trace", EIFFEL, "--subject", "Eiffel Tower", "--answer", " Paris", "--quiet", *argv]) == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1 and err.startswith("pipatch trace: error: ")
+
+
+def test_a_study_of_a_missing_facts_file_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """README's ``pipatch study known_1000.json ...`` in a folder without that file: one line at
+    once, naming the copy pipatch ships (the unit layer fails a test that loads a model)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["study", "known_1000.json", "--store", "known.sqlite", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipatch study: error: no facts file at 'known_1000.json'") and err.count("\n") == 1
+    assert "ships with pipatch" in err and not (tmp_path / "known.sqlite").exists()

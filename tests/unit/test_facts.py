@@ -98,3 +98,13 @@ def _has(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def test_a_missing_known_1000_json_names_the_copy_pipatch_ships(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    entry = experiment("trace")
+    with pytest.raises(pipatch.PipatchError, match="ships with pipatch") as error:
+        read_facts("known_1000.json", entry)
+    assert str(pipatch.known_facts()) in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(pipatch.PipatchError, match="check the path$"):
+        read_facts("facts.json", entry)

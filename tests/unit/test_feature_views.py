@@ -9,6 +9,7 @@ import json
 import torch
 
 import pipatch
+from pipatch._features._contexts import shown_tokens, window
 from pipatch._features._result import NOTE_CONTEXTS, LatentsResult
 from pipatch._features._screen import ERROR, FeaturePatchResult
 from pipatch._result import Result
@@ -59,6 +60,14 @@ def test_other_results_rows_are_layers_or_ranks_without_notes():
                           raw={SITE: torch.rand(1, 1, 1)}, clean=float("nan"), corrupt=torch.tensor([float("nan")]),
                           meta={"latents": {SITE: [[4]]}, "labels": {SITE: {"4": "x"}}, "normalize": False})
     assert (ranks.to_state()["row_axis"], ranks.to_state()["row_notes"]) == ("rank", [])
+
+
+def test_a_context_window_leaves_special_tokens_out_of_its_text():
+    tokens = ["<bos>", "The", " Eiffel", " Tower", " is", " in", " Paris", "<eos>"]
+    shown = shown_tokens(tokens, [False, True, True, True, True, True, True, False])
+    record = window(shown, 6, text=0)
+    assert (record["before"], record["token"], record["after"]) == ("The Eiffel Tower is in", " Paris", "")
+    assert window(shown, 1, text=0)["before"] == ""
 
 
 def test_a_feature_reads_cells_are_noted_with_their_latent_label_and_top_contexts(tmp_path):

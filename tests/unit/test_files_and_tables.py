@@ -15,6 +15,7 @@ import pipatch
 from pipatch import PipatchError
 from pipatch._result import Result, load_result
 from tests._contract import example_circuit, example_result
+from tests.unit.test_feature_views import feature_result
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -133,10 +134,17 @@ def test_a_comparisons_frame_adds_both_sides_and_a_circuits_frame_is_its_edges()
 # --------------------------------------------------------------------------------------------
 
 #: Public attributes that hold one value per run by design (documented tensors), not scalars.
-PER_RUN = {"raw", "corrupt", "clean", "per_seed", "grid", "grids", "nodes"}
+PER_RUN = {"raw", "clean_seeds", "corrupt_seeds", "per_seed", "grid", "grids", "nodes"}
 
 
-@pytest.mark.parametrize("make", [example_result, example_circuit,
+def _dataset_result() -> Result:
+    """A dataset's shape: two prompts of two seeds, each prompt with its own clean run."""
+    return Result(kind="trace", tokens=["a", "b"], columns=["a", "b"], layers=["0"], metric="prob",
+                  raw={"resid": torch.rand(4, 1, 2)}, clean=torch.tensor([0.9, 0.9, 0.7, 0.7]),
+                  corrupt=torch.tensor([0.1, 0.2, 0.3, 0.4]), meta={"dataset": True, "prompts": ["p", "q"]})
+
+
+@pytest.mark.parametrize("make", [example_result, example_circuit, _dataset_result, feature_result,
                                   lambda: pipatch.compare(example_result(), example_result(flip=True))])
 def test_every_public_scalar_of_a_result_is_a_python_number(make):
     result = make()
@@ -152,7 +160,33 @@ def test_every_public_scalar_of_a_result_is_a_python_number(make):
             scalars[name] = value
     assert type(result.clean_value) is float and type(result.corrupt_value) is float
     assert {"clean_value", "corrupt_value", "n_seeds"} <= set(scalars)
-    assert result.corrupt_value == pytest.approx(float(result.corrupt.mean()))
+    assert type(result.clean) is float and type(result.corrupt) is float
+    assert result.corrupt == pytest.approx(float(result.corrupt_seeds.mean()))
+    assert result.clean_value == pytest.approx(result.clean) and result.corrupt_value == result.corrupt
+    assert result.clean_seeds.shape == result.corrupt_seeds.shape == (result.n_seeds,)
+
+
+def test_the_runs_behind_the_float_baselines_survive_both_files(tmp_path):
+    dataset = _dataset_result()
+    assert (dataset.clean, dataset.corrupt) == (pytest.approx(0.8), pytest.approx(0.25))
+    for suffix in (".json", ".safetensors"):
+        back = load_result(dataset.save(tmp_path / f"dataset{suffix}"))
+        assert type(back.clean) is float and type(back.corrupt) is float, suffix
+        assert _same(back.clean_seeds, dataset.clean_seeds) and _same(back.corrupt_seeds, dataset.corrupt_seeds)
+        assert _same(back.grid, dataset.grid), suffix
+
+
+def test_a_json_file_written_when_the_baselines_were_lists_still_loads_with_float_baselines(tmp_path):
+    """Before the baselines were floats a document's ``corrupt`` (and a dataset's ``clean``) was
+    the list of runs: such files read back the same, their baselines now floats."""
+    dataset = _dataset_result()
+    doc = dataset.to_json()
+    doc["corrupt"], doc["clean"] = doc.pop("corrupt_seeds"), doc.pop("clean_seeds")  # the old layout
+    (tmp_path / "old.json").write_text(json.dumps(doc), encoding="utf-8")
+    back = load_result(tmp_path / "old.json")
+    assert type(back.clean) is float and type(back.corrupt) is float
+    assert _same(back.corrupt_seeds, dataset.corrupt_seeds) and _same(back.clean_seeds, dataset.clean_seeds)
+    assert back.to_json() == dataset.to_json()
 
 
 def _result(**overrides) -> Result:

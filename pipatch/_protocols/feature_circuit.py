@@ -1,0 +1,371 @@
+"""Feature circuits: which SAE latents, at which positions, carry a behaviour, and how they connect.
+
+Marks et al. (2024, "Sparse Feature Circuits") build a graph over SAEs; so does this, on a
+clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`):
+
+* **nodes**: each latent of each SAE at each position where it fires on the clean or the
+  corrupt prompt, one **error** node per (SAE, position) (what the SAE misses there,
+  :class:`~pipatch._features._site.ErrorSite`), and the metric (``"metric"``, scored
+  ``clean − corrupt``);
+* **node scores**, in the denoising convention of :func:`pipatch.feature_patch`: the change of
+  the metric when that node alone takes its clean value in the corrupt run, estimated by
+  attribution patching, ``(f_clean − f_corrupt) · dM/df`` at the corrupt run (an error node:
+  summed over the width), or with ``steps > 1`` by integrated gradients (the gradient averaged
+  over ``steps`` points from the corrupt value of that SAE towards its clean value, each SAE
+  on its own, as Marks et al. do; :mod:`pipatch._programs.feature_terms`);
+* **edge scores** from each node of an SAE to each node of the SAEs at the next layer that
+  has any (the downstream value holds everything the layers below wrote, so an edge skipping
+  a layer of SAEs would count twice what passes through that layer's nodes), by the same
+  linear approximation: ``Δf_up · (d f_down / d f_up) · dM/df_down``, the downstream node's
+  weighted value pulled back through the model to the upstream SAE's written value and
+  through the upstream node's decoder direction (the upstream error node: its whole value).
+  The Jacobian is the corrupt run's; ``dM/df_down`` is the node scoring's gradient. One
+  backward per downstream node, batched ``batch_size`` nodes a pass; error nodes are nodes
+  on both ends;
+* **pruning**: the circuit keeps the ``top_nodes`` nodes of largest ``|score|`` at or above
+  ``node_threshold``; edges are scored between kept nodes, and the ``top_edges`` of largest
+  ``|score|`` at or above ``edge_threshold`` are kept;
+* **checked**: the ``verify`` nodes of largest ``|score|`` are patched exactly (that latent,
+  or that error, at that position set to its clean value through its SAE in the corrupt run,
+  everything else free: :func:`pipatch.feature_patch`'s patch), and the estimates'
+  rank correlation with the exact changes is ``meta["agreement"]``, as component circuits
+  report theirs.
+
+The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
+``edges()`` are pandas tables, its grid the per-(SAE, position) sums of node scores.
+
+**Backends.** The scores need gradients: the transformers backend's. Only metrics read at
+the last prompt position (a one-token answer and foil) are scored; the others are refused in
+one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._cells import Base, Cell, Op
+from .._checks import whole_number
+from .._declare import PAIR, Experiment, Param, count, positive_int
+from .._engine import Plan, Sweep, check_batch_size
+from .._errors import PipatchError
+from .._features import LatentSite, distinct, load_sae
+from .._features._circuit import METRIC_NODE, VIEW_NODES, FeatureCircuitResult
+from .._features._screen import cell_scores, latent_gradient
+from .._programs.capture import captures
+from .._programs.feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, EdgePullbacksRequest, NodeGradientsRequest
+from ._inputs import (
+    BATCH_SIZE,
+    METRIC,
+    PAIR_PARAMS,
+    POSITIONS,
+    model_meta,
+    pair_title,
+    sweep_positions,
+    undefined_recovery_warning,
+)
+from .attribution import spearman
+from .features import _path_or_site
+from .patching import pair_inputs
+
+__all__ = ["plan_feature_circuit", "DECLARATION"]
+
+
+def _sites(backend: Any, saes: Any) -> list[LatentSite]:
+    """The latent sites ``saes`` names, in forward order (layer, then place in the block)."""
+    given = list(saes) if isinstance(saes, (list, tuple)) else [saes]
+    if not given:
+        raise PipatchError("feature_circuit() needs saes=: latent sites (pipatch.load_saes(sources, model)) or SAE "
+                           "folders")
+    sites = distinct([s if isinstance(s, LatentSite) else load_sae(s, backend.model) for s in given])
+    return sorted(sites, key=lambda s: (s.layer, s.order, s.name))
+
+
+def _threshold(value: Any, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PipatchError(f"{what} must be a number ≥ 0, got {value!r}") from None
+    if isinstance(value, bool) or not number >= 0:
+        raise PipatchError(f"{what} must be a number ≥ 0, got {value!r}")
+    return number
+
+
+def node_name(site: LatentSite, position: int, latent: int | None) -> str:
+    """``"L1 resid_post #12 @3"``, ``"L1 resid_post error @3"``."""
+    return f"{site.name} {'error' if latent is None else f'#{latent}'} @{position}"
+
+
+@dataclass
+class _Scored:
+    """One SAE's values and gradients at the corrupt run (``[1, T, ...]`` each)."""
+
+    site: LatentSite
+    clean: torch.Tensor
+    corrupt: torch.Tensor
+    clean_error: torch.Tensor
+    corrupt_error: torch.Tensor
+    holder_grad: torch.Tensor  # dM/dx at the written value, [1, T, d]
+
+    @property
+    def latent_grad(self) -> torch.Tensor:
+        """dM/df, [T, d_sae]."""
+        return latent_gradient(self.site, self.corrupt, self.holder_grad)[0].float()
+
+
+def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str, foil: str | None, saes: Any,
+                         metric: str, steps: int, verify: int, top_nodes: int, node_threshold: float,
+                         top_edges: int, edge_threshold: float, positions: Sequence[int] | None,
+                         batch_size: int | None) -> Plan:
+    """Score every node and the edges between kept nodes; plan the exact checks of the top
+    ``verify`` nodes. The parameters are :func:`pipatch.feature_circuit`'s."""
+    steps = whole_number(steps, "steps (integrated-gradient points; 1: attribution patching)", minimum=1)
+    verify = whole_number(verify, "verify (nodes patched exactly)", minimum=0)
+    top_nodes = whole_number(top_nodes, "top_nodes (nodes the circuit keeps)", minimum=1)
+    top_edges = whole_number(top_edges, "top_edges (edges the circuit keeps)", minimum=0)
+    node_threshold, edge_threshold = _threshold(node_threshold, "node_threshold"), _threshold(edge_threshold,
+                                                                                             "edge_threshold")
+    if not backend.capabilities.gradients:
+        raise PipatchError(f"feature_circuit scores by gradients, which the {backend.name} backend does not compute: "
+                           "run it on backend='transformers' (the default)")
+    sites = _sites(backend, saes)
+    pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
+    scorer = pair.metric
+    if not scorer.single:
+        raise PipatchError("feature_circuit scores metrics read at the last prompt position: give a one-token answer "
+                           "and foil")
+    T = pair.clean_ids.shape[1]
+    cols = sweep_positions(positions, T)
+    batch = check_batch_size(batch_size, T, backend)
+    errors = [s.error_site for s in sites]
+    clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], scorer, [*sites, *errors])
+    clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
+    deltas = {s.name: _written_change(s, clean_run.sites[s.name][s.layer], corrupt_run.sites[s.name][s.layer],
+                                      clean_run.sites[e.name][s.layer], corrupt_run.sites[e.name][s.layer])
+              for s, e in zip(sites, errors)}
+    grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(pair.corrupt_ids, scorer, sites, steps, deltas))
+    scored = [_Scored(s, clean_run.sites[s.name][s.layer], corrupt_run.sites[s.name][s.layer],
+                      clean_run.sites[e.name][s.layer], corrupt_run.sites[e.name][s.layer], grads[s.name][None])
+              for s, e in zip(sites, errors)]
+
+    nodes, grid = _nodes(scored, cols)
+    ranked = sorted((n for n in nodes if n["latent"] != METRIC_NODE), key=lambda n: -abs(n["score"]))
+    for node in [n for n in ranked if abs(n["score"]) >= node_threshold][:top_nodes]:
+        node["circuit"] = True
+    edges = _edges(backend, pair.corrupt_ids, scored, nodes, batch)
+    edges = [e for e in sorted(edges, key=lambda e: -abs(e["score"])) if abs(e["score"]) >= edge_threshold][:top_edges]
+    nodes.insert(0, {"node": METRIC_NODE, "site": METRIC_NODE, "layer": backend.adapter.n_layers, "position": T - 1,
+                     "latent": METRIC_NODE, "score": clean_value - corrupt_value, "exact": clean_value - corrupt_value,
+                     "circuit": True})
+    nodes[1:] = sorted(nodes[1:], key=lambda n: -abs(n["score"]))
+
+    meta = model_meta(backend)
+    meta.update({
+        **pair.meta(backend), "col_axis": "token", "direction": "denoise", "positions": cols, "steps": steps,
+        "method": "atp" if steps == 1 else "ig",
+        "saes": [{"name": s.name, "layer": s.layer, "sae": s.sae.name, "d_sae": s.n_latents} for s in sites],
+        "verify": verify, "top_nodes": top_nodes, "node_threshold": node_threshold, "top_edges": top_edges,
+        "edge_threshold": edge_threshold, "nodes": nodes, "edges": edges,
+    })
+    result = FeatureCircuitResult(
+        kind="feature_circuit", tokens=pair.clean_tokens, columns=[pair.clean_tokens[p] for p in cols],
+        layers=[s.name for s in sites], metric=scorer.label, raw={VIEW_NODES: (corrupt_value + grid).unsqueeze(0)},
+        clean=clean_value, corrupt=torch.tensor([corrupt_value]), meta=meta,
+        warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
+        rows_done={VIEW_NODES: len(sites)},
+    )
+    checked = [i for i, n in enumerate(nodes) if n["latent"] != METRIC_NODE][:verify]
+    for i in checked:
+        nodes[i]["exact"] = None
+    differ = (pair.clean_ids[0] != pair.corrupt_ids[0]).nonzero()
+    by_name = {s.site.name: s for s in scored}
+    sweep = _NodeChecks(view=VIEW_NODES, base=Base(pair.corrupt_ids, corrupt_run), metric=scorer,
+                        n_rows=len(checked), n_cols=1, agrees_before=int(differ[0]) if len(differ) else T,
+                        checked=checked, ops=[_ablation(nodes[i], by_name) for i in checked],
+                        corrupt_value=corrupt_value)
+    return _CheckedPlan(backend, result, [sweep], batch, True)
+
+
+def _written_change(site: LatentSite, clean: torch.Tensor, corrupt: torch.Tensor, clean_error: torch.Tensor,
+                    corrupt_error: torch.Tensor) -> torch.Tensor:
+    """How far ``site``'s clean latents and error move what it writes: ``decode(f_clean) −
+    decode(f_corrupt) + e_clean − e_corrupt`` ([1, T, d]), the line integrated gradients walk."""
+    with torch.no_grad():
+        return (site.decode(clean) - site.decode(corrupt)).float() + (clean_error - corrupt_error).float()
+
+
+def _nodes(scored: list[_Scored], cols: list[int]) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Every node's entry (unpruned, unchecked) and the grid of summed scores [SAEs, columns]."""
+    nodes: list[dict[str, Any]] = []
+    grid = torch.zeros(len(scored), len(cols))
+    for row, s in enumerate(scored):
+        site = s.site
+        latent_scores = cell_scores(site, s.clean, s.corrupt, s.holder_grad)  # [T, d_sae]
+        error_scores = cell_scores(site.error_site, s.clean_error, s.corrupt_error, s.holder_grad).sum(-1)  # [T]
+        active = (s.clean[0] != 0) | (s.corrupt[0] != 0)
+        for col, p in enumerate(cols):
+            for j in active[p].nonzero().flatten().tolist():
+                nodes.append(_node(site, p, j, float(latent_scores[p, j])))
+            nodes.append(_node(site, p, None, float(error_scores[p])))
+            grid[row, col] = float(latent_scores[p].sum() + error_scores[p])
+    return nodes, grid
+
+
+def _node(site: LatentSite, position: int, latent: int | None, score: float) -> dict[str, Any]:
+    return {"node": node_name(site, position, latent), "site": site.name, "layer": site.layer, "position": position,
+            "latent": "error" if latent is None else latent, "score": score, "exact": None, "circuit": False}
+
+
+def _edges(backend: Any, corrupt_ids: torch.Tensor, scored: list[_Scored], nodes: list[dict[str, Any]],
+           batch: int) -> list[dict[str, Any]]:
+    """The edges between kept nodes of each SAE and the SAEs of the next layer above it."""
+    kept: dict[str, list[dict[str, Any]]] = {}
+    for node in nodes:
+        if node["circuit"]:
+            kept.setdefault(node["site"], []).append(node)
+    layers = sorted({s.site.layer for s in scored})
+    edges: list[dict[str, Any]] = []
+    for down in scored:
+        below = [layer for layer in layers if layer < down.site.layer]
+        if not below or not kept.get(down.site.name):
+            continue
+        ups = [s for s in scored if s.site.layer == below[-1] and kept.get(s.site.name)]
+        targets = kept[down.site.name]
+        grad_f = down.latent_grad
+        weights = [down.holder_grad[0, n["position"]].float() if n["latent"] == "error"
+                   else grad_f[n["position"], n["latent"]] for n in targets]
+        for start in range(0, len(targets), batch):
+            chunk, chunk_weights = targets[start:start + batch], weights[start:start + batch]
+            wanted = [(n["position"], None if n["latent"] == "error" else n["latent"]) for n in chunk]
+            for up in ups:
+                pulled = backend.run(EDGE_PULLBACKS, EdgePullbacksRequest(corrupt_ids, up.site, down.site, wanted,
+                                                                          chunk_weights))
+                edges.extend(_edge_rows(up, kept[up.site.name], chunk, pulled))
+    return edges
+
+
+def _edge_rows(up: _Scored, sources: list[dict[str, Any]], targets: list[dict[str, Any]],
+               pulled: torch.Tensor) -> list[dict[str, Any]]:
+    """The edges from ``sources`` (kept nodes of ``up``) into each of ``targets``, from the
+    pull-backs ``pulled`` ([targets, T, d]) to ``up``'s written value."""
+    B = pulled.shape[0]
+    through = latent_gradient(up.site, up.corrupt.expand(B, -1, -1), pulled).float()  # [B, T, d_sae]
+    delta = (up.clean - up.corrupt)[0].float()
+    delta_error = (up.clean_error - up.corrupt_error)[0].float()
+    rows = []
+    for r, target in enumerate(targets):
+        for source in sources:
+            p = source["position"]
+            if p > target["position"]:
+                continue  # attention is causal: a later position reaches no earlier one
+            if source["latent"] == "error":
+                score = float((delta_error[p] * pulled[r, p].to(delta_error.device)).sum())
+            else:
+                score = float(delta[p, source["latent"]] * through[r, p, source["latent"]])
+            rows.append({"upstream": source["node"], "downstream": target["node"], "score": score})
+    return rows
+
+
+def _ablation(node: dict[str, Any], by_name: dict[str, _Scored]) -> Op:
+    """The exact patch of ``node``: its clean value written through its SAE at its position."""
+    s = by_name[node["site"]]
+    p = node["position"]
+    if node["latent"] == "error":
+        error = s.site.error_site
+        return Op(error, error.layer, error.cell(p), s.clean_error[:, [p]])
+    j = int(node["latent"])
+    return Op(s.site, s.site.layer, s.site.cell(p, j), s.clean[:, [p], j:j + 1])
+
+
+@dataclass
+class _NodeChecks(Sweep):
+    """Row ``i``: the exact patch of node ``checked[i]`` (its op ``ops[i]``); its change of the
+    metric goes to that node's ``exact``."""
+
+    stage = "checks"
+    checked: list[int] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+    corrupt_value: float = 0.0
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False
+
+    def cell(self, row: int, col: int, seed: int) -> Cell:
+        op = self.ops[row]
+        return Cell(row, col, seed, start=op.site.start_layer(op.layer), ops=[op])
+
+    def store(self, result: Any, cell: Cell, value: float) -> None:
+        result.meta["nodes"][self.checked[cell.row]]["exact"] = value - self.corrupt_value
+
+
+class _CheckedPlan(Plan):
+    """The checks' rank correlation with the estimates, ``meta["agreement"]``, at the end."""
+
+    def finish(self) -> None:
+        done = [n for n in self.result.meta["nodes"] if n["latent"] != METRIC_NODE and n["exact"] is not None]
+        if not done:
+            return
+        estimates = torch.tensor([n["score"] for n in done], dtype=torch.float64)
+        exact = torch.tensor([n["exact"] for n in done], dtype=torch.float64)
+        self.result.meta["agreement"] = {"spearman": spearman(estimates, exact),
+                                         "max_abs_error": float((estimates - exact).abs().max()), "n": len(done)}
+
+
+def _title(meta: dict) -> str:
+    names = ", ".join(s["name"] for s in meta.get("saes", []))
+    return pair_title("Feature circuit", meta, f"{meta.get('method', 'atp')}, {names}")
+
+
+def _number(value: str) -> float:
+    return _threshold(value, "the value")
+
+
+DECLARATION = Experiment(
+    name="feature_circuit", kind="feature_circuit", noun="feature circuit",
+    summary="Feature circuit: SAE latents and errors at each position as nodes, scored by attribution, "
+            "edges between SAEs, the top nodes checked exactly.",
+    planner=plan_feature_circuit, prompts=PAIR, title=_title,
+    params=(
+        *PAIR_PARAMS,
+        Param("saes", help="the SAEs: latent sites (pipatch.load_saes(sources, model)) or SAE folders",
+              annotation="Any", parse=_path_or_site, many=True),
+        METRIC,
+        Param("steps", 1, "integrated-gradient points per SAE (1: attribution patching at the corrupt run)", "int",
+              parse=positive_int),
+        Param("verify", 10, "nodes of largest |score| patched exactly", "int", parse=count),
+        Param("top_nodes", 30, "nodes the circuit keeps (largest |score| first); edges join kept nodes", "int",
+              parse=positive_int),
+        Param("node_threshold", 0.0, "the least |score| a kept node has", "float", parse=_number),
+        Param("top_edges", 100, "edges the circuit keeps (largest |score| first)", "int", parse=count),
+        Param("edge_threshold", 0.0, "the least |score| a kept edge has", "float", parse=_number),
+        POSITIONS,
+        BATCH_SIZE,
+    ),
+    example='%%feature_circuit --saes saes/L3 --saes saes/L6 --answer " Paris" --foil " Rome" -o graph\n'
+            "clean: The Eiffel Tower is in the city of\n"
+            "corrupt: The Colosseum is in the city of",
+    doc="""
+    See :mod:`pipatch._protocols.feature_circuit` for the method.
+
+    Returns
+    -------
+    FeatureCircuitResult
+        ``kind="feature_circuit"``; ``nodes()`` (``node``, ``site``, ``layer``, ``position``,
+        ``latent``: an id, ``"error"`` or ``"metric"``, ``score``, ``exact``: NaN where not
+        checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``, ``score``) are
+        pandas tables, scores in the metric's units (the change from the corrupt run);
+        ``meta["agreement"]`` the checked nodes' rank correlation with their estimates;
+        ``raw["nodes"]`` [1, SAEs, positions] ``corrupt metric +`` each place's summed scores.
+
+    Examples
+    --------
+    >>> saes = pipatch.load_saes(["saes/L3", "saes/L6"], model)
+    >>> r = pipatch.feature_circuit(model, saes=saes, clean="The Eiffel Tower is in the city of",
+    ...                             corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome")
+    >>> r.nodes().head(), r.edges().head()
+    """,
+)
