@@ -78,11 +78,15 @@ function largest(nodes: FeatureNode[], kept: number[]): number {
   return m > 0 ? m : 1;
 }
 
+/** The distance between the centres of two nodes sharing a place (the largest radius × 2, plus a gap). */
+const SLOT = 2 * 12 + 3;
+
 /**
  * Pixel places of the `kept` nodes in `width` pixels: row = the node's SAE (the first at the
  * bottom, the metric on top), column = its position; nodes of one place side by side in it,
- * in the order kept (largest first), wrapping onto a second line beyond what fits. A node's
- * radius is 3–12 px, its area in proportion to |score| (the metric: the largest).
+ * in the order kept (largest first), on as many lines as they need (rows grow to hold the
+ * fullest place). A node's radius is 3–12 px, its area in proportion to |score| (the metric:
+ * the largest).
  */
 export function layoutFeatures(g: FeatureGraph, kept: number[], width: number): FeatureLayout {
   const nodes = g.nodes ?? [];
@@ -90,21 +94,28 @@ export function layoutFeatures(g: FeatureGraph, kept: number[], width: number): 
   const rows = (g.sites?.length ?? 0) + 1;
   const w = Math.max(width, 320);
   const colWidth = (w - LEFT - 12) / Math.max(1, positions.length);
-  const rowGap = 64;
+  const fit = Math.max(1, Math.floor((colWidth - 4) / SLOT));
+  const column = (n: FeatureNode) => {
+    const col = positions.indexOf(n.position);
+    return col < 0 ? positions.length - 1 : col;
+  };
+  const slot = new Map<number, number>();
+  const perPlace = new Map<string, number>();
+  for (const i of kept) {
+    const key = `${nodes[i].row}:${column(nodes[i])}`;
+    slot.set(i, perPlace.get(key) ?? 0);
+    perPlace.set(key, (slot.get(i) ?? 0) + 1);
+  }
+  const lines = Math.max(1, ...[...perPlace.values()].map((n) => Math.ceil(n / fit)));
+  const rowGap = Math.max(64, lines * SLOT + 16);
   const height = TOP + rows * rowGap + BOTTOM;
   const vmax = largest(nodes, kept);
-  const perPlace = new Map<string, number>();
   const at = new Map<number, Point & { r: number }>();
   for (const i of kept) {
     const n = nodes[i];
-    let col = positions.indexOf(n.position);
-    if (col < 0) col = positions.length - 1;
-    const key = `${n.row}:${col}`;
-    const k = perPlace.get(key) ?? 0;
-    perPlace.set(key, k + 1);
-    const fit = Math.max(1, Math.floor(colWidth / 14));
-    const x = LEFT + col * colWidth + 8 + (k % fit) * 14;
-    const y = TOP + (rows - 1 - n.row) * rowGap + rowGap / 2 + Math.floor(k / fit) * 14 - 7;
+    const k = slot.get(i) ?? 0;
+    const x = LEFT + column(n) * colWidth + SLOT / 2 + (k % fit) * SLOT;
+    const y = TOP + (rows - 1 - n.row) * rowGap + 8 + SLOT / 2 + Math.floor(k / fit) * SLOT;
     const share = n.kind === 'metric' ? 1 : Math.min(1, Math.abs(Number.isFinite(n.score) ? n.score : 0) / vmax);
     at.set(i, { x, y, r: 3 + 9 * Math.sqrt(share) });
   }
@@ -288,7 +299,7 @@ export class FeatureView implements StateView {
     const sites = g.sites ?? [];
     const rows = svg('g', { class: 'pipatch-rows', 'font-size': 11, 'font-family': 'sans-serif', fill: '#616161' });
     [...sites, metricName(this.state)].forEach((name, row) => {
-      const y = 16 + (sites.length - row) * layout.rowGap + layout.rowGap / 2 + 4;
+      const y = TOP + (sites.length - row) * layout.rowGap + 8 + SLOT / 2 + 4;
       rows.append(svg('text', { x: 4, y }, tooltipLabel(name, 16)));
     });
     const positions = g.positions ?? [];
@@ -311,7 +322,7 @@ export class FeatureView implements StateView {
       }));
     }
     const nodesG = svg('g', { class: 'pipatch-fnodes' });
-    const labels = svg('g', { class: 'pipatch-fnode-labels', 'font-size': 10, 'font-family': 'sans-serif' });
+    const labels = svg('g', { class: 'pipatch-fnode-labels', 'font-size': 10, 'font-family': 'sans-serif', 'pointer-events': 'none' });
     for (const i of kept) {
       const n = nodes[i];
       const p = layout.at.get(i)!;
@@ -335,7 +346,7 @@ export class FeatureView implements StateView {
         labels.append(svg('text', { class: 'pipatch-fnode-exact', x: p.x + p.r + 2, y: p.y - p.r - 2, fill: '#212121' }, `exact ${formatValue(n.exact, 3)}`));
       }
     }
-    const groupsG = svg('g', { class: 'pipatch-supernodes', fill: 'none', 'font-size': 10, 'font-family': 'sans-serif' });
+    const groupsG = svg('g', { class: 'pipatch-supernodes', fill: 'none', 'font-size': 10, 'font-family': 'sans-serif', 'pointer-events': 'none' });
     const index = new Map(nodes.map((n, i) => [n.name, i]));
     for (const grp of this.groups) {
       const pts = grp.nodes.map((name) => layout.at.get(index.get(name) ?? -1)).filter((p): p is Point & { r: number } => !!p);
