@@ -19,6 +19,8 @@ page reloaded: the saved copy draws the graph, the supernode and filters without
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -152,6 +154,20 @@ def test_feature_circuit_fills_filters_ablates_groups_and_renders_saved(page, la
     assert view.locator(".pipatch-supernode").get_attribute("data-group") == GROUP
     assert view.locator(".pipatch-supernodes text").text_content() == GROUP
     assert view.locator("i").count() == 0
+
+    # -- export: the graph as drawn (SVG, PNG) and its data (JSON, supernodes included) ------------
+    with page.expect_download() as download:
+        view.locator("button.pipatch-svg").click()
+    tree = ElementTree.parse(download.value.path())
+    drawn = [e for e in tree.iter() if "pipatch-fnode " in (e.get("class") or "") + " "]
+    assert tree.getroot().tag == "{http://www.w3.org/2000/svg}svg" and len(drawn) == top + 1
+    with page.expect_download() as download:
+        view.locator("button.pipatch-png").click()
+    assert Path(download.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with page.expect_download() as download:
+        view.locator("button.pipatch-json").click()
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported["supernodes"] == [{"name": GROUP, "nodes": members}] and len(exported["nodes"]) > top
 
     run_cells(page, [AFTER])
     after = _printed(page, AFTER, "AFTER")
