@@ -41,6 +41,7 @@ one line.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ import torch
 from .._cells import Base, Cell, Op
 from .._checks import whole_number
 from .._declare import PAIR, Experiment, Param, count, positive_int
-from .._engine import Plan, Sweep, check_batch_size
+from .._engine import Plan, Predictor, Sweep, check_batch_size
 from .._errors import PipatchError
 from .._features import LatentSite, distinct, load_sae
 from .._features._circuit import METRIC_NODE, VIEW_NODES, FeatureCircuitResult
@@ -185,7 +186,7 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
     sweep = _NodeChecks(view=VIEW_NODES, base=Base(pair.corrupt_ids, corrupt_run), metric=scorer,
                         n_rows=len(checked), n_cols=1, agrees_before=int(differ[0]) if len(differ) else T,
                         checked=checked, ops=[_ablation(nodes[i], by_name) for i in checked],
-                        corrupt_value=corrupt_value)
+                        corrupt_value=corrupt_value, scored=by_name)
     return _CheckedPlan(backend, result, [sweep], batch, True)
 
 
@@ -289,6 +290,7 @@ class _NodeChecks(Sweep):
     checked: list[int] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
     corrupt_value: float = 0.0
+    scored: dict[str, _Scored] = field(default_factory=dict)  # each SAE's values: what any node's patch writes
 
     @property
     def tracks_rows(self) -> bool:
@@ -302,8 +304,22 @@ class _NodeChecks(Sweep):
         result.meta["nodes"][self.checked[cell.row]]["exact"] = value - self.corrupt_value
 
 
+class _NodePredictor(Predictor):
+    """A plan's predictor that also patches any node exactly (a click on it in the view)."""
+
+    def ablate(self, node: dict[str, Any]) -> float:
+        """The change of the metric when ``node`` alone takes its clean value: the checks' patch."""
+        checks = self.sweeps[VIEW_NODES]
+        one = dataclasses.replace(checks, n_rows=1, checked=[0], ops=[_ablation(node, checks.scored)])
+        return self.values([(one, one.cell(0, 0, 0))])[0] - checks.corrupt_value
+
+
 class _CheckedPlan(Plan):
-    """The checks' rank correlation with the estimates, ``meta["agreement"]``, at the end."""
+    """The checks' rank correlation with the estimates, ``meta["agreement"]``, at the end; a
+    predictor that ablates any node (:class:`_NodePredictor`)."""
+
+    def predictor(self) -> Predictor:
+        return _NodePredictor(self.backend, {s.view: dataclasses.replace(s, only=None) for s in self.sweeps})
 
     def finish(self) -> None:
         done = [n for n in self.result.meta["nodes"] if n["latent"] != METRIC_NODE and n["exact"] is not None]
