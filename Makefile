@@ -71,7 +71,8 @@ test: $(STAMP) chromium install-vllm
 	$(MAKE) docs
 	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
-		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py
+		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
+		--ignore=tests/integration/test_served_guard.py
 	$(PY) -m pytest -q -ra -m e2e tests/e2e
 	$(MAKE) test-vllm
 
@@ -90,12 +91,14 @@ test-vllm: install-vllm
 	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm_kernel.py
 	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm_tp.py
 	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served.py
+	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served_guard.py
 	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served_tp.py
 
 test-py: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e and not vllm" tests/unit tests/integration --ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
-		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py
+		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
+		--ignore=tests/integration/test_served_guard.py
 
 test-js:
 	npm test

@@ -15,8 +15,11 @@ P(" Paris"), float32 on this machine's CPU:
 * ``forward``: one plain forward (``model(ids)``, the logits at every position, as
   transformers computes them by default), and one with the last position's logits only;
 * ``lens last 16``: ``pipatch.lens(..., positions=range(-16, 0))``;
-* ``lens all``: every position (``pipatch.lens(...)``), with the FLOP floor of its
-  unembedding.
+* ``lens all, logit difference``: every position with ``foil=" Rome"``,
+  ``metric="logit_diff"``: a logit difference reads two rows of the unembedding per reading,
+  not 262k, so the whole lens stays near one forward;
+* ``lens all``: every position (``pipatch.lens(...)``), P(" Paris"), with the FLOP floor of its
+  unembedding (a probability needs every logit's share of the softmax).
 
 Each is timed :data:`REPEAT` times but ``lens all`` (once), the best counting. Figures go to
 ``bench/results/lens.json``.
@@ -59,16 +62,21 @@ def main(argv=None) -> int:
     forward, _ = best(lambda: hf(ids), REPEAT)
     forward_last, _ = best(lambda: hf(ids, logits_to_keep=1), REPEAT)
     last16, few = best(lambda: pipatch.lens(model, prompt, answer=" Paris", positions=list(range(-16, 0))), REPEAT)
+    diff_all, _ = best(lambda: pipatch.lens(model, prompt, answer=" Paris", foil=" Rome", metric="logit_diff"),
+                       REPEAT)
     vocab, d = len(model.tokenizer), backend.adapter.d_model
     report = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "torch_threads": torch.get_num_threads()},
               "tokens": ids.shape[1], "forward_s": forward, "forward_last_logits_s": forward_last,
-              "lens_last16_s": last16, "lens_last16_x_forward": last16 / forward}
+              "lens_last16_s": last16, "lens_last16_x_forward": last16 / forward,
+              "lens_all_logit_diff_s": diff_all, "lens_all_logit_diff_x_forward": diff_all / forward}
     lines = [f"logit lens, {ids.shape[1]} tokens, P(' Paris'), {torch.get_num_threads()} thread(s):",
              f"  one plain forward (logits at every position) {forward:7.2f} s; last position's logits only "
              f"{forward_last:7.2f} s",
              f"  lens, last 16 positions   {last16:7.2f} s = {last16 / forward:5.2f}× one forward "
-             f"({n_layers} × 16 readings through the unembedding)"]
+             f"({n_layers} × 16 readings through the unembedding)",
+             f"  lens, all {ids.shape[1]} positions, logit difference {diff_all:7.2f} s = {diff_all / forward:5.2f}× "
+             f"one forward ({n_layers} × {ids.shape[1]} readings through two rows of the unembedding)"]
     if not args.skip_all:
         every, full = best(lambda: pipatch.lens(model, prompt, answer=" Paris"), repeat=1)
         floor = 2 * d * vocab * n_layers * ids.shape[1]

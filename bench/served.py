@@ -61,7 +61,7 @@ def timed(fn):
 
 def main() -> int:
     figures: dict = {"machine": platform.processor() or platform.machine()}
-    server = Spawned("--api-key", KEY)
+    server = Spawned(env={"PIPATCH_API_KEY": KEY})
     try:
         figures["server_start_s"] = round(server.start_s, 1)
         figures["server_rss_gb_idle"] = round(server.rss_gb(), 2)

@@ -85,7 +85,7 @@ def _model(backend: str):
         return
     from pipatch._serve import Spawned
 
-    server = Spawned("--api-key", "bench")
+    server = Spawned(env={"PIPATCH_API_KEY": "bench"})
     try:
         yield pipatch.load_model(serve=server.url, api_key="bench")
     finally:

@@ -20,6 +20,7 @@
 import type { Circuit, GridState, Mode, Selection, UiState } from './data';
 import { selectMatrix } from './data';
 import { divergingColor, formatDuration, formatValue, safeFileName, symmetricMax, tooltipLabel } from './format';
+import { FeatureView, isFeatureGraph } from './features';
 import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, showTooltip, type GridCallbacks } from './grid';
 
 /** Edges drawn at first when there is no faithful circuit (the static figure's default too: `TOP_EDGES` in render.py). */
@@ -220,10 +221,10 @@ export interface StateView {
   destroy(): void;
 }
 
-/** The view for `state` in `el`: `current` when it is the right kind, else a new one (a circuit's
- * graph or the grid) in its place. */
+/** The view for `state` in `el`: `current` when it is the right kind, else a new one (a feature
+ * circuit's graph, a circuit's graph or the grid) in its place. */
 export function viewFor(current: StateView | null, state: GridState, el: HTMLElement, callbacks: GridCallbacks): StateView {
-  const wanted = isCircuit(state) ? CircuitView : GridView;
+  const wanted = isFeatureGraph(state) ? FeatureView : isCircuit(state) ? CircuitView : GridView;
   if (current instanceof wanted) return current;
   current?.destroy();
   return new wanted(el, callbacks);

@@ -15,6 +15,10 @@ import {
   CIRCUIT_SCHEMA,
   DETAIL_SCHEMA,
   FAITHFULNESS_SCHEMA,
+  FEATURE_GRAPH_SCHEMA,
+  FEDGE_SCHEMA,
+  FNODE_SCHEMA,
+  GROUP_SCHEMA,
   NODE_SCHEMA,
   STATE_SCHEMA,
   TOP_SCHEMA,
@@ -60,6 +64,10 @@ interface FieldTypes {
   'node[]': GraphNode[];
   'check[]': Check[];
   faithfulness: Faithfulness;
+  feature_graph: FeatureGraph;
+  'fnode[]': FeatureNode[];
+  'fedge[]': FeatureEdge[];
+  'group[]': Group[];
 }
 type FromSchema<S extends Record<string, keyof FieldTypes>> = { -readonly [K in keyof S]: FieldTypes[S[K]] };
 
@@ -71,6 +79,15 @@ export type Check = FromSchema<typeof CHECK_SCHEMA>;
 export type Faithfulness = FromSchema<typeof FAITHFULNESS_SCHEMA>;
 /** A circuit's graph (`CIRCUIT_SCHEMA`); every field optional, `{}` for any other result. */
 export type Circuit = Partial<FromSchema<typeof CIRCUIT_SCHEMA>>;
+
+/** A node of a feature circuit (`FNODE_SCHEMA`). */
+export type FeatureNode = FromSchema<typeof FNODE_SCHEMA>;
+/** An edge of a feature circuit (`FEDGE_SCHEMA`). */
+export type FeatureEdge = FromSchema<typeof FEDGE_SCHEMA>;
+/** A supernode (`GROUP_SCHEMA`). */
+export type Group = FromSchema<typeof GROUP_SCHEMA>;
+/** A feature circuit's graph (`FEATURE_GRAPH_SCHEMA`); every field optional, `{}` for any other result. */
+export type FeatureGraph = Partial<FromSchema<typeof FEATURE_GRAPH_SCHEMA>>;
 
 /** The kernel's answer to a click (`DETAIL_SCHEMA`); every field optional. */
 export type Detail = Partial<FromSchema<typeof DETAIL_SCHEMA>>;
@@ -261,6 +278,14 @@ function readField(type: keyof FieldTypes, x: unknown, fallback: unknown, errors
       return Array.isArray(x) ? x.map((c) => readObject(CHECK_SCHEMA, c, errors, true)) : [];
     case 'faithfulness':
       return readObject(FAITHFULNESS_SCHEMA, x, errors, true);
+    case 'feature_graph':
+      return readObject(FEATURE_GRAPH_SCHEMA, x, errors);
+    case 'fnode[]':
+      return Array.isArray(x) ? x.map((n) => readObject(FNODE_SCHEMA, n, errors, true)) : [];
+    case 'fedge[]':
+      return Array.isArray(x) ? x.map((e) => readObject(FEDGE_SCHEMA, e, errors, true)) : [];
+    case 'group[]':
+      return Array.isArray(x) ? x.map((g) => readObject(GROUP_SCHEMA, g, errors, true)) : [];
   }
 }
 

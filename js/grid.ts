@@ -40,6 +40,10 @@ export interface GridCallbacks {
   onStop?(): void;
   /** Whether a kernel can answer cell clicks (top-5 predictions). */
   live?: boolean;
+  /** A feature circuit: ask the kernel for a node's exact ablation (features.ts). */
+  onAblate?(node: string): void;
+  /** A feature circuit: the user named a group of nodes, a supernode (`nodes` empty: removed it). */
+  onGroup?(name: string, nodes: string[]): void;
 }
 
 const ROW_LABEL_WIDTH = 96;

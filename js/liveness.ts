@@ -20,6 +20,8 @@
  * page still holds both outputs.
  */
 
+import type { Group } from './data';
+
 const REGISTRY = '__pipatchLive';
 const COPIES = '__pipatchCopies';
 const EVENT = 'pipatch:live';
@@ -108,4 +110,22 @@ export function hideDeadWidgetBefore(node: HTMLElement): () => void {
   const obs = new MutationObserver(check);
   obs.observe(dead, { childList: true, subtree: true, characterData: true });
   return () => obs.disconnect();
+}
+
+const GROUPS_EVENT = 'pipatch:groups';
+
+/** A live grid's supernodes (a feature circuit's groups), told to its saved copy on the page
+ * (same id), which keeps them in the notebook's document so they survive the kernel. */
+export function publishGroups(id: string, groups: Group[]): void {
+  if (id) document.dispatchEvent(new CustomEvent(GROUPS_EVENT, { detail: { id, groups } }));
+}
+
+/** Call `callback(groups)` when the live grid `id` publishes its supernodes; returns an unsubscribe. */
+export function onGroups(id: string, callback: (groups: Group[]) => void): () => void {
+  const listener = (e: Event) => {
+    const detail = (e as CustomEvent<{ id: string; groups: Group[] }>).detail;
+    if (detail?.id === id) callback(detail.groups);
+  };
+  document.addEventListener(GROUPS_EVENT, listener);
+  return () => document.removeEventListener(GROUPS_EVENT, listener);
 }

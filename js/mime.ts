@@ -9,11 +9,13 @@
  * grid back (see `liveness.ts`).
  */
 import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
+import type { ReadonlyPartialJSONObject } from '@lumino/coreutils';
 import { Widget } from '@lumino/widgets';
 import { viewFor, type StateView } from './circuit';
-import { normalizeState, type UiState } from './data';
+import { normalizeState, type Group, type UiState } from './data';
 import { GridView } from './grid';
-import { hideDeadWidgetBefore, isLive, markCopy, onLiveChange, setShown } from './liveness';
+import { withGroup } from './features';
+import { hideDeadWidgetBefore, isLive, markCopy, onGroups, onLiveChange, setShown } from './liveness';
 import { MIME_TYPE, SCHEMA_VERSION } from './schema';
 
 export { MIME_TYPE };
@@ -50,6 +52,7 @@ export class GridRenderer extends Widget implements IRenderMime.IRenderer {
   private hint: HTMLElement | null = null;
   private unwatch: (() => void)[] = [];
   private watchingDead = false;
+  private model: IRenderMime.IMimeModel | null = null;
 
   constructor(private options: IRenderMime.IRendererOptions) {
     super();
@@ -63,7 +66,12 @@ export class GridRenderer extends Widget implements IRenderMime.IRenderer {
       onUiChange: (p: Partial<UiState>) => {
         this.ui = { ...this.ui, ...p };
       },
+      onGroup: (name: string, nodes: string[]) => {
+        const groups = (this.document(model).feature_graph as { groups?: Group[] } | undefined)?.groups ?? [];
+        this.keepGroups(model, withGroup(groups, name, nodes));
+      },
     };
+    this.model = model;
     try {
       const { state, errors, ui } = documentToState(data);
       if (ui && Object.keys(this.ui).length === 0) this.ui = { ...ui };
@@ -77,12 +85,30 @@ export class GridRenderer extends Widget implements IRenderMime.IRenderer {
     }
   }
 
+  /** The document as an object (some pipelines store it as a JSON string). */
+  private document(model: IRenderMime.IMimeModel): Record<string, unknown> {
+    const data = model.data[this.options.mimeType];
+    const doc = typeof data === 'string' ? JSON.parse(data) : data;
+    return doc && typeof doc === 'object' ? (doc as Record<string, unknown>) : {};
+  }
+
+  /** Keep a feature circuit's supernodes in the document: the notebook saves them. */
+  private keepGroups(model: IRenderMime.IMimeModel, groups: Group[]): void {
+    const doc = this.document(model);
+    const graph = (doc.feature_graph ?? {}) as Record<string, unknown>;
+    if (JSON.stringify(graph.groups ?? []) === JSON.stringify(groups)) return;
+    const next = { ...doc, feature_graph: { ...graph, groups } };
+    model.setData({ data: { ...model.data, [this.options.mimeType]: next as unknown as ReadonlyPartialJSONObject } });
+  }
+
   /** Hide while the live grid `id` is on the page; otherwise show, with the hint line. */
   private pairWithLiveGrid(id: string): void {
     if (!id || id === this.liveId) return;
     if (this.liveId) markCopy(this.liveId, false);
     this.liveId = id;
     markCopy(id, true);
+    // The live grid's supernodes: kept in this copy, so they survive the kernel.
+    this.unwatch.push(onGroups(id, (groups) => this.model && this.keepGroups(this.model, groups)));
     if (!this.hint) {
       this.hint = document.createElement('div');
       this.hint.className = 'pipatch-saved-hint';

@@ -7,7 +7,7 @@
  * Types: 'str', 'str[]', 'int', 'int[]', 'int?' (null for none), 'float', 'float[]', 'float?'
  * (null when not finite), 'float?[]', 'bool', '{str: int}', '{str: float?}', '{str: str[]}', 'arrays'
  * ({name: {data, dtype, shape}}), and the named objects 'detail', 'top[]', 'selection', 'ui',
- * 'circuit' ('node[]', 'check[]', 'faithfulness'). Arrays are named `<view>/<what>`; `ARRAY_SCHEMA` gives
+ * 'circuit' ('node[]', 'check[]', 'faithfulness'), 'feature_graph' ('fnode[]', 'fedge[]', 'group[]'). Arrays are named `<view>/<what>`; `ARRAY_SCHEMA` gives
  * each `what` its shape in rows (row_labels), cols (col_labels) and seeds (n_seeds).
  */
 
@@ -51,6 +51,7 @@ export const STATE_SCHEMA = {
   values: 'str',
   circuit: 'circuit',
   subject: 'int[]',
+  feature_graph: 'feature_graph', // a feature circuit's graph ({} for any other result): drawn as a graph
 } as const;
 
 /** The kernel's answer to a click; every field optional. */
@@ -91,6 +92,37 @@ export const FAITHFULNESS_SCHEMA = {
   size: 'int?',
   edges: 'int',
 } as const;
+
+/**
+ * A feature circuit's graph: rows are its SAEs (`sites`, bottom up; the metric's node one row
+ * above), columns its positions; the nodes drawn, the edges kept and the user's groups
+ * (supernodes). Every field optional (`{}`: not a feature circuit).
+ */
+export const FEATURE_GRAPH_SCHEMA = {
+  sites: 'str[]',
+  positions: 'int[]',
+  nodes: 'fnode[]',
+  edges: 'fedge[]',
+  groups: 'group[]',
+  total: 'int', // how many nodes the graph has in all (more than drawn when it is large)
+} as const;
+/** `row` its SAE (`sites.length`: the metric), `latent` NaN for an error or the metric (`kind`
+ * says which), `exact` NaN where not checked, `note` its label and top contexts. */
+export const FNODE_SCHEMA = {
+  name: 'str',
+  row: 'int',
+  position: 'int',
+  latent: 'int?',
+  kind: 'str',
+  score: 'float?',
+  exact: 'float?',
+  circuit: 'bool',
+  note: 'str',
+} as const;
+/** An edge between nodes `up` and `down` (indices into `nodes`). */
+export const FEDGE_SCHEMA = { up: 'int', down: 'int', score: 'float?' } as const;
+/** A supernode: a name for a group of nodes (by name). */
+export const GROUP_SCHEMA = { name: 'str', nodes: 'str[]' } as const;
 
 /** Browser → kernel: what the user chose (widget traits of the same names). */
 export const UI_SCHEMA = {

@@ -9,7 +9,7 @@
 import { viewFor, type StateView } from './circuit';
 import { normalizeState, type UiState } from './data';
 import type { GridCallbacks } from './grid';
-import { hasCopy, markLive, setShown } from './liveness';
+import { hasCopy, markLive, publishGroups, setShown } from './liveness';
 
 /** How long a view waits for its kernel before deferring to its saved copy (ms). */
 const KERNEL_WAIT_MS = 4000;
@@ -54,8 +54,17 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
       model.set('stop_requested', true);
       model.save_changes();
     },
+    onAblate(node) {
+      model.send({ type: 'ablate', node });
+    },
+    onGroup(name, nodes) {
+      model.send({ type: 'group', name, nodes });
+    },
   };
   let grid: StateView | null = null;
+  // Names this widget's saved copy (see liveness.ts).
+  const liveId = String(model.get('live_id') ?? '');
+  let groupsSent = '';
 
   let queued = false;
   const redraw = () => {
@@ -67,6 +76,13 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
     grid = viewFor(grid, state, el, callbacks);
     grid.setErrors(errors);
     grid.update(state, readUi(model));
+    // A feature circuit's supernodes: its saved copy on the page keeps them in the notebook.
+    const groups = state.feature_graph?.groups;
+    const text = JSON.stringify(groups ?? null);
+    if (groups && text !== groupsSent) {
+      groupsSent = text;
+      publishGroups(liveId, groups);
+    }
   };
   const schedule = () => {
     if (queued) return;
@@ -80,7 +96,6 @@ function render({ model, el }: { model: AnyModel; el: HTMLElement }): () => void
   // Live once the kernel answers: then the saved copy below (same live_id) hides. A view
   // restored from saved widget state, with no kernel behind it, never hears back and leaves
   // the copy showing (see liveness.ts).
-  const liveId = String(model.get('live_id') ?? '');
   let live = false;
   const onMsg = (content: unknown) => {
     if (!live && (content as { type?: string } | null)?.type === 'pong') {

@@ -133,7 +133,15 @@ def answer_selection(predictor: Predictor | None, result: Any, selection: dict) 
 
 
 def _answer(widget: Any, selection: dict) -> None:
-    """Compute and send the detail for ``selection`` unless a newer click replaced it."""
+    """Compute and send the detail for ``selection`` unless a newer click replaced it; a view's
+    message (``{"type": ...}``, :meth:`~pipatch._widget.GridWidget.on_message`) goes to its
+    result's ``answer_message``, whose state update is sent."""
+    if "type" in selection:
+        result = getattr(widget, "_pipatch_result", None)
+        answer = getattr(result, "answer_message", None)
+        if answer is not None:
+            widget.update_state(answer(_predictor(result), selection))
+        return
     if dict(widget.selected or {}) != selection:
         return
     result = getattr(widget, "_pipatch_result", None)
@@ -247,6 +255,7 @@ def attach_result(widget: Any, result: Any, predictor: Predictor | None = None) 
     if not getattr(widget, "_pipatch_select_hooked", False):
         widget._pipatch_select_hooked = True
         widget.on_select(lambda selection: _DISPATCHER.submit(widget, selection))
+        widget.on_message(lambda message: _DISPATCHER.submit(widget, message))
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ __all__ = ["load_model", "shared_model"]
 def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, device: Any = None,
                backend: str = "transformers", engine_args: dict[str, Any] | None = None,
                serve: str | None = None, api_key: str | None = None, timeout: float = 600.0,
-               remote: bool | str = False):
+               verify: bool | str | os.PathLike = True, remote: bool | str = False):
     """Load a causal language model as an nnsight ``TransformersModel`` (or ``VLLM``).
 
     Parameters
@@ -63,9 +63,15 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
         tree (needs ``pipatch[vllm]`` installed, no GPU). ``name`` must be the model the
         server serves (``None``: the embedded one); ``dtype`` is the server's.
     api_key
-        With ``serve``: the key ``pipatch serve`` was started with.
+        With ``serve``: a key the server accepts (one of its key file's); default: the
+        ``PIPATCH_API_KEY`` environment variable. A refused key fails here, in one line.
     timeout
         With ``serve``: seconds to wait for one batch's answer before giving up.
+    verify
+        With an ``https://`` ``serve``: ``True`` (default) checks the server's certificate
+        against the system's CAs; a path trusts that PEM file (the server's self-signed
+        certificate, or a team's CA); ``False`` checks nothing (a test server only). A
+        certificate not trusted fails here, in one line.
     remote
         ``True``: every experiment runs on NDIF, nnsight's remote service, as requests through
         nnsight's own remote path (:mod:`pipatch._backends.ndif`); ``name`` is the hub id NDIF
@@ -84,8 +90,9 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     if remote is not False:
         return _load_remote(name, remote, dtype=dtype, device=device, backend=backend, serve=serve,
                             engine_args=engine_args, api_key=api_key)
-    if serve is None and api_key is not None:
-        raise PipatchError("api_key is for a server: pass it with serve='http://host:port'")
+    if serve is None and (api_key is not None or verify is not True):
+        raise PipatchError(f"{'api_key' if api_key is not None else 'verify'} is for a server: pass it with "
+                           "serve='http://host:port'")
     if serve is not None and (backend != "transformers" or engine_args is not None or device is not None):
         raise PipatchError("serve= runs the model on the server, which chose its backend, engine and device: "
                            "drop backend=, engine_args= and device=")
@@ -96,7 +103,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: Any = None, devi
     if serve is not None:
         from ._backends.served import connect
 
-        return connect(name, serve, api_key=api_key, dtype=dtype, timeout=timeout)
+        return connect(name, serve, api_key=api_key, dtype=dtype, timeout=timeout, verify=verify)
     if backend == "vllm":
         return build_vllm(name, dtype=dtype, device=device, engine_args=engine_args)
     path, label = _model_path(name)

@@ -554,6 +554,7 @@ class Result:
             "values": "" if self.normalized else "metric",
             "circuit": {},  # a circuit's graph: pipatch._circuit_result
             "subject": self._subject_columns(),
+            "feature_graph": {},  # a feature circuit's graph: pipatch._features._circuit
         })
 
     def _subject_columns(self) -> list[int]:

@@ -9,31 +9,41 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
 * **The right worker.** On a machine without CUDA the engine's worker is pipatch's CPU
   adapter (:mod:`pipatch._vllm_cpu_worker`), named before the model is built (the worker
   processes import it by name).
-* **Fresh sources per request.** nnsight memoizes each traced file's source and ``with``
-  blocks by file name, and the server registers each request's shipped source under the
-  *client's* file name: the second, different trace sent from one client file would be
-  parsed against the first one's source (``WithBlockNotFoundError``). Those memos are
+* **Fresh sources per request** (nnsight's route, with ``--allow-client-code``). nnsight
+  memoizes each traced file's source and ``with`` blocks by file name, and the server
+  registers each request's shipped source under the *client's* file name: the second,
+  different trace sent from one client file would be parsed against the first one's source
+  (``WithBlockNotFoundError``). Those memos are
   dropped before each request is built (builds run one at a time, with no ``await``:
   :func:`pipatch._compat.nnsight.fresh_sources_per_request`).
 * **Clean shutdown.** On SIGINT/SIGTERM the web server stops, and then so does the vLLM
   engine and its worker processes (the stock server leaves them running, with the engine's
   memory).
-* **Saves kept apart per invoke.** nnsight's ``/v1/nnsight/generate`` merges the saves of a
-  trace's invokes by name, so a name saved in every invoke comes back holding the last one's
-  value. ``POST /v1/pipatch/generate`` runs the same build and run, but each invoke's saves
-  come back under their own keys (``name@request-id``, in invoke order): a client sends a
-  batch of cells as one trace of several invokes; and the invokes are collected from the
-  workers in one call, not one each (:func:`_saves_per_invoke`).
+* **Programs by name, no client code.** ``POST /v1/pipatch/generate`` takes a program's
+  name and its jobs' data, never code (:mod:`pipatch._backends._served_programs`): every
+  field is checked before anything runs (a malformed request is HTTP 400 with one line),
+  and the server builds the nnsight trace from its own copy of the program. Each invoke's
+  saves come back under their own keys (``name@request-id``, in invoke order), where
+  nnsight's route merges them by name; and the invokes are collected from the workers in one
+  call, not one each (:func:`_programs_by_name`). nnsight's own routes, which run the code
+  a client sends, answer 403 unless the server is started with ``--allow-client-code``
+  (:func:`_no_client_code`).
 * **One skip at a time.** A client's batch skips the blocks below its patches, and nnsight's
   batched skip has to cover every request of an engine step: requests enter the engine
   together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
-* **The tree by name.** On pipatch's CPU workers, a request names the model's envoy tree
-  (:data:`~pipatch._models.TREE_ID`) instead of pickling its 264 envoys into every invoke,
-  here and on the way to the engine (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
-* **Who may send code.** Requests carry code the server runs: the server listens on the
-  loopback only, unless ``--host`` comes with ``--api-key``.
+* **The tree by name.** On pipatch's CPU workers, an invoke names the model's envoy tree
+  (:data:`~pipatch._models.TREE_ID`) on its way to the engine (and in nnsight clients'
+  requests) instead of pickling its 264 envoys
+  (:func:`pipatch._compat.nnsight.serve_tree_by_reference`).
+* **Who may send requests, and how much.** The server listens on the loopback only, unless
+  ``--host`` comes with keys (``--api-key-file`` or ``PIPATCH_API_KEY``, compared in constant
+  time; only ``/health`` answers without one), and each request is bounded in body bytes,
+  invokes and prompt tokens, each by a flag (:mod:`pipatch._serve_guard`; over one: HTTP 413,
+  one line naming the flag). ``--ssl-certfile/--ssl-keyfile`` serve HTTPS (uvicorn's own
+  TLS), so keys and results do not cross a network in clear text.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
-  versions; a client checks it when it connects (and a wrong key fails there, at once).
+  versions, and the program format; a client checks it when it connects (a wrong key, or
+  another pipatch version, fails there, at once, in one line).
 
 The ready line (``pipatch serve: ready at http://...``) is printed on stdout once the port
 accepts requests.
@@ -43,22 +53,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK"]
+from ._serve_guard import (
+    GENERATE_PATH,
+    INFO_PATH,
+    MAX_INVOKES,
+    MAX_REQUEST_BYTES,
+    SKIP_HEADER,
+    BodyLimit,
+    KeyGate,
+    Keys,
+    Limits,
+    server_keys,
+)
 
-#: Where a client asks the server what it serves.
-INFO_PATH = "/v1/pipatch/info"
-#: Where a client sends a trace whose invokes' saves it wants back one by one.
-GENERATE_PATH = "/v1/pipatch/generate"
-#: The header a request names, by their count, the blocks its invokes skip with (0: none;
-#: :class:`_Rooms`).
-SKIP_HEADER = "X-Pipatch-Skip"
+__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK", "CLIENT_CODE_PREFIX"]
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: nnsight's own routes, which run the code a client sends: closed unless --allow-client-code.
+CLIENT_CODE_PREFIX = "/v1/nnsight/"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,11 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF id or local folder (default: the embedded Gemma 3 270M)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="bind address (default 127.0.0.1; any other needs --api-key)")
+                        help="bind address (default 127.0.0.1; any other needs a key)")
     parser.add_argument("--port", default=6677, help="port (default 6677)")
-    parser.add_argument("--api-key", default=None, help="require this key (header ndif-api-key)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="require one of the keys in PATH (one per line, # comments); "
+                             "also accepted: the key in $PIPATCH_API_KEY")
+    parser.add_argument("--api-key", default=None,
+                        help="require this key (every local user can read it in the process list: "
+                             "prefer --api-key-file or $PIPATCH_API_KEY)")
+    parser.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="the certificate's private key")
+    parser.add_argument("--max-request-bytes", default=None, metavar="N",
+                        help=f"largest request body (default {MAX_REQUEST_BYTES})")
+    parser.add_argument("--max-invokes", default=None, metavar="N",
+                        help=f"most invokes in one request (default {MAX_INVOKES})")
+    parser.add_argument("--max-prompt-tokens", default=None, metavar="N",
+                        help="most tokens in one invoke's prompt (default: the engine's max_model_len)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
+    parser.add_argument("--allow-client-code", action="store_true",
+                        help="also run nnsight traces (Python code) that clients send, on nnsight's own routes "
+                             "(default: off; pipatch clients send programs by name)")
     return parser
 
 
@@ -92,14 +127,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         import_before_nnsight()
         # Checked here, not by argparse's int: its error would not name the range.
         args.port = whole_number(args.port, "--port", minimum=1, maximum=65535)
+        args.keys, warnings = server_keys(args.api_key_file, args.api_key)
+        for name in ("max_request_bytes", "max_invokes", "max_prompt_tokens"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(args, name, whole_number(value, "--" + name.replace("_", "-"), minimum=1))
+        _check_tls(args)
         engine_args = _engine_args(engine_words)
-        if args.host not in LOOPBACK and not args.api_key:
-            raise PipatchError(f"--host {args.host} lets other machines send code for this server to run: "
-                               "add --api-key KEY (clients pass api_key=KEY), or keep the default 127.0.0.1")
+        if args.host not in LOOPBACK and not args.keys:
+            raise PipatchError(f"--host {args.host} lets other machines send requests: "
+                               "add --api-key-file PATH (or set $PIPATCH_API_KEY; clients pass api_key=), "
+                               "or keep the default 127.0.0.1")
+        if args.host not in LOOPBACK and not args.ssl_certfile:
+            warnings.append(f"--host {args.host} without --ssl-certfile: keys and results cross the network in "
+                            "clear text (add --ssl-certfile/--ssl-keyfile, or keep 127.0.0.1 and use ssh -L)")
+        for warning in warnings:
+            sys.stderr.write(f"pipatch serve: warning: {warning}\n")
         return _serve(args, engine_args)
     except PipatchError as error:
         sys.stderr.write(f"pipatch serve: error: {error}\n")
         return 2
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """``--ssl-certfile`` and ``--ssl-keyfile`` come together and name a certificate and its
+    key (loaded here once, so that a wrong file is one line before the engine starts)."""
+    import ssl
+
+    from ._models import PipatchError
+
+    given = {flag: path for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile))
+             if path is not None}
+    if len(given) == 1:
+        raise PipatchError(f"{next(iter(given))} needs its pair: pass both --ssl-certfile CERT and --ssl-keyfile KEY")
+    for flag, path in given.items():
+        if not os.access(path, os.R_OK) or not os.path.isfile(path):
+            raise PipatchError(f"{flag} {path}: no readable file there: pass the PEM file's path")
+    if given:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except ssl.SSLError as error:
+            raise PipatchError(f"--ssl-certfile {args.ssl_certfile} --ssl-keyfile {args.ssl_keyfile}: not a certificate "
+                               f"and its private key in PEM ({error.reason or error}): pass the files your CA "
+                               "or `openssl req -x509` made") from None
 
 
 def _split_engine_words(parser: argparse.ArgumentParser, words: list[str]) -> tuple[list[str], list[str]]:
@@ -137,6 +207,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import uvicorn
     from nnsight.modeling.vllm.serve import server
 
+    from ._backends._served_programs import PROGRAM_FORMAT, PROGRAMS, Bounds
+    from ._backends._vllm_engine import vllm_adapter
     from ._compat import nnsight as nnsight_compat
     from ._compat import vllm as vllm_compat
     from ._models import EMBEDDED_NAME, TREE_ID, build_vllm
@@ -161,6 +233,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "max_model_len": int(config.model_config.max_model_len),
         "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
         "pipatch": _version("pipatch"), "nnsight": _version("nnsight"), "vllm": _version("vllm"),
+        "program_format": PROGRAM_FORMAT, "programs": sorted(PROGRAMS), "client_code": bool(args.allow_client_code),
     }
     # pipatch's CPU workers name their tree (pipatch._vllm_cpu_worker); nnsight's CUDA worker
     # does not, and an engine in another process takes no function to run on its workers.
@@ -171,18 +244,32 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     async def describe() -> dict[str, Any]:
         return info
 
+    limits = Limits(request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, invokes=args.max_invokes or MAX_INVOKES,
+                    prompt_tokens=args.max_prompt_tokens or info["max_model_len"])
+    info["limits"] = dataclasses.asdict(limits)
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
-    _saves_per_invoke(server)
+    adapter = vllm_adapter(model, info["tensor_parallel_size"])
+    _programs_by_name(server, adapter,
+                      Bounds.of(adapter, config.model_config.get_vocab_size(), info["max_model_len"], limits))
+    if args.allow_client_code:
+        print("pipatch serve: --allow-client-code: nnsight's routes run the Python code clients send, as this "
+              "server's user, with its files and the engine's memory; give keys only to people you would give "
+              "a shell here", flush=True)
+    else:
+        _no_client_code(server)
     _one_skip_at_a_time(server)
     info["skip_rooms"] = True
-    if args.api_key:
-        nnsight_compat.require_api_key(server.app, args.api_key)
+    # Added last, so run first (Starlette's order): the key, then the body's size, then the rooms.
+    server.app.add_middleware(BodyLimit, limits=limits)
+    if args.keys:
+        server.app.add_middleware(KeyGate, keys=Keys(args.keys))
+    scheme = "https" if args.ssl_certfile else "http"
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
-                print(f"pipatch serve: ready at http://{args.host}:{args.port} ({label}, {info['dtype']}, "
+                print(f"pipatch serve: ready at {scheme}://{args.host}:{args.port} ({label}, {info['dtype']}, "
                       f"{info['device']}; pid {os.getpid()})", flush=True)
 
     # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal with the
@@ -190,7 +277,8 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     # shut down below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning")).run()
+        Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning",
+                              ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
@@ -200,35 +288,47 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0
 
 
-def _saves_per_invoke(server: Any) -> None:
-    """Add :data:`GENERATE_PATH`: nnsight's generate flow, with two differences.
+def _programs_by_name(server: Any, adapter: Any, bounds: Any) -> None:
+    """Add :data:`GENERATE_PATH`: a program by name, checked, built here and run.
 
+    * The request names one of pipatch's programs and carries its jobs' data
+      (:mod:`pipatch._backends._served_programs`); it is checked against ``bounds`` (the
+      model's vocabulary, layers, width, context and sites) before anything runs, and a
+      malformed one is answered 400 with one line; one over the server's limits (invokes,
+      prompt tokens: ``bounds.limits``), 413 naming the limit's flag. Its skip must be the one its
+      :data:`SKIP_HEADER` said (the rooms admitted it by that).
+    * The trace is built here from the server's own copy of the program, with the server's
+      ``adapter``; a failure while it runs comes back in nnsight's answer, as the error of
+      that request only.
     * Each invoke's saves come back under their own keys (``name@request-id``, in invoke
       order), where nnsight's route merges them by name (the last invoke's value only).
-    * A trace's invokes are collected in one call to the workers, where nnsight's route makes
-      one per invoke (each a round trip through the engine core: 16 a request).
-    * A trace's invokes start in one engine step (:func:`_together`), where nnsight's route
+    * A request's invokes are collected in one call to the workers, where nnsight's route
+      makes one per invoke (each a round trip through the engine core: 16 a request).
+    * A request's invokes start in one engine step (:func:`_together`), where nnsight's route
       adds them one by one and the engine starts stepping on the first.
-
-    The build (rebuild the trace, prepare its workers, attach them to the requests) and the
-    run (one engine request per invoke) are nnsight's own steps; nnsight's route answers
-    nnsight clients unchanged.
     """
     import asyncio
     import uuid
 
     from fastapi import Request
+    from fastapi.responses import PlainTextResponse
     from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.engines.engine import merge_collected
 
-    from ._compat.nnsight import answer, build_request, served_model
+    from ._backends._served_programs import BadRequest, OverLimit, build, decode
+    from ._compat.nnsight import answer, served_model
 
     async def generate(request: Request) -> Any:
         model = served_model(server)
-        body = await request.body()
-        compress = request.headers.get("nnsight-compress", "False").lower() == "true"
         try:
-            prompts, params, loras = build_request(server, model, body, compress)
+            program = decode(await request.body(), bounds)
+            if request.headers.get(SKIP_HEADER, "0") != str(program.skip):
+                raise BadRequest(f"the request skips {program.skip} blocks, its {SKIP_HEADER} header says "
+                                 f"{request.headers.get(SKIP_HEADER, '0')[:20]!r}: send both alike")
+        except BadRequest as refused:
+            return PlainTextResponse(str(refused), status_code=413 if isinstance(refused, OverLimit) else 400)
+        try:
+            prompts, params, loras = build(model, adapter, program)
         except Exception as exception:  # noqa: BLE001 - the client re-raises it, in one line
             return answer(server, {}, capture_exception(exception))
         engine = model.vllm_entrypoint
@@ -256,6 +356,22 @@ def _saves_per_invoke(server: Any) -> None:
 
     generate.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
     server.app.add_api_route(GENERATE_PATH, generate, methods=["POST"])
+
+
+def _no_client_code(server: Any) -> None:
+    """nnsight's own routes (``/v1/nnsight/...``: a trace's code to run, a block to install
+    on every request) answer 403 with one line; ``/health`` and pipatch's routes are as they
+    were. ``pipatch serve --allow-client-code`` leaves them open."""
+    from fastapi.responses import PlainTextResponse
+
+    async def refuse_code(request: Any, call_next: Any) -> Any:
+        if request.url.path.startswith(CLIENT_CODE_PREFIX):
+            return PlainTextResponse("this server runs no client code (nnsight traces): pipatch clients send programs "
+                                     "by name; start the server with --allow-client-code to run nnsight clients' code",
+                                     status_code=403)
+        return await call_next(request)
+
+    server.app.middleware("http")(refuse_code)
 
 
 async def _together(engine: Any, ids: list[str], prompts: list, params: list, loras: list | None) -> list:
@@ -371,16 +487,19 @@ class Spawned:
 
     For scripts, benchmarks and tests that need a server of their own::
 
-        server = Spawned("--api-key", key)          # returns once the port accepts requests
+        server = Spawned(env={"PIPATCH_API_KEY": key})  # returns once the port accepts requests
         model = pipatch.load_model(serve=server.url, api_key=key)
         ...
-        server.stop()                               # SIGTERM: the engine processes go too
+        server.stop()                                   # SIGTERM: the engine processes go too
 
     ``tree`` lists the pids it started (the web server, the engine core, its workers),
-    ``rss_gb()`` their resident memory and ``alive()`` those still running.
+    ``rss_gb()`` their resident memory and ``alive()`` those still running. ``env`` adds to
+    the child's environment (``{"PIPATCH_API_KEY": key}``); with ``--ssl-certfile`` its
+    ``url`` is ``https://``.
     """
 
-    def __init__(self, *args: str, port: int | None = None, timeout: float = 600, python: str | None = None):
+    def __init__(self, *args: str, port: int | None = None, timeout: float = 600, python: str | None = None,
+                 env: dict[str, str] | None = None):
         import socket
         import subprocess
         import threading
@@ -392,11 +511,12 @@ class Spawned:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        scheme = "https" if "--ssl-certfile" in args else "http"
+        self.port, self.url = port, f"{scheme}://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [python or sys.executable, "-m", "pipatch.cli", "serve", "--port", str(port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.tree = [self.proc.pid]
         ready = threading.Event()

@@ -141,6 +141,7 @@ class GridWidget(anywidget.AnyWidget):
     values = t.Unicode("").tag(sync=True)
     circuit = t.Dict().tag(sync=True)  # a circuit's graph: the browser draws it instead of the heatmap
     subject = t.List(t.Int()).tag(sync=True)  # the subject's columns, drawn marked
+    feature_graph = t.Dict().tag(sync=True)  # a feature circuit's graph: drawn instead of the heatmap
 
     # browser → kernel
     view = t.Unicode("").tag(sync=True)
@@ -165,14 +166,22 @@ class GridWidget(anywidget.AnyWidget):
             self.update_state(state)
         self.live_id = self.model_id  # names this widget's saved copy (see the module docstring)
         self._pinged = False
+        self._message_handlers: list[Callable[[dict[str, Any]], None]] = []
         self.on_msg(self._on_custom_msg)
 
     def _on_custom_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
-        """A view asks whether its kernel is there (``ping``): answer, so it can say it is live."""
-        if isinstance(content, Mapping) and content.get("type") == "ping":
+        """A view asks whether its kernel is there (``ping``): answer, so it can say it is live.
+        Any other message (a feature circuit's ``ablate`` or ``group``) goes to the handlers of
+        :meth:`on_message`."""
+        if not isinstance(content, Mapping):
+            return
+        if content.get("type") == "ping":
             self._pinged = True
             _FRONTEND_SEEN.set()
             self.send({"type": "pong"})
+            return
+        for handler in list(self._message_handlers):
+            handler(dict(content))
 
     @t.observe("comm")
     def _observe_comm(self, change: dict[str, Any]) -> None:
@@ -267,6 +276,13 @@ class GridWidget(anywidget.AnyWidget):
 
         self.observe(handler, names="selected")
         return lambda: self.unobserve(handler, names="selected")
+
+    def on_message(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call ``callback(content)`` for each message a view sends besides ``ping`` (as
+        :meth:`on_select`'s, it may run in the comm's subshell thread); returns an unsubscribe
+        function."""
+        self._message_handlers.append(callback)
+        return lambda: self._message_handlers.remove(callback)
 
     def on_stop(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` when Stop is pressed; returns an unsubscribe function."""

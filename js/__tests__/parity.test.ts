@@ -36,6 +36,10 @@ import {
   CIRCUIT_SCHEMA,
   DETAIL_SCHEMA,
   FAITHFULNESS_SCHEMA,
+  FEATURE_GRAPH_SCHEMA,
+  FEDGE_SCHEMA,
+  FNODE_SCHEMA,
+  GROUP_SCHEMA,
   NODE_SCHEMA,
   DOCUMENT_SCHEMA,
   MIME_TYPE,
@@ -151,6 +155,14 @@ function hasType(type: string, v: unknown): boolean {
       return Array.isArray(v) && v.every((c) => conforms(CHECK_SCHEMA, c, true));
     case 'faithfulness':
       return conforms(FAITHFULNESS_SCHEMA, v, true);
+    case 'feature_graph':
+      return conforms(FEATURE_GRAPH_SCHEMA, v, false);
+    case 'fnode[]':
+      return Array.isArray(v) && v.every((n) => conforms(FNODE_SCHEMA, n, true));
+    case 'fedge[]':
+      return Array.isArray(v) && v.every((e) => conforms(FEDGE_SCHEMA, e, true));
+    case 'group[]':
+      return Array.isArray(v) && v.every((g) => conforms(GROUP_SCHEMA, g, true));
     case 'ui':
       return isObj(v) && Object.entries(v).every(([k, x]) => k in UI_SCHEMA && hasType((UI_SCHEMA as Json)[k] as string, x));
     default:
@@ -186,6 +198,10 @@ describe('state schema', () => {
     expect(NODE_SCHEMA).toEqual(C.schemas.node);
     expect(CHECK_SCHEMA).toEqual(C.schemas.check);
     expect(FAITHFULNESS_SCHEMA).toEqual(C.schemas.faithfulness);
+    expect(FEATURE_GRAPH_SCHEMA).toEqual(C.schemas.feature_graph);
+    expect(FNODE_SCHEMA).toEqual(C.schemas.fnode);
+    expect(FEDGE_SCHEMA).toEqual(C.schemas.fedge);
+    expect(GROUP_SCHEMA).toEqual(C.schemas.group);
     expect(ARRAY_DTYPE).toBe(C.array_dtype);
     expect(ARRAY_SCHEMA).toEqual(C.arrays);
   });

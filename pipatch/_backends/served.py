@@ -8,41 +8,49 @@ invoke bodies (:func:`~pipatch._backends.vllm._capture_run`,
 :func:`~pipatch._backends.vllm._patched_run`), so the same numbers — and only the transport
 differs, in :meth:`ServedBackend._invokes`:
 
-* **Many invokes per request.** A batch of cells goes as traces of up to
+* **Many invokes per request.** A batch of cells goes as requests of up to
   :data:`INVOKES_PER_REQUEST` invokes each (a cell's invokes, as in process: as a rule one
-  request a batch), serialized here one after another (nnsight's tracer is not thread-safe)
-  and sent together on a pool of connections; the server adds a request's invokes to its
-  engine with the scheduler held, so they start in one step, as an in-process trace's do.
-  nnsight's own route would merge the invokes' saves by name (the last one's value only), so
-  they go to ``pipatch serve``'s route that keeps them apart
-  (:data:`~pipatch._serve.GENERATE_PATH`). A batch of cells returns when its last request
-  does, so the live grid fills in batch by batch.
+  request a batch), sent together on a pool of connections; the server adds a request's
+  invokes to its engine with the scheduler held, so they start in one step, as an in-process
+  trace's do, and keeps each invoke's saves apart (:data:`~pipatch._serve.GENERATE_PATH`).
+  A batch of cells returns when its last request does, so the live grid fills in batch by
+  batch.
 * **Blocks below a patch are skipped**, as in process: each request says how many blocks its
   invokes skip (:data:`~pipatch._serve.SKIP_HEADER`), and the server lets requests into its
   engine together only where they skip as many (nnsight's batched skip has to cover every
   request of a step; ``pipatch serve``'s rooms, first come first served).
-* **What travels.** nnsight's request format (``RequestModel``): the invoke's source, the
-  values it reads (a cell's donor slices and noise draw, a few KB), and the invoke body by
-  reference to pipatch's module, so the server runs the same pipatch version. The model's
-  module tree goes by name where the server's workers know it (its info says
-  ``tree_by_reference``: pipatch's CPU workers), not as 264 pickled envoys per request. The answer is
-  nnsight's ``torch.save`` of the saved values: connect only to servers you trust (the
-  ``api_key`` says who may send code; nothing authenticates the server).
-* **Errors.** Unreachable server, refused key, another model, a failure inside the trace, a
-  timeout: each is one :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
+* **What travels: programs by name, no code.** A request names the invoke body (one of the
+  vLLM backend's request bodies, :data:`~._served_programs.PROGRAMS`) and carries its jobs'
+  data: token ids, the metric, the ops (sites by name, indices, values: a cell's donor slices
+  and noise draw, a few KB), the skipped blocks' states, the pipatch version and program
+  format (:mod:`._served_programs`; data only, ``torch.save`` of plain containers and
+  tensors). An SAE's latent site travels as data too: its description and tensors, which the
+  server checks against its model and rebuilds with pipatch's own classes. The server checks
+  every field and builds the trace from its own copy of the body, so a site it cannot name
+  (a site of your own) is refused here, in one line. The answer is nnsight's ``torch.save``
+  of the saved values, read with ``weights_only=True``: connect only to servers you trust
+  (the ``api_key`` says who may send requests; over ``https://`` the server's certificate is
+  checked, against ``verify=``'s CA file where given).
+* **The server's limits.** Its info names how many invokes and body bytes one request may
+  carry (``pipatch serve --max-invokes/--max-request-bytes``): a batch goes as requests that
+  fit, halved until each does; one invoke (an SAE's site with it) over the byte limit is one
+  line naming ``--max-request-bytes``.
+* **Errors.** Unreachable server, refused key, another model or pipatch version (checked at
+  connect), a request the server refuses, a failure inside the trace, a timeout: each is one
+  :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
   and keeps the finished rows. Kernel ▸ Interrupt and Stop land between requests: requests
   not yet sent are dropped, those in flight finish on the server and are discarded here.
 
-NDIF (``remote=True``) takes the same request format, but runs only code from its allowed
+NDIF (``remote=True``) takes nnsight's code format and runs only code from its allowed
 modules, and pipatch's invoke bodies are pipatch functions: it is not this backend with
 another transport, so it is not offered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -53,8 +61,10 @@ import torch
 
 from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
+from .._serve_guard import GENERATE_PATH, INFO_PATH, KEY_ENV, SKIP_HEADER
 from ._contract import Capabilities
-from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING, tree_by_reference, vllm_adapter
+from ._served_programs import check_versions, encode
+from ._vllm_engine import INVOKES_PER_REQUEST, vllm_adapter
 from ._vllm_worker import ANSWERS
 from .vllm import VLLMBackend
 
@@ -67,9 +77,6 @@ CONCURRENCY = 32
 #: ones' are built and sent, and requests of one skip depth share the engine's steps.
 FACTS_IN_FLIGHT = 4
 
-#: nnsight's tracer keeps per-thread and per-model state: requests are built one at a time.
-_TRACING = threading.Lock()
-
 #: An answer's load allows pipatch's named tuples (ANSWERS) one load at a time (Server.generate).
 _ALLOWING = threading.Lock()
 
@@ -77,13 +84,14 @@ _ALLOWING = threading.Lock()
 class Server:
     """The HTTP side: one connection pool to one ``pipatch serve`` server."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0,
+                 verify: bool | str | os.PathLike = True):
         import httpx
 
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise PipatchError(f"serve={url!r} is not a server URL: pass 'http://host:port' (pipatch serve prints it)")
         self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, float(timeout)
-        self._http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENCY))
+        self._http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENCY), verify=_tls(verify))
         self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="pipatch-serve")
         self.info: dict[str, Any] = {}
 
@@ -103,32 +111,32 @@ class Server:
             raise PipatchError(f"the server at {self.url} did not answer within {self.timeout:g} s: it may be "
                                "busy or stuck; load the model with a larger timeout=, or check the server") from None
         except httpx.TransportError as error:
+            if "CERTIFICATE_VERIFY_FAILED" in str(error):
+                raise PipatchError(f"the server at {self.url} sent a certificate this client does not trust "
+                                   f"({_reason(error)}): pass verify='cert.pem' (the server's certificate or its CA), "
+                                   "or verify=False for a test server") from None
             raise PipatchError(f"cannot reach a pipatch server at {self.url} ({type(error).__name__}: {error}): "
                                "start one with `pipatch serve`, or check the URL") from None
         if response.status_code == 401:
-            raise PipatchError(f"the server at {self.url} refused the API key: pass api_key= as given to "
-                               "`pipatch serve --api-key`")
+            raise PipatchError(f"the server at {self.url} refused the API key: pass api_key= (or set $PIPATCH_API_KEY) "
+                               "with a key the server accepts (its --api-key-file)")
         if response.status_code == 404 and path.endswith("/info"):
             raise PipatchError(f"{self.url} is not a pipatch server (no {path}): start it with `pipatch serve`")
         if response.status_code != 200:
-            raise PipatchError(f"the server at {self.url} answered {response.status_code}: "
-                               f"{response.text.strip()[:200] or response.reason_phrase}")
+            raise PipatchError(f"the server at {self.url} answered {response.status_code}: {_detail(response)}")
         return response
 
     def describe(self) -> dict[str, Any]:
         """What the server serves (``GET /v1/pipatch/info``)."""
-        from .._serve import INFO_PATH
-
         self.info = self._call("GET", INFO_PATH).json()
         return self.info
 
     def generate(self, blob: bytes, skip: int = 0) -> dict[str, Any]:
-        """Send one serialized trace whose invokes skip ``skip`` blocks; its saved values, each
+        """Send one program request (:func:`~._served_programs.encode`) whose invokes skip
+        ``skip`` blocks; its saved values, each
         invoke's apart (``name@request``, in invoke order: :data:`~pipatch._serve.GENERATE_PATH`);
         a failure in it: one line."""
         from nnsight.intervention.errors import raise_deferred
-
-        from .._serve import GENERATE_PATH, SKIP_HEADER
 
         response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
@@ -159,14 +167,20 @@ class Server:
         self._http.close()
 
 
-def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = None, timeout: float = 600.0) -> Any:
+def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = None, timeout: float = 600.0,
+            verify: bool | str | os.PathLike = True) -> Any:
     """A weightless ``VLLM`` client for ``name`` whose experiments run on the server at ``url``.
 
-    Checks first (one line each, before the module tree, which takes a while, is built): the server answers, takes
-    the key, serves ``name`` (``None``: the embedded model) in ``dtype`` (if given).
+    Checks first (one line each, before the module tree, which takes a while, is built): the server answers
+    (over ``https://``, with a certificate ``verify`` trusts), takes the key (``api_key``, else
+    ``$PIPATCH_API_KEY``), runs this pipatch version and program format, serves ``name`` (``None``: the
+    embedded model) in ``dtype`` (if given).
     """
-    server = Server(url, api_key, timeout)
+    if api_key is None:
+        api_key = os.environ.get(KEY_ENV) or None
+    server = Server(url, api_key, timeout, verify)
     info = server.describe()
+    check_versions(info, server.url)
     want = EMBEDDED_NAME if name is None else str(name)
     if info.get("model") != want:
         hint = "omit the name" if info.get("model") == EMBEDDED_NAME else f"pass {info.get('model')!r}"
@@ -178,8 +192,7 @@ def connect(name: Any, url: str, *, api_key: str | None = None, dtype: Any = Non
                            "(results use the server's), or start a server with --dtype")
     length = {"max_model_len": int(info["max_model_len"])} if info.get("max_model_len") else {}
     model = build_vllm(name, dtype=served_dtype, engine_args=length, dispatch=False)  # the server's config
-    # The connection is kept beside the model (nnsight pickles the model's attributes into
-    # every request), as long as the model lives, and closed when it goes.
+    # The connection is kept beside the model, as long as the model lives, and closed when it goes.
     remember(model, server=server)
     weakref.finalize(model, server.close)
     ServedBackend(model, server)  # its adapter found (and kept) now: a family pipatch cannot map fails at load
@@ -228,14 +241,16 @@ class ServedBackend(VLLMBackend):
         return {**super().meta(), "server": self.server.url}
 
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
-        """The jobs as traces of up to :data:`INVOKES_PER_REQUEST` invokes, all sent at once
-        (module docstring), each request saying how many blocks its invokes skip (the server
+        """The jobs as program requests of up to :data:`INVOKES_PER_REQUEST` invokes, all sent
+        at once (module docstring), each saying how many blocks its invokes skip (the server
         runs it only beside requests that skip as many); what each job's invoke returned, in
         order."""
         self.log.add("requests", invokes=len(jobs), skip=skip)
-        parts = [jobs[i : i + INVOKES_PER_REQUEST] for i in range(0, len(jobs), INVOKES_PER_REQUEST)]
-        with _TRACING:  # clicks (another thread), sweeps, other clients: one tracer at a time
-            blobs = [self._request(body, part) for part in parts]
+        limits = self.server.info.get("limits") or {}
+        per_request = min(INVOKES_PER_REQUEST, int(limits.get("invokes") or INVOKES_PER_REQUEST))
+        parts = [jobs[i : i + per_request] for i in range(0, len(jobs), per_request)]
+        fitted = [piece for part in parts for piece in self._fitted(body, part, skip, limits.get("request_bytes"))]
+        parts, blobs = [part for part, _ in fitted], [blob for _, blob in fitted]
         outs: list[Any] = []
         for part, saves in zip(parts, self.server.generate_all(blobs, skip)):
             if len(saves) != len(part):
@@ -244,18 +259,20 @@ class ServedBackend(VLLMBackend):
             outs += saves.values()
         return outs
 
-    def _request(self, body: Any, jobs: list[tuple[list[int], tuple]]) -> bytes:
-        """nnsight's serialized trace of ``body(model, *args)``, one invoke per job ``(ids, args)``
-        on its token list ``ids``."""
-        import nnsight
-
-        model, request = self.model, _Serialized()
-        named = tree_by_reference(model) if self.server.info.get("tree_by_reference") else contextlib.nullcontext()
-        with named, torch.no_grad(), model.trace(backend=request, **SAMPLING) as tracer:
-            for ids, args in jobs:
-                with tracer.invoke(ids):
-                    out = nnsight.save(body(model, *args))  # noqa: F841 - the server returns it by this name
-        return request.blob
+    def _fitted(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int,
+                max_bytes: int | None) -> list[tuple[list, bytes]]:
+        """``jobs`` (skipping ``skip`` blocks) as ``(jobs, request)`` pairs, each request
+        (:func:`~._served_programs.encode`) at most ``max_bytes`` (the server's
+        ``--max-request-bytes``): halved until each fits; one invoke over it fails in one line."""
+        blob = encode(body, jobs, skip, self.adapter)
+        if not max_bytes or len(blob) <= max_bytes:
+            return [(jobs, blob)]
+        if len(jobs) == 1:
+            raise PipatchError(f"one invoke's request is {len(blob):,} bytes, over the server's limit of {max_bytes:,}: "
+                               "start the server with a larger --max-request-bytes (a request carries the weights of "
+                               "any SAE whose latents it reads or patches)")
+        half = len(jobs) // 2
+        return self._fitted(body, jobs[:half], skip, max_bytes) + self._fitted(body, jobs[half:], skip, max_bytes)
 
     def logits(self, hidden: torch.Tensor, token_ids: Sequence[int] | None = None) -> torch.Tensor:
         raise PipatchError("logits of given states need the engine in this process: load the model without serve=")
@@ -267,6 +284,31 @@ class ServedBackend(VLLMBackend):
         return 0  # requests in flight finish on the server; their answers are discarded
 
 
+def _tls(verify: Any) -> Any:
+    """``verify=`` → httpx's: ``True`` (the system's CAs), ``False`` (no check: a test server
+    only), or a CA file's path → an SSL context that trusts it."""
+    import ssl
+
+    if isinstance(verify, bool):
+        return verify
+    if not isinstance(verify, (str, os.PathLike)):
+        raise PipatchError(f"verify={verify!r}: pass a CA certificate file's path, True (the system's CAs) or False")
+    try:
+        return ssl.create_default_context(cafile=os.path.expanduser(verify))
+    except (OSError, ssl.SSLError) as error:
+        raise PipatchError(f"verify={str(verify)!r}: no CA certificate read there ({type(error).__name__}): pass the "
+                           "PEM file of the server's certificate or its CA") from None
+
+
+def _detail(response: Any) -> str:
+    """A refusal's one line: the server's ``detail`` (pipatch's and nnsight's JSON errors), else its text."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail or response.text.strip() or response.reason_phrase)[:300]
+
+
 def _reason(error: BaseException) -> str:
     """The line of a server-side exception that says what went wrong (nnsight's message also
     carries the traceback of the shipped code, whose last lines are source and ``^^^`` marks)."""
@@ -275,14 +317,3 @@ def _reason(error: BaseException) -> str:
     said = [line for line in lines if line[0] not in "~^" and ("Error" in line or "error" in line)]
     line = (said or lines or [""])[-1][:200]
     return line if line.startswith(kind) else f"{kind}: {line}"
-
-
-class _Serialized:
-    """An nnsight backend that runs nothing: it keeps the trace's serialized request."""
-
-    blob: bytes = b""
-
-    def __call__(self, tracer: Any) -> None:
-        from nnsight.schema.request import RequestModel
-
-        self.blob = RequestModel.serialize(tracer, compress=False)

@@ -17,7 +17,7 @@ def import_before_nnsight() -> None:
     """Import the parts of anyio that it imports on first use, before anything imports nnsight.
 
     Private name: the module ``anyio._backends._asyncio``. anyio imports it (and ``anyio.abc``)
-    lazily, on the first use of its streams or thread pool (the API-key middleware's, a sync
+    lazily, on the first use of its streams or thread pool (an HTTP middleware's, a sync
     route's), and those imports fail once nnsight is imported ("Attribute 'save' is missing
     its type annotation"). ``pipatch serve`` calls this first."""
     try:

@@ -8,8 +8,8 @@ What pipatch needs of nnsight beyond its public API, and why:
 * naming a model's envoy tree by a persistent id instead of pickling it into every invoke
   (:func:`persistent_id`, :func:`name_worker_tree`, :func:`serve_tree_by_reference`);
 * the server of ``nnsight-serve``, which ``pipatch serve`` extends (:func:`fresh_sources_per_request`,
-  :func:`served_model`, :func:`build_request`, :func:`answer`, :func:`vllm_engine_args`,
-  :func:`require_api_key`);
+  :func:`served_model`, :func:`prepare_request`, :func:`clear_invoke_scope`, :func:`answer`,
+  :func:`vllm_engine_args`);
 * the worker class a ``VLLM`` model's engine runs (:func:`worker_class`);
 * NDIF's status and nnsight's remote backend itself (:func:`ndif_status`, :func:`remote_backend`).
 
@@ -26,14 +26,14 @@ from typing import Any
 from . import missing
 
 __all__ = ["PRIVATE_NAMES", "torch_module", "persistent_id", "name_worker_tree", "serve_tree_by_reference",
-           "fresh_sources_per_request", "check_server", "served_model", "build_request", "answer",
-           "vllm_engine_args", "require_api_key", "worker_class", "ndif_status", "remote_backend"]
+           "fresh_sources_per_request", "check_server", "served_model", "prepare_request", "clear_invoke_scope", "answer",
+           "vllm_engine_args", "worker_class", "ndif_status", "remote_backend"]
 
 #: nnsight's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = (
     "_module", "_persistent_id", "nnsight_persistent_objects", "_persistent_objects", "_build_tracer",
     "SOURCES", "BLOCKS", "clear_shared_locals", "_ready", "_attach_mediators", "_payload",
-    "_parse_vllm_args", "_add_api_key_middleware", "_WORKER_CLS", "_remote_backend", "_get",
+    "_parse_vllm_args", "_WORKER_CLS", "_remote_backend", "_get",
 )
 
 
@@ -191,22 +191,34 @@ def served_model(server: Any) -> Any:
     return server._ready()
 
 
-def build_request(server: Any, model: Any, body: bytes, compress: bool) -> tuple[list, list, list | None]:
-    """nnsight's generate route's build, as pipatch's route needs it: the request's trace
-    rebuilt from ``body``, prepared, and its workers attached to its engine requests;
-    returns ``(prompts, params, loras)``, one per invoke. Raises what the build raised.
+def prepare_request(model: Any, tracer: Any) -> tuple[list, list, list | None]:
+    """The engine requests of a trace built on ``model`` (the server's own, by ``pipatch
+    serve`` from a program by name), prepared without running a forward and with their
+    workers attached; returns ``(prompts, params, loras)``, one per invoke. Raises what the
+    build raised.
 
-    Private names: ``server._build_tracer`` and ``VLLM._attach_mediators`` (the same steps
-    as nnsight's ``/v1/nnsight/generate``); the tracer's ``prepare`` and ``info.code`` and
-    the model's ``interleaver``, whose workers ride the engine requests after this (or the
-    build failed), so it is cancelled either way."""
+    Private name: ``VLLM._attach_mediators`` (the steps of nnsight's own async backend and
+    ``/v1/nnsight/generate``); the tracer's ``prepare`` and ``info.code`` and the model's
+    ``interleaver``, whose workers ride the engine requests after this (or the build failed),
+    so it is cancelled either way."""
     try:
-        tracer = server._build_tracer(body, compress)
         _, (prompts, params, loras), kwargs = tracer.prepare(tracer.info.code)
-        model._attach_mediators(params, **kwargs)
+        _need(model, "_attach_mediators", "VLLM")(params, **kwargs)
     finally:
         model.interleaver.cancel()
     return prompts, params, loras
+
+
+def clear_invoke_scope() -> None:
+    """Drop this thread's shared invoke scope before a trace is built and only prepared
+    (:func:`prepare_request`): nnsight clears it when a trace *executes*, so without this every
+    prepared trace's frame (its body, its arguments) stayed alive. Private name:
+    ``nnsight.intervention.util.clear_shared_locals``."""
+    try:
+        from nnsight.intervention.util import clear_shared_locals
+    except ImportError:
+        raise missing("nnsight", "intervention.util.clear_shared_locals") from None
+    clear_shared_locals()
 
 
 def answer(server: Any, saves: dict[str, Any], error: Any) -> Any:
@@ -221,14 +233,6 @@ def vllm_engine_args(words: list[str]) -> dict[str, Any]:
     from nnsight.modeling.vllm.serve import cli
 
     return _need(cli, "_parse_vllm_args", "nnsight.modeling.vllm.serve.cli")(words)
-
-
-def require_api_key(app: Any, key: str) -> None:
-    """Refuse requests to ``app`` without the header ``ndif-api-key: key``, as ``nnsight-serve
-    --api-key`` does. Private name: ``nnsight.modeling.vllm.serve.cli._add_api_key_middleware``."""
-    from nnsight.modeling.vllm.serve import cli
-
-    _need(cli, "_add_api_key_middleware", "nnsight.modeling.vllm.serve.cli")(app, key)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,23 +9,39 @@ grid reads as normalized recovery like a patching grid. The graph itself is in `
 (an id, ``"error"`` or ``"metric"``), ``score``, ``exact`` (``None`` where not checked),
 ``circuit`` (kept by the pruning)), ``meta["edges"]`` (``upstream``, ``downstream``,
 ``score``, ``exact``) and ``meta["curve"]`` (the faithfulness curve's measured metrics:
-:func:`faithfulness_rows`), so the result saves and loads as any result does (safetensors + JSON, no pickle).
+:func:`faithfulness_rows`), so the result saves and loads as any result does (safetensors +
+JSON, no pickle).
+
+Its view (:meth:`FeatureCircuitResult.to_state`, drawn by ``js/features.ts``) is the graph:
+the state's ``feature_graph`` part holds the circuit's nodes and the :data:`VIEW_NODES_MAX`
+largest others, the edges kept and the supernodes, ``meta["supernodes"]`` (named groups of
+nodes, :meth:`FeatureCircuitResult.group`), which the result saves with itself.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
+from .._errors import PipatchError
 from .._result import Result
 from .._tables import table
+from .._views import conform_state
+from .._views.strings import json_safe
+from ._result import latent_note
 
-__all__ = ["FeatureCircuitResult", "VIEW_NODES", "METRIC_NODE", "faithfulness_rows"]
+__all__ = ["FeatureCircuitResult", "VIEW_NODES", "VIEW_NODES_MAX", "METRIC_NODE", "faithfulness_rows"]
 
 #: A feature circuit's one grid: SAEs × positions.
 VIEW_NODES = "nodes"
 #: The name of the metric's node.
 METRIC_NODE = "metric"
+
+#: At most this many nodes are drawn (the circuit's, then the largest ``|score|`` others): a
+#: graph of every active latent at every position can hold tens of thousands.
+VIEW_NODES_MAX = 400
 
 _NODE_COLUMNS = ["node", "site", "layer", "position", "latent", "score", "exact", "circuit"]
 
@@ -84,6 +100,139 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
         curve = self.meta.get("curve")
         return table(faithfulness_rows(curve) if curve else [],
                      ["n_nodes", "faithfulness", "completeness", "with", "without"])
+
+    def supernodes(self) -> dict[str, list[str]]:
+        """The named groups of nodes (supernodes), ``{name: [node, ...]}``."""
+        return {g["name"]: list(g["nodes"]) for g in self.meta.get("supernodes", [])}
+
+    def group(self, name: str, nodes: list[str]) -> None:
+        """Name a group of nodes (a supernode; an empty ``nodes`` removes the group ``name``).
+        Saved with the result (``meta["supernodes"]``). Raises :class:`PipatchError` for a name
+        that is empty or a node this graph does not have."""
+        name = str(name).strip()
+        if not name:
+            raise PipatchError("a supernode needs a name: group('a name', [node, ...])")
+        known = {n["node"] for n in self.meta.get("nodes", [])}
+        unknown = [str(n) for n in nodes if n not in known]
+        if unknown:
+            raise PipatchError(f"no node {unknown[0]!r} in this graph: name nodes as nodes()['node'] does")
+        groups = [g for g in self.meta.get("supernodes", []) if g["name"] != name]
+        if nodes:
+            groups.append({"name": name, "nodes": [str(n) for n in nodes]})
+        self.meta["supernodes"] = groups
+
+    def ablate(self, node: str, predictor: Any) -> float:
+        """Patch ``node`` exactly (its clean value written through its SAE at its position in
+        the corrupt run, everything else free: the checks' patch), store the change of the
+        metric as its ``exact`` and return it. ``predictor`` is the plan's (what a click in
+        the view runs with); a loaded result has none and raises :class:`PipatchError`."""
+        found = [n for n in self.meta.get("nodes", []) if n["node"] == node]
+        if not found or found[0]["latent"] == METRIC_NODE:
+            raise PipatchError(f"no node {node!r} to ablate in this graph: name one of nodes()['node'] (not the metric)")
+        if predictor is None or not hasattr(predictor, "ablate"):
+            raise PipatchError("an exact ablation needs the model and plan this result was computed with (not "
+                               "available for a loaded result): run feature_circuit again in this kernel")
+        found[0]["exact"] = value = float(predictor.ablate(found[0]))
+        return value
+
+    def answer_message(self, predictor: Any, message: dict[str, Any]) -> dict[str, Any]:
+        """The view's state update for a message from it: ``{"type": "ablate", "node": name}``
+        (a click: :meth:`ablate`) or ``{"type": "group", "name": ..., "nodes": [...]}``
+        (:meth:`group`). A failure is the ``detail``'s ``error``, one line."""
+        try:
+            if message.get("type") == "ablate":
+                self.ablate(str(message.get("node")), predictor)
+            elif message.get("type") == "group":
+                self.group(str(message.get("name", "")), [str(n) for n in message.get("nodes") or []])
+            else:
+                raise PipatchError(f"a feature circuit's view sends 'ablate' or 'group', not {message.get('type')!r}")
+        except PipatchError as error:
+            return {"detail": {"error": str(error)}}
+        except Exception as error:  # noqa: BLE001 - a failed click must not end the kernel's thread
+            return {"detail": {"error": f"{type(error).__name__}: {error}"}}
+        return {"feature_graph": self.to_state()["feature_graph"], "detail": {}}
+
+    def to_circuit_tracer(self, path: str | Path) -> Path:
+        """Write the graph as circuit-tracer's graph JSON (the file its local viewer reads;
+        ``metadata``, ``qParams``, ``nodes``, ``links``) where the fields map: a latent is a
+        ``"cross layer transcoder"`` node ``"{layer}_{latent}_{position}"`` (its ``influence``
+        the score, its ``clerp`` the label), an error node ``"0_{layer}_{position}"``, the
+        metric the target ``"logit"`` node; edges are ``links`` (``weight`` the score) and
+        supernodes ``qParams["supernodes"]`` (``[name, node ids...]``). What has no field there
+        (the exact values, the grid) stays in the result's own JSON (:meth:`save`). Returns
+        the path written."""
+        top = 1 + next((int(n["layer"]) for n in self.meta.get("nodes", []) if n["latent"] == METRIC_NODE),
+                       len(self.layers))  # circuit-tracer's logits sit one above the last layer
+        ids: dict[str, str] = {}
+        nodes = []
+        for n in self.meta.get("nodes", []):
+            layer, position, latent = int(n["layer"]), int(n["position"]), n["latent"]
+            if latent == METRIC_NODE:
+                ids[n["node"]] = node_id = f"{top}_0_{position}"
+                nodes.append({"node_id": node_id, "feature": 0, "layer": str(top), "ctx_idx": position,
+                              "feature_type": "logit", "is_target_logit": True, "jsNodeId": f"L_0-{position}",
+                              "clerp": f"{self.metric}", "influence": n["score"]})
+                continue
+            if latent == "error":
+                ids[n["node"]] = node_id = f"0_{layer}_{position}"
+                nodes.append({"node_id": node_id, "feature": -1, "layer": str(layer), "ctx_idx": position,
+                              "feature_type": "mlp reconstruction error", "jsNodeId": f"{layer}_{position}-0",
+                              "influence": n["score"]})
+                continue
+            ids[n["node"]] = node_id = f"{layer}_{latent}_{position}"
+            label = str(self.meta.get("labels", {}).get(n["site"], {}).get(str(latent), ""))
+            nodes.append({"node_id": node_id, "feature": (layer + latent) * (layer + latent + 1) // 2 + latent,
+                          "layer": str(layer), "ctx_idx": position, "feature_type": "cross layer transcoder",
+                          "jsNodeId": f"{layer}_{latent}-0", "clerp": label, "influence": n["score"]})
+        links = [{"source": ids[e["upstream"]], "target": ids[e["downstream"]], "weight": e["score"]}
+                 for e in self.meta.get("edges", []) if e["upstream"] in ids and e["downstream"] in ids]
+        graph = {
+            "metadata": {"slug": self.kind, "scan": str(self.meta.get("model", "")),
+                         "transcoder_list": [s.get("sae", s["name"]) for s in self.meta.get("saes", [])],
+                         "prompt_tokens": list(self.tokens), "prompt": "".join(self.tokens),
+                         "node_threshold": self.meta.get("node_threshold"), "schema_version": 1},
+            "qParams": {"pinnedIds": [], "linkType": "both", "clickedId": "", "sg_pos": "",
+                        "supernodes": [[g["name"], *(ids[n] for n in g["nodes"] if n in ids)]
+                                       for g in self.meta.get("supernodes", [])]},
+            "nodes": nodes, "links": links,
+        }
+        out = Path(path)
+        out.write_text(json.dumps(json_safe(graph), indent=1), encoding="utf-8")
+        return out
+
+    def to_state(self, *, live: bool = False) -> dict[str, Any]:
+        """Any result's view state (:meth:`pipatch.Result.to_state`) and the graph, its
+        ``feature_graph`` part: the sites (rows), positions (columns), the nodes drawn (the
+        circuit's and the largest others, at most :data:`VIEW_NODES_MAX`; each with its
+        label and top contexts where ``meta`` has them), the edges between them and the
+        supernodes."""
+        sites = list(self.layers)
+        everything = self.meta.get("nodes", [])
+        grouped = {name for g in self.meta.get("supernodes", []) for name in g["nodes"]}
+        ranked = sorted(everything, key=lambda n: (n["latent"] != METRIC_NODE, not n["circuit"],
+                                                   n["node"] not in grouped, -abs(n["score"])))
+        drawn = ranked[:VIEW_NODES_MAX]
+        index = {n["node"]: i for i, n in enumerate(drawn)}
+        nodes = [self._view_node(n, sites) for n in drawn]
+        edges = [{"up": index[e["upstream"]], "down": index[e["downstream"]], "score": e["score"]}
+                 for e in self.meta.get("edges", []) if e["upstream"] in index and e["downstream"] in index]
+        part = {"sites": sites, "positions": list(self.meta.get("positions", range(len(self.columns)))),
+                "nodes": nodes, "edges": edges, "groups": list(self.meta.get("supernodes", [])),
+                "total": len(everything)}
+        return {**super().to_state(live=live), **conform_state({"feature_graph": part})}
+
+    def _view_node(self, node: dict[str, Any], sites: list[str]) -> dict[str, Any]:
+        latent = node["latent"]
+        kind = latent if latent in ("error", METRIC_NODE) else "latent"
+        note = ""
+        if kind == "latent":
+            site = node["site"]
+            label = str(self.meta.get("labels", {}).get(site, {}).get(str(latent), ""))
+            contexts = [(str(w), float(v)) for w, v in self.meta.get("contexts", {}).get(site, {}).get(str(latent), [])]
+            note = latent_note(label, contexts)
+        return {"name": node["node"], "row": sites.index(node["site"]) if node["site"] in sites else len(sites),
+                "position": node["position"], "latent": latent if kind == "latent" else None, "kind": kind,
+                "score": node["score"], "exact": node["exact"], "circuit": bool(node["circuit"]), "note": note}
 
     def frame(self):
         """A feature circuit's table is its nodes: :meth:`nodes`."""

@@ -207,7 +207,7 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
     sweep = _NodeChecks(view=VIEW_NODES, base=corrupt_base, metric=scorer,
                         n_rows=len(checked), n_cols=1, agrees_before=agrees_before,
                         checked=checked, ops=[_ablation(nodes[i], by_name) for i in checked],
-                        corrupt_value=corrupt_value)
+                        corrupt_value=corrupt_value, scored=by_name)
     in_edges = {e[end] for e in edges for end in ("upstream", "downstream")}
     writes = {n["node"]: _ablation(n, by_name) for n in nodes if n["node"] in in_edges}
     edge_sweep = edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges, corrupt_base, scorer,
@@ -318,6 +318,7 @@ class _NodeChecks(Sweep):
     checked: list[int] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
     corrupt_value: float = 0.0
+    scored: dict[str, _Scored] = field(default_factory=dict)  # each SAE's values: what any node's patch writes
 
     @property
     def tracks_rows(self) -> bool:
@@ -331,13 +332,24 @@ class _NodeChecks(Sweep):
         result.meta["nodes"][self.checked[cell.row]]["exact"] = value - self.corrupt_value
 
 
+class _NodePredictor(Predictor):
+    """A plan's predictor that also patches any node exactly (a click on it in the view)."""
+
+    def ablate(self, node: dict[str, Any]) -> float:
+        """The change of the metric when ``node`` alone takes its clean value: the checks' patch."""
+        checks = self.sweeps[VIEW_NODES]
+        one = dataclasses.replace(checks, n_rows=1, checked=[0], ops=[_ablation(node, checks.scored)])
+        return self.values([(one, one.cell(0, 0, 0))])[0] - checks.corrupt_value
+
+
 class _CheckedPlan(Plan):
     """The checks' rank correlation with the estimates, ``meta["agreement"]`` (nodes) and
-    ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end. Its sweeps share
-    the one view; a click on it is answered by the node checks' (the first)."""
+    ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end; a predictor
+    that ablates any node (:class:`_NodePredictor`). Its sweeps share the one view: a click on
+    it is answered by the node checks' (the first)."""
 
     def predictor(self) -> Predictor:
-        return Predictor(self.backend, {VIEW_NODES: dataclasses.replace(self.sweeps[0], only=None)})
+        return _NodePredictor(self.backend, {VIEW_NODES: dataclasses.replace(self.sweeps[0], only=None)})
 
     def finish(self) -> None:
         finish_checks(self.result.meta)

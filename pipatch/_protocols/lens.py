@@ -16,7 +16,11 @@ cell shows the top tokens of the run whose last block's output at the last posit
 cell's state (:class:`LensSweep`): what the head reads there.
 
 Metrics: ``prob`` (P(answer)), ``logprob``, ``rank`` (how many tokens the lens reads above the
-answer: 0 where it is the top token; a multi-token answer's worst over its tokens). A multi-token answer (" New York") is read
+answer: 0 where it is the top token; a multi-token answer's worst over its tokens), and
+``logit_diff`` with a ``foil`` (answer − foil logits, one token each: the layer at which the
+model's head separates the two). A probability or a rank needs every logit of each reading
+(the whole unembedding, per layer and position); a logit difference two of its rows, so its
+lens at every position of a long prompt costs about one forward. A multi-token answer (" New York") is read
 teacher-forced, as everywhere in pipatch: its first token through the lens at ``(l, p)``, its
 later tokens at the model's output after the prompt and the answer's earlier tokens.
 
@@ -36,6 +40,7 @@ import torch
 from .._cells import Base, Capture, Cell, Metric, Op
 from .._declare import PROMPT, Experiment, Param
 from .._engine import Plan, SiteSweep, check_batch_size, read_flops, warn_if_long
+from .._errors import PipatchError
 from .._models import Adapter
 from .._programs.lens import lens
 from .._result import Result
@@ -58,7 +63,7 @@ from ._inputs import (
 
 __all__ = ["plan_lens", "LensSweep", "DECLARATION", "LENS_METRICS"]
 
-LENS_METRICS = ("prob", "logprob", "rank")
+LENS_METRICS = ("prob", "logprob", "rank", "logit_diff")
 
 
 @dataclass
@@ -89,6 +94,7 @@ def plan_lens(
     prompt: str,
     *,
     answer: str,
+    foil: str | None,
     metric: str,
     subject: str | Sequence[int] | None,
     occurrence: int | str | None,
@@ -108,20 +114,30 @@ def plan_lens(
     T = input_ids.shape[1]
     cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T, backend)
-    scorer = Metric(metric, answer_ids(backend, answer, "answer", prompt))
+    if (metric == "logit_diff") != (foil is not None):
+        raise PipatchError("the lens reads a foil only for metric='logit_diff' (answer − foil), which needs one: pass "
+                           "both, e.g. foil=' Rome', metric='logit_diff'")
+    scorer = Metric(metric, answer_ids(backend, answer, "answer", prompt),
+                    None if foil is None else answer_ids(backend, foil, "foil", prompt))
+    if foil is not None and not scorer.single:
+        raise PipatchError("the lens reads logit_diff for a one-token answer and foil: use metric='logprob' for a "
+                           "multi-token answer")
     check_run_length(backend, input_ids, scorer)
     meta = model_meta(backend)
     if subject is not None:
         meta["subject"] = subject if isinstance(subject, str) else list(subject)
         meta["subject_positions"] = subject_positions(subject, prompt, tokens, offsets, occurrence)
-    readings = adapter.n_layers * len(cols) + 1  # and the model's own output
+    # Readings through the whole unembedding (and the model's own output); a logit difference
+    # reads two of its rows, next to nothing.
+    readings = 0 if scorer.token_ids is not None else adapter.n_layers * len(cols) + 1
     warn_if_long(backend, read_flops(backend, T + scorer.n_read - 1, readings), "the logit lens",
                  f"{len(cols)} positions × {adapter.n_layers} layers through the unembedding",
                  "positions= (e.g. the last few: positions=[-3, -2, -1])")
     read = lens(backend, input_ids, scorer, cols)
     output = float(read.output[0])
     meta.update({
-        "prompt": prompt, "answer": answer, **answer_meta(backend, "answer", scorer.answer),
+        "prompt": prompt, "answer": answer, **answer_meta(backend, "answer", scorer.answer), "foil": foil,
+        **answer_meta(backend, "foil", scorer.foil),
         "site": RESID.name, "col_axis": "token", "normalize": False, "output": output, "positions": cols,
     })
     result = Result(
@@ -145,7 +161,7 @@ def plan_lens(
 
 _LENS = Template('''
 
-def logit_lens(prompt, answer, positions):
+def logit_lens(prompt, answer, foil, positions):
     """The logit lens of `prompt`: each layer's residual state at each position of `positions`
     read through the model's own head, by writing it into the last block's output at the last
     position. Returns ({"resid": metric [1, layers, positions]}, the model's own metric, the same)."""
@@ -154,7 +170,7 @@ def logit_lens(prompt, answer, positions):
     positions = range(T) if positions is None else positions
     with model.trace(input_ids, **LAST_ONLY):
         states = nnsight.save([site("resid", layer).clone() for layer in range(n_layers)])
-        output = metric(model.output.logits[0, -1], answer).save()
+        output = metric(model.output.logits[0, -1], answer, foil).save()
     raw = torch.zeros(1, n_layers, len(positions))
     for layer in range(n_layers):
         with model.trace(**LAST_ONLY) as tracer:
@@ -162,7 +178,7 @@ def logit_lens(prompt, answer, positions):
             for pos in positions:
                 with tracer.invoke(input_ids):
                     site("resid", n_layers - 1)[:, -1] = states[layer][:, pos]
-                    row.append(metric(model.output.logits[0, -1], answer))
+                    row.append(metric(model.output.logits[0, -1], answer, foil))
         raw[0, layer] = torch.stack(list(row))
     return {"resid": raw}, output, output.reshape(1)
 ''')
@@ -175,12 +191,15 @@ def _code_part(result: Result, adapter: Adapter) -> tuple[str, str, list[Site], 
 
 
 def _code_inputs(meta: dict) -> dict:
-    return {"prompt": meta["prompt"], "answer": int(meta["answer_id"]), "positions": meta.get("positions")}
+    foil = meta.get("foil_id")
+    return {"prompt": meta["prompt"], "answer": int(meta["answer_id"]), "foil": None if foil is None else int(foil),
+            "positions": meta.get("positions")}
 
 
 
 def _title(meta: dict) -> str:
-    return f"Logit lens · {meta.get('model', '?')} · {meta.get('answer', '')!r}"
+    versus = f" vs {meta['foil']!r}" if meta.get("foil") is not None else ""
+    return f"Logit lens · {meta.get('model', '?')} · {meta.get('answer', '')!r}{versus}"
 
 
 DECLARATION = Experiment(
@@ -190,7 +209,10 @@ DECLARATION = Experiment(
     params=(
         Param("answer", help="the continuation to score, e.g. ' Paris' (several tokens: the first read through the "
               "lens, the rest teacher-forced at the output)", annotation="str | Sequence[str]", per_prompt=True),
-        Param("metric", "prob", "prob or logprob of the answer, or its rank (0: the top token)", "str"),
+        Param("foil", None, "the alternative for metric='logit_diff', e.g. ' Rome' (one token)", "str | None",
+              per_prompt=True),
+        Param("metric", "prob", "prob or logprob of the answer, its rank (0: the top token), or logit_diff "
+              "(answer − foil)", "str"),
         Param("subject", None, "the subject's text (or token indices): with a list of prompts, the named positions "
               "are built around it", "str | Sequence[int] | None", per_prompt=True),
         OCCURRENCE, POSITIONS,

@@ -193,8 +193,7 @@ def study(model: Any, facts: Any, experiment: str | Experiment = "trace", *, sto
             view.display()
             hook, stop = _both(view.progress, hook), _either(stop, view.stop)
         elif progress and hook is None:
-            counter = bar(len(records), f"study {entry.name}", unit="facts")
-            hook = _counted(counter)
+            counter, hook = _bar(entry.name, len(records), limit, stored)
         noise = _NoiseScale(target) if bound.get("scale") == "auto" else None
         read = _each_fact(records, stored, lambda facts, halt, room=None: _run_facts(
             target, entry, backend, plan, facts, bound, known_only, halt, room, noise), hook, stop, width, together,
@@ -514,9 +513,16 @@ def _both(first: Progress, second: Progress | None) -> Progress:
     return both
 
 
-def _counted(counter: Any) -> Progress:
-    """A progress hook that steps ``counter`` (a progress bar) once per fact."""
-    return lambda index, record, result: counter.update(1)
+def _bar(name: str, n_records: int, limit: int | None, stored: dict[int, tuple[str, str]]) -> tuple[Any, Progress]:
+    """A study's progress bar and the hook that steps it: one step per fact reached, or with
+    ``limit`` one per fact with a result, out of ``limit`` (those of an earlier run counted
+    at once): the facts a limited study reaches are not known before it runs."""
+    if limit is None:
+        counter = bar(n_records, f"study {name}", unit="facts")
+        return counter, lambda index, record, result: counter.update(1)
+    counter = bar(limit, f"study {name}", unit="facts with a result")
+    counter.update(min(limit, sum(1 for _, status in stored.values() if status == "done")))
+    return counter, lambda index, record, result: counter.update(int(result is not None and counter.n < limit))
 
 
 def _either(first: Any, second: Any) -> Callable[[], bool]:

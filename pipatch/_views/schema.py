@@ -34,7 +34,7 @@ from .strings import clean_text, json_safe
 
 __all__ = [
     "ARRAY_DTYPE", "ARRAY_SCHEMA", "CHECK_SCHEMA", "CIRCUIT_SCHEMA", "DETAIL_SCHEMA", "DOCUMENT_SCHEMA",
-    "FAITHFULNESS_SCHEMA", "MIME_TYPE", "NODE_SCHEMA", "OBJECT_SCHEMAS", "SCHEMA_VERSION", "SELECTION_SCHEMA", "STATE_KEYS", "STATE_SCHEMA", "TOP_SCHEMA", "UI_SCHEMA", "conform_state",
+    "FAITHFULNESS_SCHEMA", "FEATURE_GRAPH_SCHEMA", "FEDGE_SCHEMA", "FNODE_SCHEMA", "GROUP_SCHEMA", "MIME_TYPE", "NODE_SCHEMA", "OBJECT_SCHEMAS", "SCHEMA_VERSION", "SELECTION_SCHEMA", "STATE_KEYS", "STATE_SCHEMA", "TOP_SCHEMA", "UI_SCHEMA", "conform_state",
     "decode_array", "done_span", "encode_array", "select_matrix",
 ]  # fmt: skip
 
@@ -79,6 +79,7 @@ STATE_SCHEMA: dict[str, str] = {
     "values": "str",  # what one result's cells hold: "" normalized recovery, "metric" the metric itself
     "circuit": "circuit",  # a circuit's graph ({} for any other result): drawn as a graph, not a heatmap
     "subject": "int[]",  # the columns holding the subject's tokens (a dataset: its named positions), drawn marked
+    "feature_graph": "feature_graph",  # a feature circuit's graph ({} for any other result): drawn as a graph
 }
 STATE_KEYS: tuple[str, ...] = tuple(STATE_SCHEMA)
 
@@ -111,9 +112,29 @@ CHECK_SCHEMA: dict[str, str] = {"row": "int", "col": "int", "estimate": "float?"
 FAITHFULNESS_SCHEMA: dict[str, str] = {
     "sizes": "int[]", "recovery": "float?[]", "share": "float?", "size": "int?", "edges": "int",
 }  # fmt: skip
+#: A feature circuit's graph (:meth:`pipatch._features._circuit.FeatureCircuitResult.to_state`):
+#: rows are its SAEs (``sites``, bottom up; the metric's node one row above), columns its
+#: positions; the nodes drawn (the circuit's and the largest others), the edges kept, and the
+#: user's groups of nodes (supernodes). Every field optional (``{}``: not a feature circuit).
+FEATURE_GRAPH_SCHEMA: dict[str, str] = {
+    "sites": "str[]", "positions": "int[]", "nodes": "fnode[]", "edges": "fedge[]", "groups": "group[]",
+    "total": "int",  # how many nodes the graph has in all (more than drawn when it is large)
+}  # fmt: skip
+#: One node: ``row`` its SAE (``len(sites)``: the metric), ``latent`` its id (``null``: an error
+#: or the metric, ``kind`` says which), ``score`` the estimate, ``exact`` the exact patch's change
+#: (``null``: not checked), ``circuit`` kept by the pruning, ``note`` its label and top contexts.
+FNODE_SCHEMA: dict[str, str] = {
+    "name": "str", "row": "int", "position": "int", "latent": "int?", "kind": "str", "score": "float?",
+    "exact": "float?", "circuit": "bool", "note": "str",
+}  # fmt: skip
+#: One edge between nodes ``up`` and ``down`` (indices into ``nodes``), its estimate ``score``.
+FEDGE_SCHEMA: dict[str, str] = {"up": "int", "down": "int", "score": "float?"}
+#: A supernode: a name for a group of nodes (by name).
+GROUP_SCHEMA: dict[str, str] = {"name": "str", "nodes": "str[]"}
 #: The named object types and the schema each follows.
 OBJECT_SCHEMAS: dict[str, dict[str, str]] = {
     "circuit": CIRCUIT_SCHEMA, "node": NODE_SCHEMA, "check": CHECK_SCHEMA, "faithfulness": FAITHFULNESS_SCHEMA,
+    "feature_graph": FEATURE_GRAPH_SCHEMA, "fnode": FNODE_SCHEMA, "fedge": FEDGE_SCHEMA, "group": GROUP_SCHEMA,
 }  # fmt: skip
 
 #: Browser → kernel: what the user chose (widget traits of the same names).

@@ -53,6 +53,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "lens": ("lens", {"prompt": EIFFEL, "answer": " Paris"}),
     "lens rank": ("lens", {"prompt": EIFFEL, "answer": " Paris", "metric": "rank"}),
     "lens positions": ("lens", {"prompt": EIFFEL, "answer": " Paris", "positions": [2, -1]}),
+    "lens logit_diff": ("lens", {"prompt": EIFFEL, "answer": " Paris", "foil": " Rome", "metric": "logit_diff"}),
     "trace positions": ("trace", {"prompt": PARIS, "subject": "Paris", "answer": " France", "seeds": 1, "scale": 3.0,
                                   "positions": [1, -1]}),
     "dataset patch": ("patch", {"clean": [EIFFEL, LOUVRE], "corrupt": [COLOSSEUM, VATICAN], "answer": " Paris",

@@ -245,6 +245,35 @@ def test_transcoders_at_every_mlp_equal_the_hand_references(family, tmp_path):
         check_against_hands(model, weights, sites, "transcoder", result, steps=steps)
 
 
+def test_a_click_ablates_any_node_as_the_hook_reference_does(tmp_path):
+    """The view's click (``answer_message`` with the plan's predictor) patches a node the checks
+    left out, and a checked one again: each equals the hook reference within 1e-5."""
+    from pipatch._api import plan
+
+    model, weights, sites = build(tmp_path, "llama")
+    planned = plan("feature_circuit", model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
+                   verify=2, top_nodes=12)
+    predictor = planned.predictor()
+    planned.run()
+    result = planned.result
+    nodes = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
+    unchecked = next(n for n in nodes if n["exact"] is None and n["latent"] != "error")
+    error = next(n for n in nodes if n["exact"] is None and n["latent"] == "error")
+    checked = next(n for n in nodes if n["exact"] is not None)
+    was = checked["exact"]
+    corrupt_ids = ids_of(model, CORRUPT)
+    clean = hand_values(model, weights, "jumprelu", ids_of(model, CLEAN))
+    with torch.no_grad():
+        base = float(logit_diff(model, model._module(corrupt_ids).logits)[0])
+    for node in (unchecked, error, checked):
+        state = result.answer_message(predictor, {"type": "ablate", "node": node["node"]})
+        assert state["detail"] == {}
+        shown = next(n for n in state["feature_graph"]["nodes"] if n["name"] == node["node"])
+        want = hand_patch(model, weights, "jumprelu", corrupt_ids, node, clean) - base
+        assert abs(node["exact"] - want) < 1e-5 and shown["exact"] == node["exact"], (node, want)
+    assert abs(checked["exact"] - was) < 1e-6
+
+
 def test_pruning_tables_grid_file_and_plot(tmp_path):
     model, weights, sites = build(tmp_path, "llama")
     kwargs = dict(saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, progress=False)

@@ -156,26 +156,32 @@ def test_a_list_of_prompts_needs_a_subject_to_name_positions(model):
 # --------------------------------------------------------------------------------------------
 
 
-def patched_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch.Tensor:
-    """[layers, positions]: the lens as pipatch computed it before it read (the old computation),
-    with plain forward hooks: per layer one batched forward whose row ``p`` writes that layer's
-    state at position ``p`` into the last block's output at the last prompt position, the
-    unembedding's input read there (and at a multi-token answer's later positions), then the
-    metric from it by pipatch's unembedding arithmetic, as the patched cells' was."""
+def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("prob",),
+                 foil: str | None = None) -> dict[str, torch.Tensor]:
+    """Per metric, [layers, positions]: the lens as pipatch computed it before it read (the old
+    computation), with plain forward hooks: per layer one batched forward whose row ``p`` writes
+    that layer's state at position ``p`` into the last block's output at the last prompt
+    position, the unembedding's input read there (and at a multi-token answer's later
+    positions), then each metric from it by pipatch's unembedding arithmetic, as the patched
+    cells' was. The metrics share the patched runs (a metric reads, it does not change a run)."""
     from pipatch._backends._unembedding import Unembedding
     from pipatch._cells import Metric
 
     hf, adapter = model._module, adapter_for(model)
     tokenizer = model.tokenizer
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    scorer = Metric(metric, tuple(tokenizer(answer, add_special_tokens=False).input_ids))
+    answer_ids = tuple(tokenizer(answer, add_special_tokens=False).input_ids)
+    foil_ids = None if foil is None else tuple(tokenizer(foil, add_special_tokens=False).input_ids)
+    scorers = {metric: Metric(metric, answer_ids, foil_ids if metric == "logit_diff" else None) for metric in metrics}
+    scorer = scorers[metrics[0]]
     run_ids, T, m = scorer.inputs(ids), ids.shape[1], scorer.n_read
     blocks = _get(hf, adapter.blocks)
     unembed = _get(hf, adapter.unembed)
     states: dict[int, torch.Tensor] = {}
     hooked([(block, "post", lambda mod, args, out, i=i: states.__setitem__(i, first(out).detach().clone()))
             for i, block in enumerate(blocks)], lambda: hf(run_ids))
-    grid = torch.empty(len(blocks), T)
+    grids = {metric: torch.empty(len(blocks), T) for metric in metrics}
+    head = Unembedding(unembed, adapter.softcap)
     for layer in range(len(blocks)):
         read: dict[str, torch.Tensor] = {}
 
@@ -186,9 +192,9 @@ def patched_lens(model, prompt: str, answer: str, metric: str = "prob") -> torch
             read["hidden"] = args[0][:, T - 1 : T - 1 + m].detach().clone()
 
         hooked([(blocks[-1], "post", write), (unembed, "pre", keep)], lambda: hf(run_ids.repeat(T, 1)))
-        head = Unembedding(unembed, adapter.softcap)
-        grid[layer] = head.metric(scorer, read["hidden"][:, None])
-    return grid
+        for metric, grid in grids.items():
+            grid[layer] = head.metric(scorers[metric], read["hidden"][:, None])
+    return grids
 
 
 @pytest.mark.parametrize("family", [None, "llama", "gemma2"])
@@ -199,12 +205,33 @@ def test_the_read_equals_the_patched_lens_it_replaced(family, answer, request):
     families; on the embedded model within 1e-5 (its 18 layers' final norm and unembedding run
     outside the forward, batched otherwise than the patched runs were: up to 6e-6 measured)."""
     subject = request.getfixturevalue("model") if family is None else tiny_model(family)
-    for metric in ("prob", "logprob", "rank"):
+    wanted = patched_lens(subject, EIFFEL, answer, ("prob", "logprob", "rank"))
+    for metric, want in wanted.items():
         got = pipatch.lens(subject, EIFFEL, answer=answer, metric=metric)
-        want = patched_lens(subject, EIFFEL, answer, metric)
         assert got.grid.shape == want.shape
         tolerance = 1e-5 if family is None else 1e-6
         torch.testing.assert_close(got.grid, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("family", [None, "llama", "gemma2"])
+def test_the_logit_difference_lens_equals_the_patched_lens(family, request):
+    """A foil's lens (answer − foil logits, two rows of the unembedding per reading) equals the
+    patched runs read by hand, as the other metrics do, on the embedded model and two tiny
+    families (Gemma 2 soft-caps its logits: the difference is of capped logits)."""
+    subject = request.getfixturevalue("model") if family is None else tiny_model(family)
+    want = patched_lens(subject, EIFFEL, " Paris", ("logit_diff",), foil=" Rome")["logit_diff"]
+    got = pipatch.lens(subject, EIFFEL, answer=" Paris", foil=" Rome", metric="logit_diff", progress=False)
+    tolerance = 1e-5 if family is None else 1e-6
+    torch.testing.assert_close(got.grid, want, atol=tolerance, rtol=tolerance)
+    assert got.metric == "logit_diff" and got.meta["foil"] == " Rome" and "vs ' Rome'" in got.title
+
+
+def test_a_foil_goes_with_the_logit_difference_only(model):
+    for kwargs in ({"foil": " Rome"}, {"metric": "logit_diff"}, {"foil": " Rome", "metric": "rank"}):
+        with pytest.raises(pipatch.PipatchError, match="foil only for metric='logit_diff'"):
+            pipatch.lens(model, EIFFEL, answer=" Paris", progress=False, **kwargs)
+    with pytest.raises(pipatch.PipatchError, match="one-token answer and foil"):
+        pipatch.lens(model, EIFFEL, answer=" New York", foil=" Rome", metric="logit_diff", progress=False)
 
 
 def test_the_read_equals_the_patched_lens_in_float64():
@@ -216,9 +243,9 @@ def test_the_read_equals_the_patched_lens_in_float64():
     from pipatch._load import shared_model
 
     subject = shared_model(dtype=torch.float64, device="cpu")
-    for metric in ("prob", "logprob", "rank"):
+    wanted = patched_lens(subject, EIFFEL, " New York", ("prob", "logprob", "rank"))
+    for metric, want in wanted.items():
         got = pipatch.lens(subject, EIFFEL, answer=" New York", metric=metric, progress=False)
-        want = patched_lens(subject, EIFFEL, " New York", metric)
         torch.testing.assert_close(got.grid, want, atol=1e-6, rtol=1e-6)
 
 

@@ -104,6 +104,21 @@ def test_a_study_shows_its_facts_as_they_finish(tmp_path, capsys):
     assert _bars(capsys.readouterr().err) == [] and ran == [0, 1]  # a hook instead of the bar
 
 
+def test_a_limited_studys_bar_counts_facts_with_a_result_out_of_the_limit(tmp_path, capsys):
+    """With ``limit``, the bar's total is the limit, not the records (which facts a limited study
+    reaches is known only as it runs); a resumed study starts at the facts it already has."""
+    model = tiny_model("gemma3")
+    facts = [{"prompt": EIFFEL, "subject": "Eiffel Tower", "attribute": "Paris"},
+             {"prompt": BIG_BEN, "subject": "Big Ben", "attribute": "London"}] * 3
+    options = {"known_only": False, "sites": "resid", "seeds": 1, "scale": 3.0}
+    pipatch.study(model, facts, store=tmp_path / "a.sqlite", limit=1, **options)
+    (bar,) = _bars(capsys.readouterr().err)
+    assert bar.startswith("study trace: 100%|") and "| 1/1 facts with a result" in bar, bar
+    study = pipatch.study(model, facts, store=tmp_path / "a.sqlite", limit=2, **options)
+    (bar,) = _bars(capsys.readouterr().err)
+    assert "| 2/2 facts with a result" in bar and study.counts()["done"] == 2, bar
+
+
 def test_a_kernel_draws_the_bar_as_a_widget_and_a_live_grid_draws_none(tmp_path):
     """tqdm.auto in a notebook kernel: a tqdm widget, no error; PatchGrid.run is its own progress."""
     import nbclient

@@ -5,7 +5,8 @@ would start it (``python -m pipatch.cli serve --port P --api-key K``: a web serv
 engine process and its worker, about 7.4 GB on this CPU). The client (``load_model(serve=)``:
 a weightless module tree in this process) runs every experiment there; the numbers must be
 the transformers backend's within 1e-4 (feature reads and latent patches included). Then the
-failures (bad request, wrong key, wrong model, timeout, unreachable), four clients at once, memory under load, Stop and interrupts,
+failures (bad request, wrong key, wrong model, timeout, unreachable; nnsight code and malformed
+program requests refused in one line), four clients at once, memory under load, Stop and interrupts,
 the CLI, a notebook cell in a real kernel, and last: SIGTERM stops the server and leaves none of its processes behind.
 
 Run apart from the other vLLM suites (``make test-vllm`` does), one pytest process each.
@@ -32,12 +33,13 @@ psutil = pytest.importorskip("psutil")
 import pipatch  # noqa: E402
 from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
+from pipatch._backends._served_programs import PROGRAM_FORMAT  # noqa: E402
 from pipatch._backends.served import ServedBackend, Server  # noqa: E402
 from pipatch._cells import Cell, Op  # noqa: E402
 from pipatch._engine import EngineError  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
 from pipatch._programs import PatchRequest, patch  # noqa: E402
-from pipatch._serve import Spawned  # noqa: E402
+from pipatch._serve import GENERATE_PATH, SKIP_HEADER, Spawned  # noqa: E402
 from pipatch._sites import RESID  # noqa: E402
 from tests._equal import (  # noqa: E402
     assert_close,
@@ -47,6 +49,7 @@ from tests._equal import (  # noqa: E402
     assert_same_click,
     assert_same_multi_token,
 )
+from tests._program_requests import BAD_REQUESTS, good_request  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL, MEAN_PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -239,6 +242,72 @@ def test_a_failing_request_is_one_line_and_the_next_one_works(served):
     assert "size" in message  # the reason (a shape mismatch), not a traceback line
     good = pipatch.patch(served, **PAIR, site="resid", positions=[-1])
     assert good.status == "done" and torch.isfinite(good.raw["resid"]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Programs by name: no client code, every field checked
+# --------------------------------------------------------------------------------------------
+
+
+def post(server, path: str, blob: bytes, skip: str = "0"):
+    import httpx
+    from nnsight.modeling.vllm.serve import http
+
+    return httpx.post(server.url + path, content=blob, headers={**http.headers(KEY), SKIP_HEADER: skip}, timeout=600)
+
+
+def answer_ids(served) -> tuple[list[int], int, int]:
+    tokenizer = served.tokenizer
+    return (tokenizer(EIFFEL)["input_ids"], *(tokenizer(word, add_special_tokens=False)["input_ids"][0]
+                                              for word in (" Paris", " Rome")))
+
+
+def test_nnsight_code_is_refused_by_default_and_a_good_request_runs_after(served, server):
+    """A real nnsight trace (code) sent to nnsight's own routes: 403, one line naming the flag
+    that would allow it; the server says it runs no client code, and serves the next good
+    request."""
+    from nnsight.schema.request import RequestModel
+
+    class Kept:
+        blob = b""
+
+        def __call__(self, tracer):
+            self.blob = RequestModel.serialize(tracer, compress=False)
+
+    kept = Kept()
+    ids, _, _ = answer_ids(served)
+    with torch.no_grad(), served.trace(backend=kept, temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(ids):
+            logits = served.logits.save()  # noqa: F841 - what the code would send back
+    assert len(kept.blob) > 100
+    info = backend_for(served).server.info
+    assert info["client_code"] is False and info["program_format"] == PROGRAM_FORMAT
+    for path in ("/v1/nnsight/generate", "/v1/nnsight/register/mine"):
+        response = post(server, path, kept.blob)
+        print(f"{path}: {response.status_code} {response.text}")
+        assert response.status_code == 403 and "\n" not in response.text.strip()
+        assert "--allow-client-code" in response.text
+    good = pipatch.patch(served, **PAIR, site="resid", positions=[-1])
+    assert good.status == "done" and torch.isfinite(good.raw["resid"]).all()
+
+
+def test_bad_program_requests_are_refused_in_one_line_and_the_next_good_one_runs(served, server):
+    ids, paris, rome = answer_ids(served)
+    backend = backend_for(served)
+    good = good_request(backend.adapter, ids, paris, rome)
+    (reference,) = backend.server.generate(good).values()
+    for what, broken, words in BAD_REQUESTS:
+        started = time.perf_counter()
+        response = post(server, GENERATE_PATH, broken(good))
+        print(f"{what}: {response.status_code} in {time.perf_counter() - started:.2f} s: {response.text}")
+        assert response.status_code == 400 and "\n" not in response.text.strip() and words in response.text, what
+        (after,) = backend.server.generate(good).values()  # served right after
+        assert torch.equal(after.out, reference.out) and torch.equal(after.reads[0], reference.reads[0]), what
+    response = post(server, GENERATE_PATH, good, skip="5")  # the rooms admit it by its header
+    assert response.status_code == 400 and "header says '5'" in response.text
+    with pytest.raises(PipatchError) as error:  # and the client's line, through its own call
+        backend.server.generate({what: broken for what, broken, _ in BAD_REQUESTS}["unknown program"](good))
+    assert "\n" not in str(error.value) and "answered 400: unknown program 'os.system'" in str(error.value)
 
 
 def test_keys_models_and_addresses_are_checked_in_one_line(server):

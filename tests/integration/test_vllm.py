@@ -341,6 +341,22 @@ def test_a_long_prompts_lens_is_one_request(vllm_model, model):
                  atol=1e-4, rtol=0)
 
 
+def test_the_logit_difference_lens_equals_the_transformers_backends(vllm_model, model):
+    """A foil's lens on the engine (the difference read through two rows of the unembedding on
+    the worker) equals the transformers backend's, every position of a 1,000-token prompt in
+    one request."""
+    from tests.integration.test_lens import long_prompt
+
+    kwargs = {"answer": " Paris", "foil": " Rome", "metric": "logit_diff", "progress": False}
+    assert_same(pipatch.lens(vllm_model, EIFFEL, **kwargs), pipatch.lens(model, EIFFEL, **kwargs))
+    backend = backend_for(vllm_model)
+    prompt = long_prompt(model, 1000)
+    with backend.log.recording() as events:
+        got = pipatch.lens(vllm_model, prompt, **kwargs)
+    assert [e["invokes"] for e in events if e["event"] == "requests"] == [1]
+    assert got.grid.shape == (18, len(got.tokens)) and abs(float(got.grid[-1, -1]) - got.meta["output"]) < 1e-5
+
+
 def test_attribution_is_refused_in_one_line(vllm_model):
     with pytest.raises(PipatchError) as error:
         pipatch.attribute(vllm_model, **PAIR)

@@ -30,13 +30,16 @@ def test_remote_code_is_never_run(tmp_path):
 
 
 def test_no_pickle_or_remote_code_switch_in_pipatch():
-    """Results never go through pickle. The one ``torch.load`` in pipatch is the served
-    backend's reading of nnsight's serve answer (a ``torch.save``), with ``weights_only=True``."""
+    """Results never go through pickle. The two ``torch.load`` calls in pipatch, both with
+    ``weights_only=True``: the served backend's reading of nnsight's serve answer (a
+    ``torch.save``), and ``pipatch serve``'s reading of a program request (data only)."""
     sources = {p.relative_to(Path(pipatch.__file__).parent).as_posix(): p.read_text()
                for p in Path(pipatch.__file__).parent.rglob("*.py")}
     for needle in ("import pickle", "torch.load(", "allow_pickle=True", "weights_only=False",
                    "trust_remote_code=True", "trust_remote_code = True"):
         found = sorted(name for name, text in sources.items() if needle in text)
-        assert found == (["_backends/served.py"] if needle == "torch.load(" else []), (needle, found)
-    assert sources["_backends/served.py"].count("torch.load(") == 1
-    assert "weights_only=True)" in sources["_backends/served.py"]
+        loads = ["_backends/_served_programs.py", "_backends/served.py"]
+        assert found == (loads if needle == "torch.load(" else []), (needle, found)
+    for name in loads:
+        assert sources[name].count("torch.load(") == 1
+        assert "weights_only=True)" in sources[name]

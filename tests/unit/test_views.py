@@ -36,7 +36,7 @@ from pipatch._views import (
     png,
     text_grid,
 )
-from pipatch._views.schema import CIRCUIT_SCHEMA, DOCUMENT_SCHEMA, UI_SCHEMA
+from pipatch._views.schema import CIRCUIT_SCHEMA, DOCUMENT_SCHEMA, FEATURE_GRAPH_SCHEMA, UI_SCHEMA
 from pipatch._views.strings import is_escaped
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,6 +83,8 @@ def _has_type(kind: str, value) -> bool:
         return isinstance(value, dict)
     if kind == "circuit":
         return isinstance(value, dict) and all(key in CIRCUIT_SCHEMA for key in value)
+    if kind == "feature_graph":
+        return isinstance(value, dict) and all(key in FEATURE_GRAPH_SCHEMA for key in value)
     raise AssertionError(kind)
 
 
