@@ -168,14 +168,17 @@ def _ablated(ablation: str, corrupt: torch.Tensor) -> torch.Tensor:
 class _Curve(Sweep):
     """Row 0, column 0: ``m(∅)``, every node ablated. Row ``i ≥ 1`` (circuit size
     ``sizes[i − 1]``): column 0 keeps the circuit and ablates the rest (``m(C)``), column 1
-    ablates the circuit and keeps the rest (``m(M∖C)``). ``ranked``: each node's
-    ``(site name, position, index into its NodeValues)`` list, largest ``|score|`` first."""
+    ablates the circuit and keeps the rest (``m(M∖C)``). ``rank[name]`` ([T, width] of site
+    ``name``'s :class:`NodeValues`): the rank by ``|score|`` of the node each entry belongs to
+    (0: the largest), :data:`_NO_NODE` where none is (an inactive latent, a position not
+    scored); ``scored[name]`` ([T, 1]) marks the positions scored. One op a site: every entry
+    ablated, by position and index."""
 
     stage = "curve"
     sites: list[NodeValues] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
-    ranked: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    rank: dict[str, torch.Tensor] = field(default_factory=dict)
+    scored: dict[str, torch.Tensor] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)
 
     @property
@@ -183,20 +186,15 @@ class _Curve(Sweep):
         return False
 
     def cell(self, row: int, col: int, seed: int) -> Cell:
-        circuit = self.ranked[:self.sizes[row - 1]] if row else []
-        in_circuit: dict[tuple[str, int], list[int]] = {}
-        for name, position, index in circuit:
-            in_circuit.setdefault((name, position), []).extend(index)
+        size = self.sizes[row - 1] if row else 0
         ops = []
         for site in self.sites:
-            width = self.values[site.name].shape[-1]
-            for p in self.positions:
-                chosen = torch.zeros(width, dtype=torch.bool)
-                chosen[in_circuit.get((site.name, p), [])] = True
-                ablate = (chosen if col == 1 else ~chosen).nonzero().flatten()
-                if len(ablate):
-                    index = (slice(None), slice(p, p + 1), ablate)
-                    ops.append(Op(site, site.layer, index, self.values[site.name][index]))
+            kept = self.rank[site.name] < size
+            ablate = kept if col == 1 else self.scored[site.name] & ~kept
+            positions, index = ablate.nonzero(as_tuple=True)
+            if len(positions):
+                ops.append(Op(site, site.layer, (slice(None), positions, index),
+                              self.values[site.name][:, positions, index]))
         return Cell(row, col, seed, start=min((op.site.start_layer(op.layer) for op in ops), default=0), ops=ops)
 
     def store(self, result: Any, cell: Cell, value: float) -> None:
@@ -207,32 +205,36 @@ class _Curve(Sweep):
             curve_meta["points"][cell.row - 1]["with" if cell.col == 0 else "without"] = value
 
 
+#: A :class:`_Curve` rank where an entry is no node's: never kept.
+_NO_NODE = torch.iinfo(torch.int32).max
+
+
 def faithfulness_curve(sites: list[LatentSite], corrupt: dict[str, tuple[torch.Tensor, torch.Tensor]],
                        nodes: list[dict[str, Any]], positions: list[int], points: int, ablation: str, base: Base,
-                       metric: Metric,
-                       clean_value: float) -> tuple[_Curve, dict[str, Any]]:
+                       metric: Metric, clean_value: float) -> tuple[_Curve, dict[str, Any]]:
     """The faithfulness curve's sweep over the clean run ``base`` and its ``meta["curve"]``
     entry (values to come). ``corrupt[name]``: site ``name``'s latents and error on the
     corrupt prompt(s), ``[rows, T, ...]`` each; ``nodes``: the graph's nodes, largest
-    ``|score|`` first."""
+    ``|score|`` first; ``positions``: the positions scored."""
     graph = [n for n in nodes if n["latent"] != METRIC_NODE]
     whole = {s.name: node_values(s) for s in sites}
-    values = {}
+    values, rank, scored = {}, {}, {}
     for site in sites:
         latents, error = corrupt[site.name]
-        values[whole[site.name].name] = _ablated(ablation, torch.cat([latents, error.to(latents.dtype)], -1))
-
-    def where(node: dict[str, Any]) -> tuple[str, int, list[int]]:
+        name = whole[site.name].name
+        values[name] = _ablated(ablation, torch.cat([latents, error.to(latents.dtype)], -1))
+        T, width = values[name].shape[1:]
+        rank[name] = torch.full((T, width), _NO_NODE, dtype=torch.int32)
+        scored[name] = torch.zeros(T, 1, dtype=torch.bool)
+        scored[name][positions] = True
+    for i, node in enumerate(graph):
         nv = whole[node["site"]]
-        width = values[nv.name].shape[-1]
-        index = list(range(nv.n_latents, width)) if node["latent"] == "error" else [int(node["latent"])]
-        return nv.name, node["position"], index
-
+        entries = slice(nv.n_latents, None) if node["latent"] == "error" else int(node["latent"])
+        rank[nv.name][node["position"], entries] = i
     sizes = curve_sizes(points, len(graph), sum(1 for n in graph if n["circuit"]))
     only = {(0, 0)} | {(row, col) for row in range(1, len(sizes) + 1) for col in (0, 1)}
     sweep = _Curve(view=VIEW_NODES, base=base, metric=metric, n_rows=len(sizes) + 1 if sizes else 0, n_cols=2,
-                   only=only, sites=list(whole.values()), positions=positions, values=values,
-                   ranked=[where(n) for n in graph], sizes=sizes)
+                   only=only, sites=list(whole.values()), values=values, rank=rank, scored=scored, sizes=sizes)
     entry = {"ablation": ablation, "full": clean_value, "empty": None, "nodes_for_80": None,
              "points": [{"n_nodes": n, "with": None, "without": None} for n in sizes]}
     return sweep, entry
