@@ -6,7 +6,7 @@ SAE and position, ``corrupt metric +`` the sum of that place's node scores (its 
 its error's): attribution patching's estimate for the whole value the SAE reads there, so the
 grid reads as normalized recovery like a patching grid. The graph itself is in ``meta``:
 ``meta["nodes"]`` (one dict per node: ``node``, ``site``, ``layer``, ``position``, ``latent``
-(an id, ``"error"`` or ``"metric"``), ``score``, ``exact`` (``None`` where not checked),
+(an id, ``"error"``, ``"embed"`` or ``"metric"``), ``score``, ``exact`` (``None`` where not checked),
 ``circuit`` (kept by the pruning)) and ``meta["edges"]`` (``upstream``, ``downstream``,
 ``score``), so the result saves and loads as any result does (safetensors + JSON, no pickle).
 """
@@ -19,12 +19,14 @@ from typing import Any
 from .._result import Result
 from .._tables import table
 
-__all__ = ["FeatureCircuitResult", "VIEW_NODES", "METRIC_NODE"]
+__all__ = ["FeatureCircuitResult", "VIEW_NODES", "METRIC_NODE", "EMBED_NODE"]
 
 #: A feature circuit's one grid: SAEs × positions.
 VIEW_NODES = "nodes"
 #: The name of the metric's node.
 METRIC_NODE = "metric"
+#: The ``site`` and ``latent`` of an embedding node (one per position).
+EMBED_NODE = "embed"
 
 _NODE_COLUMNS = ["node", "site", "layer", "position", "latent", "score", "exact", "circuit"]
 
@@ -39,10 +41,13 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
     def nodes(self):
         """One row per node, largest ``|score|`` first (the metric's node first): ``node``
         (its name, ``"L1 resid_post #12 @3"``), ``site``, ``layer``, ``position``, ``latent`` (the
-        latent's id, ``"error"`` or ``"metric"``), ``score`` (the estimated change of the metric
-        when that node alone takes its clean value in the corrupt run), ``exact`` (the exact
-        patch's change; NaN where not checked) and ``circuit`` (kept by the pruning). A pandas
-        DataFrame."""
+        latent's id, ``"error"``, ``"embed"`` (the token embedding at that position: ``site``
+        ``"embed"``, ``layer`` −1) or ``"metric"``), ``score`` (the estimated change of the metric
+        when that node alone takes its clean value in the corrupt run; on one prompt, its direct
+        attribution relative to zero), ``exact`` (the exact patch's change, on one prompt
+        ``M(prompt) − M(node zeroed)``; NaN where not checked) and ``circuit`` (kept by the
+        pruning). A dataset's ``position`` is a named position and each row has ``pairs``
+        (how many pairs have it). A pandas DataFrame."""
         rows = [{**node, "score": _number(node["score"]), "exact": _number(node["exact"])}
                 for node in self.meta.get("nodes", [])]
         return table(rows, _NODE_COLUMNS)
@@ -68,7 +73,8 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
                 f"clean {self.clean_value:.4g}, corrupt {self.corrupt_value:.4g}>")
 
     def plot(self, view: str | None = None, ax=None, **kwargs: Any):  # noqa: ARG002 - one grid
-        """The graph drawn statically: one row per SAE (bottom up), one column per position;
+        """The graph drawn statically: one row per SAE (bottom up; the embeddings below them
+        where one is kept), one column per position;
         each kept node a dot at its place (sized by ``|score|``, red for a positive score, blue
         for a negative one; errors as squares), each kept edge a line between its nodes (its
         width by ``|score|``). Returns the matplotlib figure."""
@@ -76,7 +82,8 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
 
         if ax is None:
             _, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(self.columns)), max(3.0, 0.9 * len(self.layers))))
-        sites = list(self.layers)
+        embedded = any(n["circuit"] and n["latent"] == EMBED_NODE for n in self.meta.get("nodes", []))
+        sites = [EMBED_NODE] * embedded + list(self.layers)
         positions = list(self.meta.get("positions", range(len(self.columns))))
         kept = [n for n in self.meta.get("nodes", []) if n["circuit"] and n["site"] in sites]
         largest = max([abs(n["score"]) for n in kept] or [1.0]) or 1.0
