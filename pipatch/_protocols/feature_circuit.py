@@ -5,7 +5,8 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
 
 * **nodes**: each latent of each SAE at each position where it fires on the clean or the
   corrupt prompt, one **error** node per (SAE, position) (what the SAE misses there,
-  :class:`~pipatch._features._site.ErrorSite`), and the metric (``"metric"``, scored
+  :class:`~pipatch._features._site.ErrorSite`), one **embedding** node per position
+  (``"embed @3"``: the embedding output block 0 reads), and the metric (``"metric"``, scored
   ``clean − corrupt``);
 * **node scores**, in the denoising convention of :func:`pipatch.feature_patch`: the change of
   the metric when that node alone takes its clean value in the corrupt run, estimated by
@@ -15,10 +16,12 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   on its own, as Marks et al. do; :mod:`pipatch._programs.feature_terms`);
 * **edge scores** from each node of an SAE to each node of the SAEs at the next layer that
   has any (the downstream value holds everything the layers below wrote, so an edge skipping
-  a layer of SAEs would count twice what passes through that layer's nodes), by the same
+  a layer of SAEs would count twice what passes through that layer's nodes; the embedding
+  nodes feed the lowest SAE's), by the same
   linear approximation: ``Δf_up · (d f_down / d f_up) · dM/df_down``, the downstream node's
   weighted value pulled back through the model to the upstream SAE's written value and
-  through the upstream node's decoder direction (the upstream error node: its whole value).
+  through the upstream node's decoder direction (an upstream error or embedding node: its
+  whole value).
   The Jacobian is the corrupt run's; ``dM/df_down`` is the node scoring's gradient. One
   backward per downstream node, batched ``batch_size`` nodes a pass; error nodes are nodes
   on both ends;
@@ -31,12 +34,18 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   rank correlation with the exact changes is ``meta["agreement"]``, as component circuits
   report theirs.
 
+On **one prompt** (``prompt=``, ``target=``; attribution graphs' form) every score is
+relative to zero at the prompt's run and the checks zero-ablate; **lists of pairs** are a
+dataset averaged over named positions (nodes only). Both:
+:mod:`pipatch._protocols._feature_circuit_inputs`.
+
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
 ``edges()`` are pandas tables, its grid the per-(SAE, position) sums of node scores.
 
 **Backends.** The scores need gradients: the transformers backend's. Only metrics read at
-the last prompt position (a one-token answer and foil) are scored; the others are refused in
-one line.
+the last prompt position (a one-token answer and foil, or target) are scored; the others are
+refused in one line, as are a target with a pair, an answer with one prompt, ``steps > 1``
+with one prompt, and ``positions=`` with a dataset.
 """
 
 from __future__ import annotations
@@ -354,7 +363,7 @@ def _number(value: str) -> float:
 
 DECLARATION = Experiment(
     name="feature_circuit", kind="feature_circuit", noun="feature circuit",
-    summary="Feature circuit: SAE latents and errors at each position as nodes, scored by attribution, "
+    summary="Feature circuit: SAE latents, errors and embeddings at each position as nodes, scored by attribution, "
             "edges between SAEs, the top nodes checked exactly.",
     planner=plan_feature_circuit, prompts=PAIR_OR_PROMPT, title=_title, whole_dataset=True,
     params=(
@@ -380,7 +389,9 @@ DECLARATION = Experiment(
     ),
     example='%%feature_circuit --saes saes/L3 --saes saes/L6 --answer " Paris" --foil " Rome" -o graph\n'
             "clean: The Eiffel Tower is in the city of\n"
-            "corrupt: The Colosseum is in the city of",
+            "corrupt: The Colosseum is in the city of\n\n"
+            '%%feature_circuit --saes saes/L6 --target " Paris" -o graph\n'
+            "The Eiffel Tower is in the city of",
     doc="""
     See :mod:`pipatch._protocols.feature_circuit` for the method.
 
@@ -388,9 +399,11 @@ DECLARATION = Experiment(
     -------
     FeatureCircuitResult
         ``kind="feature_circuit"``; ``nodes()`` (``node``, ``site``, ``layer``, ``position``,
-        ``latent``: an id, ``"error"`` or ``"metric"``, ``score``, ``exact``: NaN where not
-        checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``, ``score``) are
-        pandas tables, scores in the metric's units (the change from the corrupt run);
+        ``latent``: an id, ``"error"``, ``"embed"`` or ``"metric"``, ``score``, ``exact``: NaN
+        where not checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``,
+        ``score``) are pandas tables, scores in the metric's units (the change from the
+        corrupt run; on one prompt, the direct attribution relative to zero, and ``exact``
+        ``M(prompt) − M(node zeroed)``); a dataset's ``position`` is a named position;
         ``meta["agreement"]`` the checked nodes' rank correlation with their estimates;
         ``raw["nodes"]`` [1, SAEs, positions] ``corrupt metric +`` each place's summed scores.
 
@@ -400,5 +413,9 @@ DECLARATION = Experiment(
     >>> r = pipatch.feature_circuit(model, saes=saes, clean="The Eiffel Tower is in the city of",
     ...                             corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome")
     >>> r.nodes().head(), r.edges().head()
+
+    One prompt, as attribution graphs explain it (the target's logit):
+
+    >>> g = pipatch.feature_circuit(model, saes=saes, prompt="The Eiffel Tower is in the city of", target=" Paris")
     """,
 )

@@ -430,15 +430,17 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
-    """One SAE (layer 6): its latents and errors as nodes, no edges; the top 20 nodes' estimates
-    against their exact patches (the rank correlation is printed)."""
+    """One SAE (layer 6): its latents and errors as nodes, the embeddings below it (edges from
+    them only); the top 20 nodes' estimates against their exact patches (the rank correlation
+    is printed)."""
     site = pipatch.embedded_sae(model)
     result = pipatch.feature_circuit(model, saes=[site], clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris",
                                      foil=" Rome", verify=20, progress=False)
-    nodes = result.nodes().iloc[1:]
+    every = result.nodes().iloc[1:]
+    nodes = every[every["latent"] != "embed"]
     T = len(result.tokens)
-    assert (nodes["latent"] == "error").sum() == T and len(nodes) > T
-    assert set(nodes["layer"]) == {6} and result.edges().empty
+    assert (nodes["latent"] == "error").sum() == T and len(nodes) > T and (every["latent"] == "embed").sum() == T
+    assert set(nodes["layer"]) == {6} and all(result.edges()["upstream"].str.startswith("embed @"))
     agreement = result.meta["agreement"]
     assert agreement["n"] == 20 and not math.isnan(agreement["spearman"])
     print(f"embedded SAE L6, Eiffel/Colosseum: {len(nodes)} nodes, top-20 rank correlation "
