@@ -445,3 +445,20 @@ def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
     assert agreement["n"] == 20 and not math.isnan(agreement["spearman"])
     print(f"embedded SAE L6, Eiffel/Colosseum: {len(nodes)} nodes, top-20 rank correlation "
           f"{agreement['spearman']:.3f}, max |estimate − exact| {agreement['max_abs_error']:.3f}")
+
+
+def test_the_magic_and_patchgrid_run_take_one_prompt_as_python_does(ip, tmp_path):
+    """``%%feature_circuit`` with the prompt as its body (no clean/corrupt lines) and
+    ``PatchGrid.run(model, "feature_circuit", prompt=...)``: the Python call's graph."""
+    from pipatch import PatchGrid
+
+    model, weights, sites = build(tmp_path, "gpt2")
+    kwargs = dict(target=ANSWER, verify=2, top_nodes=6)
+    want = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, progress=False, **kwargs)
+    ip.user_ns["tiny"] = model
+    folders = " ".join(f"--saes {tmp_path / f'gpt2-L{layer}'}" for layer in range(N_LAYERS))
+    ip.run_cell_magic("feature_circuit", f'--model tiny {folders} --target " Rome" --verify 2 --top-nodes 6 -o g',
+                      CLEAN)
+    assert ip.user_ns["g"].nodes().equals(want.nodes()) and ip.user_ns["g"].edges().equals(want.edges())
+    live = PatchGrid.run(model, "feature_circuit", saes=sites, prompt=CLEAN, **kwargs)
+    assert live.nodes().equals(want.nodes())
