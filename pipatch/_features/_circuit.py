@@ -50,7 +50,7 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
         (how many pairs have it). A pandas DataFrame."""
         rows = [{**node, "score": _number(node["score"]), "exact": _number(node["exact"])}
                 for node in self.meta.get("nodes", [])]
-        return table(rows, _NODE_COLUMNS)
+        return table(rows, _NODE_COLUMNS + ["pairs"] * bool(self.meta.get("dataset")))
 
     def edges(self):
         """One row per edge kept, largest ``|score|`` first: ``upstream``, ``downstream`` (node

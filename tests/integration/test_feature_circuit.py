@@ -215,12 +215,16 @@ def latent_of(node):
     return None if node["latent"] in ("error", "embed") else int(node["latent"])
 
 
-def check_against_hands(model, weights, sites, kind, result, steps, prompt=False):
+def target_logprob(model, logits):
+    return logits[:, -1].log_softmax(-1)[:, token(model, ANSWER)]
+
+
+def check_against_hands(model, weights, sites, kind, result, steps, prompt=False, metric=None):
     """Every node, edge and check of ``result`` against the hand references: a pair's (scores
     from the corrupt run, checks patch clean values in), or (``prompt``) one prompt's (the
-    target's logit; scores relative to zero at the prompt's run, checks zero-ablate and
-    report M(prompt) − M(ablated))."""
-    metric = target_logit if prompt else logit_diff
+    target's logit, or ``metric``; scores relative to zero at the prompt's run, checks
+    zero-ablate and report M(prompt) − M(ablated))."""
+    metric = metric or (target_logit if prompt else logit_diff)
     clean_ids, corrupt_ids = ids_of(model, CLEAN), ids_of(model, CLEAN if prompt else CORRUPT)
     clean = hand_values(model, weights, kind, clean_ids)
     corrupt = clean if prompt else hand_values(model, weights, kind, corrupt_ids)  # where gradients are taken
@@ -309,6 +313,9 @@ def test_one_prompt_and_its_target_equal_the_hand_references(family, tmp_path):
         assert any(e["upstream"].startswith("embed") for e in edges)
         top = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, verify=0, progress=False)
         assert top.meta["answer_id"] == int(logits[0, -1].argmax())
+        logprob = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, metric="logprob", verify=3,
+                                          top_nodes=8, top_edges=30, progress=False)
+        check_against_hands(model, weights, sites, "jumprelu", logprob, steps=1, prompt=True, metric=target_logprob)
 
 
 def test_a_dataset_of_pairs_averages_each_pairs_nodes_over_named_positions(tmp_path):
@@ -347,6 +354,7 @@ def test_a_dataset_of_pairs_averages_each_pairs_nodes_over_named_positions(tmp_p
     assert sum(n["circuit"] for n in nodes[1:]) == 5 and data.edges().empty and data.warnings
     back = pipatch.load_result(data.save(tmp_path / "data.json"))
     assert back.nodes().equals(data.nodes()) and len(back.plot().axes[0].collections) == 5
+    assert list(data.nodes()["pairs"])[:2] == [3, nodes[1]["pairs"]]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
