@@ -20,8 +20,8 @@ embedding nodes, and datasets of pairs averaged over named positions.
 * **a dataset of pairs** (``clean`` and ``corrupt`` lists): see :func:`plan_pairs_dataset`.
 
 **Embedding nodes**: one per position, ``"embed @p"`` (``site`` ``"embed"``, ``layer`` −1,
-``latent`` ``"embed"``), scored through the gradient at the embedding module's output (what
-block 0 reads): ``(e_clean − e_corrupt) · dM/de`` for a pair, ``e · dM/de`` for a prompt, with
+``latent`` ``"embed"``), scored through the gradient at the token embedding module's output
+(what block 0 reads in most families; GPT-2 adds its position embeddings after it): ``(e_clean − e_corrupt) · dM/de`` for a pair, ``e · dM/de`` for a prompt, with
 edges into the lowest SAE's nodes.
 """
 

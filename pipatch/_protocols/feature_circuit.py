@@ -116,9 +116,12 @@ def node_name(site: LatentSite, position: int, latent: int | None) -> str:
 
 @dataclass
 class _Scored:
-    """One SAE's values and gradients at the corrupt run (``[1, T, ...]`` each)."""
+    """One SAE's values and gradients at the corrupt run (``[1, T, ...]`` each): ``clean`` is
+    what a node moves to, ``corrupt`` what it moves from (one prompt: its values, and zeros).
+    The embeddings are one too (``site`` :data:`EMBEDDINGS`, their values in both the latents'
+    and the error's place: an embedding node is a whole vector, as an error node)."""
 
-    site: LatentSite
+    site: Any  # a LatentSite, or EMBEDDINGS
     clean: torch.Tensor
     corrupt: torch.Tensor
     clean_error: torch.Tensor
@@ -263,9 +266,10 @@ def _edges(backend: Any, corrupt_ids: torch.Tensor, scored: list[_Scored], nodes
         if down.site is EMBEDDINGS or not kept.get(down.site.name):
             continue
         below = [layer for layer in layers if layer < down.site.layer]
-        # The lowest SAE reads what the embeddings wrote.
-        ups = [s for s in scored if kept.get(s.site.name) and (
-            s.site is not EMBEDDINGS and s.site.layer == below[-1] if below else s.site is EMBEDDINGS)]
+        if below:
+            ups = [s for s in scored if s.site is not EMBEDDINGS and s.site.layer == below[-1] and kept.get(s.site.name)]
+        else:  # the lowest SAE reads what the embeddings wrote
+            ups = [s for s in scored if s.site is EMBEDDINGS and kept.get(s.site.name)]
         targets = kept[down.site.name]
         grad_f = down.latent_grad
         weights = [down.holder_grad[0, n["position"]].float() if n["latent"] == "error"
