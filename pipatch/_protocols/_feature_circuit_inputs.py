@@ -148,16 +148,22 @@ def _each(value: Any, n: int, what: str) -> list[Any]:
 def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dict[str, Any]) -> Plan:
     """A feature circuit over a dataset of clean/corrupt pairs, averaged over named positions.
 
-    Each pair is scored as one pair is (``planner`` with ``verify=0``: its nodes, no edges).
-    Its positions fall into :func:`pipatch._protocols.dataset.named_groups` around the span
-    where clean and corrupt differ (``before``, ``first changed``, ..., ``last``), as every
-    other experiment's dataset of pairs; a node becomes ``(site, named position, latent)``
-    (or ``error`` / ``embed``), its score the mean over that group's positions (a latent
-    inactive at a position scores 0 there), then the mean over the pairs that have that group
-    at all (as a dataset's grid skips a pair without it). The metric node is the mean of
-    ``clean − corrupt``. Pruning keeps ``top_nodes`` of these averaged nodes; a dataset's
-    graph has no edges and no exact checks (a warning says so). ``raw["nodes"]`` holds one
-    row per pair ([pairs, SAEs, named positions]), each pair's grid averaged the same way.
+    Each pair is scored as one pair is (``planner`` with ``verify=0``: its nodes). Its
+    positions fall into :func:`pipatch._protocols.dataset.named_groups` around the span where
+    clean and corrupt differ (``before``, ``first changed``, ..., ``last``), as every other
+    experiment's dataset of pairs; a node becomes ``(site, named position, latent)`` (or
+    ``error`` / ``embed``), its score the mean over that group's positions (a latent inactive
+    at a position scores 0 there), then the mean over the pairs that have that group at all
+    (as a dataset's grid skips a pair without it). The metric node is the mean of ``clean −
+    corrupt``. Pruning keeps ``top_nodes`` of these averaged nodes.
+
+    **Edges** join kept averaged nodes: in each pair, the edges between its nodes that fall in
+    kept ones (scored as one pair's are), an edge from named position ``G`` to ``H`` being
+    the mean over ``H``'s positions ``q`` of the sum over ``G``'s positions ``p`` of the
+    edge ``p → q`` (so the edges into a node average as the node does), then the mean over
+    the pairs that have both groups; ``top_edges`` / ``edge_threshold`` prune them. A dataset
+    runs no exact checks (a warning says so). ``raw["nodes"]`` holds one row per pair
+    ([pairs, SAEs, named positions]), each pair's grid averaged the same way.
     """
     clean, corrupt = keywords["clean"], keywords["corrupt"]
     if keywords.get("prompt") is not None:
@@ -172,12 +178,14 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
              for c, x, a, f in zip(clean, corrupt, answers, foils)]
     results = [p.result for p in plans]
     names: list[str] = []
+    pair_groups: list[list[list[int]]] = []
     totals: dict[tuple[str, str, Any], list[float]] = {}
     grids, layer_of, empty = [], {}, []
     for i, result in enumerate(results):
         tokens = result.meta["clean_tokens"]
         changed = [k for k, (a, b) in enumerate(zip(tokens, result.meta["corrupt_tokens"])) if a != b]
         names, groups = named_groups(changed or [len(tokens) - 1], len(tokens), "changed")
+        pair_groups.append(groups)
         groups_of: dict[int, list[int]] = {}  # a one-token span is both its first and its last position
         for g, group in enumerate(groups):
             for p in group:
@@ -208,23 +216,53 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
     threshold, top = keywords["node_threshold"], keywords["top_nodes"]
     for node in [node for node in nodes if abs(node["score"]) >= threshold][:top]:
         node["circuit"] = True
+    edges = _dataset_edges(plans, pair_groups, names, nodes, keywords["top_edges"], keywords["edge_threshold"])
     cleans = torch.tensor([float(r.clean) for r in results])
     corrupts = torch.cat([r.corrupt_seeds for r in results])
     nodes.insert(0, {"node": METRIC_NODE, "site": METRIC_NODE, "layer": results[0].meta["nodes"][0]["layer"],
                      "position": "last", "latent": METRIC_NODE, "score": float((cleans - corrupts).mean()),
                      "exact": float((cleans - corrupts).mean()), "circuit": True, "pairs": n})
     meta = dict(results[0].meta)
-    meta.update({"dataset": True, "positions": list(names), "verify": 0, "top_edges": 0, "nodes": nodes, "edges": [],
+    meta.update({"dataset": True, "positions": list(names), "verify": 0, "nodes": nodes, "edges": edges,
                  "prompts": [r.meta["clean_prompt"] for r in results], "per_prompt_clean": cleans.tolist(),
-                 "per_prompt_corrupt": corrupts.tolist(), "top_nodes": top, "node_threshold": threshold})
+                 "per_prompt_corrupt": corrupts.tolist(), "top_nodes": top, "node_threshold": threshold,
+                 "top_edges": keywords["top_edges"], "edge_threshold": keywords["edge_threshold"]})
     meta.pop("agreement", None)
     result = FeatureCircuitResult(
         kind="feature_circuit", tokens=list(names), columns=list(names), layers=results[0].layers,
         metric=results[0].metric, raw={VIEW_NODES: torch.cat(grids)}, clean=cleans, corrupt=corrupts, meta=meta,
         rows_done={VIEW_NODES: len(results[0].layers)},
         warnings=[f"pair {i}: {w}" for i, r in enumerate(results) for w in r.warnings]
-        + ["a dataset's feature circuit averages node scores over its pairs: its edges and exact checks are not "
-           "computed (run one pair for them)"],
+        + ["a dataset's feature circuit runs no exact checks: run one pair for them"],
     )
     return Plan(backend, result, [], plans[0].batch_size, True)
 
+
+
+def _dataset_edges(plans: list[Plan], pair_groups: list[list[list[int]]], names: list[str],
+                   nodes: list[dict[str, Any]], top: int, threshold: float) -> list[dict[str, Any]]:
+    """The averaged edges between the kept averaged ``nodes`` (:func:`plan_pairs_dataset`)."""
+    kept = {(n["site"], n["position"], n["latent"]): n["node"] for n in nodes if n["circuit"]}
+    n = len(plans)
+    sums: dict[tuple[str, str], list[float]] = {}
+    for i, (plan, groups) in enumerate(zip(plans, pair_groups)):
+        def keys(node: dict[str, Any], groups: list[list[int]] = groups) -> list[tuple[str, int]]:
+            """The kept averaged nodes ``node`` falls in, with the named position's number."""
+            return [(kept[k], g) for g, group in enumerate(groups) if node["position"] in group
+                    for k in [(node["site"], names[g], node["latent"])] if k in kept]
+        pair_nodes = [dict(node) for node in plan.result.meta["nodes"] if node["latent"] != METRIC_NODE]
+        for node in pair_nodes:
+            node["circuit"] = bool(keys(node))
+        by_name = {node["node"]: node for node in pair_nodes}
+        for edge in plan.edges_between(pair_nodes):
+            for up, _ in keys(by_name[edge["upstream"]]):
+                for down, h in keys(by_name[edge["downstream"]]):
+                    sums.setdefault((up, down), [0.0] * n)[i] += edge["score"] / len(groups[h])
+    named = {node["node"]: node["position"] for node in nodes}
+    edges = []
+    for (up, down), per_pair in sums.items():
+        have = [v for v, groups in zip(per_pair, pair_groups)  # the pairs with both named positions
+                if groups[names.index(named[up])] and groups[names.index(named[down])]]
+        edges.append({"upstream": up, "downstream": down, "score": sum(have) / len(have)})
+    edges.sort(key=lambda e: -abs(e["score"]))
+    return [e for e in edges if abs(e["score"]) >= threshold][:top]

@@ -36,7 +36,7 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
 
 On **one prompt** (``prompt=``, ``target=``; attribution graphs' form) every score is
 relative to zero at the prompt's run and the checks zero-ablate; **lists of pairs** are a
-dataset averaged over named positions (nodes only). Both:
+dataset averaged over named positions (nodes and edges; no exact checks). Both:
 :mod:`pipatch._protocols._feature_circuit_inputs`.
 
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
@@ -220,7 +220,9 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
                         n_rows=len(checked), n_cols=1, agrees_before=agrees,
                         checked=checked, ops=[_ablation(nodes[i], by_name, inputs.zero) for i in checked],
                         corrupt_value=float(base_run.metric[0]), sign=-1.0 if inputs.zero else 1.0)
-    return _CheckedPlan(backend, result, [sweep], batch, True)
+    planned = _CheckedPlan(backend, result, [sweep], batch, True)
+    planned.edges_between = lambda marked: _edges(backend, inputs.base_ids, [embedded, *scored], marked, batch)
+    return planned
 
 
 def _written_change(site: LatentSite, clean: torch.Tensor, corrupt: torch.Tensor, clean_error: torch.Tensor,
@@ -344,7 +346,11 @@ class _NodeChecks(Sweep):
 
 
 class _CheckedPlan(Plan):
-    """The checks' rank correlation with the estimates, ``meta["agreement"]``, at the end."""
+    """The checks' rank correlation with the estimates, ``meta["agreement"]``, at the end.
+    ``edges_between(nodes)``: the edges between the nodes marked ``circuit`` in a node list of
+    this pair (a dataset marks its own; :func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
+
+    edges_between: Any = None
 
     def finish(self) -> None:
         done = [n for n in self.result.meta["nodes"] if n["latent"] != METRIC_NODE and n["exact"] is not None]

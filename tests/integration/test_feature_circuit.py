@@ -318,18 +318,22 @@ def test_one_prompt_and_its_target_equal_the_hand_references(family, tmp_path):
         check_against_hands(model, weights, sites, "jumprelu", logprob, steps=1, prompt=True, metric=target_logprob)
 
 
-def test_a_dataset_of_pairs_averages_each_pairs_nodes_over_named_positions(tmp_path):
+def test_a_dataset_of_pairs_averages_each_pairs_nodes_and_edges_over_named_positions(tmp_path):
+    """Each averaged node: the mean over its named position's tokens, then over the pairs that
+    have it; each averaged edge G → H: the mean over H's tokens of the sum over G's, then over
+    the pairs with both; both from each pair's own graph (every node kept), averaged here."""
     model, weights, sites = build(tmp_path, "gpt2")
     pairs = [(CLEAN, CORRUPT), ("The Louvre is in the city of", "The Colosseum is in the city of"),
              ("The Kremlin is in the city of the", "The Colosseum is in the city of the")]
-    kwargs = dict(saes=sites, answer=ANSWER, foil=FOIL, progress=False)
-    data = pipatch.feature_circuit(model, clean=[c for c, _ in pairs], corrupt=[x for _, x in pairs], top_nodes=5,
-                                   **kwargs)
+    kwargs = dict(saes=sites[1:], answer=ANSWER, foil=FOIL, progress=False)  # two SAEs keep the graphs small
+    data = pipatch.feature_circuit(model, clean=[c for c, _ in pairs], corrupt=[x for _, x in pairs], top_nodes=12,
+                                   top_edges=15, **kwargs)
     names = data.columns
-    assert names[-1] == "last" and data.raw["nodes"].shape == (3, N_LAYERS, len(names))
+    assert names[-1] == "last" and data.raw["nodes"].shape == (3, 2, len(names))
     sums: list[dict] = []  # per pair: {(site, named position, latent): mean score over its positions}
+    graphs = []  # per pair: its nodes by name, its named positions, every edge between its nodes
     for c, x in pairs:
-        one = pipatch.feature_circuit(model, clean=c, corrupt=x, verify=0, **kwargs)
+        one = pipatch.feature_circuit(model, clean=c, corrupt=x, verify=0, top_nodes=10**6, top_edges=10**6, **kwargs)
         tokens = one.meta["clean_tokens"]
         changed = [k for k, (a, b) in enumerate(zip(tokens, one.meta["corrupt_tokens"])) if a != b]
         groups = named_groups(changed, len(tokens), "changed")[1]
@@ -339,6 +343,7 @@ def test_a_dataset_of_pairs_averages_each_pairs_nodes_over_named_positions(tmp_p
                 key = (n["site"], names[g], n["latent"])
                 here[key] = here.get(key, 0.0) + n["score"] / len(groups[g])
         sums.append(here)
+        graphs.append(({n["node"]: n for n in one.meta["nodes"][1:]}, groups, one.meta["edges"]))
     keys = {k for here in sums for k in here if k[0] is not None}
     # A pair with that named position but not that node adds 0; a pair without it has no say.
     by_hand = {k: [here.get(k, 0.0) for here in sums if (None, k[1], None) in here] for k in keys}
@@ -351,9 +356,31 @@ def test_a_dataset_of_pairs_averages_each_pairs_nodes_over_named_positions(tmp_p
         per_pair = by_hand[(n["site"], n["position"], n["latent"])]
         assert n["pairs"] == len(per_pair)
         assert n["score"] == pytest.approx(sum(per_pair) / len(per_pair), abs=1e-6), n["node"]
-    assert sum(n["circuit"] for n in nodes[1:]) == 5 and data.edges().empty and data.warnings
+    assert sum(n["circuit"] for n in nodes[1:]) == 12 and data.warnings
+    # The edges between kept averaged nodes.
+    kept = {(n["site"], n["position"], n["latent"]): n["node"] for n in nodes[1:] if n["circuit"]}
+    edge_sums: dict = {}
+    for i, (by_name, groups, edges) in enumerate(graphs):
+        def places(node):
+            return [(kept[k], g) for g, group in enumerate(groups) if node["position"] in group
+                    for k in [(node["site"], names[g], node["latent"])] if k in kept]
+        for e in edges:
+            for up, _ in places(by_name[e["upstream"]]):
+                for down, h in places(by_name[e["downstream"]]):
+                    edge_sums.setdefault((up, down), [0.0] * len(pairs))[i] += e["score"] / len(groups[h])
+    position = {n["node"]: n["position"] for n in nodes}
+    edge_by_hand = {key: [v for v, (_, groups, _) in zip(values, graphs)
+                          if groups[names.index(position[key[0]])] and groups[names.index(position[key[1]])]]
+                    for key, values in edge_sums.items()}
+    edge_by_hand = {key: sum(v) / len(v) for key, v in edge_by_hand.items()}
+    got = data.edges()
+    assert len(got) == 15
+    for e in got.itertuples():
+        assert e.score == pytest.approx(edge_by_hand[(e.upstream, e.downstream)], abs=1e-6)
+    assert abs(got["score"]).min() >= sorted(map(abs, edge_by_hand.values()))[-15] - 1e-9
     back = pipatch.load_result(data.save(tmp_path / "data.json"))
-    assert back.nodes().equals(data.nodes()) and len(back.plot().axes[0].collections) == 5
+    assert back.nodes().equals(data.nodes()) and back.edges().equals(got)
+    assert len(back.plot().axes[0].collections) == 12
     assert list(data.nodes()["pairs"])[:2] == [3, nodes[1]["pairs"]]
 
 
