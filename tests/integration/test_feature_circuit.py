@@ -316,6 +316,15 @@ def test_one_prompt_and_its_target_equal_the_hand_references(family, tmp_path):
         logprob = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, metric="logprob", verify=3,
                                           top_nodes=8, top_edges=30, progress=False)
         check_against_hands(model, weights, sites, "jumprelu", logprob, steps=1, prompt=True, metric=target_logprob)
+        # Every node checked exactly, embeddings included: zero-ablated here, patched in a pair.
+        n = len(top.meta["nodes"]) - 1
+        every = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, verify=n, top_nodes=8,
+                                        top_edges=20, progress=False)
+        check_against_hands(model, weights, sites, "jumprelu", every, steps=1, prompt=True)
+        pair = dict(clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL)
+        n = len(pipatch.feature_circuit(model, saes=sites, **pair, verify=0, progress=False).meta["nodes"]) - 1
+        every = pipatch.feature_circuit(model, saes=sites, **pair, verify=n, top_nodes=8, top_edges=20, progress=False)
+        check_against_hands(model, weights, sites, "jumprelu", every, steps=1)
 
 
 def test_a_dataset_of_pairs_averages_each_pairs_nodes_and_edges_over_named_positions(tmp_path):
