@@ -125,7 +125,9 @@ export function layoutFeatures(g: FeatureGraph, kept: number[], width: number): 
 /** A node's lines of text (tooltip, detail): name, which latent, its label and top contexts,
  * the estimate and the exact value. */
 export function nodeInfo(n: FeatureNode, metric: string): string[] {
-  const what = n.kind === 'latent' ? `latent ${n.latent} at position ${n.position}` : n.kind === 'error' ? `error node (what the SAE misses) at position ${n.position}` : `the metric (${metric || 'metric'})`;
+  const what = n.kind === 'latent' ? `latent ${n.latent} at position ${n.position}`
+    : n.kind === 'error' ? `error node (what the SAE misses) at position ${n.position}`
+      : n.kind === 'embed' ? `token embedding at position ${n.position}` : `the metric (${metric || 'metric'})`;
   const lines = [tooltipLabel(n.name), what];
   if (n.note) lines.push(...n.note.split('\n').map((l) => tooltipLabel(l, 120)));
   lines.push(`estimate: ${formatValue(n.score, 4)} (change of ${metric || 'metric'})`);

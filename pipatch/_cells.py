@@ -51,6 +51,8 @@ class Metric:
     are computed from them.
 
     * ``prob`` / ``logprob``: P(answer sequence) / its log.
+    * ``logit``: the one-token answer's logit (a feature circuit on one prompt: the value
+      attribution graphs explain, linear in what the last layer writes).
     * ``rank``: how many tokens the model ranks above the answer's (0: the answer is its top
       token); a multi-token answer's worst rank over its teacher-forced tokens, so 0 means
       greedy decoding writes the whole answer. It counts logits, so it reads them all
@@ -142,6 +144,8 @@ class Metric:
     @property
     def token_ids(self) -> list[int] | None:
         """Vocabulary rows the metric reads, or ``None`` for all of them (a softmax needs all)."""
+        if self.name == "logit" and len(self.answer) == 1:
+            return [self.answer[0]]
         return [self.answer[0], self.foil[0]] if self.name == "logit_diff" and self.single else None
 
     @property

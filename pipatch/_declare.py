@@ -206,9 +206,34 @@ class PromptForm:
     body_help: str
     #: What one example is called in messages: ``prompt``, ``pair``.
     unit: str = "prompt"
+    #: Another form the experiment takes instead (a feature circuit: a pair, or one prompt
+    #: and its target). The planner gets every field of both, ``None`` where not given.
+    alternative: PromptForm | None = None
+
+    @property
+    def every_field(self) -> tuple[str, ...]:
+        """The fields of this form and of its alternative."""
+        return self.fields + (self.alternative.fields if self.alternative else ())
+
+    def given(self, values: Mapping[str, Any]) -> PromptForm:
+        """The form whose fields ``values`` hold (this one where it has no alternative); one
+        :class:`PipatchError` line when fields of both forms are given."""
+        if self.alternative is None:
+            return self
+        theirs = [f for f in self.alternative.fields if values.get(f) not in (None, [], ())]
+        if not theirs:
+            return self
+        if any(values.get(f) not in (None, [], ()) for f in self.fields):
+            mine = " and ".join(f + "=" for f in self.fields)
+            raise PipatchError(f"give {mine} ({self.unit}) or {' and '.join(f + '=' for f in theirs)} "
+                               f"({self.alternative.unit}), not both")
+        return self.alternative
 
     def collect(self, values: Mapping[str, Sequence[str]]) -> dict[str, str | list[str]]:
         """``{field: [texts]}`` → the planner's keywords: a string each, or lists of equal length."""
+        form = self.given(values)
+        if form is not self:
+            return form.collect(values)
         counts = {f: len(values.get(f) or ()) for f in self.fields}
         for field_name, n in counts.items():
             if n == 0:
@@ -223,6 +248,8 @@ class PromptForm:
         """A magic's cell body → the planner's prompt keywords (see ``body_help``)."""
         lines = [(number, line.strip()) for number, line in enumerate(body.splitlines(), 1)]
         lines = [(number, line) for number, line in lines if line]
+        if self.alternative is not None and not any(_tagged(line, self.fields)[0] for _, line in lines):
+            return self.alternative.from_body(body)
         if len(self.fields) == 1:
             (field_name,) = self.fields
             tagged = [_tagged(line, self.fields) for _, line in lines]
@@ -248,6 +275,9 @@ class PromptForm:
 
     def n_examples(self, keywords: Mapping[str, Any]) -> int | None:
         """How many examples the prompt keywords hold: ``None`` for one (not a list)."""
+        form = self.given(keywords)
+        if form is not self:
+            return form.n_examples(keywords)
         given = [keywords.get(f) for f in self.fields]
         lists = [isinstance(v, (list, tuple)) for v in given]
         if not any(lists):
@@ -351,7 +381,7 @@ class Experiment:
         if not self.command:
             object.__setattr__(self, "command", self.name.replace("_", "-"))
         keywords = [p.keyword for p in self.params]
-        if len(keywords) != len(set(keywords)) or set(keywords) & set(self.prompts.fields):
+        if len(keywords) != len(set(keywords)) or set(keywords) & set(self.prompts.every_field):
             raise ValueError(f"experiment {self.name!r}: parameter names must be unique and differ from the prompts'")
         self._by_keyword.update({p.keyword: p for p in self.params})
 
@@ -366,7 +396,7 @@ class Experiment:
         out: dict[str, Any] = {}
         aliases = {alias: p for p in self.params for alias in p.aliases}
         for key, value in given.items():
-            if key in self.prompts.fields or key in self._by_keyword:
+            if key in self.prompts.every_field or key in self._by_keyword:
                 target = key
             elif key in aliases:
                 target = aliases[key].keyword
@@ -374,12 +404,17 @@ class Experiment:
                 if target in given:
                     raise PipatchError(f"{self.name}() got both {key}= and {target}=: pass {target}= only")
             else:
-                names = ", ".join([*self.prompts.fields, *self._by_keyword])
+                names = ", ".join([*self.prompts.every_field, *self._by_keyword])
                 raise PipatchError(f"{self.name}() got an unexpected argument {key!r}: it takes {names}")
             out[target] = value
-        for name in self.prompts.fields:
-            if name not in out:
-                raise PipatchError(f"{self.name}() needs {name}=")
+        form = self.prompts.given(out)
+        for name in form.fields:
+            if out.get(name) is None:
+                other = self.prompts.alternative
+                either = "" if other is None else f" (or {' and '.join(f + '=' for f in other.fields)})"
+                raise PipatchError(f"{self.name}() needs {name}={either}")
+        for name in self.prompts.every_field:
+            out.setdefault(name, None)
         for param in self.params:
             if param.keyword not in out:
                 if param.required:
@@ -400,7 +435,8 @@ class Experiment:
                 raise PipatchError(param.single)
         per = {p.keyword: _per_example(keywords[p.keyword], n, p.keyword, self.prompts.unit)
                for p in self.params if p.per_prompt}
-        return [{**keywords, **{f: keywords[f][i] for f in self.prompts.fields}, **{k: v[i] for k, v in per.items()}}
+        fields = self.prompts.given(keywords).fields
+        return [{**keywords, **{f: keywords[f][i] for f in fields}, **{k: v[i] for k, v in per.items()}}
                 for i in range(n)]
 
     def keywords(self, given: Mapping[str, Any], prompts: Mapping[str, str | list[str]]) -> dict[str, Any]:
@@ -429,9 +465,12 @@ class Experiment:
         """``(model, prompt, *, subject, ..., on_row=None, stop=None, progress=True)``: the public function's."""
         P = inspect.Parameter
         head = [P("model", P.POSITIONAL_OR_KEYWORD, annotation=Any)]
-        if len(self.prompts.fields) == 1:
+        if self.prompts.alternative is not None:  # either form: each field optional, the planner checks
+            prompts = [P(f, P.KEYWORD_ONLY, default=None, annotation="str | Sequence[str] | None")
+                       for f in self.prompts.every_field]
+        elif len(self.prompts.fields) == 1:
             head.append(P(self.prompts.fields[0], P.POSITIONAL_OR_KEYWORD, annotation="str | Sequence[str]"))
-            prompts: list[inspect.Parameter] = []
+            prompts = []
         else:
             prompts = [P(f, P.KEYWORD_ONLY, annotation="str | Sequence[str]") for f in self.prompts.fields]
         params = [P(p.keyword, P.KEYWORD_ONLY, default=p.default, annotation=p.annotation) for p in self.params]
@@ -447,6 +486,9 @@ class Experiment:
                  "model", "    A loaded model (:func:`pipatch.load_model`, or an nnsight model), or anything",
                  "    ``load_model`` takes: ``None`` (the embedded default), a hub id, a local folder."]
         lines += [f"{', '.join(self.prompts.fields)} : str | Sequence[str]", f"    {self.prompts.doc}"]
+        if self.prompts.alternative is not None:
+            lines += [f"{', '.join(self.prompts.alternative.fields)} : str, optional",
+                      f"    {self.prompts.alternative.doc}"]
         for param in self.params:
             typed = param.keyword if param.annotation is Any else f"{param.keyword} : {param.annotation}"
             extra = f"; once, or once per {self.prompts.unit} of a dataset (a list)" if param.per_prompt else ""

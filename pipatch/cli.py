@@ -109,15 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(experiment=entry, run=_run)
         parser.commands[entry.command] = command
         form = entry.prompts
-        if len(form.fields) == 1:
+        if len(form.fields) == 1 and form.alternative is None:
             (field,) = form.fields
             command.add_argument(field, nargs="+", metavar=field.upper(),
                                  help=f"the {field} (several: a dataset, averaged over named positions)")
         else:
             for field in form.fields:
-                command.add_argument(f"--{field}", action="append", required=True, metavar="PROMPT",
+                command.add_argument(f"--{field}", action="append", required=form.alternative is None,
+                                     metavar="PROMPT",
                                      help=f"the {field} prompt (repeat --{form.fields[0]} / --{form.fields[-1]} "
                                           "for a dataset, paired in order)")
+            for field in form.alternative.fields if form.alternative else ():
+                command.add_argument(f"--{field}", action="append", metavar="PROMPT",
+                                     help=f"instead of --{' / --'.join(form.fields)}: {form.alternative.doc}")
         add_options(command, entry)
     summary = "a − b of two saved results, cell by cell (their --json or --save files)"
     command = sub.add_parser("compare", parents=[outputs], help=summary, description=summary)
@@ -176,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
 
     entry: Experiment = args.experiment
     # Everything that can be checked without the model is checked before loading it.
-    prompts = entry.prompts.collect({field: getattr(args, field) for field in entry.prompts.fields})
+    prompts = entry.prompts.collect({field: getattr(args, field) for field in entry.prompts.every_field})
     keywords = entry.keywords(given_options(args, entry), prompts)
     api_key = args.api_key or (os.environ.get("PIPATCH_API_KEY") if args.serve else None)
     model = shared_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,

@@ -6,11 +6,11 @@ SAE and position, ``corrupt metric +`` the sum of that place's node scores (its 
 its error's): attribution patching's estimate for the whole value the SAE reads there, so the
 grid reads as normalized recovery like a patching grid. The graph itself is in ``meta``:
 ``meta["nodes"]`` (one dict per node: ``node``, ``site``, ``layer``, ``position``, ``latent``
-(an id, ``"error"`` or ``"metric"``), ``score``, ``exact`` (``None`` where not checked),
-``circuit`` (kept by the pruning)), ``meta["edges"]`` (``upstream``, ``downstream``,
-``score``, ``exact``) and ``meta["curve"]`` (the faithfulness curve's measured metrics:
-:func:`faithfulness_rows`), so the result saves and loads as any result does (safetensors +
-JSON, no pickle).
+(an id, ``"error"``, ``"embed"`` or ``"metric"``), ``score``, ``exact`` (``None`` where not
+checked), ``circuit`` (kept by the pruning)), ``meta["edges"]`` (``upstream``,
+``downstream``, ``score``, ``exact``) and ``meta["curve"]`` (the faithfulness curve's
+measured metrics: :func:`faithfulness_rows`), so the result saves and loads as any result
+does (safetensors + JSON, no pickle).
 
 Its view (:meth:`FeatureCircuitResult.to_state`, drawn by ``js/features.ts``) is the graph:
 the state's ``feature_graph`` part holds the circuit's nodes and the :data:`VIEW_NODES_MAX`
@@ -32,12 +32,14 @@ from .._views import conform_state
 from .._views.strings import json_safe
 from ._result import latent_note
 
-__all__ = ["FeatureCircuitResult", "VIEW_NODES", "VIEW_NODES_MAX", "METRIC_NODE", "faithfulness_rows"]
+__all__ = ["FeatureCircuitResult", "VIEW_NODES", "VIEW_NODES_MAX", "METRIC_NODE", "EMBED_NODE", "faithfulness_rows"]
 
 #: A feature circuit's one grid: SAEs × positions.
 VIEW_NODES = "nodes"
 #: The name of the metric's node.
 METRIC_NODE = "metric"
+#: The ``site`` and ``latent`` of an embedding node (one per position).
+EMBED_NODE = "embed"
 
 #: At most this many nodes are drawn (the circuit's, then the largest ``|score|`` others): a
 #: graph of every active latent at every position can hold tens of thousands.
@@ -73,13 +75,16 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
     def nodes(self):
         """One row per node, largest ``|score|`` first (the metric's node first): ``node``
         (its name, ``"L1 resid_post #12 @3"``), ``site``, ``layer``, ``position``, ``latent`` (the
-        latent's id, ``"error"`` or ``"metric"``), ``score`` (the estimated change of the metric
-        when that node alone takes its clean value in the corrupt run), ``exact`` (the exact
-        patch's change; NaN where not checked) and ``circuit`` (kept by the pruning). A pandas
-        DataFrame."""
+        latent's id, ``"error"``, ``"embed"`` (the token embedding at that position: ``site``
+        ``"embed"``, ``layer`` −1) or ``"metric"``), ``score`` (the estimated change of the metric
+        when that node alone takes its clean value in the corrupt run; on one prompt, its direct
+        attribution relative to zero), ``exact`` (the exact patch's change, on one prompt
+        ``M(prompt) − M(node zeroed)``; NaN where not checked) and ``circuit`` (kept by the
+        pruning). A dataset's ``position`` is a named position and each row has ``pairs``
+        (how many pairs have it). A pandas DataFrame."""
         rows = [{**node, "score": _number(node["score"]), "exact": _number(node["exact"])}
                 for node in self.meta.get("nodes", [])]
-        return table(rows, _NODE_COLUMNS)
+        return table(rows, _NODE_COLUMNS + ["pairs"] * bool(self.meta.get("dataset")))
 
     def edges(self):
         """One row per edge kept, largest ``|score|`` first: ``upstream``, ``downstream`` (node
@@ -206,8 +211,9 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
         circuit's and the largest others, at most :data:`VIEW_NODES_MAX`; each with its
         label and top contexts where ``meta`` has them), the edges between them and the
         supernodes."""
-        sites = list(self.layers)
         everything = self.meta.get("nodes", [])
+        # The embeddings' row below the SAEs, where the graph has embedding nodes.
+        sites = [EMBED_NODE] * any(n["latent"] == EMBED_NODE for n in everything) + list(self.layers)
         grouped = {name for g in self.meta.get("supernodes", []) for name in g["nodes"]}
         ranked = sorted(everything, key=lambda n: (n["latent"] != METRIC_NODE, not n["circuit"],
                                                    n["node"] not in grouped, -abs(n["score"])))
@@ -216,14 +222,14 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
         nodes = [self._view_node(n, sites) for n in drawn]
         edges = [{"up": index[e["upstream"]], "down": index[e["downstream"]], "score": e["score"]}
                  for e in self.meta.get("edges", []) if e["upstream"] in index and e["downstream"] in index]
-        part = {"sites": sites, "positions": list(self.meta.get("positions", range(len(self.columns)))),
+        part = {"sites": sites, "positions": self._view_positions(),
                 "nodes": nodes, "edges": edges, "groups": list(self.meta.get("supernodes", [])),
                 "total": len(everything)}
         return {**super().to_state(live=live), **conform_state({"feature_graph": part})}
 
     def _view_node(self, node: dict[str, Any], sites: list[str]) -> dict[str, Any]:
         latent = node["latent"]
-        kind = latent if latent in ("error", METRIC_NODE) else "latent"
+        kind = latent if latent in ("error", METRIC_NODE, EMBED_NODE) else "latent"
         note = ""
         if kind == "latent":
             site = node["site"]
@@ -231,8 +237,19 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
             contexts = [(str(w), float(v)) for w, v in self.meta.get("contexts", {}).get(site, {}).get(str(latent), [])]
             note = latent_note(label, contexts)
         return {"name": node["node"], "row": sites.index(node["site"]) if node["site"] in sites else len(sites),
-                "position": node["position"], "latent": latent if kind == "latent" else None, "kind": kind,
+                "position": self._view_position(node["position"]), "latent": latent if kind == "latent" else None,
+                "kind": kind,
                 "score": node["score"], "exact": node["exact"], "circuit": bool(node["circuit"]), "note": note}
+
+    def _view_positions(self) -> list[int]:
+        """The view's columns: the token positions, or a dataset's named positions by index."""
+        if self.meta.get("dataset"):
+            return list(range(len(self.columns)))
+        return list(self.meta.get("positions", range(len(self.columns))))
+
+    def _view_position(self, position: int | str) -> int:
+        """A node's column in the view: its position, or its named position's index."""
+        return self.columns.index(position) if isinstance(position, str) else int(position)
 
     def frame(self):
         """A feature circuit's table is its nodes: :meth:`nodes`."""
@@ -249,7 +266,8 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
                 f"clean {self.clean_value:.4g}, corrupt {self.corrupt_value:.4g}>")
 
     def plot(self, view: str | None = None, ax=None, **kwargs: Any):  # noqa: ARG002 - one grid
-        """The graph drawn statically: one row per SAE (bottom up), one column per position;
+        """The graph drawn statically: one row per SAE (bottom up; the embeddings below them
+        where one is kept), one column per position;
         each kept node a dot at its place (sized by ``|score|``, red for a positive score, blue
         for a negative one; errors as squares), each kept edge a line between its nodes (its
         width by ``|score|``). Returns the matplotlib figure."""
@@ -257,7 +275,8 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
 
         if ax is None:
             _, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(self.columns)), max(3.0, 0.9 * len(self.layers))))
-        sites = list(self.layers)
+        embedded = any(n["circuit"] and n["latent"] == EMBED_NODE for n in self.meta.get("nodes", []))
+        sites = [EMBED_NODE] * embedded + list(self.layers)
         positions = list(self.meta.get("positions", range(len(self.columns))))
         kept = [n for n in self.meta.get("nodes", []) if n["circuit"] and n["site"] in sites]
         largest = max([abs(n["score"]) for n in kept] or [1.0]) or 1.0

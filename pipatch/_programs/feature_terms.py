@@ -6,7 +6,8 @@ of backward pass over the corrupt prompt, both written here against the torch mo
 nnsight wrapper (forward hooks, removed on the way out; no parameter gradient is taken):
 
 * **node gradients** (:func:`node_gradients`): ``dM/dx`` at the value each SAE writes (a
-  block's output; a transcoder's MLP output), from one forward and one backward. With
+  block's output; a transcoder's MLP output; :data:`EMBEDDINGS`: the embedding module's
+  output), from one forward and one backward. With
   ``steps > 1``, integrated gradients as Marks et al. take them: for each SAE alone, the mean
   of ``dM/dx`` over ``steps`` runs whose latents and error at that SAE are
   ``corrupt + (k / steps)(clean − corrupt)``, ``k = 0 … steps − 1`` (``steps=1`` is
@@ -14,7 +15,8 @@ nnsight wrapper (forward hooks, removed on the way out; no parameter gradient is
 * **edge pull-backs** (:func:`edge_pullbacks`): for a chunk of downstream nodes, one batch
   whose row ``r`` belongs to node ``r``: the backward of ``Σ_r w_r · node_r`` (``w_r``: the
   metric's gradient at that node, a number for a latent, a vector for an error) to the value
-  the upstream SAE writes, row by row, so row ``r`` holds ``d (w_r · node_r) / dx_up``. The
+  the upstream SAE (or :data:`EMBEDDINGS`) writes, row by row, so row ``r`` holds
+  ``d (w_r · node_r) / dx_up``. The
   forward stops once the downstream SAE has read its value.
 
 Only metrics read at the last prompt position (a one-token answer and foil) are supported:
@@ -34,7 +36,7 @@ from .._features._site import InOut
 from .._models import _get, first
 from ._program import Program, register_program
 
-__all__ = ["NODE_GRADIENTS", "EDGE_PULLBACKS", "NodeGradientsRequest", "EdgePullbacksRequest", "node_gradients",
+__all__ = ["NODE_GRADIENTS", "EDGE_PULLBACKS", "EMBEDDINGS", "NodeGradientsRequest", "EdgePullbacksRequest", "node_gradients",
            "edge_pullbacks"]
 
 
@@ -42,7 +44,29 @@ class _Reached(Exception):
     """Raised from a hook to end a forward once the value wanted has been computed."""
 
 
+@dataclass(frozen=True)
+class _EmbeddingOutput:
+    """The embedding module's output as a hook (what block 0 reads)."""
+
+    reads_in: bool = False
+
+
+@dataclass(frozen=True)
+class _Embeddings:
+    """The token embeddings as a node gradient's or an edge pull-back's site: its ``writes``
+    is the embedding module's output (a feature circuit's embedding nodes)."""
+
+    name: str = "embed"
+    writes: _EmbeddingOutput = _EmbeddingOutput()
+
+
+#: The embeddings, where :func:`node_gradients` and :func:`edge_pullbacks` take a site.
+EMBEDDINGS = _Embeddings()
+
+
 def _module(hf: Any, adapter: Any, hook: Any) -> Any:
+    if isinstance(hook, _EmbeddingOutput):
+        return adapter.embedding(hf)
     block = adapter.block(hf, hook.layer)
     return _get(block, hook.path) if hook.path else block
 

@@ -53,7 +53,7 @@ import torch
 from .._cells import Base, Cell, Metric, Op
 from .._engine import Sweep
 from .._features import LatentSite
-from .._features._circuit import METRIC_NODE, VIEW_NODES, faithfulness_rows
+from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, faithfulness_rows
 from .attribution import spearman
 
 __all__ = ["ABLATIONS", "NodeValues", "node_values", "edge_checks", "faithfulness_curve", "curve_sizes", "finish_checks"]
@@ -216,7 +216,7 @@ def faithfulness_curve(sites: list[LatentSite], corrupt: dict[str, tuple[torch.T
     entry (values to come). ``corrupt[name]``: site ``name``'s latents and error on the
     corrupt prompt(s), ``[rows, T, ...]`` each; ``nodes``: the graph's nodes, largest
     ``|score|`` first; ``positions``: the positions scored."""
-    graph = [n for n in nodes if n["latent"] != METRIC_NODE]
+    graph = [n for n in nodes if n["latent"] not in (METRIC_NODE, EMBED_NODE)]  # the embeddings stay free
     whole = {s.name: node_values(s) for s in sites}
     values, rank, scored = {}, {}, {}
     for site in sites:

@@ -5,7 +5,8 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
 
 * **nodes**: each latent of each SAE at each position where it fires on the clean or the
   corrupt prompt, one **error** node per (SAE, position) (what the SAE misses there,
-  :class:`~pipatch._features._site.ErrorSite`), and the metric (``"metric"``, scored
+  :class:`~pipatch._features._site.ErrorSite`), one **embedding** node per position
+  (``"embed @3"``: the embedding output block 0 reads), and the metric (``"metric"``, scored
   ``clean − corrupt``);
 * **node scores**, in the denoising convention of :func:`pipatch.feature_patch`: the change of
   the metric when that node alone takes its clean value in the corrupt run, estimated by
@@ -15,10 +16,12 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   on its own, as Marks et al. do; :mod:`pipatch._programs.feature_terms`);
 * **edge scores** from each node of an SAE to each node of the SAEs at the next layer that
   has any (the downstream value holds everything the layers below wrote, so an edge skipping
-  a layer of SAEs would count twice what passes through that layer's nodes), by the same
+  a layer of SAEs would count twice what passes through that layer's nodes; the embedding
+  nodes feed the lowest SAE's), by the same
   linear approximation: ``Δf_up · (d f_down / d f_up) · dM/df_down``, the downstream node's
   weighted value pulled back through the model to the upstream SAE's written value and
-  through the upstream node's decoder direction (the upstream error node: its whole value).
+  through the upstream node's decoder direction (an upstream error or embedding node: its
+  whole value).
   The Jacobian is the corrupt run's; ``dM/df_down`` is the node scoring's gradient. One
   backward per downstream node, batched ``batch_size`` nodes a pass; error nodes are nodes
   on both ends;
@@ -42,35 +45,49 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   (:mod:`pipatch._protocols._feature_checks`; ``result.faithfulness()``).
 
 The checks and the curve are sweeps of patched runs (live, batched): they need no gradients.
+Edge checks and the curve run on a pair (one prompt and a dataset have neither).
+
+On **one prompt** (``prompt=``, ``target=``; attribution graphs' form) every score is
+relative to zero at the prompt's run and the checks zero-ablate; **lists of pairs** are a
+dataset averaged over named positions (nodes and edges; no exact checks). Both:
+:mod:`pipatch._protocols._feature_circuit_inputs`.
 
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
 ``edges()`` are pandas tables, its grid the per-(SAE, position) sums of node scores.
 
 **Backends.** The scores need gradients: the transformers backend's. Only metrics read at
-the last prompt position (a one-token answer and foil) are scored; the others are refused in
-one line.
+the last prompt position (a one-token answer and foil, or target) are scored; the others are
+refused in one line, as are a target with a pair, an answer with one prompt, ``steps > 1``
+with one prompt, and ``positions=`` with a dataset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .._cells import Base, Cell, Op
 from .._checks import whole_number
-from .._declare import PAIR, Experiment, Param, count, positive_int
+from .._declare import Experiment, Param, count, positive_int
 from .._engine import Plan, Predictor, Sweep, check_batch_size
 from .._errors import PipatchError
 from .._features import LatentSite, distinct, load_sae
-from .._features._circuit import METRIC_NODE, VIEW_NODES, FeatureCircuitResult
+from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, FeatureCircuitResult
 from .._features._screen import cell_scores, latent_gradient
-from .._programs.capture import captures
-from .._programs.feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, EdgePullbacksRequest, NodeGradientsRequest
+from .._programs.feature_terms import (
+    EDGE_PULLBACKS,
+    EMBEDDINGS,
+    NODE_GRADIENTS,
+    EdgePullbacksRequest,
+    NodeGradientsRequest,
+)
+from .._sites import EMBED
 from ._feature_checks import ABLATIONS, edge_checks, faithfulness_curve, finish_checks
+from ._feature_circuit_inputs import PAIR_OR_PROMPT, circuit_inputs, embedding_nodes, plan_pairs_dataset
 from ._inputs import (
     BATCH_SIZE,
     METRIC,
@@ -83,7 +100,6 @@ from ._inputs import (
 )
 from .attribution import spearman
 from .features import _path_or_site
-from .patching import pair_inputs
 
 __all__ = ["plan_feature_circuit", "DECLARATION"]
 
@@ -115,9 +131,12 @@ def node_name(site: LatentSite, position: int, latent: int | None) -> str:
 
 @dataclass
 class _Scored:
-    """One SAE's values and gradients at the corrupt run (``[1, T, ...]`` each)."""
+    """One SAE's values and gradients at the corrupt run (``[1, T, ...]`` each): ``clean`` is
+    what a node moves to, ``corrupt`` what it moves from (one prompt: its values, and zeros).
+    The embeddings are one too (``site`` :data:`EMBEDDINGS`, their values in both the latents'
+    and the error's place: an embedding node is a whole vector, as an error node)."""
 
-    site: LatentSite
+    site: Any  # a LatentSite, or EMBEDDINGS
     clean: torch.Tensor
     corrupt: torch.Tensor
     clean_error: torch.Tensor
@@ -130,13 +149,21 @@ class _Scored:
         return latent_gradient(self.site, self.corrupt, self.holder_grad)[0].float()
 
 
-def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str, foil: str | None, saes: Any,
-                         metric: str, steps: int, verify: int, top_nodes: int, node_threshold: float,
-                         top_edges: int, edge_threshold: float, positions: Sequence[int] | None,
-                         batch_size: int | None, verify_edges: int, curve: int, ablation: str) -> Plan:
+def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any, answer: Any, foil: Any,
+                         target: str | None, saes: Any, metric: str | None, steps: int, verify: int, top_nodes: int,
+                         node_threshold: float, top_edges: int, edge_threshold: float,
+                         positions: Sequence[int] | None, batch_size: int | None, verify_edges: int, curve: int,
+                         ablation: str) -> Plan:
     """Score every node and the edges between kept nodes; plan the exact checks of the top
-    ``verify`` nodes and ``verify_edges`` edges and the faithfulness curve's ``curve``
-    points. The parameters are :func:`pipatch.feature_circuit`'s."""
+    ``verify`` nodes and (a pair) ``verify_edges`` edges and the faithfulness curve's ``curve``
+    points. The parameters are :func:`pipatch.feature_circuit`'s; lists of pairs are
+    a dataset (:func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
+    if isinstance(clean, (list, tuple)) or isinstance(prompt, (list, tuple)):
+        return plan_pairs_dataset(backend, plan_feature_circuit, dict(
+            clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil, target=target, saes=saes,
+            metric=metric, steps=steps, verify=verify, top_nodes=top_nodes, node_threshold=node_threshold,
+            top_edges=top_edges, edge_threshold=edge_threshold, positions=positions, batch_size=batch_size,
+            verify_edges=verify_edges, curve=curve, ablation=ablation))
     steps = whole_number(steps, "steps (integrated-gradient points; 1: attribution patching)", minimum=1)
     verify = whole_number(verify, "verify (nodes patched exactly)", minimum=0)
     verify_edges = whole_number(verify_edges, "verify_edges (edges patched exactly)", minimum=0)
@@ -152,30 +179,38 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
         raise PipatchError(f"feature_circuit scores by gradients, which the {backend.name} backend does not compute: "
                            "run it on backend='transformers' (the default)")
     sites = _sites(backend, saes)
-    pair = pair_inputs(backend, clean, corrupt, answer, foil, metric)
-    scorer = pair.metric
+    inputs = circuit_inputs(backend, clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil,
+                            target=target, metric=metric, steps=steps)
+    scorer = inputs.metric
     if not scorer.single:
         raise PipatchError("feature_circuit scores metrics read at the last prompt position: give a one-token answer "
                            "and foil")
-    T = pair.clean_ids.shape[1]
+    T = inputs.clean_ids.shape[1]
     cols = sweep_positions(positions, T)
     batch = check_batch_size(batch_size, T, backend)
     errors = [s.error_site for s in sites]
-    clean_run, corrupt_run = captures(backend, [pair.clean_ids, pair.corrupt_ids], scorer, [*sites, *errors])
-    clean_value, corrupt_value = float(clean_run.metric[0]), float(corrupt_run.metric[0])
-    deltas = {s.name: _written_change(s, clean_run.sites[s.name][s.layer], corrupt_run.sites[s.name][s.layer],
-                                      clean_run.sites[e.name][s.layer], corrupt_run.sites[e.name][s.layer])
+    # The reference is the corrupt run (a pair) or zeros (one prompt); the base is the run
+    # gradients are taken on and checks write into.
+    clean_run, reference, base_run = inputs.runs(backend, [*sites, *errors])
+    clean_value, corrupt_value = float(clean_run.metric[0]), float(reference.metric[0])
+    deltas = {s.name: _written_change(s, clean_run.sites[s.name][s.layer], reference.sites[s.name][s.layer],
+                                      clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer])
               for s, e in zip(sites, errors)}
-    grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(pair.corrupt_ids, scorer, sites, steps, deltas))
-    scored = [_Scored(s, clean_run.sites[s.name][s.layer], corrupt_run.sites[s.name][s.layer],
-                      clean_run.sites[e.name][s.layer], corrupt_run.sites[e.name][s.layer], grads[s.name][None])
+    deltas[EMBEDDINGS.name] = (clean_run.embedded - reference.embedded).float()
+    grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(inputs.base_ids, scorer, [EMBEDDINGS, *sites], steps,
+                                                                deltas))
+    scored = [_Scored(s, clean_run.sites[s.name][s.layer], reference.sites[s.name][s.layer],
+                      clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer], grads[s.name][None])
               for s, e in zip(sites, errors)]
+    embedded = _Scored(EMBEDDINGS, clean_run.embedded, reference.embedded, clean_run.embedded, reference.embedded,
+                       grads[EMBEDDINGS.name][None])
 
     nodes, grid = _nodes(scored, cols)
+    nodes += embedding_nodes(clean_run.embedded, reference.embedded, embedded.holder_grad, cols)
     ranked = sorted((n for n in nodes if n["latent"] != METRIC_NODE), key=lambda n: -abs(n["score"]))
     for node in [n for n in ranked if abs(n["score"]) >= node_threshold][:top_nodes]:
         node["circuit"] = True
-    edges = _edges(backend, pair.corrupt_ids, scored, nodes, batch)
+    edges = _edges(backend, inputs.base_ids, [embedded, *scored], nodes, batch)
     edges = [e for e in sorted(edges, key=lambda e: -abs(e["score"])) if abs(e["score"]) >= edge_threshold][:top_edges]
     nodes.insert(0, {"node": METRIC_NODE, "site": METRIC_NODE, "layer": backend.adapter.n_layers, "position": T - 1,
                      "latent": METRIC_NODE, "score": clean_value - corrupt_value, "exact": clean_value - corrupt_value,
@@ -184,14 +219,14 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
 
     meta = model_meta(backend)
     meta.update({
-        **pair.meta(backend), "col_axis": "token", "direction": "denoise", "positions": cols, "steps": steps,
+        **inputs.meta, "col_axis": "token", "positions": cols, "steps": steps,
         "method": "atp" if steps == 1 else "ig",
         "saes": [{"name": s.name, "layer": s.layer, "sae": s.sae.name, "d_sae": s.n_latents} for s in sites],
         "verify": verify, "top_nodes": top_nodes, "node_threshold": node_threshold, "top_edges": top_edges,
         "edge_threshold": edge_threshold, "verify_edges": verify_edges, "nodes": nodes, "edges": edges,
     })
     result = FeatureCircuitResult(
-        kind="feature_circuit", tokens=pair.clean_tokens, columns=[pair.clean_tokens[p] for p in cols],
+        kind="feature_circuit", tokens=inputs.tokens, columns=[inputs.tokens[p] for p in cols],
         layers=[s.name for s in sites], metric=scorer.label, raw={VIEW_NODES: (corrupt_value + grid).unsqueeze(0)},
         clean=clean_value, corrupt=torch.tensor([corrupt_value]), meta=meta,
         warnings=undefined_recovery_warning(scorer.label, clean_value, corrupt_value),
@@ -200,22 +235,27 @@ def plan_feature_circuit(backend: Any, *, clean: str, corrupt: str, answer: str,
     checked = [i for i, n in enumerate(nodes) if n["latent"] != METRIC_NODE][:verify]
     for i in checked:
         nodes[i]["exact"] = None
-    differ = (pair.clean_ids[0] != pair.corrupt_ids[0]).nonzero()
-    by_name = {s.site.name: s for s in scored}
-    corrupt_base = Base(pair.corrupt_ids, corrupt_run)
-    agrees_before = int(differ[0]) if len(differ) else T
-    sweep = _NodeChecks(view=VIEW_NODES, base=corrupt_base, metric=scorer,
-                        n_rows=len(checked), n_cols=1, agrees_before=agrees_before,
-                        checked=checked, ops=[_ablation(nodes[i], by_name) for i in checked],
-                        corrupt_value=corrupt_value, scored=by_name)
-    in_edges = {e[end] for e in edges for end in ("upstream", "downstream")}
-    writes = {n["node"]: _ablation(n, by_name) for n in nodes if n["node"] in in_edges}
-    edge_sweep = edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges, corrupt_base, scorer,
-                             corrupt_value)
-    curve_sweep, result.meta["curve"] = faithfulness_curve(sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored},
-                                            nodes, cols, curve, ablation, Base(pair.clean_ids, clean_run), scorer,
-                                            clean_value)
-    return _CheckedPlan(backend, result, [sweep, edge_sweep, curve_sweep], batch, True)
+    differ = (inputs.clean_ids[0] != inputs.base_ids[0]).nonzero()
+    agrees = 0 if inputs.zero else int(differ[0]) if len(differ) else T  # zeros agree with no run
+    by_name = {s.site.name: s for s in [embedded, *scored]}
+    # One prompt: each check zero-ablates, and reports M(prompt) − M(ablated) as its estimate does.
+    sweep = _NodeChecks(view=VIEW_NODES, base=Base(inputs.base_ids, base_run), metric=scorer,
+                        n_rows=len(checked), n_cols=1, agrees_before=agrees,
+                        checked=checked, ops=[_ablation(nodes[i], by_name, inputs.zero) for i in checked],
+                        corrupt_value=float(base_run.metric[0]), sign=-1.0 if inputs.zero else 1.0, scored=by_name)
+    sweeps: list[Sweep] = [sweep]
+    if not inputs.zero:  # a pair: the edges' and the curve's counterfactual is the corrupt run
+        in_edges = {e[end] for e in edges for end in ("upstream", "downstream")}
+        writes = {n["node"]: _ablation(n, by_name, False) for n in nodes if n["node"] in in_edges}
+        sweeps.append(edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges,
+                                  Base(inputs.base_ids, base_run), scorer, corrupt_value))
+        curve_sweep, result.meta["curve"] = faithfulness_curve(
+            sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored}, nodes, cols, curve, ablation,
+            Base(inputs.clean_ids, clean_run), scorer, clean_value)
+        sweeps.append(curve_sweep)
+    planned = _CheckedPlan(backend, result, sweeps, batch, True)
+    planned.edges_between = lambda marked: _edges(backend, inputs.base_ids, [embedded, *scored], marked, batch)
+    return planned
 
 
 def _written_change(site: LatentSite, clean: torch.Tensor, corrupt: torch.Tensor, clean_error: torch.Tensor,
@@ -255,13 +295,16 @@ def _edges(backend: Any, corrupt_ids: torch.Tensor, scored: list[_Scored], nodes
     for node in nodes:
         if node["circuit"]:
             kept.setdefault(node["site"], []).append(node)
-    layers = sorted({s.site.layer for s in scored})
+    layers = sorted({s.site.layer for s in scored if s.site is not EMBEDDINGS})
     edges: list[dict[str, Any]] = []
     for down in scored:
-        below = [layer for layer in layers if layer < down.site.layer]
-        if not below or not kept.get(down.site.name):
+        if down.site is EMBEDDINGS or not kept.get(down.site.name):
             continue
-        ups = [s for s in scored if s.site.layer == below[-1] and kept.get(s.site.name)]
+        below = [layer for layer in layers if layer < down.site.layer]
+        if below:
+            ups = [s for s in scored if s.site is not EMBEDDINGS and s.site.layer == below[-1] and kept.get(s.site.name)]
+        else:  # the lowest SAE reads what the embeddings wrote
+            ups = [s for s in scored if s.site is EMBEDDINGS and kept.get(s.site.name)]
         targets = kept[down.site.name]
         grad_f = down.latent_grad
         weights = [down.holder_grad[0, n["position"]].float() if n["latent"] == "error"
@@ -281,7 +324,7 @@ def _edge_rows(up: _Scored, sources: list[dict[str, Any]], targets: list[dict[st
     """The edges from ``sources`` (kept nodes of ``up``) into each of ``targets``, from the
     pull-backs ``pulled`` ([targets, T, d]) to ``up``'s written value."""
     B = pulled.shape[0]
-    through = latent_gradient(up.site, up.corrupt.expand(B, -1, -1), pulled).float()  # [B, T, d_sae]
+    through = None if up.site is EMBEDDINGS else latent_gradient(up.site, up.corrupt.expand(B, -1, -1), pulled).float()
     delta = (up.clean - up.corrupt)[0].float()
     delta_error = (up.clean_error - up.corrupt_error)[0].float()
     rows = []
@@ -290,7 +333,7 @@ def _edge_rows(up: _Scored, sources: list[dict[str, Any]], targets: list[dict[st
             p = source["position"]
             if p > target["position"]:
                 continue  # attention is causal: a later position reaches no earlier one
-            if source["latent"] == "error":
+            if source["latent"] in ("error", EMBED_NODE):  # an embedding: its whole vector, as an error
                 score = float((delta_error[p] * pulled[r, p].to(delta_error.device)).sum())
             else:
                 score = float(delta[p, source["latent"]] * through[r, p, source["latent"]])
@@ -298,27 +341,31 @@ def _edge_rows(up: _Scored, sources: list[dict[str, Any]], targets: list[dict[st
     return rows
 
 
-def _ablation(node: dict[str, Any], by_name: dict[str, _Scored]) -> Op:
-    """The exact patch of ``node``: its clean value written through its SAE at its position."""
+def _ablation(node: dict[str, Any], by_name: dict[str, _Scored], zero: bool) -> Op:
+    """The exact patch of ``node``: its clean value (``zero``: 0) written through its SAE at
+    its position (an embedding node: at the embedding output)."""
     s = by_name[node["site"]]
     p = node["position"]
+    if node["latent"] == EMBED_NODE:
+        return Op(EMBED, 0, EMBED.index([p]), (s.corrupt if zero else s.clean)[:, [p]])
     if node["latent"] == "error":
         error = s.site.error_site
-        return Op(error, error.layer, error.cell(p), s.clean_error[:, [p]])
+        return Op(error, error.layer, error.cell(p), (s.corrupt_error if zero else s.clean_error)[:, [p]])
     j = int(node["latent"])
-    return Op(s.site, s.site.layer, s.site.cell(p, j), s.clean[:, [p], j:j + 1])
+    return Op(s.site, s.site.layer, s.site.cell(p, j), (s.corrupt if zero else s.clean)[:, [p], j:j + 1])
 
 
 @dataclass
 class _NodeChecks(Sweep):
     """Row ``i``: the exact patch of node ``checked[i]`` (its op ``ops[i]``); its change of the
-    metric goes to that node's ``exact``."""
+    metric (times ``sign``: −1 for one prompt's zero ablations) goes to that node's ``exact``."""
 
     stage = "checks"
     checked: list[int] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
     corrupt_value: float = 0.0
-    scored: dict[str, _Scored] = field(default_factory=dict)  # each SAE's values: what any node's patch writes
+    scored: dict[str, _Scored] = field(default_factory=dict)  # each place's values: what any node's patch writes
+    sign: float = 1.0
 
     @property
     def tracks_rows(self) -> bool:
@@ -329,24 +376,29 @@ class _NodeChecks(Sweep):
         return Cell(row, col, seed, start=op.site.start_layer(op.layer), ops=[op])
 
     def store(self, result: Any, cell: Cell, value: float) -> None:
-        result.meta["nodes"][self.checked[cell.row]]["exact"] = value - self.corrupt_value
+        result.meta["nodes"][self.checked[cell.row]]["exact"] = self.sign * (value - self.corrupt_value)
 
 
 class _NodePredictor(Predictor):
     """A plan's predictor that also patches any node exactly (a click on it in the view)."""
 
     def ablate(self, node: dict[str, Any]) -> float:
-        """The change of the metric when ``node`` alone takes its clean value: the checks' patch."""
+        """The change of the metric when ``node`` alone takes its clean value (one prompt: is
+        zero-ablated, the change reported as ``M(prompt) − M(ablated)``): the checks' patch."""
         checks = self.sweeps[VIEW_NODES]
-        one = dataclasses.replace(checks, n_rows=1, checked=[0], ops=[_ablation(node, checks.scored)])
-        return self.values([(one, one.cell(0, 0, 0))])[0] - checks.corrupt_value
+        one = dataclasses.replace(checks, n_rows=1, checked=[0], ops=[_ablation(node, checks.scored, checks.sign < 0)])
+        return checks.sign * (self.values([(one, one.cell(0, 0, 0))])[0] - checks.corrupt_value)
 
 
 class _CheckedPlan(Plan):
     """The checks' rank correlation with the estimates, ``meta["agreement"]`` (nodes) and
     ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end; a predictor
     that ablates any node (:class:`_NodePredictor`). Its sweeps share the one view: a click on
-    it is answered by the node checks' (the first)."""
+    it is answered by the node checks' (the first). ``edges_between(nodes)``: the edges
+    between the nodes marked ``circuit`` in a node list of this pair (a dataset marks its own;
+    :func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
+
+    edges_between: Any = None
 
     def predictor(self) -> Predictor:
         return _NodePredictor(self.backend, {VIEW_NODES: dataclasses.replace(self.sweeps[0], only=None)})
@@ -373,14 +425,18 @@ def _number(value: str) -> float:
 
 DECLARATION = Experiment(
     name="feature_circuit", kind="feature_circuit", noun="feature circuit",
-    summary="Feature circuit: SAE latents and errors at each position as nodes, scored by attribution, "
+    summary="Feature circuit: SAE latents, errors and embeddings at each position as nodes, scored by attribution, "
             "edges between SAEs, the top nodes and edges checked exactly, a faithfulness curve.",
-    planner=plan_feature_circuit, prompts=PAIR, title=_title,
+    planner=plan_feature_circuit, prompts=PAIR_OR_PROMPT, title=_title, whole_dataset=True,
     params=(
-        *PAIR_PARAMS,
+        replace(PAIR_PARAMS[0], default=None, shown="none (a pair needs it)"),
+        PAIR_PARAMS[1],
+        Param("target", None, "with prompt=: the token whose logit is explained, e.g. ' Paris'", "str | None",
+              shown="the model's top next token"),
         Param("saes", help="the SAEs: latent sites (pipatch.load_saes(sources, model)) or SAE folders",
               annotation="Any", parse=_path_or_site, many=True),
-        METRIC,
+        replace(METRIC, default=None, help=METRIC.help + "; with prompt=: logit or logprob", annotation="str | None",
+                shown="logit_diff for a pair, logit for a prompt"),
         Param("steps", 1, "integrated-gradient points per SAE (1: attribution patching at the corrupt run)", "int",
               parse=positive_int),
         Param("verify", 10, "nodes of largest |score| patched exactly", "int", parse=count),
@@ -394,12 +450,15 @@ DECLARATION = Experiment(
         Param("node_threshold", 0.0, "the least |score| a kept node has", "float", parse=_number),
         Param("top_edges", 100, "edges the circuit keeps (largest |score| first)", "int", parse=count),
         Param("edge_threshold", 0.0, "the least |score| a kept edge has", "float", parse=_number),
-        POSITIONS,
+        replace(POSITIONS, single="positions= picks token positions of one pair: a dataset is averaged over named "
+                                  "positions; leave positions out"),
         BATCH_SIZE,
     ),
     example='%%feature_circuit --saes saes/L3 --saes saes/L6 --answer " Paris" --foil " Rome" -o graph\n'
             "clean: The Eiffel Tower is in the city of\n"
-            "corrupt: The Colosseum is in the city of",
+            "corrupt: The Colosseum is in the city of\n\n"
+            '%%feature_circuit --saes saes/L6 --target " Paris" -o graph\n'
+            "The Eiffel Tower is in the city of",
     doc="""
     See :mod:`pipatch._protocols.feature_circuit` for the method.
 
@@ -407,13 +466,15 @@ DECLARATION = Experiment(
     -------
     FeatureCircuitResult
         ``kind="feature_circuit"``; ``nodes()`` (``node``, ``site``, ``layer``, ``position``,
-        ``latent``: an id, ``"error"`` or ``"metric"``, ``score``, ``exact``: NaN where not
-        checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``, ``score``,
-        ``exact``: NaN where not checked) are pandas tables, scores in the metric's units (the
-        change from the corrupt run); ``meta["agreement"]`` and ``meta["edge_agreement"]`` the
-        checked nodes' and edges' rank correlation with their estimates; ``faithfulness()``
-        the curve (``n_nodes``, ``faithfulness``, ``completeness``, ``with``, ``without``)
-        and ``meta["curve"]["nodes_for_80"]`` the least size measured reaching 0.8;
+        ``latent``: an id, ``"error"``, ``"embed"`` or ``"metric"``, ``score``, ``exact``: NaN
+        where not checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``,
+        ``score``, ``exact``: NaN where not checked) are pandas tables, scores in the metric's units (the change from the
+        corrupt run; on one prompt, the direct attribution relative to zero, and ``exact``
+        ``M(prompt) − M(node zeroed)``); a dataset's ``position`` is a named position;
+        ``meta["agreement"]`` and ``meta["edge_agreement"]`` the checked nodes' and edges' rank
+        correlation with their estimates; ``faithfulness()`` the curve (``n_nodes``,
+        ``faithfulness``, ``completeness``, ``with``, ``without``; a pair only) and
+        ``meta["curve"]["nodes_for_80"]`` the least size measured reaching 0.8;
         ``raw["nodes"]`` [1, SAEs, positions] ``corrupt metric +`` each place's summed scores.
 
     Examples
@@ -422,5 +483,9 @@ DECLARATION = Experiment(
     >>> r = pipatch.feature_circuit(model, saes=saes, clean="The Eiffel Tower is in the city of",
     ...                             corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome")
     >>> r.nodes().head(), r.edges().head(), r.faithfulness()
+
+    One prompt, as attribution graphs explain it (the target's logit):
+
+    >>> g = pipatch.feature_circuit(model, saes=saes, prompt="The Eiffel Tower is in the city of", target=" Paris")
     """,
 )

@@ -20,6 +20,7 @@ import torch
 
 import pipatch
 from pipatch._models import _get, adapter_for
+from pipatch._protocols.dataset import named_groups
 from tests._reference import first
 from tests._saes import random_weights, save_saelens
 from tests._tiny import tiny_model
@@ -42,6 +43,11 @@ def token(model, text):
 
 def logit_diff(model, logits):
     return logits[:, -1, token(model, ANSWER)] - logits[:, -1, token(model, FOIL)]
+
+
+def target_logit(model, logits):
+    """One prompt's metric: the target's (``ANSWER``'s) logit."""
+    return logits[:, -1, token(model, ANSWER)]
 
 
 def build(tmp_path, family, kind="jumprelu"):
@@ -70,9 +76,14 @@ def modules_at(model, layer):
 
 def run_with(model, ids, edits):
     """``model._module(ids)`` with ``edits[layer](x_in, out) -> new out`` at each layer's
-    written module (``x_in``: what the SAE reads there)."""
+    written module (``x_in``: what the SAE reads there); ``edits["embed"](None, out)`` at the
+    embedding module's output."""
     handles = []
-    for layer, edit in edits.items():
+    if "embed" in edits:
+        edit_embed = edits["embed"]
+        embedding = _get(model._module, adapter_for(model).embed)
+        handles.append(embedding.register_forward_hook(lambda m, args, out: edit_embed(None, out)))
+    for layer, edit in [(k, v) for k, v in edits.items() if k != "embed"]:
         read, written = modules_at(model, layer)
         seen = {}
         if KINDS[id(model)] == "transcoder":
@@ -96,8 +107,13 @@ def rebuild(weights, x_in, f, e):
 
 
 def hand_values(model, weights, kind, ids):
-    """Each layer's latents and error on a plain run, ``{layer: (f, e)}`` ([1, T, ...])."""
+    """Each layer's latents and error on a plain run, ``{layer: (f, e)}`` ([1, T, ...]), and
+    ``store["embed"]``: ``(embedding output, None)``."""
     store = {}
+
+    def embed(_, out):
+        store["embed"] = (out.detach(), None)
+        return out
 
     def keep(layer):
         def edit(x_in, out):
@@ -106,11 +122,29 @@ def hand_values(model, weights, kind, ids):
             return out
         return edit
     with torch.no_grad():
-        run_with(model, ids, {layer: keep(layer) for layer in range(N_LAYERS)})
+        run_with(model, ids, {"embed": embed, **{layer: keep(layer) for layer in range(N_LAYERS)}})
     return store
 
 
-def hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer, steps=1):
+def zeros_of(values):
+    """``values`` (:func:`hand_values`) with every tensor zeroed: one prompt's reference."""
+    return {k: tuple(None if t is None else torch.zeros_like(t) for t in pair) for k, pair in values.items()}
+
+
+def hand_embed_gradient(model, base_ids, clean, point, steps=1, metric=logit_diff):
+    """``dM/de`` at the embedding output, averaged over ``steps`` points from ``point``'s
+    embeddings towards ``clean``'s (1: at ``point``, the run of ``base_ids``)."""
+    total = 0
+    for k in range(steps):
+        e = (point["embed"][0] + k / steps * (clean["embed"][0] - point["embed"][0])).requires_grad_(True)
+        with torch.enable_grad():
+            logits = run_with(model, base_ids, {"embed": lambda _, out: e})
+            (g,) = torch.autograd.grad(metric(model, logits)[0], [e])
+        total = total + g
+    return total / steps
+
+
+def hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer, steps=1, metric=logit_diff):
     """``(dM/df, dM/de)`` at ``layer`` alone, averaged over ``steps`` points from the corrupt
     latents and error towards the clean ones (1: at the corrupt run)."""
     total_f, total_e = 0, 0
@@ -120,7 +154,7 @@ def hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer
         e = (corrupt[layer][1] + alpha * (clean[layer][1] - corrupt[layer][1])).requires_grad_(True)
         with torch.enable_grad():
             logits = run_with(model, corrupt_ids, {layer: lambda x_in, out: rebuild(weights[layer], x_in, f, e)})
-            gf, ge = torch.autograd.grad(logit_diff(model, logits)[0], [f, e])
+            gf, ge = torch.autograd.grad(metric(model, logits)[0], [f, e])
         total_f, total_e = total_f + gf, total_e + ge
     return total_f / steps, total_e / steps
 
@@ -128,17 +162,19 @@ def hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer
 def hand_edge(model, weights, kind, corrupt_ids, corrupt, up, down, target, grad_f_down, grad_e_down):
     """``d (w · node) / d f_up`` and ``/ d e_up`` for the downstream node ``target`` (``(position,
     latent or None)``) of layer ``down``, ``w`` its ``dM/d node``, with layer ``up``'s output
-    rebuilt from leaves; one backward."""
-    f = corrupt[up][0].clone().requires_grad_(True)
-    e = corrupt[up][1].clone().requires_grad_(True)
+    rebuilt from leaves (``up="embed"``: the embedding output a leaf ``e``; ``f`` then unused);
+    one backward."""
+    e = corrupt[up][0 if up == "embed" else 1].clone().requires_grad_(True)
+    f = e if up == "embed" else corrupt[up][0].clone().requires_grad_(True)
     seen = {}
 
     def read(x_in, out):
         seen.update(x=x_in, out=out)
         return out
     q, j = target
+    write = (lambda _, out: e) if up == "embed" else (lambda x_in, out: rebuild(weights[up], x_in, f, e))
     with torch.enable_grad():
-        run_with(model, corrupt_ids, {up: lambda x_in, out: rebuild(weights[up], x_in, f, e), down: read})
+        run_with(model, corrupt_ids, {up: write, down: read})
         latents = hand_encode(weights[down], kind, seen["x"])
         if j is None:
             error = seen["out"] - rebuild(weights[down], seen["x"], latents, 0)
@@ -148,10 +184,18 @@ def hand_edge(model, weights, kind, corrupt_ids, corrupt, up, down, target, grad
         return torch.autograd.grad(value, [f, e])
 
 
-def hand_patch(model, weights, kind, corrupt_ids, node, clean):
+def hand_patch(model, weights, kind, corrupt_ids, node, clean, metric=logit_diff):
     """The metric of the corrupt run with ``node``'s latent (or error) at its position set to
-    its clean value, the block's output rebuilt as decode(latents) + error."""
+    its clean value, the block's output rebuilt as decode(latents) + error (an embedding node:
+    the embedding output at its position)."""
     layer, p = node["layer"], node["position"]
+    if node["latent"] == "embed":
+        def put(_, out):
+            out = out.clone()
+            out[0, p] = clean["embed"][0][0, p]
+            return out
+        with torch.no_grad():
+            return float(metric(model, run_with(model, corrupt_ids, {"embed": put}))[0])
 
     def edit(x_in, out):
         f = hand_encode(weights[layer], kind, x_in)
@@ -164,24 +208,43 @@ def hand_patch(model, weights, kind, corrupt_ids, node, clean):
             f[0, p, int(node["latent"])] = clean[layer][0][0, p, int(node["latent"])]
         return rebuild(weights[layer], x_in, f, e)
     with torch.no_grad():
-        return float(logit_diff(model, run_with(model, corrupt_ids, {layer: edit}))[0])
+        return float(metric(model, run_with(model, corrupt_ids, {layer: edit}))[0])
 
 
 def latent_of(node):
-    return None if node["latent"] == "error" else int(node["latent"])
+    return None if node["latent"] in ("error", "embed") else int(node["latent"])
 
 
-def check_against_hands(model, weights, sites, kind, result, steps):
-    clean_ids, corrupt_ids = ids_of(model, CLEAN), ids_of(model, CORRUPT)
-    clean, corrupt = hand_values(model, weights, kind, clean_ids), hand_values(model, weights, kind, corrupt_ids)
-    grads = {layer: hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer, steps)
+def target_logprob(model, logits):
+    return logits[:, -1].log_softmax(-1)[:, token(model, ANSWER)]
+
+
+def check_against_hands(model, weights, sites, kind, result, steps, prompt=False, metric=None):
+    """Every node, edge and check of ``result`` against the hand references: a pair's (scores
+    from the corrupt run, checks patch clean values in), or (``prompt``) one prompt's (the
+    target's logit, or ``metric``; scores relative to zero at the prompt's run, checks
+    zero-ablate and report M(prompt) − M(ablated))."""
+    metric = metric or (target_logit if prompt else logit_diff)
+    clean_ids, corrupt_ids = ids_of(model, CLEAN), ids_of(model, CLEAN if prompt else CORRUPT)
+    clean = hand_values(model, weights, kind, clean_ids)
+    corrupt = clean if prompt else hand_values(model, weights, kind, corrupt_ids)  # where gradients are taken
+    reference = zeros_of(clean) if prompt else corrupt  # what scores are relative to
+    grads = {layer: hand_node_gradients(model, weights, kind, corrupt_ids, clean, corrupt, layer, steps, metric)
              for layer in range(N_LAYERS)}
+    grad_embed = hand_embed_gradient(model, corrupt_ids, clean, corrupt, steps, metric)
     nodes = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
     by_name = {n["node"]: n for n in nodes}
     T = clean_ids.shape[1]
+    # Every embedding node: (e_clean − e_reference) · dM/de, summed over the width.
+    want_embed = ((clean["embed"][0] - reference["embed"][0]) * grad_embed)[0].sum(-1)
+    embeds = [n for n in nodes if n["latent"] == "embed"]
+    assert sorted(n["position"] for n in embeds) == list(range(T))
+    for n in embeds:
+        assert abs(n["score"] - float(want_embed[n["position"]])) < 1e-4, (n["node"], n["score"])
+    assert float(want_embed.abs().max()) > 1e-3
     # Every node: (clean − corrupt) · dM/d node, an error's summed over the width.
     for layer in range(N_LAYERS):
-        (f_c, e_c), (f_x, e_x), (gf, ge) = clean[layer], corrupt[layer], grads[layer]
+        (f_c, e_c), (f_x, e_x), (gf, ge) = clean[layer], reference[layer], grads[layer]
         want_f, want_e = ((f_c - f_x) * gf)[0], ((e_c - e_x) * ge)[0].sum(-1)
         active = (f_c[0] != 0) | (f_x[0] != 0)
         mine = [n for n in nodes if n["layer"] == layer]
@@ -195,11 +258,17 @@ def check_against_hands(model, weights, sites, kind, result, steps):
     assert edges and all(by_name[e["upstream"]]["layer"] + 1 == by_name[e["downstream"]]["layer"] for e in edges)
     for target in {e["downstream"] for e in edges}:
         down = by_name[target]
-        gf_up, ge_up = hand_edge(model, weights, kind, corrupt_ids, corrupt, down["layer"] - 1, down["layer"],
+        up_layer = "embed" if down["layer"] == 0 else down["layer"] - 1
+        gf_up, ge_up = hand_edge(model, weights, kind, corrupt_ids, corrupt, up_layer, down["layer"],
                                  (down["position"], latent_of(down)), *grads[down["layer"]])
         for edge in [e for e in edges if e["downstream"] == target]:
             up = by_name[edge["upstream"]]
-            (f_c, e_c), (f_x, e_x), p = clean[up["layer"]], corrupt[up["layer"]], up["position"]
+            p = up["position"]
+            if up["latent"] == "embed":
+                want = float(((clean["embed"][0] - reference["embed"][0])[0, p] * ge_up[0, p]).sum())
+                assert abs(edge["score"] - want) < 1e-4, (edge, want)
+                continue
+            (f_c, e_c), (f_x, e_x) = clean[up["layer"]], reference[up["layer"]]
             if up["latent"] == "error":
                 want = float(((e_c - e_x)[0, p] * ge_up[0, p]).sum())
             else:
@@ -207,12 +276,14 @@ def check_against_hands(model, weights, sites, kind, result, steps):
             assert abs(edge["score"] - want) < 1e-4, (edge, want)
     # Every exact check: the hook reference's patch.
     with torch.no_grad():
-        base = float(logit_diff(model, model._module(corrupt_ids).logits)[0])
+        base = float(metric(model, model._module(corrupt_ids).logits)[0])
     checked = [n for n in nodes if n["exact"] is not None]
     assert len(checked) == result.meta["verify"]
     for n in checked:
-        want = hand_patch(model, weights, kind, corrupt_ids, n, clean) - base
+        patched = hand_patch(model, weights, kind, corrupt_ids, n, reference if prompt else clean, metric)
+        want = base - patched if prompt else patched - base
         assert abs(n["exact"] - want) < 1e-5, (n["node"], n["exact"], want)
+    return edges
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -223,6 +294,103 @@ def test_node_edge_and_exact_values_equal_the_hand_references(family, tmp_path):
     check_against_hands(model, weights, sites, "jumprelu", result, steps=1)
     assert result.meta["method"] == "atp" and -1 <= result.meta["agreement"]["spearman"] <= 1
     assert result.meta["agreement"]["n"] == 6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_prompt_and_its_target_equal_the_hand_references(family, tmp_path):
+    """Attribution-graph form: the target's logit, every node and edge scored relative to zero
+    at the prompt's run (embeddings included), the checks zero-ablations."""
+    model, weights, sites = build(tmp_path, family)
+    result = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, verify=6, top_nodes=14,
+                                     top_edges=60, batch_size=5, progress=False)
+    edges = check_against_hands(model, weights, sites, "jumprelu", result, steps=1, prompt=True)
+    assert result.metric == "logit" and result.meta["direction"] == "zero" and result.corrupt_value == 0
+    with torch.no_grad():
+        logits = model._module(ids_of(model, CLEAN)).logits
+    assert result.clean_value == pytest.approx(float(target_logit(model, logits)[0]), abs=1e-5)
+    assert result.meta["agreement"]["n"] == 6
+    if family == "llama":  # the top nodes here include embeddings: their edges into layer 0 are checked above
+        assert any(e["upstream"].startswith("embed") for e in edges)
+        top = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, verify=0, progress=False)
+        assert top.meta["answer_id"] == int(logits[0, -1].argmax())
+        logprob = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, metric="logprob", verify=3,
+                                          top_nodes=8, top_edges=30, progress=False)
+        check_against_hands(model, weights, sites, "jumprelu", logprob, steps=1, prompt=True, metric=target_logprob)
+        # Every node checked exactly, embeddings included: zero-ablated here, patched in a pair.
+        n = len(top.meta["nodes"]) - 1
+        every = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, verify=n, top_nodes=8,
+                                        top_edges=20, progress=False)
+        check_against_hands(model, weights, sites, "jumprelu", every, steps=1, prompt=True)
+        pair = dict(clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL)
+        n = len(pipatch.feature_circuit(model, saes=sites, **pair, verify=0, progress=False).meta["nodes"]) - 1
+        every = pipatch.feature_circuit(model, saes=sites, **pair, verify=n, top_nodes=8, top_edges=20, progress=False)
+        check_against_hands(model, weights, sites, "jumprelu", every, steps=1)
+
+
+def test_a_dataset_of_pairs_averages_each_pairs_nodes_and_edges_over_named_positions(tmp_path):
+    """Each averaged node: the mean over its named position's tokens, then over the pairs that
+    have it; each averaged edge G → H: the mean over H's tokens of the sum over G's, then over
+    the pairs with both; both from each pair's own graph (every node kept), averaged here."""
+    model, weights, sites = build(tmp_path, "gpt2")
+    pairs = [(CLEAN, CORRUPT), ("The Louvre is in the city of", "The Colosseum is in the city of"),
+             ("The Kremlin is in the city of the", "The Colosseum is in the city of the")]
+    kwargs = dict(saes=sites[1:], answer=ANSWER, foil=FOIL, progress=False)  # two SAEs keep the graphs small
+    data = pipatch.feature_circuit(model, clean=[c for c, _ in pairs], corrupt=[x for _, x in pairs], top_nodes=12,
+                                   top_edges=15, **kwargs)
+    names = data.columns
+    assert names[-1] == "last" and data.raw["nodes"].shape == (3, 2, len(names))
+    sums: list[dict] = []  # per pair: {(site, named position, latent): mean score over its positions}
+    graphs = []  # per pair: its nodes by name, its named positions, every edge between its nodes
+    for c, x in pairs:
+        one = pipatch.feature_circuit(model, clean=c, corrupt=x, verify=0, top_nodes=10**6, top_edges=10**6, **kwargs)
+        tokens = one.meta["clean_tokens"]
+        changed = [k for k, (a, b) in enumerate(zip(tokens, one.meta["corrupt_tokens"])) if a != b]
+        groups = named_groups(changed, len(tokens), "changed")[1]
+        here = {(None, names[g], None): 0.0 for g, group in enumerate(groups) if group}  # the groups it has
+        for n in one.meta["nodes"][1:]:
+            for g in [g for g, group in enumerate(groups) if n["position"] in group]:
+                key = (n["site"], names[g], n["latent"])
+                here[key] = here.get(key, 0.0) + n["score"] / len(groups[g])
+        sums.append(here)
+        graphs.append(({n["node"]: n for n in one.meta["nodes"][1:]}, groups, one.meta["edges"]))
+    keys = {k for here in sums for k in here if k[0] is not None}
+    # A pair with that named position but not that node adds 0; a pair without it has no say.
+    by_hand = {k: [here.get(k, 0.0) for here in sums if (None, k[1], None) in here] for k in keys}
+    nodes = data.meta["nodes"]
+    assert nodes[0]["latent"] == "metric"
+    baselines = torch.tensor(data.meta["per_prompt_clean"]) - torch.tensor(data.meta["per_prompt_corrupt"])
+    assert nodes[0]["score"] == pytest.approx(float(baselines.mean()), abs=1e-6)
+    assert {(n["site"], n["position"], n["latent"]) for n in nodes[1:]} == set(by_hand)
+    for n in nodes[1:]:
+        per_pair = by_hand[(n["site"], n["position"], n["latent"])]
+        assert n["pairs"] == len(per_pair)
+        assert n["score"] == pytest.approx(sum(per_pair) / len(per_pair), abs=1e-6), n["node"]
+    assert sum(n["circuit"] for n in nodes[1:]) == 12 and data.warnings
+    # The edges between kept averaged nodes.
+    kept = {(n["site"], n["position"], n["latent"]): n["node"] for n in nodes[1:] if n["circuit"]}
+    edge_sums: dict = {}
+    for i, (by_name, groups, edges) in enumerate(graphs):
+        def places(node):
+            return [(kept[k], g) for g, group in enumerate(groups) if node["position"] in group
+                    for k in [(node["site"], names[g], node["latent"])] if k in kept]
+        for e in edges:
+            for up, _ in places(by_name[e["upstream"]]):
+                for down, h in places(by_name[e["downstream"]]):
+                    edge_sums.setdefault((up, down), [0.0] * len(pairs))[i] += e["score"] / len(groups[h])
+    position = {n["node"]: n["position"] for n in nodes}
+    edge_by_hand = {key: [v for v, (_, groups, _) in zip(values, graphs)
+                          if groups[names.index(position[key[0]])] and groups[names.index(position[key[1]])]]
+                    for key, values in edge_sums.items()}
+    edge_by_hand = {key: sum(v) / len(v) for key, v in edge_by_hand.items()}
+    got = data.edges()
+    assert len(got) == 15
+    for e in got.itertuples():
+        assert e.score == pytest.approx(edge_by_hand[(e.upstream, e.downstream)], abs=1e-6)
+    assert abs(got["score"]).min() >= sorted(map(abs, edge_by_hand.values()))[-15] - 1e-9
+    back = pipatch.load_result(data.save(tmp_path / "data.json"))
+    assert back.nodes().equals(data.nodes()) and back.edges().equals(got)
+    assert len(back.plot().axes[0].collections) == 12
+    assert list(data.nodes()["pairs"])[:2] == [3, nodes[1]["pairs"]]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -257,9 +425,9 @@ def test_a_click_ablates_any_node_as_the_hook_reference_does(tmp_path):
     planned.run()
     result = planned.result
     nodes = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
-    unchecked = next(n for n in nodes if n["exact"] is None and n["latent"] != "error")
+    unchecked = next(n for n in nodes if n["exact"] is None and isinstance(n["latent"], int))
     error = next(n for n in nodes if n["exact"] is None and n["latent"] == "error")
-    checked = next(n for n in nodes if n["exact"] is not None)
+    checked = next(n for n in nodes if n["exact"] is not None and n["latent"] != "embed")
     was = checked["exact"]
     corrupt_ids = ids_of(model, CORRUPT)
     clean = hand_values(model, weights, "jumprelu", ids_of(model, CLEAN))
@@ -317,28 +485,63 @@ def test_bad_input_is_one_line(tmp_path):
         with pytest.raises(pipatch.PipatchError) as error:
             pipatch.feature_circuit(model, **{**kwargs, **bad})
         assert words in str(error.value) and "\n" not in str(error.value)
+    one = dict(saes=sites, prompt=CLEAN, progress=False)
+    for bad, words in [({"target": " Rome Rome"}, "one token's logit"), ({"steps": 2}, "steps=1"),
+                       ({"metric": "logit_diff"}, "metric for one prompt"), ({"answer": ANSWER}, "target="),
+                       ({"clean": CLEAN}, "not both"), ({"prompt": [CLEAN, CLEAN]}, "clean/corrupt pairs")]:
+        with pytest.raises(pipatch.PipatchError) as error:
+            pipatch.feature_circuit(model, **{**one, **bad})
+        assert words in str(error.value) and "\n" not in str(error.value), error.value
+    for bad, words in [({"target": ANSWER}, "target= goes with prompt="), ({"answer": None}, "needs answer="),
+                       ({"clean": [CLEAN, CLEAN], "corrupt": [CORRUPT]}, "same length"),
+                       ({"clean": [CLEAN], "corrupt": [CORRUPT], "positions": [1]}, "named positions")]:
+        with pytest.raises(pipatch.PipatchError) as error:
+            pipatch.feature_circuit(model, **{**kwargs, **bad})
+        assert words in str(error.value) and "\n" not in str(error.value), error.value
+    with pytest.raises(pipatch.PipatchError, match="needs clean= \\(or prompt=\\)"):
+        pipatch.feature_circuit(model, saes=sites, answer=ANSWER, progress=False)
 
 
 def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
-    """One SAE (layer 6): its latents and errors as nodes, no edges; the top 20 nodes' estimates
-    against their exact patches (the rank correlation is printed), and the faithfulness curve
-    (printed: at the circuit's size, and the nodes it takes to reach 80 %)."""
+    """One SAE (layer 6): its latents and errors as nodes, the embeddings below it (edges from
+    them only); the top 20 nodes' estimates against their exact patches (the rank correlation
+    is printed), and the faithfulness curve (printed: at the circuit's size, and the nodes it
+    takes to reach 80 %)."""
     site = pipatch.embedded_sae(model)
     result = pipatch.feature_circuit(model, saes=[site], clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris",
                                      foil=" Rome", verify=20, curve=4, progress=False)
-    nodes = result.nodes().iloc[1:]
+    every = result.nodes().iloc[1:]
+    nodes = every[every["latent"] != "embed"]
     T = len(result.tokens)
-    assert (nodes["latent"] == "error").sum() == T and len(nodes) > T
-    assert set(nodes["layer"]) == {6} and result.edges().empty
+    assert (nodes["latent"] == "error").sum() == T and len(nodes) > T and (every["latent"] == "embed").sum() == T
+    assert set(nodes["layer"]) == {6} and all(result.edges()["upstream"].str.startswith("embed @"))
     agreement = result.meta["agreement"]
     assert agreement["n"] == 20 and not math.isnan(agreement["spearman"])
     print(f"embedded SAE L6, Eiffel/Colosseum: {len(nodes)} nodes, top-20 rank correlation "
           f"{agreement['spearman']:.3f}, max |estimate − exact| {agreement['max_abs_error']:.3f}")
     # Every latent and error of the one SAE at every position ablated to its corrupt value is
-    # the corrupt run's stream from layer 6 on; every node kept is the clean run.
+    # the corrupt run's stream from layer 6 on; every node kept is the clean run (the
+    # embeddings stay free: no node of the curve).
     curve, rows = result.meta["curve"], result.faithfulness()
     assert curve["empty"] == pytest.approx(result.corrupt_value, abs=1e-3)
     assert rows["n_nodes"].iloc[-1] == len(nodes) and rows["faithfulness"].iloc[-1] == pytest.approx(1, abs=1e-3)
     at = rows[rows["n_nodes"] == int(nodes["circuit"].sum())].iloc[0]
     print(f"faithfulness at the circuit's {int(at['n_nodes'])} nodes {at['faithfulness']:.3f} (completeness "
           f"{at['completeness']:.3f}); 80 % reached at {curve['nodes_for_80']} nodes of the sizes measured")
+
+
+def test_the_magic_and_patchgrid_run_take_one_prompt_as_python_does(ip, tmp_path):
+    """``%%feature_circuit`` with the prompt as its body (no clean/corrupt lines) and
+    ``PatchGrid.run(model, "feature_circuit", prompt=...)``: the Python call's graph."""
+    from pipatch import PatchGrid
+
+    model, weights, sites = build(tmp_path, "gpt2")
+    kwargs = dict(target=ANSWER, verify=2, top_nodes=6)
+    want = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, progress=False, **kwargs)
+    ip.user_ns["tiny"] = model
+    folders = " ".join(f"--saes {tmp_path / f'gpt2-L{layer}'}" for layer in range(N_LAYERS))
+    ip.run_cell_magic("feature_circuit", f'--model tiny {folders} --target " Rome" --verify 2 --top-nodes 6 -o g',
+                      CLEAN)
+    assert ip.user_ns["g"].nodes().equals(want.nodes()) and ip.user_ns["g"].edges().equals(want.edges())
+    live = PatchGrid.run(model, "feature_circuit", saes=sites, prompt=CLEAN, **kwargs)
+    assert live.nodes().equals(want.nodes())

@@ -48,8 +48,8 @@ def metric(model, ids, edits):
 
 
 def hand_edge(model, weights, kind, corrupt_ids, clean, up, down):
-    """The exact edge patch of ``up`` → ``down`` (node dicts): the patched metric, by two
-    hooked runs."""
+    """The exact edge patch of ``up`` → ``down`` (node dicts; ``up`` may be an embedding
+    node): the patched metric, by two hooked runs."""
     seen = {}
 
     def set_up(x_in, out):
@@ -76,7 +76,13 @@ def hand_edge(model, weights, kind, corrupt_ids, clean, up, down):
             f[0, down["position"], int(down["latent"])] = seen["value"]
         return rebuild(weights[down["layer"]], x_in, f, e)
 
-    metric(model, corrupt_ids, {up["layer"]: set_up, down["layer"]: read_down})
+    def set_embedding(_, out):
+        out = out.clone()
+        out[0, up["position"]] = clean["embed"][0][0, up["position"]]
+        return out
+
+    first = {"embed": set_embedding} if up["latent"] == "embed" else {up["layer"]: set_up}
+    metric(model, corrupt_ids, {**first, down["layer"]: read_down})
     return metric(model, corrupt_ids, {down["layer"]: set_down})
 
 
@@ -108,8 +114,9 @@ def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
     clean_ids, corrupt_ids = ids_of(model, CLEAN), ids_of(model, CORRUPT)
     clean = hand_values(model, weights, kind, clean_ids)
     corrupt = hand_values(model, weights, kind, corrupt_ids)
-    nodes = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
-    by_name = {n["node"]: n for n in nodes}
+    every = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
+    by_name = {n["node"]: n for n in every}
+    nodes = [n for n in every if n["latent"] != "embed"]  # the curve's: the embeddings stay free
     # Every checked edge: two hooked runs.
     edges = result.meta["edges"]
     checked = [e for e in edges if e["exact"] is not None]
@@ -125,7 +132,8 @@ def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
     assert table["exact"].notna().sum() == len(checked)
     # Every point of the curve, and its ends.
     if ablation == "zero":
-        ablated = {layer: (torch.zeros_like(f), torch.zeros_like(e)) for layer, (f, e) in corrupt.items()}
+        ablated = {layer: (torch.zeros_like(corrupt[layer][0]), torch.zeros_like(corrupt[layer][1]))
+                   for layer in range(N_LAYERS)}
     else:  # one pair: the mean over its corrupt prompt is the corrupt run's value
         ablated = corrupt
     curve = result.meta["curve"]

@@ -38,7 +38,7 @@ def test_the_options_are_the_python_functions_parameters(name):
     default, and only what a shell cannot pass is Python's alone."""
     entry = EXPERIMENTS[name]
     parameters = inspect.signature(getattr(_api, name)).parameters
-    python_only = {"model", "fast", "on_row", "stop", "progress", *entry.prompts.fields}
+    python_only = {"model", "fast", "on_row", "stop", "progress", *entry.prompts.every_field}
     assert {o.keyword for o in entry.options} == set(parameters) - python_only
     for option in entry.options:
         default = parameters[option.keyword].default

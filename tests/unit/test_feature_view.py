@@ -127,3 +127,27 @@ def test_circuit_tracer_graph_json(tmp_path):
     assert graph["links"] == [{"source": "0_7_1", "target": "1_3_2", "weight": 0.05},
                               {"source": "0_0_1", "target": "1_3_2", "weight": -0.01}]
     assert graph["qParams"]["supernodes"] == [["towers", "0_7_1", "1_3_2"]]
+
+
+def test_embedding_nodes_get_a_row_below_the_saes_and_a_datasets_named_positions_are_columns():
+    result = example()
+    embed = {"node": "embed @1", "site": "embed", "layer": -1, "position": 1, "latent": "embed", "score": 0.4,
+             "exact": None, "circuit": True}
+    result.meta["nodes"].append(embed)
+    result.meta["edges"].append({"upstream": "embed @1", "downstream": "L0 resid_post #7 @1", "score": 0.2})
+    part = result.to_state()["feature_graph"]
+    names = [n["name"] for n in part["nodes"]]
+    assert part["sites"] == ["embed", *SITES]
+    drawn = part["nodes"][names.index("embed @1")]
+    assert drawn["kind"] == "embed" and drawn["row"] == 0 and drawn["latent"] is None
+    assert part["nodes"][names.index("L0 resid_post #7 @1")]["row"] == 1 and part["nodes"][0]["row"] == 3
+    assert ("embed @1", "L0 resid_post #7 @1") in {(names[e["up"]], names[e["down"]]) for e in part["edges"]}
+
+    named = example()
+    named.columns = ["before", "last subject", "last"]
+    named.meta.update({"dataset": True, "positions": list(named.columns)})
+    for n in named.meta["nodes"]:
+        n["position"] = named.columns[n["position"]]
+    part = named.to_state()["feature_graph"]
+    assert part["positions"] == [0, 1, 2]
+    assert {n["name"]: n["position"] for n in part["nodes"]}["L0 resid_post #7 @1"] == 1
