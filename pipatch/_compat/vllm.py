@@ -29,7 +29,7 @@ from typing import Any
 from . import missing
 
 __all__ = ["PRIVATE_NAMES", "quiet_generate", "check_engine", "abort_unfinished", "check_async_engine",
-           "held_scheduler", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
+           "held_scheduler", "unfinished_requests", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
 
 #: vLLM's private names (and internal keyword arguments, ending in ``=``) used here and
 #: nowhere else in pipatch (``tests/unit/test_compat.py``).
@@ -118,6 +118,7 @@ def check_async_engine(engine: Any) -> None:
     _need(core, "pause_scheduler_async", "EngineCoreClient")
     _need(core, "resume_scheduler_async", "EngineCoreClient")
     _takes(engine.abort, "internal", "AsyncLLM.abort")
+    _need(_need(engine, "output_processor", "AsyncLLM"), "request_states", "OutputProcessor")
 
 
 @contextlib.asynccontextmanager
@@ -136,6 +137,12 @@ async def held_scheduler(engine: Any) -> AsyncIterator[None]:
         yield
     finally:
         await core.resume_scheduler_async()
+
+
+def unfinished_requests(engine: Any) -> int:
+    """How many requests ``engine`` (an ``AsyncLLM``) holds unfinished. Private name:
+    ``AsyncLLM.output_processor.request_states`` (it keeps no count a caller can read)."""
+    return len(engine.output_processor.request_states)
 
 
 async def abort_requests(engine: Any, ids: list[str]) -> None:
