@@ -418,10 +418,12 @@ def decode(blob: bytes, bounds: Bounds) -> ProgramRequest:
 def _check_limits(jobs: Any, bounds: Bounds) -> None:
     """:class:`OverLimit` where ``jobs`` (as sent, before their checks) has more invokes or
     longer prompts than the server's limits allow; more than any request may have (the
-    batch's invokes, the context) is malformed instead, answered by the checks after this."""
+    batch's invokes, the context) is malformed instead, answered by the checks after this,
+    unless the server's prompt limit is below the context (then the limit is what to change)."""
     if type(jobs) is list and len(jobs) <= INVOKES_PER_REQUEST:
+        below = bounds.limits is not None and bounds.limits.prompt_tokens < bounds.max_len - 1
         prompts = [{"prompt_token_ids": job[0]} if type(job) is tuple and len(job) == 2 and type(job[0]) is list
-                   and len(job[0]) < bounds.max_len else {} for job in jobs]  # else its own check says so
+                   and (below or len(job[0]) < bounds.max_len) else {} for job in jobs]  # else its own check
         refusal = bounds.limits.refusal(prompts, None) if bounds.limits is not None else None
         if refusal is not None:
             raise OverLimit(refusal)

@@ -252,3 +252,19 @@ def test_a_request_over_the_servers_limits_names_the_flag():
                                                "(pipatch serve --max-prompt-tokens)")):
         with pytest.raises(OverLimit, match=words.replace("(", r"\(").replace(")", r"\)")):
             decode(encode(patch_request, jobs, 0, ADAPTER), bounds)
+
+
+def test_a_prompt_over_the_context_names_the_limit_only_where_the_limit_is_below_it():
+    """A prompt longer than the context: 413 naming --max-prompt-tokens where the server's limit
+    is below the context (raising it helps up to the context), 400 where it is not."""
+    from pipatch._backends._served_programs import OverLimit
+    from pipatch._serve_guard import Limits
+
+    long_job = (list(range(1, 101)), (ADAPTER, METRIC, [], False, None))  # 100 tokens; the context is 64
+    below = dataclasses.replace(BOUNDS, limits=Limits(request_bytes=10**6, invokes=2, prompt_tokens=5))
+    with pytest.raises(OverLimit, match="100 tokens, over this server's limit of 5"):
+        decode(encode(patch_request, [long_job], 0, ADAPTER), below)
+    at_context = dataclasses.replace(BOUNDS, limits=Limits(request_bytes=10**6, invokes=2, prompt_tokens=64))
+    with pytest.raises(BadRequest) as refused:
+        decode(encode(patch_request, [long_job], 0, ADAPTER), at_context)
+    assert not isinstance(refused.value, OverLimit) and "more than 63" in str(refused.value)
