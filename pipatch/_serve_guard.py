@@ -351,14 +351,22 @@ class RequestGuard:
             return await _refuse(send, 429, self.limits.over(
                 "in_flight", f"this client (its key) has {in_flight[client]:,} requests in flight", "send fewer at once"))
         in_flight[client] = in_flight.get(client, 0) + 1
-        try:
-            await self._timed(scope, receive, send)
-        finally:
-            in_flight[client] -= 1
-            if not in_flight[client]:
-                del in_flight[client]
+        counted = True
 
-    async def _timed(self, scope: dict, receive: Any, send: Any) -> None:
+        def done() -> None:  # once: as its answer's last bytes go, or as it ends without them
+            nonlocal counted
+            if counted:
+                counted = False
+                in_flight[client] -= 1
+                if not in_flight[client]:
+                    del in_flight[client]
+
+        try:
+            await self._timed(scope, receive, send, done)
+        finally:
+            done()
+
+    async def _timed(self, scope: dict, receive: Any, send: Any, done: Any = None) -> None:
         body_read, gone = asyncio.Event(), asyncio.Event()
         answered = False
 
@@ -376,6 +384,8 @@ class RequestGuard:
         async def inner_send(message: dict) -> None:
             nonlocal answered
             answered = answered or message["type"] == "http.response.start"
+            if done is not None and message["type"] == "http.response.body" and not message.get("more_body"):
+                done()  # before the client can read the end and send its next request (its count is exact)
             await send(message)
 
         async def watch() -> None:  # the ASGI server says http.disconnect when the client goes
@@ -427,8 +437,7 @@ class Rooms:
     """
 
     def __init__(self) -> None:
-        self._changed = asyncio.Condition()
-        self._line: list[tuple[bytes, object]] = []
+        self._line: list[tuple[bytes, int, asyncio.Event]] = []  # (client, depth, its door) in arrival order
         self._turn: dict[bytes, int] = {}  # client → when it last entered (clients with requests here)
         self._held: dict[bytes, int] = {}  # client → its requests waiting or inside
         self._entered, self._depth, self._inside = 0, 0, 0
@@ -436,41 +445,48 @@ class Rooms:
     def waiting(self) -> int:
         return len(self._line)
 
-    def _next(self) -> tuple[bytes, object]:
-        return min(self._line, key=lambda ticket: self._turn.get(ticket[0], -1))  # the first of the least recent
-
-    @contextlib.asynccontextmanager
-    async def room(self, depth: int, client: bytes = b"") -> AsyncIterator[None]:
-        ticket = (client, object())
-        async with self._changed:
-            self._line.append(ticket)
-            self._held[client] = self._held.get(client, 0) + 1
-            try:
-                await self._changed.wait_for(
-                    lambda: self._next() is ticket and (self._inside == 0 or self._depth == depth))
-            except BaseException:
-                self._line.remove(ticket)
-                self._release(client)
-                self._changed.notify_all()
-                raise
+    def _admit(self) -> None:
+        """Let in every request that may enter now, the next first (the first of the client
+        that entered least recently). No ``await`` here or in any cleanup: a request cancelled
+        by Starlette's middleware (anyio) is cancelled again at every ``await`` it makes."""
+        while self._line:
+            ticket = min(self._line, key=lambda waiting: self._turn.get(waiting[0], -1))
+            client, depth, door = ticket
+            if self._inside and self._depth != depth:
+                return
             self._line.remove(ticket)
             self._entered += 1
             self._turn[client] = self._entered
             self._depth, self._inside = depth, self._inside + 1
-            self._changed.notify_all()  # the next in line may share the room
+            door.set()
+
+    @contextlib.asynccontextmanager
+    async def room(self, depth: int, client: bytes = b"") -> AsyncIterator[None]:
+        ticket = (client, depth, asyncio.Event())
+        self._line.append(ticket)
+        self._held[client] = self._held.get(client, 0) + 1
+        self._admit()
+        try:
+            await ticket[2].wait()
+        except BaseException:
+            if ticket in self._line:
+                self._line.remove(ticket)
+            else:  # let in as it was cancelled
+                self._inside -= 1
+            self._leave(client)
+            raise
         try:
             yield
         finally:
-            async with self._changed:
-                self._inside -= 1
-                self._release(client)
-                self._changed.notify_all()
+            self._inside -= 1
+            self._leave(client)
 
-    def _release(self, client: bytes) -> None:
+    def _leave(self, client: bytes) -> None:
         self._held[client] -= 1
         if not self._held[client]:
             del self._held[client]
             self._turn.pop(client, None)
+        self._admit()
 
 
 class RoomGate:

@@ -20,6 +20,7 @@ line naming it and the versions, before any sweep.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -132,11 +133,21 @@ async def held_scheduler(engine: Any) -> AsyncIterator[None]:
     invokes sent one by one ran as a step of the first and more steps of the rest; held, the
     step takes them all, as an in-process trace's ``generate`` does."""
     core = engine.engine_core
-    await core.pause_scheduler_async(mode="keep", clear_cache=False)
+    # Shielded, the resume after the pause whatever happens: a request cancelled inside
+    # Starlette's middleware (anyio) is cancelled again at every await, and an engine left
+    # paused would hold every other client's requests.
+    pause = asyncio.ensure_future(core.pause_scheduler_async(mode="keep", clear_cache=False))
+
+    async def resume() -> None:
+        with contextlib.suppress(Exception):
+            await pause
+        await core.resume_scheduler_async()
+
     try:
+        await asyncio.shield(pause)
         yield
     finally:
-        await core.resume_scheduler_async()
+        await asyncio.shield(resume())
 
 
 def unfinished_requests(engine: Any) -> int:

@@ -5,7 +5,7 @@ One server for the module, started as a team would start it on a shared box::
 
     PIPATCH_API_KEY=$ENV_KEY pipatch serve --api-key-file keys --ssl-certfile cert.pem --ssl-keyfile key.pem \\
         --max-invokes 8 --max-prompt-tokens 512 --max-request-bytes 4000000 \\
-        --max-request-seconds 30 --max-requests-in-flight 4
+        --max-request-seconds 45 --max-requests-in-flight 4
 
 with a certificate made here (``cryptography``) for 127.0.0.1. A client that trusts the
 certificate (``verify=cert.pem``) gets the transformers backend's numbers, its batches sent as
@@ -13,7 +13,7 @@ requests of at most 8 invokes; a client that does not is refused in one line. Th
 bad requests (no key, an invalid key, a removed key, a 50 MB body declared and streamed, a
 100k-token prompt, too many invokes): each is refused with its 4xx in one line naming the
 limit and its flag, and the server serves a good request right after it, with the same
-numbers. Then time and turns: requests held past 30 s are stopped (504) and a fifth in flight
+numbers. Then time and turns: requests held past 45 s are stopped (504) and a fifth in flight
 for one key is refused (429), while another key's requests go on; three clients at once (one
 SIGKILLed mid-sweep, whose requests the server drops; one sending bad requests between 200
 tiny sweeps, the server's memory flat; one running a study, equal to the transformers
@@ -59,7 +59,7 @@ pytestmark = pytest.mark.vllm
 ALICE, BOB, CAROL, ENV_KEY = "alice-3c9e0f", "bob-71d2aa", "carol-0b55e1", "env-key-d41f"
 KEY_FILE = f"# the team's keys\n{ALICE}  # Alice\n{BOB}  # Bob\n# {CAROL}  (Carol left: removed)\n"
 PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
-LIMITS = {"request_bytes": 4_000_000, "invokes": 8, "prompt_tokens": 512, "seconds": 30, "in_flight": 4}
+LIMITS = {"request_bytes": 4_000_000, "invokes": 8, "prompt_tokens": 512, "seconds": 45, "in_flight": 4}
 
 
 def self_signed(folder) -> tuple[str, str]:
@@ -298,7 +298,7 @@ def _answer_of(sock: ssl.SSLSocket, timeout: float) -> tuple[int, str]:
 
 def test_a_request_past_its_time_is_stopped_and_a_fifth_in_flight_refused_others_go_on(server, files, served):
     """Four of Bob's requests held open (their bodies never finish) are four in flight: his
-    fifth is 429, naming --max-requests-in-flight, while Alice's sweeps run as before; at 30 s
+    fifth is 429, naming --max-requests-in-flight, while Alice's sweeps run as before; at 45 s
     the four are stopped, each 504 naming --max-request-seconds, and Bob is served again."""
     reference = pipatch.lens(served, EIFFEL, answer=" Paris")
     started = time.perf_counter()
@@ -312,7 +312,7 @@ def test_a_request_past_its_time_is_stopped_and_a_fifth_in_flight_refused_others
     answers = [_answer_of(sock, 60) for sock in held]
     elapsed = time.perf_counter() - started
     print(f"held requests answered after {elapsed:.1f} s: {answers[0]}")
-    assert answers == [(504, "the request ran for 30 s and was stopped, over this server's limit of 30 s (pipatch "
+    assert answers == [(504, "the request ran for 45 s and was stopped, over this server's limit of 45 s (pipatch "
                              "serve --max-request-seconds): send smaller requests or fewer at once, or raise the limit")] * 4
     assert LIMITS["seconds"] <= elapsed < LIMITS["seconds"] + 15
     load = _load(server, files, BOB)
@@ -338,9 +338,9 @@ def _bad_requests(served) -> list:
 def test_three_clients_one_killed_one_bad_one_studying(server, files, served, model, tmp_path):
     """Three clients at once: one SIGKILLed mid-sweep (the server drops its requests: none of
     its key's left in flight, and it counts them as their client gone); one sending a bad
-    request before each of 200 tiny sweeps (each refused in one line; the server's memory
-    after 200 within 0.2 GB of after 20); one running a study, whose facts equal the same
-    study on the transformers backend."""
+    request before each of 200 tiny sweeps (one invoke each: each bad one refused in one line,
+    each sweep's answer the first one's; the server's memory after 200 within 0.2 GB of after
+    20); one running a study, whose facts equal the same study on the transformers backend."""
     data = json.loads(pipatch.known_facts().read_text())
     facts = [data[3], data[21]]  # facts the embedded model knows
     cheap = {"sites": "resid", "seeds": 1, "scale": 3.0, "progress": False}
@@ -358,15 +358,16 @@ def test_three_clients_one_killed_one_bad_one_studying(server, files, served, mo
             studied_done.set()
 
     def bad_and_tiny():
-        bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
         raw = _raw(server, files, BOB)
-        cases = _bad_requests(served)
+        cases, tiny = _bad_requests(served), _request_of(served, [[2, 9079]])
+        first = raw.generate(tiny)
         for i in range(200):
             what, send, expected = cases[i % len(cases)]
             message = _refused(lambda: send(raw))
             bad_said.append((what, message))
             assert expected in message and "\n" not in message, (what, message)
-            assert pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False).status == "done"
+            answer = raw.generate(tiny)
+            assert all(torch.equal(a, b) for a, b in zip(*(next(iter(saves.values())) for saves in (answer, first))))
             if i + 1 == 20:
                 studied_done.wait(300)  # both samples with this client alone on the server
                 rss[20] = server.rss_gb()
@@ -375,29 +376,28 @@ def test_three_clients_one_killed_one_bad_one_studying(server, files, served, mo
         raw.close()
 
     started = time.perf_counter()
+    threads = [threading.Thread(target=study), threading.Thread(target=bad_and_tiny)]
+    for thread in threads:
+        thread.start()
     try:
         waited = _wait_for("the killed client's requests in flight", lambda: killed.poll() is not None
-                           or _load(server, files, ENV_KEY)["yours"] >= 2, 180)
+                           or _load(server, files, ENV_KEY)["yours"] >= 1, 180)
         assert killed.poll() is None, killed.stdout.read()
-        threads = [threading.Thread(target=study), threading.Thread(target=bad_and_tiny)]
-        for thread in threads:
-            thread.start()
-        time.sleep(1.0)
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         freed = _wait_for("the killed client's requests dropped", lambda: _load(server, files, ENV_KEY)["yours"] == 0, 15)
-        for thread in threads:
-            thread.join(600)
     finally:
         if killed.poll() is None:
             killed.kill()
+        for thread in threads:
+            thread.join(600)
     load = _load(server, files, ENV_KEY)
     print(f"killed after {waited:.1f} s of its sweep; its requests gone {freed:.1f} s later; {len(bad_said)} bad "
           f"requests refused; all in {time.perf_counter() - started:.0f} s; server {rss[20]:.2f} GB after 20 tiny sweeps, "
           f"{rss[200]:.2f} after 200; load {load}")
     assert load["client_gone"] > gone_before, load  # dropped, not run to their end
     assert load["in_flight"] == 0 and load["waiting"] == 0 and load["engine_requests"] == 0, load
-    assert len(bad_said) == 200 and abs(rss[200] - rss[20]) <= 0.2
+    assert len(bad_said) == 200 and abs(rss[200] - rss[20]) <= 0.2, rss
     found = studied["found"]
     assert found.counts()["done"] == 2, found.summary()
     unserved = pipatch.study(model, facts, store=tmp_path / "transformers.sqlite", **cheap)
@@ -410,12 +410,14 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
     finishes within the time of two of her batches (her sweep's time over its batches)."""
     bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
     pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)  # warm
+    alice = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
+    alice.server.describe()
     long, timing = {}, {}
 
     def sweep():
-        with backend_for(served).log.recording() as events:
+        with alice.log.recording() as events:
             started = time.perf_counter()
-            long["result"] = pipatch.patch(served, **PAIR, site="resid", positions=[-2, -1], batch_size=8, progress=False)
+            long["result"] = pipatch.patch(alice, **PAIR, site="resid", positions=[-2, -1], batch_size=8, progress=False)
             long["seconds"], long["batches"] = time.perf_counter() - started, len(
                 [event for event in events if event["event"] == "requests"])
 
@@ -431,6 +433,7 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
           f"{timing['short']:.2f} s")
     assert short.status == long["result"].status == "done"
     assert timing["short"] <= 2 * batch
+    alice.server.close()
 
 
 def test_sigterm_stops_the_server_and_every_process_it_started(server):

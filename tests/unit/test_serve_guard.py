@@ -281,6 +281,15 @@ def test_a_key_over_its_requests_in_flight_is_429_and_other_keys_go_on():
         await asyncio.gather(*held, bobs)
         assert [c.status for c in alice[:2]] == [200, 200] and bob.status == 200 and load.in_flight == {}
         assert len(app.entered) == 3  # the refused one never reached the app
+        counts = []  # a request's count is gone before its last bytes are sent (a client's next one fits)
+
+        async def counting(message):
+            if message["type"] == "http.response.body":
+                counts.append(dict(load.in_flight))
+        last = _Client()
+        last.send = counting
+        await guard(_scope("alice"), last.receive, last.send)
+        assert counts == [{}]
 
         async def reads(scope, receive, send):  # a GET is not counted
             await send({"type": "http.response.start", "status": 200, "headers": []})
