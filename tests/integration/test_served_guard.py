@@ -406,8 +406,9 @@ def test_three_clients_one_killed_one_bad_one_studying(server, files, served, mo
 
 
 def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_batches(server, files, served):
-    """Alice's sweep of 36 cells in batches of 8; Bob's one-batch sweep, started while it runs,
-    finishes within the time of two of her batches (her sweep's time over its batches)."""
+    """Alice's sweep of 72 cells in batches of 18; Bob's one-batch sweep, started while it runs,
+    finishes before it and within the time of two of her batches (her sweep's time over its
+    batches)."""
     bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
     pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)  # warm
     alice = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
@@ -417,7 +418,8 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
     def sweep():
         with alice.log.recording() as events:
             started = time.perf_counter()
-            long["result"] = pipatch.patch(alice, **PAIR, site="resid", positions=[-2, -1], batch_size=8, progress=False)
+            long["result"] = pipatch.patch(alice, **PAIR, site="resid", positions=[-4, -3, -2, -1], batch_size=18,
+                                           progress=False)
             long["seconds"], long["batches"] = time.perf_counter() - started, len(
                 [event for event in events if event["event"] == "requests"])
 
@@ -427,11 +429,12 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
     started = time.perf_counter()
     short = pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)
     timing["short"] = time.perf_counter() - started
+    overlapped = thread.is_alive()
     thread.join(300)
     batch = long["seconds"] / long["batches"]
     print(f"long: {long['batches']} batches in {long['seconds']:.1f} s ({batch:.2f} s each); short, during it: "
           f"{timing['short']:.2f} s")
-    assert short.status == long["result"].status == "done"
+    assert short.status == long["result"].status == "done" and overlapped
     assert timing["short"] <= 2 * batch
     alice.server.close()
 
