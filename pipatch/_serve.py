@@ -28,9 +28,11 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   call, not one each (:func:`_programs_by_name`). nnsight's own routes, which run the code
   a client sends, answer 403 unless the server is started with ``--allow-client-code``
   (:func:`_no_client_code`).
-* **One skip at a time.** A client's batch skips the blocks below its patches, and nnsight's
-  batched skip has to cover every request of an engine step: requests enter the engine
-  together only where they skip as many blocks (:class:`_Rooms`, by :data:`SKIP_HEADER`).
+* **One skip at a time, in turns.** A client's batch skips the blocks below its patches, and
+  nnsight's batched skip has to cover every request of an engine step: requests enter the
+  engine together only where they skip as many blocks (by :data:`SKIP_HEADER`), and in turns
+  by client, so a long sweep does not hold a short one behind it
+  (:class:`~pipatch._serve_guard.Rooms`).
 * **The tree by name.** On pipatch's CPU workers, an invoke names the model's envoy tree
   (:data:`~pipatch._models.TREE_ID`) on its way to the engine (and in nnsight clients'
   requests) instead of pickling its 264 envoys
@@ -39,7 +41,10 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   ``--host`` comes with keys (``--api-key-file`` or ``PIPATCH_API_KEY``, compared in constant
   time; only ``/health`` answers without one), and each request is bounded in body bytes,
   invokes and prompt tokens, each by a flag (:mod:`pipatch._serve_guard`; over one: HTTP 413,
-  one line naming the flag). ``--ssl-certfile/--ssl-keyfile`` serve HTTPS (uvicorn's own
+  one line naming the flag), and in wall time (``--max-request-seconds``: cancelled, 504); a
+  client has at most ``--max-requests-in-flight`` requests in flight (429). A request whose
+  client goes away (closed, killed) is cancelled: its turn and its engine requests are freed.
+  ``GET /v1/pipatch/load`` says what is in flight and waiting. ``--ssl-certfile/--ssl-keyfile`` serve HTTPS (uvicorn's own
   TLS), so keys and results do not cross a network in clear text.
 * **What it serves.** ``GET /v1/pipatch/info`` says which model, dtype, device and
   versions, and the program format; a client checks it when it connects (a wrong key, or
@@ -63,17 +68,25 @@ from typing import Any
 from ._serve_guard import (
     GENERATE_PATH,
     INFO_PATH,
+    LOAD_PATH,
     MAX_INVOKES,
     MAX_REQUEST_BYTES,
+    REQUEST_SECONDS,
+    REQUESTS_IN_FLIGHT,
     SKIP_HEADER,
     BodyLimit,
     KeyGate,
     Keys,
     Limits,
+    Load,
+    RequestGuard,
+    RoomGate,
+    Rooms,
+    client_of,
     server_keys,
 )
 
-__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "LOOPBACK", "CLIENT_CODE_PREFIX"]
+__all__ = ["main", "Spawned", "INFO_PATH", "GENERATE_PATH", "LOAD_PATH", "SKIP_HEADER", "LOOPBACK", "CLIENT_CODE_PREFIX"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: nnsight's own routes, which run the code a client sends: closed unless --allow-client-code.
@@ -105,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"most invokes in one request (default {MAX_INVOKES})")
     parser.add_argument("--max-prompt-tokens", default=None, metavar="N",
                         help="most tokens in one invoke's prompt (default: the engine's max_model_len)")
+    parser.add_argument("--max-request-seconds", default=None, metavar="S",
+                        help=f"longest a request may take, its wait for a turn included (default {REQUEST_SECONDS})")
+    parser.add_argument("--max-requests-in-flight", default=None, metavar="N",
+                        help=f"most requests one key may have in flight (default {REQUESTS_IN_FLIGHT})")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
     parser.add_argument("--allow-client-code", action="store_true",
@@ -128,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Checked here, not by argparse's int: its error would not name the range.
         args.port = whole_number(args.port, "--port", minimum=1, maximum=65535)
         args.keys, warnings = server_keys(args.api_key_file, args.api_key)
-        for name in ("max_request_bytes", "max_invokes", "max_prompt_tokens"):
+        for name in ("max_request_bytes", "max_invokes", "max_prompt_tokens", "max_request_seconds",
+                     "max_requests_in_flight"):
             value = getattr(args, name)
             if value is not None:
                 setattr(args, name, whole_number(value, "--" + name.replace("_", "-"), minimum=1))
@@ -245,7 +263,9 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         return info
 
     limits = Limits(request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, invokes=args.max_invokes or MAX_INVOKES,
-                    prompt_tokens=args.max_prompt_tokens or info["max_model_len"])
+                    prompt_tokens=args.max_prompt_tokens or info["max_model_len"],
+                    seconds=args.max_request_seconds or REQUEST_SECONDS,
+                    in_flight=args.max_requests_in_flight or REQUESTS_IN_FLIGHT)
     info["limits"] = dataclasses.asdict(limits)
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
     adapter = vllm_adapter(model, info["tensor_parallel_size"])
@@ -257,10 +277,14 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
               "a shell here", flush=True)
     else:
         _no_client_code(server)
-    _one_skip_at_a_time(server)
+    rooms, load = Rooms(), Load()
+    _load_route(server, rooms, load)
     info["skip_rooms"] = True
-    # Added last, so run first (Starlette's order): the key, then the body's size, then the rooms.
+    # Added last, so run first (Starlette's order): the key, then the time and the requests in
+    # flight, then the body's size, then the rooms (every generate, pipatch's and nnsight's).
+    server.app.add_middleware(RoomGate, rooms=rooms, paths=(GENERATE_PATH, CLIENT_CODE_PREFIX + "generate"))
     server.app.add_middleware(BodyLimit, limits=limits)
+    server.app.add_middleware(RequestGuard, limits=limits, load=load)
     if args.keys:
         server.app.add_middleware(KeyGate, keys=Keys(args.keys))
     scheme = "https" if args.ssl_certfile else "http"
@@ -416,61 +440,21 @@ async def _together(engine: Any, ids: list[str], prompts: list, params: list, lo
     return outcomes
 
 
-class _Rooms:
-    """Admits requests to the engine so that those in it at once all skip the same blocks.
+def _load_route(server: Any, rooms: Rooms, load: Load) -> None:
+    """Add :data:`LOAD_PATH`: the requests in flight (the caller's and all), waiting for a
+    turn, in the engine, and cancelled (time up, client gone)."""
+    from fastapi import Request
 
-    A client's batch skips the blocks below its cells (nnsight's ``.skip()``, the vLLM
-    backend's shortcut), and nnsight's batched skip has to cover every request of the
-    engine's step; the engine puts whatever requests it holds into a step. So a request that
-    skips ``depth`` blocks (:data:`SKIP_HEADER`) waits until the engine holds none with
-    another depth. First come, first served: a request enters when it is at the head of the
-    line and the room is empty or holds its depth, so a stream of one depth cannot keep
-    another out. Requests of one depth (any number of clients) still share steps.
-    """
+    from ._compat.nnsight import served_model
+    from ._compat.vllm import unfinished_requests
 
-    def __init__(self) -> None:
-        import asyncio
-        import collections
+    async def describe_load(request: Request) -> dict[str, int]:
+        engine = served_model(server).vllm_entrypoint
+        return {**load.of(client_of(request.scope)), "waiting": rooms.waiting(),
+                "engine_requests": unfinished_requests(engine)}
 
-        self._changed = asyncio.Condition()
-        self._line: collections.deque = collections.deque()
-        self._depth, self._inside = 0, 0
-
-    @contextlib.asynccontextmanager
-    async def room(self, depth: int):
-        ticket = object()
-        async with self._changed:
-            self._line.append(ticket)
-            await self._changed.wait_for(
-                lambda: self._line[0] is ticket and (self._inside == 0 or self._depth == depth))
-            self._line.popleft()
-            self._depth, self._inside = depth, self._inside + 1
-            self._changed.notify_all()  # the next in line may share the room
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._inside -= 1
-                self._changed.notify_all()
-
-
-def _one_skip_at_a_time(server: Any) -> None:
-    """Every generate request, pipatch's and nnsight's own, through :class:`_Rooms` by the
-    number of blocks it skips (nnsight's requests skip none)."""
-    rooms = _Rooms()
-    paths = {GENERATE_PATH, "/v1/nnsight/generate"}
-
-    async def by_depth(request: Any, call_next: Any) -> Any:
-        if request.method != "POST" or request.url.path not in paths:
-            return await call_next(request)
-        try:
-            depth = max(int(request.headers.get(SKIP_HEADER, "0")), 0)
-        except ValueError:
-            depth = 0
-        async with rooms.room(depth):
-            return await call_next(request)  # the whole answer: its requests have finished
-
-    server.app.middleware("http")(by_depth)
+    describe_load.__annotations__["request"] = Request  # FastAPI reads the type, not its name (a local import)
+    server.app.add_api_route(LOAD_PATH, describe_load, methods=["GET"])
 
 
 def _version(package: str) -> str:

@@ -14,36 +14,52 @@ large request must not take the engine's memory from everyone:
   is read), invokes and prompt tokens (:meth:`Limits.refusal`, as a program request is
   decoded, before its other checks and before the engine sees it). A request over one is answered ``413`` with one line naming the
   limit and the flag that sets it; the server goes on serving the others.
+* **Time and turns** (:class:`RequestGuard`): a request still running after
+  ``--max-request-seconds`` is cancelled (its engine requests aborted) and answered ``504``;
+  a client (:func:`client_of`: its key) with ``--max-requests-in-flight`` POSTs in flight is
+  answered ``429`` for the next one; a request whose client went away (closed, killed) is
+  cancelled at once, wherever it is (waiting its turn, or in the engine).
+* **Fair share** (:class:`Rooms`): requests enter the engine in turns by client, so a client
+  with many requests waiting does not hold another's behind all of them.
 
-Both gates are plain ASGI middleware (no web framework needed to run or test them).
+Every gate is plain ASGI middleware (no web framework needed to run or test them).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ._errors import PipatchError
 
-__all__ = ["INFO_PATH", "GENERATE_PATH", "SKIP_HEADER", "KEY_HEADER", "KEY_ENV", "OPEN_PATHS", "read_keys", "server_keys", "Keys", "KeyGate", "Limits",
-           "BodyLimit", "MAX_REQUEST_BYTES", "MAX_INVOKES"]
+__all__ = ["INFO_PATH", "GENERATE_PATH", "LOAD_PATH", "SKIP_HEADER", "KEY_HEADER", "CLIENT_HEADER", "KEY_ENV", "OPEN_PATHS",
+           "read_keys", "server_keys", "Keys", "KeyGate", "Limits", "BodyLimit", "MAX_REQUEST_BYTES", "MAX_INVOKES",
+           "REQUEST_SECONDS", "REQUESTS_IN_FLIGHT", "client_of", "Load", "RequestGuard", "Rooms", "RoomGate"]
 
 #: Where a client asks the server what it serves (``pipatch serve``'s info).
 INFO_PATH = "/v1/pipatch/info"
 #: Where a client sends a program by name and its jobs' data; each invoke's saves come back
 #: apart.
 GENERATE_PATH = "/v1/pipatch/generate"
+#: Where a client reads the server's load: requests in flight (its own and all), waiting, and
+#: those cancelled for their time or their client gone.
+LOAD_PATH = "/v1/pipatch/load"
 #: The header a request names, by their count, the blocks its invokes skip with (0: none;
 #: ``pipatch serve``'s rooms).
 SKIP_HEADER = "X-Pipatch-Skip"
 #: The header a client's key travels in (nnsight's ``nnsight-serve`` client's name for it).
 KEY_HEADER = "ndif-api-key"
+#: The header a pipatch client names itself in (a random id per connection pool): who a
+#: request is from on a server without keys.
+CLIENT_HEADER = "X-Pipatch-Client"
 #: The environment variable a server (and a client) reads its key from.
 KEY_ENV = "PIPATCH_API_KEY"
 #: Paths that answer without a key: a liveness probe needs no secret.
@@ -53,6 +69,12 @@ OPEN_PATHS = frozenset({"/health"})
 MAX_REQUEST_BYTES = 32 * 2**20
 #: Default most invokes in one request: the served client's batch (``INVOKES_PER_REQUEST``).
 MAX_INVOKES = 64
+#: Default longest a request may take on the server, from its first byte to its answer
+#: (waiting its turn included): a client's own timeout is 600 s, so this one answers first.
+REQUEST_SECONDS = 300
+#: Default most POSTs one client (one key) may have in flight: twice the served client's own
+#: (``CONCURRENCY``), so two notebooks on one key fit, and a flood of one key's requests does not.
+REQUESTS_IN_FLIGHT = 64
 
 
 def read_keys(path: str | os.PathLike) -> list[str]:
@@ -183,18 +205,28 @@ class Limits:
     prompt_tokens
         Tokens in one invoke's prompt (``--max-prompt-tokens``; default: the engine's
         ``max_model_len``, over which the engine cannot run a prompt anyway).
+    seconds
+        Seconds one request may take, its wait for a turn included
+        (``--max-request-seconds``; default :data:`REQUEST_SECONDS`).
+    in_flight
+        POSTs one client (one key) may have in flight at once (``--max-requests-in-flight``;
+        default :data:`REQUESTS_IN_FLIGHT`).
     """
 
     request_bytes: int = MAX_REQUEST_BYTES
     invokes: int = MAX_INVOKES
     prompt_tokens: int = 2048
+    seconds: float = REQUEST_SECONDS
+    in_flight: int = REQUESTS_IN_FLIGHT
 
-    FLAGS = {"request_bytes": "--max-request-bytes", "invokes": "--max-invokes", "prompt_tokens": "--max-prompt-tokens"}
+    FLAGS = {"request_bytes": "--max-request-bytes", "invokes": "--max-invokes", "prompt_tokens": "--max-prompt-tokens",
+             "seconds": "--max-request-seconds", "in_flight": "--max-requests-in-flight"}
 
-    def over(self, name: str, what: str) -> str:
-        """The refusal line for limit ``name``: ``what`` the request had, the limit, the flag."""
-        return (f"{what}, over this server's limit of {getattr(self, name):,} "
-                f"(pipatch serve {self.FLAGS[name]}): send smaller requests, or raise the limit")
+    def over(self, name: str, what: str, fix: str = "send smaller requests") -> str:
+        """The refusal line for limit ``name``: ``what`` the request had, the limit, the flag, ``fix``."""
+        unit = " s" if name == "seconds" else ""
+        return (f"{what}, over this server's limit of {getattr(self, name):,}{unit} "
+                f"(pipatch serve {self.FLAGS[name]}): {fix}, or raise the limit")
 
     def refusal(self, prompts: list, tokenizer: Any) -> str | None:
         """A built request's invokes (``prompts``, one each) checked against :attr:`invokes`
@@ -259,3 +291,215 @@ class BodyLimit:
             return message
 
         await self.app(scope, replay, send)
+
+
+def client_of(scope: Mapping[str, Any]) -> bytes:
+    """Who an HTTP request is from, for its turns and its count in flight: its key (a digest:
+    the key itself is kept nowhere), else the id a pipatch client names itself by
+    (:data:`CLIENT_HEADER`: a server without keys is on the loopback, among trusted users),
+    else its address."""
+    headers = dict(scope.get("headers") or [])
+    key = headers.get(KEY_HEADER.encode())
+    if key:
+        return b"key:" + _digest(key)[:16]
+    named = headers.get(CLIENT_HEADER.lower().encode())
+    if named:
+        return b"client:" + named[:64]
+    return b"address:" + str((scope.get("client") or ("", 0))[0]).encode()
+
+
+@dataclasses.dataclass
+class Load:
+    """What :class:`RequestGuard` counts: POSTs in flight by client, and the requests it
+    cancelled (their time up, their client gone). ``pipatch serve`` answers it at
+    :data:`LOAD_PATH`."""
+
+    in_flight: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    timed_out: int = 0
+    client_gone: int = 0
+
+    def of(self, client: bytes) -> dict[str, int]:
+        return {"in_flight": sum(self.in_flight.values()), "yours": self.in_flight.get(client, 0),
+                "timed_out": self.timed_out, "client_gone": self.client_gone}
+
+
+class RequestGuard:
+    """ASGI middleware: a request's wall time, a client's POSTs in flight, and a client gone.
+
+    * A client (:func:`client_of`) with ``limits.in_flight`` POSTs in flight is answered
+      ``429`` for the next (one line naming ``--max-requests-in-flight``).
+    * A request still running ``limits.seconds`` after its first byte is cancelled and, if its
+      answer has not started, answered ``504`` (one line naming ``--max-request-seconds``).
+    * A request whose client closes the connection (a kernel interrupt, a killed process) is
+      cancelled once its body is read, wherever it is: waiting for its turn, or in the engine.
+
+    Cancelled means the route's task is cancelled: what it waits on is dropped (its place in
+    :class:`Rooms`; its engine requests, which ``pipatch serve``'s route aborts). Other
+    clients' requests are not touched. ``load`` (:class:`Load`) counts what happened.
+    """
+
+    def __init__(self, app: Any, limits: Limits, load: Load | None = None):
+        self.app, self.limits, self.load = app, limits, load if load is not None else Load()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if scope.get("method") != "POST":  # reads (info, load): no work queued, not counted
+            return await self._timed(scope, receive, send)
+        client, in_flight = client_of(scope), self.load.in_flight
+        if in_flight.get(client, 0) >= self.limits.in_flight:
+            return await _refuse(send, 429, self.limits.over(
+                "in_flight", f"this client (its key) has {in_flight[client]:,} requests in flight", "send fewer at once"))
+        in_flight[client] = in_flight.get(client, 0) + 1
+        counted = True
+
+        def done() -> None:  # once: as its answer's last bytes go, or as it ends without them
+            nonlocal counted
+            if counted:
+                counted = False
+                in_flight[client] -= 1
+                if not in_flight[client]:
+                    del in_flight[client]
+
+        try:
+            await self._timed(scope, receive, send, done)
+        finally:
+            done()
+
+    async def _timed(self, scope: dict, receive: Any, send: Any, done: Any = None) -> None:
+        body_read, gone = asyncio.Event(), asyncio.Event()
+        answered = False
+
+        async def inner_receive() -> dict:
+            if body_read.is_set():  # after the body: nothing until the client goes (the watcher hears it)
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body"):
+                body_read.set()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            return message
+
+        async def inner_send(message: dict) -> None:
+            nonlocal answered
+            answered = answered or message["type"] == "http.response.start"
+            if done is not None and message["type"] == "http.response.body" and not message.get("more_body"):
+                done()  # before the client can read the end and send its next request (its count is exact)
+            await send(message)
+
+        async def watch() -> None:  # the ASGI server says http.disconnect when the client goes
+            await body_read.wait()
+            while not gone.is_set() and (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        route = asyncio.ensure_future(self.app(scope, inner_receive, inner_send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({route, watcher}, timeout=self.limits.seconds, return_when=asyncio.FIRST_COMPLETED)
+            if route.done():
+                return route.result()
+            if answered:  # its answer is under way (a disconnect heard now is its end): let it finish
+                return await route
+            if gone.is_set():
+                self.load.client_gone += 1
+            else:
+                self.load.timed_out += 1
+            route.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await route  # its own cleanup (engine requests aborted) runs before the answer
+            if not gone.is_set():
+                await _refuse(send, 504, self.limits.over(
+                    "seconds", f"the request ran for {self.limits.seconds:g} s and was stopped",
+                    "send smaller requests or fewer at once"))
+        finally:
+            for task in (route, watcher):
+                task.cancel()
+
+
+class Rooms:
+    """Admits requests to the engine so that those in it at once all skip the same blocks,
+    and in turns by client.
+
+    A client's batch skips the blocks below its cells (nnsight's ``.skip()``, the vLLM
+    backend's shortcut), and nnsight's batched skip has to cover every request of the
+    engine's step; the engine puts whatever requests it holds into a step. So a request that
+    skips ``depth`` blocks waits until the engine holds none with another depth.
+
+    Which request is next: the oldest of the client (:func:`client_of`) that entered least
+    recently (a client with none inside or waiting starts afresh, first in line), so a
+    client with many requests waiting (a long sweep, a study's facts) takes one turn while
+    another client's request waits, not all of them. The next request enters when the room is
+    empty or holds its depth, so no stream of requests keeps another out; requests of one
+    depth (any number of clients) share the engine's steps. A request cancelled while it
+    waits (its client gone, its time up) leaves the line.
+    """
+
+    def __init__(self) -> None:
+        self._line: list[tuple[bytes, int, asyncio.Event]] = []  # (client, depth, its door) in arrival order
+        self._turn: dict[bytes, int] = {}  # client → when it last entered (clients with requests here)
+        self._held: dict[bytes, int] = {}  # client → its requests waiting or inside
+        self._entered, self._depth, self._inside = 0, 0, 0
+
+    def waiting(self) -> int:
+        return len(self._line)
+
+    def _admit(self) -> None:
+        """Let in every request that may enter now, the next first (the first of the client
+        that entered least recently). No ``await`` here or in any cleanup: a request cancelled
+        by Starlette's middleware (anyio) is cancelled again at every ``await`` it makes."""
+        while self._line:
+            ticket = min(self._line, key=lambda waiting: self._turn.get(waiting[0], -1))
+            client, depth, door = ticket
+            if self._inside and self._depth != depth:
+                return
+            self._line.remove(ticket)
+            self._entered += 1
+            self._turn[client] = self._entered
+            self._depth, self._inside = depth, self._inside + 1
+            door.set()
+
+    @contextlib.asynccontextmanager
+    async def room(self, depth: int, client: bytes = b"") -> AsyncIterator[None]:
+        ticket = (client, depth, asyncio.Event())
+        self._line.append(ticket)
+        self._held[client] = self._held.get(client, 0) + 1
+        self._admit()
+        try:
+            await ticket[2].wait()
+        except BaseException:
+            if ticket in self._line:
+                self._line.remove(ticket)
+            else:  # let in as it was cancelled
+                self._inside -= 1
+            self._leave(client)
+            raise
+        try:
+            yield
+        finally:
+            self._inside -= 1
+            self._leave(client)
+
+    def _leave(self, client: bytes) -> None:
+        self._held[client] -= 1
+        if not self._held[client]:
+            del self._held[client]
+            self._turn.pop(client, None)
+        self._admit()
+
+
+class RoomGate:
+    """ASGI middleware: each POST to one of ``paths`` runs in ``rooms`` (:class:`Rooms`) by the
+    blocks its :data:`SKIP_HEADER` says it skips (0 where it says none), until its answer is sent."""
+
+    def __init__(self, app: Any, rooms: Rooms, paths: Iterable[str]):
+        self.app, self.rooms, self.paths = app, rooms, frozenset(paths)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        said = dict(scope.get("headers") or []).get(SKIP_HEADER.lower().encode(), b"0")
+        depth = max(int(said), 0) if said.isdigit() else 0
+        async with self.rooms.room(depth, client_of(scope)):
+            await self.app(scope, receive, send)

@@ -34,7 +34,9 @@ differs, in :meth:`ServedBackend._invokes`:
 * **The server's limits.** Its info names how many invokes and body bytes one request may
   carry (``pipatch serve --max-invokes/--max-request-bytes``): a batch goes as requests that
   fit, halved until each does; one invoke (an SAE's site with it) over the byte limit is one
-  line naming ``--max-request-bytes``.
+  line naming ``--max-request-bytes``. A client keeps no more requests in flight than the server lets one
+  key have (``--max-requests-in-flight``), and names itself in each (a random id: its turns on
+  a server without keys).
 * **Errors.** Unreachable server, refused key, another model or pipatch version (checked at
   connect), a request the server refuses, a failure inside the trace, a timeout: each is one
   :class:`~pipatch.PipatchError` line; the engine wraps it with the batch
@@ -52,6 +54,7 @@ import dataclasses
 import io
 import os
 import threading
+import uuid
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,7 +64,7 @@ import torch
 
 from .._known import known, remember
 from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .._serve_guard import GENERATE_PATH, INFO_PATH, KEY_ENV, SKIP_HEADER
+from .._serve_guard import CLIENT_HEADER, GENERATE_PATH, INFO_PATH, KEY_ENV, SKIP_HEADER
 from ._contract import Capabilities
 from ._served_programs import check_versions, encode
 from ._vllm_engine import INVOKES_PER_REQUEST, vllm_adapter
@@ -93,12 +96,14 @@ class Server:
         self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, float(timeout)
         self._http = httpx.Client(limits=httpx.Limits(max_connections=CONCURRENCY), verify=_tls(verify))
         self._pool = ThreadPoolExecutor(max_workers=CONCURRENCY, thread_name_prefix="pipatch-serve")
+        self._slots = threading.BoundedSemaphore(CONCURRENCY)  # the server's --max-requests-in-flight, once read
+        self._id = uuid.uuid4().hex  # who this client is, on a server without keys (its turns)
         self.info: dict[str, Any] = {}
 
     def _headers(self) -> dict[str, str]:
         from nnsight.modeling.vllm.serve import http
 
-        return http.headers(self.api_key)
+        return {**http.headers(self.api_key), CLIENT_HEADER: self._id}
 
     def _call(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
         """One HTTP call; every transport failure becomes one line naming the fix."""
@@ -129,6 +134,8 @@ class Server:
     def describe(self) -> dict[str, Any]:
         """What the server serves (``GET /v1/pipatch/info``)."""
         self.info = self._call("GET", INFO_PATH).json()
+        in_flight = int((self.info.get("limits") or {}).get("in_flight") or CONCURRENCY)
+        self._slots = threading.BoundedSemaphore(min(CONCURRENCY, in_flight))
         return self.info
 
     def generate(self, blob: bytes, skip: int = 0) -> dict[str, Any]:
@@ -138,7 +145,8 @@ class Server:
         a failure in it: one line."""
         from nnsight.intervention.errors import raise_deferred
 
-        response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
+        with self._slots:  # no more in flight than the server lets one key have
+            response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})
         # weights_only: tensors, numbers, strings and containers only (what pipatch's invoke
         # bodies save, and nnsight's error dict), and the named tuples pipatch's request bodies
         # answer with (ANSWERS); no other object the server names is ever built.

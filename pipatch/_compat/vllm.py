@@ -20,6 +20,7 @@ line naming it and the versions, before any sweep.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -29,7 +30,7 @@ from typing import Any
 from . import missing
 
 __all__ = ["PRIVATE_NAMES", "quiet_generate", "check_engine", "abort_unfinished", "check_async_engine",
-           "held_scheduler", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
+           "held_scheduler", "unfinished_requests", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
 
 #: vLLM's private names (and internal keyword arguments, ending in ``=``) used here and
 #: nowhere else in pipatch (``tests/unit/test_compat.py``).
@@ -118,6 +119,7 @@ def check_async_engine(engine: Any) -> None:
     _need(core, "pause_scheduler_async", "EngineCoreClient")
     _need(core, "resume_scheduler_async", "EngineCoreClient")
     _takes(engine.abort, "internal", "AsyncLLM.abort")
+    _need(_need(engine, "output_processor", "AsyncLLM"), "request_states", "OutputProcessor")
 
 
 @contextlib.asynccontextmanager
@@ -131,11 +133,27 @@ async def held_scheduler(engine: Any) -> AsyncIterator[None]:
     invokes sent one by one ran as a step of the first and more steps of the rest; held, the
     step takes them all, as an in-process trace's ``generate`` does."""
     core = engine.engine_core
-    await core.pause_scheduler_async(mode="keep", clear_cache=False)
+    # Shielded, the resume after the pause whatever happens: a request cancelled inside
+    # Starlette's middleware (anyio) is cancelled again at every await, and an engine left
+    # paused would hold every other client's requests.
+    pause = asyncio.ensure_future(core.pause_scheduler_async(mode="keep", clear_cache=False))
+
+    async def resume() -> None:
+        with contextlib.suppress(Exception):
+            await pause
+        await core.resume_scheduler_async()
+
     try:
+        await asyncio.shield(pause)
         yield
     finally:
-        await core.resume_scheduler_async()
+        await asyncio.shield(resume())
+
+
+def unfinished_requests(engine: Any) -> int:
+    """How many requests ``engine`` (an ``AsyncLLM``) holds unfinished. Private name:
+    ``AsyncLLM.output_processor.request_states`` (it keeps no count a caller can read)."""
+    return len(engine.output_processor.request_states)
 
 
 async def abort_requests(engine: Any, ids: list[str]) -> None:

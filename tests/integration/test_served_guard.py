@@ -4,7 +4,8 @@ self-signed certificate, and limits per request, on one real server.
 One server for the module, started as a team would start it on a shared box::
 
     PIPATCH_API_KEY=$ENV_KEY pipatch serve --api-key-file keys --ssl-certfile cert.pem --ssl-keyfile key.pem \\
-        --max-invokes 8 --max-prompt-tokens 512 --max-request-bytes 4000000
+        --max-invokes 8 --max-prompt-tokens 512 --max-request-bytes 4000000 \\
+        --max-request-seconds 45 --max-requests-in-flight 4
 
 with a certificate made here (``cryptography``) for 127.0.0.1. A client that trusts the
 certificate (``verify=cert.pem``) gets the transformers backend's numbers, its batches sent as
@@ -12,7 +13,12 @@ requests of at most 8 invokes; a client that does not is refused in one line. Th
 bad requests (no key, an invalid key, a removed key, a 50 MB body declared and streamed, a
 100k-token prompt, too many invokes): each is refused with its 4xx in one line naming the
 limit and its flag, and the server serves a good request right after it, with the same
-numbers. Last: SIGTERM leaves none of the server's processes behind.
+numbers. Then time and turns: requests held past 45 s are stopped (504) and a fifth in flight
+for one key is refused (429), while another key's requests go on; three clients at once (one
+SIGKILLed mid-sweep, whose requests the server drops; one sending bad requests between 200
+tiny sweeps, the server's memory flat; one running a study, equal to the transformers
+backend's); a short sweep started during a long one waits at most about one of its batches.
+Last: SIGTERM leaves none of the server's processes behind.
 
 Run apart from the other vLLM suites, one pytest process each.
 """
@@ -20,9 +26,16 @@ Run apart from the other vLLM suites, one pytest process each.
 from __future__ import annotations
 
 import datetime
+import http.client
 import ipaddress
+import json
+import os
+import signal
+import socket
 import ssl
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -37,7 +50,7 @@ from pipatch._backends._served_programs import encode  # noqa: E402
 from pipatch._backends._vllm_worker import circuit_baselines_request  # noqa: E402
 from pipatch._backends.served import ServedBackend, Server  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
-from pipatch._serve import GENERATE_PATH, Spawned  # noqa: E402
+from pipatch._serve import GENERATE_PATH, LOAD_PATH, Spawned  # noqa: E402
 from tests._equal import assert_same  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 
@@ -46,7 +59,7 @@ pytestmark = pytest.mark.vllm
 ALICE, BOB, CAROL, ENV_KEY = "alice-3c9e0f", "bob-71d2aa", "carol-0b55e1", "env-key-d41f"
 KEY_FILE = f"# the team's keys\n{ALICE}  # Alice\n{BOB}  # Bob\n# {CAROL}  (Carol left: removed)\n"
 PAIR = {"clean": EIFFEL, "corrupt": COLOSSEUM, "answer": " Paris", "foil": " Rome"}
-LIMITS = {"request_bytes": 4_000_000, "invokes": 8, "prompt_tokens": 512}
+LIMITS = {"request_bytes": 4_000_000, "invokes": 8, "prompt_tokens": 512, "seconds": 45, "in_flight": 4}
 
 
 def self_signed(folder) -> tuple[str, str]:
@@ -96,7 +109,8 @@ def files(tmp_path_factory):
 def server(files):
     process = Spawned("--api-key-file", files["keys"], "--ssl-certfile", files["cert"], "--ssl-keyfile", files["key"],
                       "--max-invokes", str(LIMITS["invokes"]), "--max-prompt-tokens", str(LIMITS["prompt_tokens"]),
-                      "--max-request-bytes", str(LIMITS["request_bytes"]), env={"PIPATCH_API_KEY": ENV_KEY})
+                      "--max-request-bytes", str(LIMITS["request_bytes"]), "--max-request-seconds", str(LIMITS["seconds"]),
+                      "--max-requests-in-flight", str(LIMITS["in_flight"]), env={"PIPATCH_API_KEY": ENV_KEY})
     print(f"server ready in {process.start_s:.1f} s at {process.url}, {process.rss_gb():.1f} GB")
     yield process
     try:
@@ -240,6 +254,189 @@ def test_a_batch_over_the_byte_limit_goes_as_requests_that_fit(served, server, f
     message = _refused(lambda: small._fitted(circuit_baselines_request, jobs[:1], 0, 100))
     assert "over the server's limit of 100: start the server with a larger --max-request-bytes" in message
     small.server.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Time, requests in flight, faults, turns
+# --------------------------------------------------------------------------------------------
+
+
+def _load(server, files, key) -> dict:
+    """The server's load as ``key`` sees it (``yours``: that key's requests in flight)."""
+    client = _raw(server, files, key)
+    try:
+        return client._call("GET", LOAD_PATH).json()
+    finally:
+        client.close()
+
+
+def _wait_for(what, predicate, timeout: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _held_open(server, files, key) -> ssl.SSLSocket:
+    """A request whose body never comes whole: its headers and 10 of its 1,000 bytes."""
+    context = ssl.create_default_context(cafile=files["cert"])
+    sock = context.wrap_socket(socket.create_connection(("127.0.0.1", server.port)), server_hostname="127.0.0.1")
+    sock.sendall((f"POST {GENERATE_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nndif-api-key: {key}\r\n"
+                  "Content-Length: 1000\r\n\r\n").encode() + b"\0" * 10)
+    return sock
+
+
+def _answer_of(sock: ssl.SSLSocket, timeout: float) -> tuple[int, str]:
+    sock.settimeout(timeout)
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    detail = json.loads(response.read())["detail"]
+    sock.close()
+    return response.status, detail
+
+
+def test_a_request_past_its_time_is_stopped_and_a_fifth_in_flight_refused_others_go_on(server, files, served):
+    """Four of Bob's requests held open (their bodies never finish) are four in flight: his
+    fifth is 429, naming --max-requests-in-flight, while Alice's sweeps run as before; at 45 s
+    the four are stopped, each 504 naming --max-request-seconds, and Bob is served again."""
+    reference = pipatch.lens(served, EIFFEL, answer=" Paris")
+    started = time.perf_counter()
+    held = [_held_open(server, files, BOB) for _ in range(LIMITS["in_flight"])]
+    _wait_for("4 held", lambda: _load(server, files, BOB)["yours"] == 4, 10)
+    message = _refused(lambda: _raw(server, files, BOB).generate(_request_of(served, [[2, 9079]])))
+    print(message)
+    assert message.endswith("answered 429: this client (its key) has 4 requests in flight, over this server's limit "
+                            "of 4 (pipatch serve --max-requests-in-flight): send fewer at once, or raise the limit")
+    assert torch.equal(pipatch.lens(served, EIFFEL, answer=" Paris").grid, reference.grid)  # Alice: as before
+    answers = [_answer_of(sock, 60) for sock in held]
+    elapsed = time.perf_counter() - started
+    print(f"held requests answered after {elapsed:.1f} s: {answers[0]}")
+    assert answers == [(504, "the request ran for 45 s and was stopped, over this server's limit of 45 s (pipatch "
+                             "serve --max-request-seconds): send smaller requests or fewer at once, or raise the limit")] * 4
+    assert LIMITS["seconds"] <= elapsed < LIMITS["seconds"] + 15
+    load = _load(server, files, BOB)
+    assert load["yours"] == 0 and load["timed_out"] >= 4, load
+    bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
+    assert torch.equal(pipatch.lens(bob, EIFFEL, answer=" Paris").grid, reference.grid)
+
+
+#: The killed client: a long sweep (every position, every layer) on the environment's key.
+KILLED = """
+import sys, pipatch
+model = pipatch.load_model(serve=sys.argv[1], api_key=sys.argv[2], verify=sys.argv[3])
+pipatch.patch(model, clean=sys.argv[4], corrupt=sys.argv[5], answer=" Paris", foil=" Rome", site="resid", progress=False)
+"""
+
+#: Bad requests the third client sends between its sweeps: (what, request, expected).
+def _bad_requests(served) -> list:
+    return [("garbage", lambda c: c.generate(b"not a request"), "answered 400"),
+            ("9 invokes", lambda c: c.generate(_request_of(served, [[2, 9079]] * 9)), "answered 413"),
+            ("a wrong skip header", lambda c: c.generate(_request_of(served, [[2, 9079]]), skip=3), "answered 400")]
+
+
+def test_three_clients_one_killed_one_bad_one_studying(server, files, served, model, tmp_path):
+    """Three clients at once: one SIGKILLed mid-sweep (the server drops its requests: none of
+    its key's left in flight, and it counts them as their client gone); one sending a bad
+    request before each of 200 tiny sweeps (one invoke each: each bad one refused in one line,
+    each sweep's answer the first one's; the server's memory after 200 within 0.2 GB of after
+    20); one running a study, whose facts equal the same study on the transformers backend."""
+    data = json.loads(pipatch.known_facts().read_text())
+    facts = [data[3], data[21]]  # facts the embedded model knows
+    cheap = {"sites": "resid", "seeds": 1, "scale": 3.0, "progress": False}
+    gone_before = _load(server, files, ENV_KEY)["client_gone"]
+    killed = subprocess.Popen([sys.executable, "-c", KILLED, server.url, ENV_KEY, files["cert"], EIFFEL, COLOSSEUM],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    studied, bad_said, rss = {}, [], {}
+    twenty, studied_done = threading.Event(), threading.Event()
+
+    def study():
+        try:
+            studied["found"] = pipatch.study(served, facts, store=tmp_path / "served.sqlite", **cheap)
+        finally:
+            studied_done.set()
+
+    def bad_and_tiny():
+        raw = _raw(server, files, BOB)
+        cases, tiny = _bad_requests(served), _request_of(served, [[2, 9079]])
+        first = raw.generate(tiny)
+        for i in range(200):
+            what, send, expected = cases[i % len(cases)]
+            message = _refused(lambda: send(raw))
+            bad_said.append((what, message))
+            assert expected in message and "\n" not in message, (what, message)
+            answer = raw.generate(tiny)
+            assert all(torch.equal(a, b) for a, b in zip(*(next(iter(saves.values())) for saves in (answer, first))))
+            if i + 1 == 20:
+                studied_done.wait(300)  # both samples with this client alone on the server
+                rss[20] = server.rss_gb()
+                twenty.set()
+        rss[200] = server.rss_gb()
+        raw.close()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=study), threading.Thread(target=bad_and_tiny)]
+    for thread in threads:
+        thread.start()
+    try:
+        waited = _wait_for("the killed client's requests in flight", lambda: killed.poll() is not None
+                           or _load(server, files, ENV_KEY)["yours"] >= 1, 180)
+        assert killed.poll() is None, killed.stdout.read()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        freed = _wait_for("the killed client's requests dropped", lambda: _load(server, files, ENV_KEY)["yours"] == 0, 15)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        for thread in threads:
+            thread.join(600)
+    load = _load(server, files, ENV_KEY)
+    print(f"killed after {waited:.1f} s of its sweep; its requests gone {freed:.1f} s later; {len(bad_said)} bad "
+          f"requests refused; all in {time.perf_counter() - started:.0f} s; server {rss[20]:.2f} GB after 20 tiny sweeps, "
+          f"{rss[200]:.2f} after 200; load {load}")
+    assert load["client_gone"] > gone_before, load  # dropped, not run to their end
+    assert load["in_flight"] == 0 and load["waiting"] == 0 and load["engine_requests"] == 0, load
+    assert len(bad_said) == 200 and abs(rss[200] - rss[20]) <= 0.2, rss
+    found = studied["found"]
+    assert found.counts()["done"] == 2, found.summary()
+    unserved = pipatch.study(model, facts, store=tmp_path / "transformers.sqlite", **cheap)
+    for i in range(2):
+        assert_same(found[i], unserved[i], backend="served")
+
+
+def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_batches(server, files, served):
+    """Alice's sweep of 72 cells in batches of 18; Bob's one-batch sweep, started while it runs,
+    finishes before it and within the time of two of her batches (her sweep's time over its
+    batches)."""
+    bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
+    pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)  # warm
+    alice = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
+    alice.server.describe()
+    long, timing = {}, {}
+
+    def sweep():
+        with alice.log.recording() as events:
+            started = time.perf_counter()
+            long["result"] = pipatch.patch(alice, **PAIR, site="resid", positions=[-4, -3, -2, -1], batch_size=18,
+                                           progress=False)
+            long["seconds"], long["batches"] = time.perf_counter() - started, len(
+                [event for event in events if event["event"] == "requests"])
+
+    thread = threading.Thread(target=sweep)
+    thread.start()
+    _wait_for("Alice's sweep on the server", lambda: _load(server, files, ALICE)["yours"] >= 1, 60)
+    started = time.perf_counter()
+    short = pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)
+    timing["short"] = time.perf_counter() - started
+    overlapped = thread.is_alive()
+    thread.join(300)
+    batch = long["seconds"] / long["batches"]
+    print(f"long: {long['batches']} batches in {long['seconds']:.1f} s ({batch:.2f} s each); short, during it: "
+          f"{timing['short']:.2f} s")
+    assert short.status == long["result"].status == "done" and overlapped
+    assert timing["short"] <= 2 * batch
+    alice.server.close()
 
 
 def test_sigterm_stops_the_server_and_every_process_it_started(server):

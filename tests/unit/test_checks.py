@@ -132,7 +132,7 @@ def test_serve_admits_one_skip_at_a_time_first_come_first_served():
     import asyncio
     import concurrent.futures
 
-    from pipatch._serve import _Rooms
+    from pipatch._serve_guard import Rooms as _Rooms
 
     async def scenario() -> list[list[str]]:
         rooms, entered, inside, seen = _Rooms(), [], {}, []

@@ -1,5 +1,6 @@
-"""``pipatch serve``'s gates without a server: key files, the key comparison, the key and
-body-size middleware called as ASGI apps, the request limits, and the options' checks.
+"""``pipatch serve``'s gates without a server: key files, the key comparison, the key,
+body-size, time and in-flight middleware called as ASGI apps, the rooms' turns, the request
+limits, and the options' checks.
 
 The served suite (``tests/integration/test_served_guard.py``) runs the same gates in a real
 server, over HTTPS.
@@ -20,10 +21,17 @@ from pipatch._serve_guard import (
     KEY_ENV,
     MAX_INVOKES,
     MAX_REQUEST_BYTES,
+    REQUEST_SECONDS,
+    REQUESTS_IN_FLIGHT,
     BodyLimit,
     KeyGate,
     Keys,
     Limits,
+    Load,
+    RequestGuard,
+    RoomGate,
+    Rooms,
+    client_of,
     read_keys,
     server_keys,
 )
@@ -171,6 +179,231 @@ def test_the_body_limit_refuses_declared_and_streamed_bodies_over_it():
 
 
 # --------------------------------------------------------------------------------------------
+# Time, requests in flight, a client gone: RequestGuard; turns: Rooms
+# --------------------------------------------------------------------------------------------
+
+
+def _scope(key="alice", method="POST", path="/v1/pipatch/generate", skip=None):
+    headers = [(b"ndif-api-key", key.encode())] if key else []
+    if skip is not None:
+        headers.append((b"x-pipatch-skip", str(skip).encode()))
+    return {"type": "http", "method": method, "path": path, "headers": headers, "client": ("127.0.0.1", 5000)}
+
+
+class _Client:
+    """One HTTP request's ASGI side: its body, then (when :meth:`leave` is called) a disconnect;
+    what the app sent back."""
+
+    def __init__(self, body=b"data"):
+        self.messages = [{"type": "http.request", "body": body, "more_body": False}]
+        self.left = asyncio.Event()
+        self.sent = []
+
+    async def receive(self):
+        if self.messages:
+            return self.messages.pop(0)
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message):
+        self.sent.append(message)
+
+    def leave(self):
+        self.left.set()
+
+    @property
+    def status(self):
+        return next((m["status"] for m in self.sent if m["type"] == "http.response.start"), None)
+
+    @property
+    def detail(self):
+        return json.loads(b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body"))["detail"]
+
+
+class _Held:
+    """An app that reads the body and holds each request until released (or cancelled: it
+    says which requests were)."""
+
+    def __init__(self):
+        self.release, self.entered, self.cancelled = asyncio.Event(), [], []
+
+    async def __call__(self, scope, receive, send):
+        await receive()
+        self.entered.append(scope)
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(scope)
+            raise
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _settle():
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_a_request_over_its_time_is_cancelled_and_answered_504_in_one_line():
+    async def run():
+        app, load = _Held(), Load()
+        guard = RequestGuard(app, Limits(seconds=0.05), load)
+        slow, other = _Client(), _Client()
+        waiting = asyncio.ensure_future(guard(_scope(), slow.receive, slow.send))
+        await asyncio.sleep(0.2)
+        assert waiting.done() and app.cancelled and slow.status == 504
+        assert slow.detail == ("the request ran for 0.05 s and was stopped, over this server's limit of 0.05 s (pipatch "
+                               "serve --max-request-seconds): send smaller requests or fewer at once, or raise the limit")
+        app.release.set()
+        await guard(_scope(), other.receive, other.send)  # the next one is served
+        assert other.status == 200 and load.of(client_of(_scope())) == {
+            "in_flight": 0, "yours": 0, "timed_out": 1, "client_gone": 0}
+
+    asyncio.run(run())
+
+
+def test_a_key_over_its_requests_in_flight_is_429_and_other_keys_go_on():
+    async def run():
+        app, load = _Held(), Load()
+        guard = RequestGuard(app, Limits(in_flight=2), load)
+        alice = [_Client() for _ in range(3)]
+        held = [asyncio.ensure_future(guard(_scope("alice"), c.receive, c.send)) for c in alice[:2]]
+        await _settle()
+        await guard(_scope("alice"), alice[2].receive, alice[2].send)
+        assert alice[2].status == 429 and alice[2].detail == (
+            "this client (its key) has 2 requests in flight, over this server's limit of 2 "
+            "(pipatch serve --max-requests-in-flight): send fewer at once, or raise the limit")
+        bob, info = _Client(), _Client()
+        bobs = asyncio.ensure_future(guard(_scope("bob"), bob.receive, bob.send))
+        await _settle()
+        assert load.of(client_of(_scope("alice")))["yours"] == 2 and load.of(b"")["in_flight"] == 3
+        app.release.set()
+        await asyncio.gather(*held, bobs)
+        assert [c.status for c in alice[:2]] == [200, 200] and bob.status == 200 and load.in_flight == {}
+        assert len(app.entered) == 3  # the refused one never reached the app
+        counts = []  # a request's count is gone before its last bytes are sent (a client's next one fits)
+
+        async def counting(message):
+            if message["type"] == "http.response.body":
+                counts.append(dict(load.in_flight))
+        last = _Client()
+        last.send = counting
+        await guard(_scope("alice"), last.receive, last.send)
+        assert counts == [{}]
+
+        async def reads(scope, receive, send):  # a GET is not counted
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+        limited = RequestGuard(reads, Limits(in_flight=1), Load({client_of(_scope("alice")): 1}))
+        await limited(_scope("alice", method="GET", path="/v1/pipatch/load"), info.receive, info.send)
+        assert info.status == 200
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_client_went_away_is_cancelled_and_frees_its_place():
+    async def run():
+        app, load = _Held(), Load()
+        guard = RequestGuard(app, Limits(in_flight=1), load)
+        gone = _Client()
+        running = asyncio.ensure_future(guard(_scope(), gone.receive, gone.send))
+        await _settle()
+        assert len(app.entered) == 1 and load.in_flight
+        gone.leave()
+        await asyncio.wait_for(running, 1)
+        assert app.cancelled and gone.sent == [] and load.in_flight == {} and load.client_gone == 1
+        again = _Client()  # the key's place is free
+        app.release.set()
+        await guard(_scope(), again.receive, again.send)
+        assert again.status == 200
+
+    asyncio.run(run())
+
+
+def test_who_a_request_is_from_its_key_else_its_client_id_else_its_address():
+    alice = client_of(_scope("alice"))
+    assert alice.startswith(b"key:") and b"alice" not in alice and alice == client_of(_scope("alice"))
+    assert alice != client_of(_scope("bob"))
+    named = {**_scope(None), "headers": [(b"x-pipatch-client", b"1f2e")]}
+    assert client_of(named) == b"client:1f2e" and client_of(_scope(None)) == b"address:127.0.0.1"
+
+
+def test_rooms_take_clients_in_turns_and_one_depth_at_a_time():
+    """A holds the room at depth 1 with three more requests waiting at depth 2; B's request
+    (depth 3) comes after them and goes first (A has had a turn); A's three share depth 2."""
+    async def run():
+        rooms, order, leave = Rooms(), [], {}
+
+        async def visit(name, client, depth):
+            async with rooms.room(depth, client):
+                order.append(name)
+                leave[name] = asyncio.Event()
+                await leave[name].wait()
+
+        first = asyncio.ensure_future(visit("a0", b"A", 1))
+        await _settle()
+        rest = [asyncio.ensure_future(visit(f"a{i}", b"A", 2)) for i in (1, 2, 3)]
+        await _settle()
+        b = asyncio.ensure_future(visit("b", b"B", 3))
+        await _settle()
+        assert order == ["a0"] and rooms.waiting() == 4
+        leave["a0"].set()
+        await _settle()
+        assert order == ["a0", "b"]  # B's turn before A's second
+        leave["b"].set()
+        await _settle()
+        assert order == ["a0", "b", "a1", "a2", "a3"]  # one depth: together
+        for name in ("a1", "a2", "a3"):
+            leave[name].set()
+        await asyncio.gather(first, b, *rest)
+        assert rooms.waiting() == 0 and rooms._held == {} and rooms._turn == {}
+
+    asyncio.run(run())
+
+
+def test_a_request_cancelled_while_it_waits_leaves_the_line():
+    async def run():
+        rooms, order = Rooms(), []
+        release = asyncio.Event()
+
+        async def visit(name, client, depth):
+            async with rooms.room(depth, client):
+                order.append(name)
+                await release.wait()
+
+        holder = asyncio.ensure_future(visit("a", b"A", 1))
+        await _settle()
+        cancelled = asyncio.ensure_future(visit("b", b"B", 2))
+        await _settle()
+        cancelled.cancel()
+        await _settle()
+        assert rooms.waiting() == 0
+        later = asyncio.ensure_future(visit("c", b"C", 2))
+        release.set()
+        await asyncio.wait_for(asyncio.gather(holder, later), 1)
+        assert order == ["a", "c"] and cancelled.cancelled() and rooms._held == {}
+
+    asyncio.run(run())
+
+
+def test_the_room_gate_reads_the_skip_header_and_lets_reads_through():
+    async def run():
+        rooms, seen = Rooms(), []
+
+        async def app(scope, receive, send):
+            seen.append((rooms._depth, rooms._inside))
+
+        gate = RoomGate(app, rooms, ["/v1/pipatch/generate"])
+        client = _Client()
+        await gate(_scope(skip=5), client.receive, client.send)
+        await gate(_scope(skip="x"), client.receive, client.send)  # not a number: 0
+        await gate(_scope(method="GET", path="/v1/pipatch/info"), client.receive, client.send)
+        assert seen == [(5, 1), (0, 1), (0, 0)]
+
+    asyncio.run(run())
+
+
+# --------------------------------------------------------------------------------------------
 # The limits a built request is checked against
 # --------------------------------------------------------------------------------------------
 
@@ -183,7 +416,8 @@ class _Words:
 
 
 def test_limits_name_the_limit_and_its_flag():
-    assert Limits() == Limits(request_bytes=MAX_REQUEST_BYTES, invokes=MAX_INVOKES, prompt_tokens=2048)
+    assert Limits() == Limits(request_bytes=MAX_REQUEST_BYTES, invokes=MAX_INVOKES, prompt_tokens=2048,
+                              seconds=REQUEST_SECONDS, in_flight=REQUESTS_IN_FLIGHT)
     limits = Limits(invokes=2, prompt_tokens=3)
     ok = [{"prompt_token_ids": [1, 2, 3]}, "a b c"]
     assert limits.refusal(ok, _Words()) is None
@@ -208,6 +442,8 @@ def test_limits_name_the_limit_and_its_flag():
     (["--ssl-certfile", __file__, "--ssl-keyfile", __file__], "not a certificate and its private key in PEM"),
     (["--max-invokes", "0"], "--max-invokes"),
     (["--max-request-bytes", "lots"], "--max-request-bytes"),
+    (["--max-request-seconds", "0"], "--max-request-seconds"),
+    (["--max-requests-in-flight", "-3"], "--max-requests-in-flight"),
     (["--host", "0.0.0.0"], "add --api-key-file PATH"),
 ])
 def test_bad_server_options_are_one_line_before_the_engine(argv, expected, capsys, monkeypatch):
