@@ -18,6 +18,10 @@ replaces is an exact patch per node. Rows, on "The Eiffel Tower is in the city o
 * ``faithfulness curve``: ``curve=8`` (Marks et al.'s faithfulness and completeness, corrupt
   ablation), with the faithfulness at the circuit's size and the least size measured that
   reaches 80 %;
+* ``an SAE at every layer``: a random SAE of the shipped one's shape at each of the 18 blocks'
+  outputs, on a pair of 64-token prompts (filler before the Eiffel Tower / Colosseum pair):
+  scoring (``top_nodes=30``, edges between kept nodes, 10 nodes checked): does it fit, and
+  what it costs;
 * each row's peak resident memory (the model and the SAEs included).
 
 Each time is the best of :data:`REPEAT`. Figures go to ``bench/results/feature_circuit.json``.
@@ -28,6 +32,7 @@ Run: ``make bench`` (or ``.venv/bin/python bench/feature_circuit.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import tempfile
@@ -45,8 +50,8 @@ REPEAT = 2
 TOP = 20
 
 
-def random_sae(folder: Path, like) -> Path:
-    """A random SAE of ``like``'s shape reading block 5's output, in Gemma Scope 2's format."""
+def random_sae(folder: Path, like, layer: int = 5) -> Path:
+    """A random SAE of ``like``'s shape reading block ``layer``'s output, in Gemma Scope 2's format."""
     from safetensors.torch import save_file
 
     folder.mkdir()
@@ -55,8 +60,22 @@ def random_sae(folder: Path, like) -> Path:
     save_file({"w_enc": torch.randn(d, n, generator=g) / d ** 0.5, "w_dec": torch.randn(n, d, generator=g) / n ** 0.5,
                "b_enc": torch.zeros(n), "b_dec": torch.zeros(d), "threshold": torch.full((n,), 0.5)},
               str(folder / "params.safetensors"))
-    (folder / "config.json").write_text('{"architecture": "jump_relu", "hf_hook_point_in": "model.layers.5.output"}')
+    config = {"architecture": "jump_relu", "hf_hook_point_in": f"model.layers.{layer}.output"}
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def every_layer(model, trained, tmp: Path) -> tuple[float, int, object]:
+    """The graph with a random SAE at every block's output on a 64-token pair (best of
+    :data:`REPEAT`): seconds, peak resident bytes, the result."""
+    saes = [pipatch.load_sae(random_sae(tmp / f"random-l{layer}", trained, layer), model)
+            for layer in range(len(model._module.model.layers))]
+    filler = "It was a bright cold day in April, and the clocks were striking thirteen. "
+    clean, corrupt = CLEAN, CORRUPT
+    while len(model.tokenizer(clean).input_ids) < 64:
+        clean, corrupt = filler + clean, filler + corrupt
+    return measured(lambda: pipatch.feature_circuit(model, clean=clean, corrupt=corrupt, answer=" Paris", foil=" Rome",
+                                                    saes=saes, verify=10, verify_edges=0, curve=0, progress=False))
 
 
 def measured(fn):
@@ -89,6 +108,7 @@ def main(argv=None) -> int:
         edges_s, edges_peak, edged = measured(
             lambda: pipatch.feature_circuit(model, **pair, **{**none, "verify_edges": n_edges}))
         curve_s, curve_peak, curved = measured(lambda: pipatch.feature_circuit(model, **pair, **{**none, "curve": 8}))
+        every_s, every_peak, everywhere = every_layer(model, trained, Path(tmp))
     table = checked.nodes()
     table = table[table["latent"] != "metric"].dropna(subset=["exact"])
     rho_all = spearman(torch.tensor(table["score"].to_list()), torch.tensor(table["exact"].to_list()))
@@ -109,7 +129,10 @@ def main(argv=None) -> int:
               "exact_edges_peak_gb": edges_peak * gb, "spearman_edges": rho_edges, "curve_s": curve_s,
               "curve_peak_gb": curve_peak * gb, "curve_sizes": curve["n_nodes"].to_list(),
               "faithfulness": curve["faithfulness"].to_list(), "completeness": curve["completeness"].to_list(),
-              "faithfulness_at_circuit": at_circuit, "circuit_nodes": kept, "nodes_for_80": reach}
+              "faithfulness_at_circuit": at_circuit, "circuit_nodes": kept, "nodes_for_80": reach,
+              "every_layer": {"saes": len(everywhere.layers), "positions": len(everywhere.columns),
+                              "nodes": int((everywhere.nodes()["latent"] != "metric").sum()),
+                              "edges_kept": len(everywhere.edges()), "seconds": every_s, "peak_gb": every_peak * gb}}
     lines = [f"feature circuit, SAEs at blocks 5 (random) and 6 (trained), {len(graph.columns)} positions, "
              f"{n_nodes} nodes, {n_edges} edges kept, {torch.get_num_threads()} thread(s):",
              f"  scoring every node and edge       {scored:6.2f} s   peak {scored_peak * gb:5.2f} GB",
@@ -118,7 +141,10 @@ def main(argv=None) -> int:
              f"  exact patch of every kept edge ({n_edges})  {edges_s:6.2f} s   peak {edges_peak * gb:5.2f} GB"
              f"   rank correlation {rho_edges:5.3f}",
              f"  faithfulness curve ({len(curve)} sizes)      {curve_s:6.2f} s   peak {curve_peak * gb:5.2f} GB"
-             f"   {at_circuit:5.3f} at the circuit's {kept} nodes, 80 % at {reach} nodes"]
+             f"   {at_circuit:5.3f} at the circuit's {kept} nodes, 80 % at {reach} nodes",
+             f"  an SAE at every layer ({len(everywhere.layers)}), {len(everywhere.columns)} positions: "
+             f"{report['every_layer']['nodes']} nodes, scored with edges and 10 checks in {every_s:6.2f} s, "
+             f"peak {every_peak * gb:5.2f} GB"]
     return write_report(lines, report, args.out)
 
 

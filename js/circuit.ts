@@ -21,14 +21,13 @@ import type { Circuit, GridState, Mode, Selection, UiState } from './data';
 import { selectMatrix } from './data';
 import { divergingColor, formatDuration, formatValue, safeFileName, symmetricMax, tooltipLabel } from './format';
 import { FeatureView, isFeatureGraph } from './features';
-import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, showTooltip, type GridCallbacks } from './grid';
+import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS, type GridCallbacks } from './grid';
 
 /** Edges drawn at first when there is no faithful circuit (the static figure's default too: `TOP_EDGES` in render.py). */
 export const DEFAULT_TOP = 50;
 /** The slider's largest value: more curves than this are no longer read one by one. */
 export const MAX_TOP = 2000;
 
-const SVG_NS = 'http://www.w3.org/2000/svg';
 
 /** One edge: its grid cell, its score (estimated change of the metric), normalized recovery and
  * the exact patch's change (NaN where not checked). */
@@ -204,14 +203,6 @@ export function faithfulnessScale(sizes: number[], values: number[], share: numb
   };
 }
 
-function svg<K extends keyof SVGElementTagNameMap>(tag: K, attrs: Record<string, string | number> = {}, text?: string): SVGElementTagNameMap[K] {
-  const e = document.createElementNS(SVG_NS, tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-const rgb = (c: [number, number, number]) => `rgb(${c[0]},${c[1]},${c[2]})`;
 const ROW_NAMES: Record<string, string> = { emb: 'embeddings', logits: 'logits' };
 
 /** What widget.ts and mime.ts draw a state with. */
@@ -544,10 +535,7 @@ export class CircuitView implements StateView {
 
   /** The graph as a standalone SVG document (what the SVG button saves). */
   svgText(): string {
-    const copy = this.graph.cloneNode(true) as SVGSVGElement;
-    copy.querySelectorAll('.pipatch-edge-hit').forEach((p) => p.remove());
-    copy.insertBefore(svg('rect', { width: '100%', height: '100%', fill: '#ffffff' }), copy.firstChild);
-    return new XMLSerializer().serializeToString(copy);
+    return standaloneSvg(this.graph, 'pipatch-edge-hit');
   }
 
   downloadSvg(): void {

@@ -22,9 +22,8 @@
 import type { StateView } from './circuit';
 import type { FeatureEdge, FeatureGraph, FeatureNode, GridState, Group, UiState } from './data';
 import { divergingColor, formatValue, safeFileName, tooltipLabel } from './format';
-import { downloadBlob, ensureStyle, h, showTooltip, type GridCallbacks } from './grid';
+import { downloadBlob, ensureStyle, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS, type GridCallbacks } from './grid';
 
-const SVG_NS = 'http://www.w3.org/2000/svg';
 /** Nodes drawn at first (the largest |score|): the controls change it. */
 export const DEFAULT_NODES = 40;
 
@@ -141,14 +140,6 @@ export function withGroup(groups: Group[], name: string, members: string[]): Gro
   return members.length ? [...rest, { name, nodes: [...members] }] : rest;
 }
 
-function svg<K extends keyof SVGElementTagNameMap>(tag: K, attrs: Record<string, string | number> = {}, text?: string): SVGElementTagNameMap[K] {
-  const e = document.createElementNS(SVG_NS, tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-const rgb = (c: [number, number, number]) => `rgb(${c[0]},${c[1]},${c[2]})`;
 
 export class FeatureView implements StateView {
   readonly root: HTMLDivElement;
@@ -454,9 +445,7 @@ export class FeatureView implements StateView {
 
   /** The graph as a standalone SVG document (what the SVG and PNG buttons save). */
   svgText(): string {
-    const copy = this.graph.cloneNode(true) as SVGSVGElement;
-    copy.insertBefore(svg('rect', { width: '100%', height: '100%', fill: '#ffffff' }), copy.firstChild);
-    return new XMLSerializer().serializeToString(copy);
+    return standaloneSvg(this.graph);
   }
 
   /** The graph's data as JSON: the nodes drawn and all sent, edges and supernodes. */

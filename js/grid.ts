@@ -103,6 +103,28 @@ export function ctx2d(c: HTMLCanvasElement): CanvasRenderingContext2D | null {
   }
 }
 
+export const SVG_NS = 'http://www.w3.org/2000/svg';
+
+/** An SVG element with attributes (and text, set as text). */
+export function svg<K extends keyof SVGElementTagNameMap>(tag: K, attrs: Record<string, string | number> = {}, text?: string): SVGElementTagNameMap[K] {
+  const e = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+/** A colour triple as CSS. */
+export const rgb = (c: [number, number, number]) => `rgb(${c[0]},${c[1]},${c[2]})`;
+
+/** A drawn graph as a standalone SVG document on white (what the SVG and PNG buttons save),
+ * less its elements of class `drop` (hit areas that only take the pointer). */
+export function standaloneSvg(graph: SVGSVGElement, drop = ''): string {
+  const copy = graph.cloneNode(true) as SVGSVGElement;
+  if (drop) copy.querySelectorAll(`.${drop}`).forEach((p) => p.remove());
+  copy.insertBefore(svg('rect', { width: '100%', height: '100%', fill: '#ffffff' }), copy.firstChild);
+  return new XMLSerializer().serializeToString(copy);
+}
+
 /** Save `blob` as file `name` (a click on a hidden link inside `root`). */
 export function downloadBlob(root: HTMLElement, blob: Blob, name: string): void {
   const url = URL.createObjectURL(blob);
