@@ -68,7 +68,7 @@ def random_sae(folder: Path, like, layer: int = 5) -> Path:
 def every_layer(model, trained, tmp: Path) -> tuple[float, int, object]:
     """The graph with a random SAE at every block's output on a 64-token pair (best of
     :data:`REPEAT`): seconds, peak resident bytes, the result."""
-    saes = [pipatch.load_sae(random_sae(tmp / f"random-l{layer}", trained, layer), model)
+    saes = [pipatch.load_sae(random_sae(tmp / f"every-l{layer}", trained, layer), model)
             for layer in range(len(model._module.model.layers))]
     filler = "It was a bright cold day in April, and the clocks were striking thirteen. "
     clean, corrupt = CLEAN, CORRUPT
@@ -116,7 +116,9 @@ def main(argv=None) -> int:
     rho_top = spearman(torch.tensor(top["score"].to_list()), torch.tensor(top["exact"].to_list()))
     rho_edges = edged.meta["edge_agreement"]["spearman"]
     curve = curved.faithfulness()
-    kept = int(nodes["circuit"].sum()) - 1  # the metric's node is always kept
+    # The circuit's size as the curve counts it: SAE nodes kept (the metric's and the
+    # embeddings' nodes stay in every circuit).
+    kept = int((nodes["circuit"] & ~nodes["latent"].isin(["metric", "embed"])).sum())
     at_circuit = float(curve[curve["n_nodes"] == kept]["faithfulness"].iloc[0])
     reach = curved.meta["curve"]["nodes_for_80"]
     gb = 1 / 2 ** 30
