@@ -409,7 +409,9 @@ class Experiment:
             out[target] = value
         form = self.prompts.given(out)
         for name in form.fields:
-            if out.get(name) is None:
+            # With two forms, a field left None picks the other form; with one, a None given is
+            # the planner's to refuse (``corrupt=None``: "the corrupt prompt must be text").
+            if name not in out or (self.prompts.alternative is not None and out[name] is None):
                 other = self.prompts.alternative
                 either = "" if other is None else f" (or {' and '.join(f + '=' for f in other.fields)})"
                 raise PipatchError(f"{self.name}() needs {name}={either}")

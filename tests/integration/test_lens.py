@@ -97,7 +97,7 @@ def test_the_rank_lens_counts_the_tokens_above_the_answer(model):
     two = pipatch.lens(model, "The Statue of Liberty is in the city of", answer=" New York", metric="rank")
     assert_ranks_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York", "rank"))
     with pytest.raises(pipatch.PipatchError, match="metric for the lens.*prob, logprob, rank"):
-        pipatch.lens(model, EIFFEL, answer=" Paris", metric="logit_diff")
+        pipatch.lens(model, EIFFEL, answer=" Paris", metric="logprob_diff")
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
