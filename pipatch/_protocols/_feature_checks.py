@@ -56,7 +56,8 @@ from .._features import LatentSite
 from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, faithfulness_rows
 from .attribution import spearman
 
-__all__ = ["ABLATIONS", "NodeValues", "node_values", "edge_checks", "faithfulness_curve", "curve_sizes", "finish_checks"]
+__all__ = ["ABLATIONS", "NodeValues", "node_values", "edge_checks", "faithfulness_curve", "curve_entry", "curve_sweep",
+           "curve_sizes", "finish_checks"]
 
 #: What an ablated node's value is in the faithfulness curve (module docstring).
 ABLATIONS = ("corrupt", "mean", "zero")
@@ -217,6 +218,25 @@ def faithfulness_curve(sites: list[LatentSite], corrupt: dict[str, tuple[torch.T
     corrupt prompt(s), ``[rows, T, ...]`` each; ``nodes``: the graph's nodes, largest
     ``|score|`` first; ``positions``: the positions scored."""
     graph = [n for n in nodes if n["latent"] not in (METRIC_NODE, EMBED_NODE)]  # the embeddings stay free
+    sizes = curve_sizes(points, len(graph), sum(1 for n in graph if n["circuit"]))
+    sweep = curve_sweep(sites, corrupt, list(zip(graph, range(len(graph)))), positions, sizes, ablation, base, metric)
+    return sweep, curve_entry(ablation, clean_value, sizes)
+
+
+def curve_entry(ablation: str, full: float, sizes: list[int]) -> dict[str, Any]:
+    """A curve's ``meta["curve"]`` entry, its values to come; ``full`` is ``m(M)``."""
+    return {"ablation": ablation, "full": full, "empty": None, "nodes_for_80": None,
+            "points": [{"n_nodes": n, "with": None, "without": None} for n in sizes]}
+
+
+def curve_sweep(sites: list[LatentSite], corrupt: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                ranked: list[tuple[dict[str, Any], int]], positions: list[int], sizes: list[int], ablation: str,
+                base: Base, metric: Metric) -> _Curve:
+    """The curve's sweep over the clean run ``base`` at circuit sizes ``sizes``: ``ranked``
+    holds ``(node, rank)`` for every latent and error node of this run (a circuit of size
+    ``n`` keeps the nodes of rank below ``n``; several may share one rank: a dataset's node
+    at a named position is each of its tokens). The other arguments are
+    :func:`faithfulness_curve`'s."""
     whole = {s.name: node_values(s) for s in sites}
     values, rank, scored = {}, {}, {}
     for site in sites:
@@ -227,17 +247,14 @@ def faithfulness_curve(sites: list[LatentSite], corrupt: dict[str, tuple[torch.T
         rank[name] = torch.full((T, width), _NO_NODE, dtype=torch.int32)
         scored[name] = torch.zeros(T, 1, dtype=torch.bool)
         scored[name][positions] = True
-    for i, node in enumerate(graph):
+    for node, i in ranked:
         nv = whole[node["site"]]
         entries = slice(nv.n_latents, None) if node["latent"] == "error" else int(node["latent"])
-        rank[nv.name][node["position"], entries] = i
-    sizes = curve_sizes(points, len(graph), sum(1 for n in graph if n["circuit"]))
+        held = rank[nv.name][node["position"], entries]
+        rank[nv.name][node["position"], entries] = torch.clamp(held, max=i)
     only = {(0, 0)} | {(row, col) for row in range(1, len(sizes) + 1) for col in (0, 1)}
-    sweep = _Curve(view=VIEW_NODES, base=base, metric=metric, n_rows=len(sizes) + 1 if sizes else 0, n_cols=2,
-                   only=only, sites=list(whole.values()), values=values, rank=rank, scored=scored, sizes=sizes)
-    entry = {"ablation": ablation, "full": clean_value, "empty": None, "nodes_for_80": None,
-             "points": [{"n_nodes": n, "with": None, "without": None} for n in sizes]}
-    return sweep, entry
+    return _Curve(view=VIEW_NODES, base=base, metric=metric, n_rows=len(sizes) + 1 if sizes else 0, n_cols=2,
+                  only=only, sites=list(whole.values()), values=values, rank=rank, scored=scored, sizes=sizes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,16 +262,23 @@ def faithfulness_curve(sites: list[LatentSite], corrupt: dict[str, tuple[torch.T
 # --------------------------------------------------------------------------------------------
 
 
+def _agreement(done: list[dict[str, Any]]) -> dict[str, Any]:
+    estimates = torch.tensor([d["score"] for d in done], dtype=torch.float64)
+    exact = torch.tensor([d["exact"] for d in done], dtype=torch.float64)
+    return {"spearman": spearman(estimates, exact), "max_abs_error": float((estimates - exact).abs().max()),
+            "n": len(done)}
+
+
 def finish_checks(meta: dict[str, Any]) -> None:
-    """``meta["edge_agreement"]`` (the checked edges' rank correlation with their estimates)
-    and ``meta["curve"]["nodes_for_80"]`` (the least measured size whose faithfulness reaches
-    0.8; ``None`` where none does), from what has run."""
-    done = [e for e in meta.get("edges", []) if e.get("exact") is not None]
-    if done:
-        estimates = torch.tensor([e["score"] for e in done], dtype=torch.float64)
-        exact = torch.tensor([e["exact"] for e in done], dtype=torch.float64)
-        meta["edge_agreement"] = {"spearman": spearman(estimates, exact),
-                                  "max_abs_error": float((estimates - exact).abs().max()), "n": len(done)}
+    """``meta["agreement"]`` and ``meta["edge_agreement"]`` (the checked nodes' and edges'
+    rank correlation with their estimates) and ``meta["curve"]["nodes_for_80"]`` (the least
+    measured size whose faithfulness reaches 0.8; ``None`` where none does), from what has run."""
+    nodes = [n for n in meta.get("nodes", []) if n["latent"] != METRIC_NODE and n.get("exact") is not None]
+    if nodes:
+        meta["agreement"] = _agreement(nodes)
+    edges = [e for e in meta.get("edges", []) if e.get("exact") is not None]
+    if edges:
+        meta["edge_agreement"] = _agreement(edges)
     entry = meta.get("curve")
     if entry:
         reached = [row["n_nodes"] for row in faithfulness_rows(entry) if row["faithfulness"] >= 0.8]

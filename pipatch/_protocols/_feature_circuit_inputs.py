@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._cells import Capture, Metric
+from .._cells import Capture, Cell, Metric, Op
+from .._checks import whole_number
 from .._declare import PAIR, PromptForm
-from .._engine import Plan
+from .._engine import Plan, Sweep
 from .._errors import PipatchError
 from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, FeatureCircuitResult
 from .._programs.capture import capture, captures
+from ._feature_checks import curve_entry, curve_sizes, finish_checks
 from ._inputs import answer_ids, answer_meta, check_choice, check_run_length, encode
 from .dataset import group_means, named_groups
 from .patching import pair_inputs
@@ -161,9 +163,24 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
     kept ones (scored as one pair's are), an edge from named position ``G`` to ``H`` being
     the mean over ``H``'s positions ``q`` of the sum over ``G``'s positions ``p`` of the
     edge ``p → q`` (so the edges into a node average as the node does), then the mean over
-    the pairs that have both groups; ``top_edges`` / ``edge_threshold`` prune them. A dataset
-    runs no exact checks (a warning says so). ``raw["nodes"]`` holds one row per pair
-    ([pairs, SAEs, named positions]), each pair's grid averaged the same way.
+    the pairs that have both groups; ``top_edges`` / ``edge_threshold`` prune them.
+
+    **Checks**: each of the ``verify`` averaged nodes of largest ``|score|`` is patched exactly
+    in each pair that has its named position: its latent (or error, or embedding) at every
+    token of that named position set to its clean value at once in the pair's corrupt run, the
+    change of the metric divided by the number of those tokens (the score is their mean; to
+    first order the two agree); its ``exact`` is the mean over those pairs (a pair where it is
+    off at all those tokens adds 0). **The faithfulness curve** (``curve`` sizes, ``ablation``
+    ``corrupt`` or ``zero``: a dataset's pairs share no positions to take a mean over) ranks
+    the averaged nodes; in each pair the circuit of size ``n`` keeps every node that falls in
+    one of the ``n`` first (at any of its named positions), and its points are the means over
+    the pairs of ``m(C)``, ``m(M∖C)`` and ``m(∅)``, ``full`` the mean clean metric. Edges are
+    not checked on a dataset (a warning says so where ``verify_edges`` asks).
+    ``raw["nodes"]`` holds one row per pair ([pairs, SAEs, named positions]), each pair's grid
+    averaged the same way.
+
+    Raises :class:`PipatchError` (one line) for lists of different lengths, ``prompt=`` with
+    lists, and ``ablation='mean'`` with a curve.
     """
     clean, corrupt = keywords["clean"], keywords["corrupt"]
     if keywords.get("prompt") is not None:
@@ -172,6 +189,12 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
     if not isinstance(corrupt, (list, tuple)) or len(corrupt) != len(clean) or not clean:
         raise PipatchError("for many pairs pass clean and corrupt as lists of the same length (pairs in order)")
     n = len(clean)
+    verify = whole_number(keywords["verify"], "verify (nodes patched exactly)", minimum=0)
+    points = whole_number(keywords["curve"], "curve (circuit sizes the faithfulness curve measures; 0: none)",
+                          minimum=0)
+    if keywords["ablation"] == "mean" and points:
+        raise PipatchError("ablation='mean' averages each node over the corrupt prompts at its position, which a "
+                           "dataset's pairs do not share: use ablation='corrupt' (each pair's own) or 'zero'")
     answers, foils = _each(keywords["answer"], n, "answer"), _each(keywords["foil"], n, "foil")
     one = {**keywords, "verify": 0, "top_nodes": 1, "top_edges": 0, "verify_edges": 0, "curve": 0}
     plans = [planner(backend, **{**one, "clean": c, "corrupt": x, "answer": a, "foil": f})
@@ -223,7 +246,7 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
                      "position": "last", "latent": METRIC_NODE, "score": float((cleans - corrupts).mean()),
                      "exact": float((cleans - corrupts).mean()), "circuit": True, "pairs": n})
     meta = dict(results[0].meta)
-    meta.update({"dataset": True, "positions": list(names), "verify": 0, "nodes": nodes, "edges": edges,
+    meta.update({"dataset": True, "positions": list(names), "verify": verify, "nodes": nodes, "edges": edges,
                  "prompts": [r.meta["clean_prompt"] for r in results], "per_prompt_clean": cleans.tolist(),
                  "per_prompt_corrupt": corrupts.tolist(), "top_nodes": top, "node_threshold": threshold,
                  "top_edges": keywords["top_edges"], "edge_threshold": keywords["edge_threshold"]})
@@ -233,9 +256,16 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
         metric=results[0].metric, raw={VIEW_NODES: torch.cat(grids)}, clean=cleans, corrupt=corrupts, meta=meta,
         rows_done={VIEW_NODES: len(results[0].layers)},
         warnings=[f"pair {i}: {w}" for i, r in enumerate(results) for w in r.warnings]
-        + ["a dataset's feature circuit runs no exact checks: run one pair for them"],
+        + (["a dataset's feature circuit checks no edges exactly: run one pair for them"]
+           if keywords["verify_edges"] else []),
     )
-    return Plan(backend, result, [], plans[0].batch_size, True)
+    checks = _node_checks(plans, pair_groups, names, nodes, verify)
+    graph = [node for node in nodes if node["latent"] not in (METRIC_NODE, EMBED_NODE)]  # the embeddings stay free
+    sizes = curve_sizes(points, len(graph), sum(1 for node in graph if node["circuit"]))
+    meta["curve"] = curve_entry(keywords["ablation"], float(cleans.mean()), sizes)
+    curves = [plan.curve_for(_ranked(plan, groups, names, graph), sizes) for plan, groups in zip(plans, pair_groups)]
+    return _DatasetChecks(backend, result, [*checks, *(c for c in curves if c.n_rows)], plans[0].batch_size, True,
+                          curves=curves)
 
 
 
@@ -266,3 +296,103 @@ def _dataset_edges(plans: list[Plan], pair_groups: list[list[list[int]]], names:
         edges.append({"upstream": up, "downstream": down, "score": sum(have) / len(have)})
     edges.sort(key=lambda e: -abs(e["score"]))
     return [e for e in edges if abs(e["score"]) >= threshold][:top]
+
+
+def _node_checks(plans: list[Plan], pair_groups: list[list[list[int]]], names: list[str], nodes: list[dict[str, Any]],
+                 verify: int) -> list[_PairNodeChecks]:
+    """The exact checks of the ``verify`` averaged nodes of largest ``|score|``, one sweep a
+    pair (:func:`plan_pairs_dataset`). A pair with the node's named position but none of its
+    nodes there adds 0 (its patch would write back the corrupt run's values)."""
+    checked = [i for i, node in enumerate(nodes) if node["latent"] != METRIC_NODE][:verify]
+    tally: dict[int, list[float]] = {i: [] for i in checked}  # each checked node's values so far, one a pair
+    sweeps = []
+    for plan, groups in zip(plans, pair_groups):
+        own = {(node["site"], node["position"], node["latent"]): node for node in plan.result.meta["nodes"]}
+        rows, ops, shares = [], [], []
+        for i in checked:
+            node = nodes[i]
+            group = groups[names.index(node["position"])]
+            if not group:
+                continue  # a pair without the named position has no say
+            there = [own[key] for q in group for key in [(node["site"], q, node["latent"])] if key in own]
+            if not there:
+                tally[i].append(0.0)
+                continue
+            rows.append(i)
+            ops.append([plan.node_op(n) for n in there])
+            shares.append(1 / len(group))
+        first = plan.sweeps[0]  # the pair's own node checks: its corrupt run
+        sweeps.append(_PairNodeChecks(view=VIEW_NODES, base=first.base, metric=first.metric, n_rows=len(rows),
+                                      n_cols=1, agrees_before=first.agrees_before, checked=rows, ops=ops,
+                                      shares=shares, corrupt_value=first.corrupt_value, tally=tally))
+    for i in checked:
+        nodes[i]["exact"] = _settled(nodes[i], tally[i])
+    return [s for s in sweeps if s.n_rows]
+
+
+def _settled(node: dict[str, Any], values: list[float]) -> float | None:
+    """A checked averaged node's ``exact``: the mean of its pairs' ``values`` once every pair
+    that has its named position is in; ``None`` until then."""
+    return sum(values) / len(values) if len(values) == node["pairs"] else None
+
+
+def _ranked(plan: Plan, groups: list[list[int]], names: list[str],
+            graph: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
+    """One pair's latent and error nodes, each with the rank of an averaged node of ``graph``
+    (largest ``|score|`` first) it falls in: one ``(node, rank)`` per named position it is in."""
+    rank = {(node["site"], node["position"], node["latent"]): i for i, node in enumerate(graph)}
+    return [(node, rank[key]) for node in plan.result.meta["nodes"] if node["latent"] not in (METRIC_NODE, EMBED_NODE)
+            for g, group in enumerate(groups) if node["position"] in group
+            for key in [(node["site"], names[g], node["latent"])]]
+
+
+@dataclass
+class _PairNodeChecks(Sweep):
+    """One pair's part of a dataset's node checks. Row ``r``: averaged node ``checked[r]``'s
+    nodes at every token of its named position in this pair patched together (``ops[r]``);
+    the change of the metric from the corrupt run, times ``shares[r]`` (one over the named
+    position's tokens, as the node's score is their mean), is this pair's value of it."""
+
+    stage = "checks"
+    checked: list[int] = field(default_factory=list)
+    ops: list[list[Op]] = field(default_factory=list)
+    shares: list[float] = field(default_factory=list)
+    corrupt_value: float = 0.0
+    tally: dict[int, list[float]] = field(default_factory=dict)  # shared by every pair's sweep
+
+    @property
+    def tracks_rows(self) -> bool:
+        return False
+
+    def cell(self, row: int, col: int, seed: int) -> Cell:
+        ops = self.ops[row]
+        return Cell(row, col, seed, start=min(op.site.start_layer(op.layer) for op in ops), ops=ops)
+
+    def store(self, result: Any, cell: Cell, value: float) -> None:
+        i = self.checked[cell.row]
+        self.tally[i].append(self.shares[cell.row] * (value - self.corrupt_value))
+        result.meta["nodes"][i]["exact"] = _settled(result.meta["nodes"][i], self.tally[i])
+
+
+class _DatasetChecks(Plan):
+    """A dataset's node checks and faithfulness curve, each pair's sweeps in turn: the curve's
+    points are the means over the pairs of ``m(C)``, ``m(M∖C)`` and ``m(∅)`` (``full`` the mean
+    clean metric), as Marks et al. average theirs; the rank correlations and ``nodes_for_80``
+    at the end (:func:`~._feature_checks.finish_checks`)."""
+
+    def __init__(self, *args: Any, curves: list[Sweep]):
+        super().__init__(*args)
+        self.curves = curves
+        self.curve_sums: dict[tuple[int, int], list[float]] = {}
+
+    def store(self, sweep: Sweep, cell: Cell, value: float) -> None:
+        if not any(sweep is curve for curve in self.curves):
+            sweep.store(self.result, cell, value)
+            return
+        values = self.curve_sums.setdefault((cell.row, cell.col), [])
+        values.append(value)
+        if len(values) == len(self.curves):
+            sweep.store(self.result, cell, sum(values) / len(values))
+
+    def finish(self) -> None:
+        finish_checks(self.result.meta)

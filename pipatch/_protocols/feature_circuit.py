@@ -45,11 +45,12 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   (:mod:`pipatch._protocols._feature_checks`; ``result.faithfulness()``).
 
 The checks and the curve are sweeps of patched runs (live, batched): they need no gradients.
-Edge checks and the curve run on a pair (one prompt and a dataset have neither).
+Edge checks run on a pair; the curve on a pair and a dataset (one prompt has neither).
 
 On **one prompt** (``prompt=``, ``target=``; attribution graphs' form) every score is
 relative to zero at the prompt's run and the checks zero-ablate; **lists of pairs** are a
-dataset averaged over named positions (nodes and edges; no exact checks). Both:
+dataset averaged over named positions (nodes, edges, node checks and the curve; no edge
+checks). Both:
 :mod:`pipatch._protocols._feature_circuit_inputs`.
 
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
@@ -86,7 +87,7 @@ from .._programs.feature_terms import (
     NodeGradientsRequest,
 )
 from .._sites import EMBED
-from ._feature_checks import ABLATIONS, edge_checks, faithfulness_curve, finish_checks
+from ._feature_checks import ABLATIONS, curve_sweep, edge_checks, faithfulness_curve, finish_checks
 from ._feature_circuit_inputs import PAIR_OR_PROMPT, circuit_inputs, embedding_nodes, plan_pairs_dataset
 from ._inputs import (
     BATCH_SIZE,
@@ -98,7 +99,6 @@ from ._inputs import (
     sweep_positions,
     undefined_recovery_warning,
 )
-from .attribution import spearman
 from .features import _path_or_site
 
 __all__ = ["plan_feature_circuit", "DECLARATION"]
@@ -249,12 +249,16 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
         writes = {n["node"]: _ablation(n, by_name, False) for n in nodes if n["node"] in in_edges}
         sweeps.append(edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges,
                                   Base(inputs.base_ids, base_run), scorer, corrupt_value))
-        curve_sweep, result.meta["curve"] = faithfulness_curve(
+        curve_run, result.meta["curve"] = faithfulness_curve(
             sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored}, nodes, cols, curve, ablation,
             Base(inputs.clean_ids, clean_run), scorer, clean_value)
-        sweeps.append(curve_sweep)
+        sweeps.append(curve_run)
     planned = _CheckedPlan(backend, result, sweeps, batch, True)
     planned.edges_between = lambda marked: _edges(backend, inputs.base_ids, [embedded, *scored], marked, batch)
+    planned.node_op = lambda node: _ablation(node, by_name, inputs.zero)
+    planned.curve_for = lambda ranked, sizes: curve_sweep(
+        sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored}, ranked, cols, sizes, ablation,
+        Base(inputs.clean_ids, clean_run), scorer)
     return planned
 
 
@@ -394,24 +398,22 @@ class _CheckedPlan(Plan):
     """The checks' rank correlation with the estimates, ``meta["agreement"]`` (nodes) and
     ``meta["edge_agreement"]``, and the curve's ``nodes_for_80``, at the end; a predictor
     that ablates any node (:class:`_NodePredictor`). Its sweeps share the one view: a click on
-    it is answered by the node checks' (the first). ``edges_between(nodes)``: the edges
-    between the nodes marked ``circuit`` in a node list of this pair (a dataset marks its own;
-    :func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
+    it is answered by the node checks' (the first). What a dataset builds from its pairs'
+    plans (:func:`~._feature_circuit_inputs.plan_pairs_dataset`): ``edges_between(nodes)``,
+    the edges between the nodes marked ``circuit`` in a node list of this pair;
+    ``node_op(node)``, a node's exact patch; ``curve_for(ranked, sizes)``, the faithfulness
+    curve's sweep over this pair with the nodes ranked as given
+    (:func:`~._feature_checks.curve_sweep`)."""
 
     edges_between: Any = None
+    node_op: Any = None
+    curve_for: Any = None
 
     def predictor(self) -> Predictor:
         return _NodePredictor(self.backend, {VIEW_NODES: dataclasses.replace(self.sweeps[0], only=None)})
 
     def finish(self) -> None:
         finish_checks(self.result.meta)
-        done = [n for n in self.result.meta["nodes"] if n["latent"] != METRIC_NODE and n["exact"] is not None]
-        if not done:
-            return
-        estimates = torch.tensor([n["score"] for n in done], dtype=torch.float64)
-        exact = torch.tensor([n["exact"] for n in done], dtype=torch.float64)
-        self.result.meta["agreement"] = {"spearman": spearman(estimates, exact),
-                                         "max_abs_error": float((estimates - exact).abs().max()), "n": len(done)}
 
 
 def _title(meta: dict) -> str:

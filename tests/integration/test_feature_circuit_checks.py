@@ -11,6 +11,10 @@ each value against a hand-written reference of plain torch forward hooks
   errors outside the circuit (or, for completeness, inside it) set to their ablation value,
   the rest computed freely; ``m(∅)`` with every latent and error set; so faithfulness is 1
   when the circuit holds every node, 0 with none;
+* a dataset of pairs: each checked node's ``exact``, the mean over the pairs of the patch of
+  that node at every token of its named position over their count; each curve point, the
+  mean over the pairs of the hand-ablated runs above, a pair's circuit every node of it that
+  falls in a kept averaged node;
 * bad options are one line.
 """
 
@@ -22,6 +26,7 @@ import pytest
 import torch
 
 import pipatch
+from pipatch._protocols.dataset import named_groups
 from tests.integration.test_feature_circuit import (
     ANSWER,
     FOIL,
@@ -178,6 +183,81 @@ def test_transcoders_and_zero_ablation_equal_the_hand_references(tmp_path):
     check_edges_and_curve(model, weights, "transcoder", result, ablation="zero")
 
 
+def hand_group_patch(model, weights, kind, corrupt_ids, clean, node, positions):
+    """The corrupt run's metric with ``node``'s latent (error, embedding) at every one of
+    ``positions`` set to its clean value."""
+    if node["latent"] == "embed":
+        def set_embedding(_, out):
+            out = out.clone()
+            out[0, positions] = clean["embed"][0][0, positions]
+            return out
+        return metric(model, corrupt_ids, {"embed": set_embedding})
+
+    def edit(x_in, out):
+        f, e = split(weights, kind, node["layer"], x_in, out)
+        f, e = f.clone(), e.clone()
+        if node["latent"] == "error":
+            e[0, positions] = clean[node["layer"]][1][0, positions]
+        else:
+            f[0, positions, int(node["latent"])] = clean[node["layer"]][0][0, positions, int(node["latent"])]
+        return rebuild(weights[node["layer"]], x_in, f, e)
+    return metric(model, corrupt_ids, {node["layer"]: edit})
+
+
+def test_a_datasets_node_checks_and_curve_equal_the_hand_references(tmp_path):
+    model, weights, sites = build(tmp_path, "gpt2")
+    pairs = [(CLEAN, CORRUPT), ("The Louvre is in the city of", "The Colosseum is in the city of"),
+             ("The Kremlin is in the city of the", "The Colosseum is in the city of the")]
+    kwargs = dict(saes=sites, answer=ANSWER, foil=FOIL, progress=False)
+    data = pipatch.feature_circuit(model, clean=[c for c, _ in pairs], corrupt=[x for _, x in pairs], verify=8,
+                                   top_nodes=10, top_edges=5, verify_edges=0, curve=4, **kwargs)
+    names = data.columns
+    nodes = data.meta["nodes"]
+    checked = [n for n in nodes[1:] if n["exact"] is not None]
+    assert checked == nodes[1:9] and not data.warnings  # the largest |score| first; no edge checks asked
+    graph = [n for n in nodes[1:] if n["latent"] != "embed"]
+    rows = data.faithfulness()
+    sums = {"empty": [], **{(int(n), side): [] for n in rows["n_nodes"] for side in ("with", "without")}}
+    exact: dict[str, list[float]] = {n["node"]: [] for n in checked}
+    for c, x in pairs:
+        clean_ids, corrupt_ids = ids_of(model, c), ids_of(model, x)
+        clean = hand_values(model, weights, "jumprelu", clean_ids)
+        tokens = model.tokenizer.convert_ids_to_tokens(clean_ids[0])
+        changed = [k for k, (a, b) in enumerate(zip(clean_ids[0], corrupt_ids[0])) if a != b]
+        groups = named_groups(changed, len(tokens), "changed")[1]
+        base = metric(model, corrupt_ids, {})
+        for n in checked:
+            group = groups[names.index(n["position"])]
+            if group:
+                patched = hand_group_patch(model, weights, "jumprelu", corrupt_ids, clean, n, group)
+                exact[n["node"]].append((patched - base) / len(group))
+        # The curve: this pair's own nodes, each kept where an averaged node it falls in is.
+        own = pipatch.feature_circuit(model, clean=c, corrupt=x, verify=0, verify_edges=0, curve=0, **kwargs)
+        rank = {(n["site"], n["position"], n["latent"]): i for i, n in enumerate(graph)}
+        ranked = [(n, min(rank[(n["site"], names[g], n["latent"])] for g, group in enumerate(groups)
+                          if n["position"] in group))
+                  for n in own.meta["nodes"] if n["latent"] not in ("metric", "embed")]
+        corrupt = hand_values(model, weights, "jumprelu", corrupt_ids)
+        sums["empty"].append(hand_ablated(model, weights, "jumprelu", clean_ids, corrupt, set(), complement=False))
+        for size in rows["n_nodes"]:
+            circuit = {(n["layer"], n["position"], n["latent"]) for n, r in ranked if r < size}
+            for side, complement in (("with", False), ("without", True)):
+                sums[(int(size), side)].append(hand_ablated(model, weights, "jumprelu", clean_ids, corrupt, circuit,
+                                                            complement))
+    for n in checked:
+        assert len(exact[n["node"]]) == n["pairs"]
+        assert abs(n["exact"] - sum(exact[n["node"]]) / n["pairs"]) < 1e-5, n
+    curve = data.meta["curve"]
+    assert abs(curve["full"] - sum(data.meta["per_prompt_clean"]) / 3) < 1e-6
+    assert abs(curve["empty"] - sum(sums["empty"]) / 3) < 1e-5
+    for _, row in rows.iterrows():
+        size = int(row["n_nodes"])
+        assert abs(row["with"] - sum(sums[(size, "with")]) / 3) < 1e-5
+        assert abs(row["without"] - sum(sums[(size, "without")]) / 3) < 1e-5
+    assert rows["n_nodes"].iloc[-1] == len(graph) and rows["faithfulness"].iloc[-1] == pytest.approx(1, abs=1e-4)
+    assert data.meta["agreement"]["n"] == 8 and curve["nodes_for_80"] is not None
+
+
 def test_no_checks_asked_and_the_file(tmp_path):
     model, weights, sites = build(tmp_path, "llama")
     result = pipatch.feature_circuit(model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,
@@ -197,7 +277,9 @@ def test_bad_check_options_are_one_line(tmp_path):
     model, weights, sites = build(tmp_path, "gpt2")
     kwargs = dict(saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, progress=False)
     for bad, words in [({"verify_edges": -1}, "verify_edges"), ({"curve": 1.5}, "curve"),
-                       ({"ablation": "noise"}, "ablation must be one of corrupt, mean, zero")]:
+                       ({"ablation": "noise"}, "ablation must be one of corrupt, mean, zero"),
+                       ({"clean": [CLEAN], "corrupt": [CORRUPT], "ablation": "mean"}, "ablation='mean' averages"),
+                       ({"clean": [CLEAN], "corrupt": [CORRUPT], "verify": -1}, "verify")]:
         with pytest.raises(pipatch.PipatchError) as error:
             pipatch.feature_circuit(model, **{**kwargs, **bad})
         assert words in str(error.value) and "\n" not in str(error.value)
