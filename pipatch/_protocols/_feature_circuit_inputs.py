@@ -239,7 +239,8 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
     threshold, top = keywords["node_threshold"], keywords["top_nodes"]
     for node in [node for node in nodes if abs(node["score"]) >= threshold][:top]:
         node["circuit"] = True
-    edges = _dataset_edges(plans, pair_groups, names, nodes, keywords["top_edges"], keywords["edge_threshold"])
+    edges = (_dataset_edges(plans, pair_groups, names, nodes, keywords["top_edges"], keywords["edge_threshold"])
+             if keywords["top_edges"] else [])  # no edges kept: none scored
     cleans = torch.tensor([float(r.clean) for r in results])
     corrupts = torch.cat([r.corrupt_seeds for r in results])
     nodes.insert(0, {"node": METRIC_NODE, "site": METRIC_NODE, "layer": results[0].meta["nodes"][0]["layer"],
