@@ -22,9 +22,17 @@ replaces is an exact patch per node. Rows, on "The Eiffel Tower is in the city o
   outputs, on a pair of 64-token prompts (filler before the Eiffel Tower / Colosseum pair):
   scoring (``top_nodes=30``, edges between kept nodes, 10 nodes checked): does it fit, and
   what it costs;
+* ``16 IOI pairs``: ``pipatch.tasks.ioi(16, seed=0)`` through the shipped SAE alone, a
+  dataset averaged over named positions: scoring (nodes and the edges between kept nodes);
+  then one run with every averaged node checked exactly (in each pair, that node at every
+  token of its named position patched at once) and the curve (``curve=8``): the checks' and
+  the curve's own times, the rank correlation over every node and the top 20, the
+  faithfulness at the circuit's size and the nodes it takes to reach 80 % (one run each: the
+  exact checks take minutes);
 * each row's peak resident memory (the model and the SAEs included).
 
-Each time is the best of :data:`REPEAT`. Figures go to ``bench/results/feature_circuit.json``.
+``--only pair`` runs the pair's rows and the every-layer row, ``--only ioi`` the IOI rows. Each time but the IOI rows' is the best of
+:data:`REPEAT`. Figures go to ``bench/results/feature_circuit.json``.
 
 Run: ``make bench`` (or ``.venv/bin/python bench/feature_circuit.py``).
 """
@@ -78,6 +86,43 @@ def every_layer(model, trained, tmp: Path) -> tuple[float, int, object]:
                                                     saes=saes, verify=10, verify_edges=0, curve=0, progress=False))
 
 
+def ioi_rows(model, trained) -> tuple[dict, list[str]]:
+    """The 16-pair IOI dataset's rows: its report entry and printed lines."""
+    task = pipatch.tasks.ioi(16, seed=0, tokenizer=model.tokenizer)
+    run = {**task, "saes": [trained], "verify_edges": 0, "progress": False}
+    with Peak() as scoring:
+        graph = pipatch.feature_circuit(model, **run, verify=0, curve=0)
+    n_nodes = len(graph.meta["nodes"]) - 1
+    with Peak() as exact:
+        checked = pipatch.feature_circuit(model, **run, verify=n_nodes, curve=8)
+    table = checked.nodes().iloc[1:]
+    top = table[:TOP]  # largest |score| first
+    rho_all = spearman(torch.tensor(table["score"].to_list()), torch.tensor(table["exact"].to_list()))
+    rho_top = spearman(torch.tensor(top["score"].to_list()), torch.tensor(top["exact"].to_list()))
+    curve = checked.faithfulness()
+    kept = int((table["circuit"] & (table["latent"] != "embed")).sum())
+    at_circuit = float(curve[curve["n_nodes"] == kept]["faithfulness"].iloc[0])
+    reach = checked.meta["curve"]["nodes_for_80"]
+    stages = checked.meta["elapsed_stages"]
+    gb = 1 / 2 ** 30
+    report = {"pairs": 16, "positions": graph.columns, "nodes": n_nodes, "edges_kept": len(graph.edges()),
+              "scoring_s": scoring.seconds, "scoring_peak_gb": scoring.peak * gb, "nodes_checked": int(
+                  table["exact"].notna().sum()), "exact_every_node_s": stages["checks"], "curve_s": stages["curve"],
+              "checked_peak_gb": exact.peak * gb, "spearman_all": rho_all, f"spearman_top{TOP}": rho_top,
+              "curve_sizes": curve["n_nodes"].to_list(), "faithfulness": curve["faithfulness"].to_list(),
+              "completeness": curve["completeness"].to_list(), "faithfulness_at_circuit": at_circuit,
+              "circuit_nodes": kept, "nodes_for_80": reach}
+    lines = [f"16 IOI pairs, the shipped SAE at block 6, {len(graph.columns)} named positions, {n_nodes} averaged "
+             f"nodes, {len(graph.edges())} edges kept:",
+             f"  scoring every node and edge       {scoring.seconds:6.2f} s   peak {scoring.peak * gb:5.2f} GB",
+             f"  exact patch of every node ({report['nodes_checked']}, each in every pair)  {stages['checks']:6.2f} s   "
+             f"peak {exact.peak * gb:5.2f} GB",
+             f"  scores vs exact, rank correlation: every node {rho_all:5.3f}, top {TOP} {rho_top:5.3f}",
+             f"  faithfulness curve ({len(curve)} sizes)      {stages['curve']:6.2f} s"
+             f"   {at_circuit:5.3f} at the circuit's {kept} nodes, 80 % at {reach} nodes"]
+    return report, lines
+
+
 def measured(fn):
     """(best seconds, peak resident bytes, the last result) over :data:`REPEAT` runs."""
     seconds, peak, out = float("inf"), 0, None
@@ -88,12 +133,9 @@ def measured(fn):
     return seconds, peak, out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "feature_circuit.json"))
-    args = parser.parse_args(argv)
-    model = pipatch.load_model(device="cpu")
-    trained = pipatch.embedded_sae(model)
+def pair_rows(model, trained) -> tuple[dict, list[str]]:
+    """The Eiffel Tower / Colosseum pair's rows and the every-layer row: the report's entries
+    and printed lines."""
     with tempfile.TemporaryDirectory() as tmp:
         saes = [pipatch.load_sae(random_sae(Path(tmp) / "random-l5", trained), model), trained]
         pair = {"clean": CLEAN, "corrupt": CORRUPT, "answer": " Paris", "foil": " Rome", "saes": saes,
@@ -122,9 +164,7 @@ def main(argv=None) -> int:
     at_circuit = float(curve[curve["n_nodes"] == kept]["faithfulness"].iloc[0])
     reach = curved.meta["curve"]["nodes_for_80"]
     gb = 1 / 2 ** 30
-    report = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "torch_threads": torch.get_num_threads()},
-              "saes": [s.sae.name for s in saes], "positions": len(graph.columns), "nodes": n_nodes,
+    report = {"saes": [s.sae.name for s in saes], "positions": len(graph.columns), "nodes": n_nodes,
               "edges_kept": n_edges, "scoring_s": scored, "scoring_peak_gb": scored_peak * gb,
               "exact_every_node_s": exact_s, "exact_peak_gb": exact_peak * gb, "nodes_checked": len(table),
               "spearman_all": rho_all, f"spearman_top{TOP}": rho_top, "exact_every_edge_s": edges_s,
@@ -147,6 +187,27 @@ def main(argv=None) -> int:
              f"  an SAE at every layer ({len(everywhere.layers)}), {len(everywhere.columns)} positions: "
              f"{report['every_layer']['nodes']} nodes, scored with edges and 10 checks in {every_s:6.2f} s, "
              f"peak {every_peak * gb:5.2f} GB"]
+    return report, lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "feature_circuit.json"))
+    parser.add_argument("--only", choices=["pair", "ioi"], help="run the pair's rows (and the every-layer row) or "
+                        "the IOI rows alone")
+    args = parser.parse_args(argv)
+    model = pipatch.load_model(device="cpu")
+    trained = pipatch.embedded_sae(model)
+    report: dict = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                                "torch_threads": torch.get_num_threads()}}
+    lines: list[str] = []
+    if args.only != "ioi":
+        pair_report, pair_lines = pair_rows(model, trained)
+        report.update(pair_report)
+        lines += pair_lines
+    if args.only != "pair":
+        report["ioi"], ioi_lines = ioi_rows(model, trained)
+        lines += ioi_lines
     return write_report(lines, report, args.out)
 
 

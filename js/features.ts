@@ -10,7 +10,8 @@
  * map; error nodes are squares, latents circles, the metric a diamond; a node checked by an
  * exact patch has a dark ring. Edges are lines coloured by their score. The threshold and
  * top-n controls filter the nodes (and the edges between the ones left) here, without the
- * kernel. Hover shows a node's name, latent, label and top contexts, estimate and exact value.
+ * kernel. Hover shows a node's name, latent, label and top contexts, estimate and exact value;
+ * an edge's two ends, its estimate and, where it was patched exactly, its exact value.
  *
  * A click on a node asks the kernel for its exact ablation (the live widget; the answer
  * arrives as the node's `exact`); shift-click adds nodes to the selection, which the Group
@@ -134,6 +135,16 @@ export function nodeInfo(n: FeatureNode, metric: string): string[] {
   return lines;
 }
 
+/** An edge's lines of text (tooltip): its ends (by name), the estimate and the exact value. */
+export function edgeInfo(e: FeatureEdge, nodes: FeatureNode[], metric: string): string[] {
+  const name = (i: number) => nodes[i]?.name ?? `node ${i}`;
+  return [
+    tooltipLabel(`${name(e.up)} → ${name(e.down)}`, 120),
+    `estimate: ${formatValue(e.score, 4)} (change of ${metric || 'metric'})`,
+    Number.isFinite(e.exact) ? `exact: ${formatValue(e.exact, 4)}` : 'exact: not checked',
+  ];
+}
+
 /** The groups with `name` set to `members` (an empty list removes it), as the kernel does. */
 export function withGroup(groups: Group[], name: string, members: string[]): Group[] {
   const rest = groups.filter((g) => g.name !== name);
@@ -149,7 +160,7 @@ export class FeatureView implements StateView {
   private selected = new Set<string>();
   private clicked = '';
   private waiting = '';
-  private hover = -1;
+  private hover = ''; // what the tooltip shows: `n:<node index>`, `e:<edge index>` or nothing
   private layout: FeatureLayout | null = null;
   private groups: Group[] = [];
 
@@ -218,7 +229,7 @@ export class FeatureView implements StateView {
     this.pngBtn.addEventListener('click', () => void this.downloadPng());
     this.jsonBtn.addEventListener('click', () => this.downloadJson());
     this.graph.addEventListener('mousemove', (e) => this.onMove(e));
-    this.graph.addEventListener('mouseleave', () => this.setHover(-1));
+    this.graph.addEventListener('mouseleave', () => this.setHover(''));
     this.graph.addEventListener('click', (e) => this.onClick(e));
   }
 
@@ -305,14 +316,19 @@ export class FeatureView implements StateView {
     const nodeMax = largest(nodes, kept);
     const edgeMax = Math.max(0, ...edges.map((e) => Math.abs(e.score)).filter(Number.isFinite)) || 1;
     const edgesG = svg('g', { class: 'pipatch-edges', fill: 'none' });
+    const edgeIndex = new Map((g.edges ?? []).map((e, k) => [e, k]));
     for (const e of [...edges].sort((a, b) => Math.abs(a.score) - Math.abs(b.score))) {
       const a = layout.at.get(e.up);
       const b = layout.at.get(e.down);
       if (!a || !b) continue;
+      const ends = { x1: a.x, y1: a.y, x2: b.x, y2: b.y, 'data-edge': edgeIndex.get(e) ?? -1 };
+      const exact = Number.isFinite(e.exact);
       edgesG.append(svg('line', {
-        class: 'pipatch-fedge', x1: a.x, y1: a.y, x2: b.x, y2: b.y, 'data-up': e.up, 'data-down': e.down,
+        class: 'pipatch-fedge', ...ends, 'data-up': e.up, 'data-down': e.down, 'data-exact': exact ? String(e.exact) : '',
         stroke: rgb(divergingColor(e.score, edgeMax)), 'stroke-width': 0.6 + 2.6 * Math.min(1, Math.abs(e.score) / edgeMax), 'stroke-opacity': 0.8,
       }));
+      // A thin line is hard to point at: an invisible wider one over it takes the hover.
+      edgesG.append(svg('line', { class: 'pipatch-fedge-hit', ...ends, stroke: '#000', 'stroke-opacity': 0, 'stroke-width': 8, 'pointer-events': 'stroke' }));
     }
     const nodesG = svg('g', { class: 'pipatch-fnodes' });
     const labels = svg('g', { class: 'pipatch-fnode-labels', 'font-size': 10, 'font-family': 'sans-serif', 'pointer-events': 'none' });
@@ -378,21 +394,33 @@ export class FeatureView implements StateView {
     return item ? Number(item.getAttribute('data-node')) : -1;
   }
 
-  private setHover(i: number): void {
-    if (this.hover === i) return;
-    this.hover = i;
-    const n = this.graphPart().nodes?.[i];
-    if (!n) {
+  /** What is under the pointer: `n:<node index>`, `e:<edge index>`, or '' (nothing). */
+  private hoverAt(target: EventTarget | null): string {
+    const item = (target as Element | null)?.closest?.('.pipatch-fnode, .pipatch-fedge, .pipatch-fedge-hit');
+    if (!item) return '';
+    return item.classList.contains('pipatch-fnode') ? `n:${item.getAttribute('data-node')}` : `e:${item.getAttribute('data-edge')}`;
+  }
+
+  private setHover(key: string): void {
+    if (this.hover === key) return;
+    this.hover = key;
+    const g = this.graphPart();
+    const metric = this.state?.metric ?? '';
+    const i = Number(key.slice(2));
+    const node = key.startsWith('n:') ? g.nodes?.[i] : undefined;
+    const edge = key.startsWith('e:') ? g.edges?.[i] : undefined;
+    const lines = node ? nodeInfo(node, metric) : edge ? edgeInfo(edge, g.nodes ?? [], metric) : null;
+    if (!lines) {
       this.tooltip.style.display = 'none';
       return;
     }
-    this.tooltip.replaceChildren(...nodeInfo(n, this.state?.metric ?? '').map((l) => h('div', 'pipatch-tip-line', l)));
+    this.tooltip.replaceChildren(...lines.map((l) => h('div', 'pipatch-tip-line', l)));
   }
 
   private onMove(ev: MouseEvent): void {
-    const i = this.nodeAt(ev.target);
-    this.setHover(i);
-    if (i >= 0) showTooltip(this.tooltip, this.root, ev);
+    const key = this.hoverAt(ev.target);
+    this.setHover(key);
+    if (key) showTooltip(this.tooltip, this.root, ev);
   }
 
   private onClick(ev: MouseEvent): void {
@@ -457,7 +485,7 @@ export class FeatureView implements StateView {
     return JSON.stringify({
       title: s?.title ?? '', model: s?.model_name ?? '', metric: s?.metric ?? '', sites: g.sites ?? [], positions: g.positions ?? [],
       nodes: nodes.map((n) => ({ ...n, latent: num(n.latent), score: num(n.score), exact: num(n.exact) })),
-      edges: (g.edges ?? []).map((e) => ({ upstream: nodes[e.up]?.name, downstream: nodes[e.down]?.name, score: num(e.score) })),
+      edges: (g.edges ?? []).map((e) => ({ upstream: nodes[e.up]?.name, downstream: nodes[e.down]?.name, score: num(e.score), exact: num(e.exact) })),
       supernodes: this.groups,
     }, null, 1);
   }

@@ -119,8 +119,8 @@ export const FNODE_SCHEMA = {
   circuit: 'bool',
   note: 'str',
 } as const;
-/** An edge between nodes `up` and `down` (indices into `nodes`). */
-export const FEDGE_SCHEMA = { up: 'int', down: 'int', score: 'float?' } as const;
+/** An edge between nodes `up` and `down` (indices into `nodes`); `exact` NaN where not checked. */
+export const FEDGE_SCHEMA = { up: 'int', down: 'int', score: 'float?', exact: 'float?' } as const;
 /** A supernode: a name for a group of nodes (by name). */
 export const GROUP_SCHEMA = { name: 'str', nodes: 'str[]' } as const;
 

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { viewFor } from '../circuit';
 import { normalizeState, type GridState } from '../data';
-import { FeatureView, filterGraph, isFeatureGraph, layoutFeatures, nodeInfo, withGroup } from '../features';
+import { edgeInfo, FeatureView, filterGraph, isFeatureGraph, layoutFeatures, nodeInfo, withGroup } from '../features';
 import { GridView } from '../grid';
 
 const HOSTILE = '<img src=x onerror="window.__pwned=1">';
@@ -20,7 +20,7 @@ function featureState(extra: Record<string, unknown> = {}): GridState {
     row_labels: ['L0', 'L1'], status: 'done',
     feature_graph: {
       sites: ['L0', 'L1'], positions: [0, 1, 2], nodes, total: 5,
-      edges: [{ up: 1, down: 3, score: 0.05 }, { up: 2, down: 3, score: -0.01 }, { up: 4, down: 3, score: 0.001 }],
+      edges: [{ up: 1, down: 3, score: 0.05, exact: 0.04 }, { up: 2, down: 3, score: -0.01, exact: null }, { up: 4, down: 3, score: 0.001 }],
       groups: [], ...extra,
     },
   });
@@ -78,6 +78,33 @@ describe('feature circuit graph', () => {
     expect(nodeInfo(error, 'm')).toContain('exact: not checked');
     expect(nodeInfo(error, 'm')[1]).toMatch(/^error node/);
     expect(nodeInfo(metric, 'm')[1]).toBe('the metric (m)');
+  });
+
+  it('says what an edge joins, its estimate and, where checked, its exact value, on hover', () => {
+    const g = featureState().feature_graph;
+    const [checked, unchecked, old] = g.edges!;
+    expect(edgeInfo(checked, g.nodes!, 'logit_diff')).toEqual(['L0 #7 @1 → L1 #3 @2', 'estimate: 0.0500 (change of logit_diff)', 'exact: 0.0400']);
+    expect(edgeInfo(unchecked, g.nodes!, 'm')[2]).toBe('exact: not checked');
+    expect(edgeInfo(old, g.nodes!, 'm')[2]).toBe('exact: not checked'); // a saved copy from before edges carried it
+    const el = document.createElement('div');
+    document.body.append(el);
+    const v = new FeatureView(el, {});
+    v.update(featureState());
+    const tip = el.querySelector('.pipatch-tooltip') as HTMLElement;
+    const hover = (selector: string) => el.querySelector(selector)!.dispatchEvent(new MouseEvent('mousemove', { bubbles: true, clientX: 5, clientY: 5 }));
+    hover('.pipatch-fedge-hit[data-edge="0"]');
+    expect(tip.style.display).not.toBe('none');
+    expect([...tip.querySelectorAll('.pipatch-tip-line')].map((l) => l.textContent)).toEqual(edgeInfo(checked, g.nodes!, 'logit_diff'));
+    hover('.pipatch-fedge[data-edge="1"]');
+    expect(tip.textContent).toContain('L0 error @1 → L1 #3 @2');
+    expect(tip.textContent).toContain('exact: not checked');
+    hover('.pipatch-fnode[data-name="L0 #7 @1"]'); // a node over an edge: the node's lines
+    expect(tip.textContent).toContain('latent 7 at position 1');
+    el.querySelector('svg.pipatch-feature-graph')!.dispatchEvent(new MouseEvent('mouseleave'));
+    expect(tip.style.display).toBe('none');
+    expect(JSON.parse(v.jsonText()).edges.map((e: { exact: number | null }) => e.exact)).toEqual([0.04, null, null]);
+    v.destroy();
+    el.remove();
   });
 
   it('draws every label as text, never HTML', () => {

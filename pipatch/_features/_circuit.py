@@ -209,8 +209,8 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
         """Any result's view state (:meth:`pipatch.Result.to_state`) and the graph, its
         ``feature_graph`` part: the sites (rows), positions (columns), the nodes drawn (the
         circuit's and the largest others, at most :data:`VIEW_NODES_MAX`; each with its
-        label and top contexts where ``meta`` has them), the edges between them and the
-        supernodes."""
+        label and top contexts where ``meta`` has them), the edges between them (each with its
+        ``exact`` patch, ``null`` where not checked) and the supernodes."""
         everything = self.meta.get("nodes", [])
         # The embeddings' row below the SAEs, where the graph has embedding nodes.
         sites = [EMBED_NODE] * any(n["latent"] == EMBED_NODE for n in everything) + list(self.layers)
@@ -220,7 +220,7 @@ class FeatureCircuitResult(Result, file_kind="feature_circuit"):
         drawn = ranked[:VIEW_NODES_MAX]
         index = {n["node"]: i for i, n in enumerate(drawn)}
         nodes = [self._view_node(n, sites) for n in drawn]
-        edges = [{"up": index[e["upstream"]], "down": index[e["downstream"]], "score": e["score"]}
+        edges = [{"up": index[e["upstream"]], "down": index[e["downstream"]], "score": e["score"], "exact": e.get("exact")}
                  for e in self.meta.get("edges", []) if e["upstream"] in index and e["downstream"] in index]
         part = {"sites": sites, "positions": self._view_positions(),
                 "nodes": nodes, "edges": edges, "groups": list(self.meta.get("supernodes", [])),

@@ -127,8 +127,9 @@ FNODE_SCHEMA: dict[str, str] = {
     "name": "str", "row": "int", "position": "int", "latent": "int?", "kind": "str", "score": "float?",
     "exact": "float?", "circuit": "bool", "note": "str",
 }  # fmt: skip
-#: One edge between nodes ``up`` and ``down`` (indices into ``nodes``), its estimate ``score``.
-FEDGE_SCHEMA: dict[str, str] = {"up": "int", "down": "int", "score": "float?"}
+#: One edge between nodes ``up`` and ``down`` (indices into ``nodes``), its estimate ``score`` and
+#: ``exact`` patch (``null``: not checked).
+FEDGE_SCHEMA: dict[str, str] = {"up": "int", "down": "int", "score": "float?", "exact": "float?"}
 #: A supernode: a name for a group of nodes (by name).
 GROUP_SCHEMA: dict[str, str] = {"name": "str", "nodes": "str[]"}
 #: The named object types and the schema each follows.

@@ -32,7 +32,7 @@ def example(extra: int = 0) -> FeatureCircuitResult:
         node(SITES[1], 2, 3, 0.1, circuit=True),
         *[node(SITES[1], 0, 100 + i, 1e-3 / (i + 1)) for i in range(extra)],
     ]
-    edges = [{"upstream": nodes[1]["node"], "downstream": nodes[3]["node"], "score": 0.05},
+    edges = [{"upstream": nodes[1]["node"], "downstream": nodes[3]["node"], "score": 0.05, "exact": 0.04},
              {"upstream": nodes[2]["node"], "downstream": nodes[3]["node"], "score": -0.01}]
     meta = {"model": "tiny", "positions": [0, 1, 2], "nodes": nodes, "edges": edges,
             "saes": [{"name": s, "layer": i, "sae": f"sae{i}", "d_sae": 128} for i, s in enumerate(SITES)],
@@ -56,6 +56,11 @@ def test_the_state_holds_the_graph_with_labels_as_text():
     assert error["kind"] == "error" and error["latent"] is None and error["exact"] is None
     assert {(names[e["up"]], names[e["down"]]) for e in part["edges"]} == {
         ("L0 resid_post #7 @1", "L1 resid_post #3 @2"), ("L0 resid_post error @1", "L1 resid_post #3 @2")}
+
+
+def test_the_state_sends_each_edges_exact_value_or_null():
+    part = example().to_state()["feature_graph"]
+    assert [(e["score"], e["exact"]) for e in part["edges"]] == [(0.05, 0.04), (-0.01, None)]
 
 
 def test_a_large_graph_sends_its_circuit_and_largest_nodes():
