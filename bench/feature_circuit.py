@@ -26,9 +26,10 @@ replaces is an exact patch per node. Rows, on "The Eiffel Tower is in the city o
   dataset averaged over named positions: scoring (nodes and the edges between kept nodes);
   then one run with every averaged node checked exactly (in each pair, that node at every
   token of its named position patched at once) and the curve (``curve=8``): the checks' and
-  the curve's own times, the rank correlation over every node and the top 20, the
-  faithfulness at the circuit's size and the nodes it takes to reach 80 % (one run each: the
-  exact checks take minutes);
+  the curve's own times, the rank correlation over every node, the top 20 and the top 20
+  latents (no error or embedding node), the faithfulness at the circuit's size and the nodes
+  it takes to reach 80 %; and the top 20 scored by integrated gradients (``steps=4``) against
+  the same exact values (one run each: the exact checks take minutes);
 * each row's peak resident memory (the model and the SAEs included).
 
 ``--only pair`` runs the pair's rows and the every-layer row, ``--only ioi`` the IOI rows. Each time but the IOI rows' is the best of
@@ -99,6 +100,12 @@ def ioi_rows(model, trained) -> tuple[dict, list[str]]:
     top = table[:TOP]  # largest |score| first
     rho_all = spearman(torch.tensor(table["score"].to_list()), torch.tensor(table["exact"].to_list()))
     rho_top = spearman(torch.tensor(top["score"].to_list()), torch.tensor(top["exact"].to_list()))
+    latents = table[~table["latent"].isin(["error", "embed"])][:TOP]
+    rho_latents = spearman(torch.tensor(latents["score"].to_list()), torch.tensor(latents["exact"].to_list()))
+    exact_of = dict(zip(table["node"], table["exact"]))
+    with Peak() as ig_run:
+        ig = pipatch.feature_circuit(model, **run, steps=4, verify=0, curve=0, top_edges=0).nodes().iloc[1:TOP + 1]
+    rho_ig = spearman(torch.tensor(ig["score"].to_list()), torch.tensor([exact_of[n] for n in ig["node"]]))
     curve = checked.faithfulness()
     kept = int((table["circuit"] & (table["latent"] != "embed")).sum())
     at_circuit = float(curve[curve["n_nodes"] == kept]["faithfulness"].iloc[0])
@@ -109,7 +116,8 @@ def ioi_rows(model, trained) -> tuple[dict, list[str]]:
               "scoring_s": scoring.seconds, "scoring_peak_gb": scoring.peak * gb, "nodes_checked": int(
                   table["exact"].notna().sum()), "exact_every_node_s": stages["checks"], "curve_s": stages["curve"],
               "checked_peak_gb": exact.peak * gb, "spearman_all": rho_all, f"spearman_top{TOP}": rho_top,
-              "curve_sizes": curve["n_nodes"].to_list(), "faithfulness": curve["faithfulness"].to_list(),
+              f"spearman_top{TOP}_latents": rho_latents, "ig_steps4_scoring_s": ig_run.seconds,
+              f"ig_steps4_spearman_top{TOP}": rho_ig, "curve_sizes": curve["n_nodes"].to_list(), "faithfulness": curve["faithfulness"].to_list(),
               "completeness": curve["completeness"].to_list(), "faithfulness_at_circuit": at_circuit,
               "circuit_nodes": kept, "nodes_for_80": reach}
     lines = [f"16 IOI pairs, the shipped SAE at block 6, {len(graph.columns)} named positions, {n_nodes} averaged "
@@ -117,7 +125,9 @@ def ioi_rows(model, trained) -> tuple[dict, list[str]]:
              f"  scoring every node and edge       {scoring.seconds:6.2f} s   peak {scoring.peak * gb:5.2f} GB",
              f"  exact patch of every node ({report['nodes_checked']}, each in every pair)  {stages['checks']:6.2f} s   "
              f"peak {exact.peak * gb:5.2f} GB",
-             f"  scores vs exact, rank correlation: every node {rho_all:5.3f}, top {TOP} {rho_top:5.3f}",
+             f"  scores vs exact, rank correlation: every node {rho_all:5.3f}, top {TOP} {rho_top:5.3f}, "
+             f"top {TOP} latents {rho_latents:5.3f}",
+             f"  integrated gradients (steps=4)    {ig_run.seconds:6.2f} s   top {TOP} vs exact {rho_ig:5.3f}",
              f"  faithfulness curve ({len(curve)} sizes)      {stages['curve']:6.2f} s"
              f"   {at_circuit:5.3f} at the circuit's {kept} nodes, 80 % at {reach} nodes"]
     return report, lines

@@ -8,8 +8,9 @@ One notebook:
    stays live, clickable, after it ends;
 2. ``PatchGrid.run(model, "feature_circuit", ..., verify=30)``: the graph is seen running, its
    nodes drawn before the exact checks end, then done; the threshold control filters the
-   nodes; a click on a node the checks left out runs its exact ablation in the kernel and shows
-   it on the node; shift-clicks and Group make a supernode;
+   nodes; hovering a node and an edge checked exactly shows their estimates and exact values;
+   a click on a node the checks left out runs its exact ablation in the kernel and shows it on
+   the node; shift-clicks and Group make a supernode;
 3. the kernel's own numbers: the clicked node's exact value and the supernodes, as JSON;
 
 then the notebook is saved (the saved copy holds the supernode), the kernel shut down and the
@@ -46,8 +47,10 @@ CELLS = [
     "ARGS = dict(**TINY_PAIR, saes=[sae_folder(D_MODEL, 0), sae_folder(D_MODEL, 1)])",
     "first = pipatch.feature_circuit(model, **ARGS, verify=0)\nPatchGrid(first)",
     "graph = PatchGrid.run(model, 'feature_circuit', **ARGS, verify=30, top_nodes=20)",
-    "shown = graph.to_state()['feature_graph']['nodes'][:41]\n"
+    "part = graph.to_state()['feature_graph']\nshown = part['nodes'][:41]\n"
+    "k, edge = next((k, e) for k, e in enumerate(part['edges']) if e['exact'] is not None)\n"
     "print('KERNEL', json.dumps({'scores': [n['score'] for n in shown if n['kind'] != 'metric'],\n"
+    "    'edge': [k, part['nodes'][edge['up']]['name'], part['nodes'][edge['down']]['name'], edge['exact']],\n"
     "    'checked': sum(n['exact'] is not None for n in shown if n['kind'] != 'metric'),\n"
     "    'click': next(n['name'] for n in shown if n['kind'] == 'latent' and n['exact'] is None),\n"
     "    'pair': [n['name'] for n in shown if n['kind'] != 'metric'][:2]}))",
@@ -135,6 +138,13 @@ def test_feature_circuit_fills_filters_ablates_groups_and_renders_saved(page, la
     tip = view.locator(".pipatch-tooltip")
     tip.wait_for(state="visible")
     assert kernel["click"] in tip.text_content() and "exact: not checked" in tip.text_content()
+
+    # -- hover on an edge checked exactly: its ends, estimate and exact value --------------------
+    index, up, down, edge_exact = kernel["edge"]
+    assert view.locator(f".pipatch-fedge[data-edge='{index}']").get_attribute("data-exact") != ""
+    view.locator(f".pipatch-fedge-hit[data-edge='{index}']").hover()
+    page.wait_for_function("t => t.textContent.includes('→')", arg=tip.element_handle())
+    assert f"{up} → {down}" in tip.text_content() and f"exact: {_shown(edge_exact)}" in tip.text_content()
 
     # -- a click: the node's exact ablation, run in the kernel, shown on the node ----------------
     node.click()
