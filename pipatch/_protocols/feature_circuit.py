@@ -472,10 +472,10 @@ DECLARATION = Experiment(
         where not checked, ``circuit``) and ``edges()`` (``upstream``, ``downstream``,
         ``score``, ``exact``: NaN where not checked) are pandas tables, scores in the metric's units (the change from the
         corrupt run; on one prompt, the direct attribution relative to zero, and ``exact``
-        ``M(prompt) − M(node zeroed)``); a dataset's ``position`` is a named position;
-        ``meta["agreement"]`` and ``meta["edge_agreement"]`` the checked nodes' and edges' rank
+        ``M(prompt) − M(node zeroed)``); a dataset's ``position`` is a named position and its
+        ``exact`` the mean over its pairs; ``meta["agreement"]`` and ``meta["edge_agreement"]`` the checked nodes' and edges' rank
         correlation with their estimates; ``faithfulness()`` the curve (``n_nodes``,
-        ``faithfulness``, ``completeness``, ``with``, ``without``; a pair only) and
+        ``faithfulness``, ``completeness``, ``with``, ``without``; a pair or a dataset) and
         ``meta["curve"]["nodes_for_80"]`` the least size measured reaching 0.8;
         ``raw["nodes"]`` [1, SAEs, positions] ``corrupt metric +`` each place's summed scores.
 
