@@ -142,7 +142,13 @@ def test_feature_circuit_fills_filters_ablates_groups_and_renders_saved(page, la
     # -- hover on an edge checked exactly: its ends, estimate and exact value --------------------
     index, up, down, edge_exact = kernel["edge"]
     assert view.locator(f".pipatch-fedge[data-edge='{index}']").get_attribute("data-exact") != ""
-    view.locator(f".pipatch-fedge-hit[data-edge='{index}']").hover()
+    # A line's box has no width when it is upright: point at its middle instead.
+    hit = view.locator(f".pipatch-fedge-hit[data-edge='{index}']")
+    graph_box = view.locator("svg.pipatch-feature-graph")
+    box = graph_box.bounding_box()
+    scale = box["width"] / float(graph_box.get_attribute("width"))
+    x, y = ((float(hit.get_attribute(a)) + float(hit.get_attribute(b))) / 2 for a, b in (("x1", "x2"), ("y1", "y2")))
+    page.mouse.move(box["x"] + x * scale, box["y"] + y * scale)
     page.wait_for_function("t => t.textContent.includes('→')", arg=tip.element_handle())
     assert f"{up} → {down}" in tip.text_content() and f"exact: {_shown(edge_exact)}" in tip.text_content()
 
