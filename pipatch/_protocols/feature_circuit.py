@@ -77,7 +77,7 @@ from .._declare import Experiment, Param, count, positive_int
 from .._engine import Plan, Predictor, Sweep, check_batch_size
 from .._errors import PipatchError
 from .._features import LatentSite, distinct, load_sae
-from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, FeatureCircuitResult
+from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, VIEW_NODES_MAX, FeatureCircuitResult
 from .._features._screen import cell_scores, latent_gradient
 from .._programs.feature_terms import (
     EDGE_PULLBACKS,
@@ -99,7 +99,7 @@ from ._inputs import (
     sweep_positions,
     undefined_recovery_warning,
 )
-from .features import _path_or_site
+from .features import LABELS, _labels_of, _path_or_site, latent_notes
 
 __all__ = ["plan_feature_circuit", "DECLARATION"]
 
@@ -149,11 +149,28 @@ class _Scored:
         return latent_gradient(self.site, self.corrupt, self.holder_grad)[0].float()
 
 
+def _notes(sites: Sequence[LatentSite], labels: dict[str, dict[int, str]],
+           nodes: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The labels and top contexts (:func:`~.features.latent_notes`) of the latents the view
+    can draw: the circuit's and the :data:`VIEW_NODES_MAX` of largest |score| (``nodes`` is
+    sorted so), as ``({site: {id: label}}, {site: {id: contexts}})``."""
+    shown: dict[str, set[int]] = {}
+    for i, n in enumerate(nodes):
+        if (n["circuit"] or i <= VIEW_NODES_MAX) and isinstance(n["latent"], int):
+            shown.setdefault(n["site"], set()).add(n["latent"])
+    named, contexts = {}, {}
+    for site in sites:
+        named[site.name], found = latent_notes(site, labels[site.name], sorted(shown.get(site.name, ())))
+        if found:
+            contexts[site.name] = found
+    return named, contexts
+
+
 def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any, answer: Any, foil: Any,
                          target: str | None, saes: Any, metric: str | None, steps: int, verify: int, top_nodes: int,
                          node_threshold: float, top_edges: int, edge_threshold: float,
                          positions: Sequence[int] | None, batch_size: int | None, verify_edges: int, curve: int,
-                         ablation: str) -> Plan:
+                         ablation: str, labels: Any = None) -> Plan:
     """Score every node and the edges between kept nodes; plan the exact checks of the top
     ``verify`` nodes and (a pair) ``verify_edges`` edges and the faithfulness curve's ``curve``
     points. The parameters are :func:`pipatch.feature_circuit`'s; lists of pairs are
@@ -163,7 +180,7 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
             clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil, target=target, saes=saes,
             metric=metric, steps=steps, verify=verify, top_nodes=top_nodes, node_threshold=node_threshold,
             top_edges=top_edges, edge_threshold=edge_threshold, positions=positions, batch_size=batch_size,
-            verify_edges=verify_edges, curve=curve, ablation=ablation))
+            verify_edges=verify_edges, curve=curve, ablation=ablation, labels=labels))
     steps = whole_number(steps, "steps (integrated-gradient points; 1: attribution patching)", minimum=1)
     verify = whole_number(verify, "verify (nodes patched exactly)", minimum=0)
     verify_edges = whole_number(verify_edges, "verify_edges (edges patched exactly)", minimum=0)
@@ -225,6 +242,7 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
         "verify": verify, "top_nodes": top_nodes, "node_threshold": node_threshold, "top_edges": top_edges,
         "edge_threshold": edge_threshold, "verify_edges": verify_edges, "nodes": nodes, "edges": edges,
     })
+    meta["labels"], meta["contexts"] = _notes(sites, _labels_of(sites, labels), nodes)
     result = FeatureCircuitResult(
         kind="feature_circuit", tokens=inputs.tokens, columns=[inputs.tokens[p] for p in cols],
         layers=[s.name for s in sites], metric=scorer.label, raw={VIEW_NODES: (corrupt_value + grid).unsqueeze(0)},
@@ -447,6 +465,7 @@ DECLARATION = Experiment(
               parse=count),
         Param("ablation", "corrupt", "what the curve sets ablated nodes to: corrupt, mean (over the corrupt "
               "prompts) or zero", "str"),
+        LABELS,
         Param("top_nodes", 30, "nodes the circuit keeps (largest |score| first); edges join kept nodes", "int",
               parse=positive_int),
         Param("node_threshold", 0.0, "the least |score| a kept node has", "float", parse=_number),

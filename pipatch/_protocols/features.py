@@ -87,6 +87,19 @@ def _labels_of(sites: Sequence[LatentSite], labels: Any) -> dict[str, dict[int, 
     return {sites[0].name: load_labels(labels)}
 
 
+def latent_notes(site: LatentSite, labels: Mapping[int, str], shown: Any) -> tuple[dict[str, str], dict[str, list]]:
+    """What a view shows beside latents ``shown`` of ``site``: ``({id: label}, {id: [[window,
+    activation], ...]})``, the labels from ``labels`` (:func:`_labels_of`) and the top contexts
+    stored next to the SAE (:func:`~.._features._contexts.load_contexts`; none where it has
+    none), keyed by the id as text (JSON's keys)."""
+    named = {str(i): labels[i] for i in shown if i in labels}
+    contexts = load_contexts(site.sae.folder)
+    if contexts is None:
+        return named, {}
+    return named, {str(i): [list(c) for c in contexts.top(i)] for i in shown
+                   if i < contexts.activation.shape[0] and contexts.top(i)}
+
+
 def plan_features(backend: Any, prompt: str, *, saes: Any, k: int, positions: Sequence[int] | None,
                   labels: Any) -> Plan:
     """Check the inputs and read the prompt's latents (one forward); return its :class:`Plan`,
@@ -111,11 +124,9 @@ def plan_features(backend: Any, prompt: str, *, saes: Any, k: int, positions: Se
         raw[site.name] = values[None]
         shown = sorted({i for row in ids for i in row if i is not None})
         meta["latents"][site.name] = ids
-        meta["labels"][site.name] = {str(i): named[site.name][i] for i in shown if i in named[site.name]}
-        contexts = load_contexts(site.sae.folder)
-        if contexts is not None:
-            meta["contexts"][site.name] = {str(i): [list(c) for c in contexts.top(i)] for i in shown
-                                           if i < contexts.activation.shape[0] and contexts.top(i)}
+        meta["labels"][site.name], found = latent_notes(site, named[site.name], shown)
+        if found:
+            meta["contexts"][site.name] = found
     result = LatentsResult(kind="features", tokens=tokens, columns=[tokens[p] for p in cols],
                            layers=[f"top {r + 1}" for r in range(k)], metric="activation", raw=raw,
                            clean=math.nan, corrupt=torch.tensor([math.nan]), meta=meta,
@@ -138,6 +149,11 @@ def _title(meta: dict) -> str:
     return f"Features · {meta.get('model', '?')} · {names}"
 
 
+#: ``labels=``, as every experiment that shows latents takes it.
+LABELS = Param("labels", None, "latent labels: a Neuronpedia export or {id: label} JSON file, or a dict; for several "
+               "SAEs {sae name: labels}", "Any", shown="the labels.json next to each SAE")
+
+
 DECLARATION = Experiment(
     name="features", kind="features", noun="feature read",
     summary="Which SAE latents fire where: each SAE's top-k latents at every position of a prompt, with labels.",
@@ -147,8 +163,7 @@ DECLARATION = Experiment(
               "list of them", annotation="Any", parse=_path_or_site, many=True),
         Param("k", 10, "latents shown per position (those that fire, largest first)", "int", parse=positive_int),
         POSITIONS,
-        Param("labels", None, "latent labels: a Neuronpedia export or {id: label} JSON file, or a dict; for several "
-              "SAEs {sae name: labels}", "Any", shown="the labels.json next to each SAE"),
+        LABELS,
     ),
     example="%%features --saes saes/L6 --k 5 -o read\nThe Eiffel Tower is in the city of",
     doc="""

@@ -13,6 +13,7 @@ its shipped SAE.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -474,6 +475,32 @@ def test_pruning_tables_grid_file_and_plot(tmp_path):
     assert repr(result).startswith("<pipatch.FeatureCircuitResult done: ") and "5 edges" in repr(result)
     figure = result.plot()
     assert len(figure.axes[0].collections) == 8
+
+
+def test_labels_and_top_contexts_reach_the_nodes_the_view_draws(tmp_path):
+    """Labels given (``labels=``, one SAE) or in the labels file next to an SAE (the other), and
+    the top contexts stored next to an SAE, are in the hover text of each latent node drawn, and
+    survive a save; a latent with neither has none."""
+    model, _, sites = build(tmp_path, "llama")
+    contexts = pipatch.feature_contexts(model, sites[1], [CLEAN, CORRUPT, "Rome is the capital of Italy"], k=2)
+    kwargs = dict(saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, verify=0, verify_edges=0,
+                  curve=0, top_nodes=12, progress=False)
+    latents = {s.name: sorted({int(n) for n in pipatch.feature_circuit(model, **kwargs).nodes().query(
+        f"site == '{s.name}' and circuit").latent if n not in ("error", "embed")}) for s in sites[:2]}
+    words = {i: f"<b>latent</b> {i}" for i in latents[sites[0].name]}  # text, never HTML
+    (sites[1].sae.folder / "labels.json").write_text(json.dumps({str(i): f"L1 #{i}" for i in latents[sites[1].name]}))
+    result = pipatch.feature_circuit(model, **kwargs, labels={sites[0].name: words})
+    for state in (result.to_state(), pipatch.load_result(result.save(tmp_path / "g.json")).to_state()):
+        drawn = {n["name"]: n for n in state["feature_graph"]["nodes"] if n["kind"] == "latent"}
+        node = next(n for n in result.meta["nodes"] if n["site"] == sites[0].name and n["latent"] in words)
+        assert drawn[node["node"]]["note"].splitlines()[0] == words[node["latent"]]
+        node = next(n for n in result.meta["nodes"] if n["site"] == sites[1].name and n["circuit"]
+                    and n["latent"] in latents[sites[1].name] and contexts.top(n["latent"]))
+        lines = drawn[node["node"]]["note"].splitlines()
+        assert lines[0] == f"L1 #{node['latent']}" and lines[1].startswith(contexts.top(node["latent"])[0][0])
+        bare = [n for n in result.meta["nodes"] if n["site"] == sites[2].name and isinstance(n["latent"], int)
+                and n["node"] in drawn]
+        assert bare and all(drawn[n["node"]]["note"] == "" for n in bare)
 
 
 def test_bad_input_is_one_line(tmp_path):
