@@ -76,12 +76,13 @@ def assert_same_multi_token(got_model, want_model, backend: str, everything: boo
 
 
 def assert_same_feature_circuit_checks(other, model, options: dict, backend: str, atol: float = ATOL,
-                                       curve_atol: float | None = None) -> None:
+                                       curve_atol: float | None = None) -> tuple:
     """A feature circuit scored on transformers (``model``), checked on ``other`` (vLLM,
     served, NDIF): refused without ``scores=`` in one line naming it; given the scores, its
     nodes and edges are the scored ones, every exact node ablation and exact edge patch equals
     the transformers one's within ``atol``, and each point of the faithfulness curve within
-    ``curve_atol`` (default ``atol``: a curve point ablates whole SAEs, so rounding grows)."""
+    ``curve_atol`` (default ``atol``: a curve point ablates whole SAEs, so rounding grows).
+    Returns ``(scored, checked)``."""
     import pytest
 
     import pipatch
@@ -112,6 +113,7 @@ def assert_same_feature_circuit_checks(other, model, options: dict, backend: str
     got, want = (torch.tensor(curve[["with", "without"]].to_numpy()) for curve in (mine, theirs))
     print(f"feature circuit: {len(theirs)} curve points on {backend}, max |Δ| {float((got - want).abs().max()):.2g}")
     assert_close(got, want, atol if curve_atol is None else curve_atol)
+    return scored, checked
 
 
 def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") -> None:
