@@ -75,6 +75,47 @@ def assert_same_multi_token(got_model, want_model, backend: str, everything: boo
     assert [t for t, _ in clicks[0]] == [t for t, _ in clicks[1]] and clicks[1][0][0] == " New"
 
 
+def assert_same_feature_circuit_checks(other, model, options: dict, backend: str, atol: float = ATOL,
+                                       curve_atol: float | None = None) -> tuple:
+    """A feature circuit scored on transformers (``model``), checked on ``other`` (vLLM,
+    served, NDIF): refused without ``scores=`` in one line naming it; given the scores, its
+    nodes and edges are the scored ones, every exact node ablation and exact edge patch equals
+    the transformers one's within ``atol``, and each point of the faithfulness curve within
+    ``curve_atol`` (default ``atol``: a curve point ablates whole SAEs, so rounding grows).
+    Returns ``(scored, checked)``."""
+    import pytest
+
+    import pipatch
+    from pipatch._models import PipatchError
+
+    with pytest.raises(PipatchError, match=r"scores=result\)$") as error:
+        pipatch.feature_circuit(other, **options)
+    assert "\n" not in str(error.value)
+    scored = pipatch.feature_circuit(model, **options)
+    checked = pipatch.feature_circuit(other, **options, scores=scored)
+    assert checked.status == "done" and checked.meta["backend"] == backend
+    assert checked.meta["scores_from"]["backend"] == "transformers"
+    for table in ("nodes", "edges"):
+        mine, theirs = getattr(checked, table)(), getattr(scored, table)()
+        key = ["node"] if table == "nodes" else ["upstream", "downstream"]
+        assert mine[key].equals(theirs[key]) and mine["exact"].isna().equals(theirs["exact"].isna())
+        assert_close(torch.tensor(mine["score"].to_numpy()), torch.tensor(theirs["score"].to_numpy()), atol)
+        done = theirs["exact"].notna() & (theirs["latent"] != "metric" if table == "nodes" else True)
+        want = torch.tensor(theirs["exact"][done].to_numpy())
+        got = torch.tensor(mine["exact"][done].to_numpy())
+        print(f"feature circuit: {len(want)} {table} checked on {backend}, max |Δ| {float((got - want).abs().max()):.2g}")
+        assert len(want) == options["verify" if table == "nodes" else "verify_edges"]
+        assert_close(got, want, atol)
+    exact = torch.tensor(scored.nodes()["exact"].dropna().to_numpy())
+    assert float(exact[1:].abs().max()) > 1e-3  # the node checks move the metric
+    mine, theirs = checked.faithfulness(), scored.faithfulness()
+    assert list(mine["n_nodes"]) == list(theirs["n_nodes"]) and len(theirs) >= 2
+    got, want = (torch.tensor(curve[["with", "without"]].to_numpy()) for curve in (mine, theirs))
+    print(f"feature circuit: {len(theirs)} curve points on {backend}, max |Δ| {float((got - want).abs().max()):.2g}")
+    assert_close(got, want, atol if curve_atol is None else curve_atol)
+    return scored, checked
+
+
 def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") -> None:
     """A circuit scored on transformers (``model``), checked on ``other`` (vLLM, served): its
     gradients refused in one line naming ``scores=``; with the scores, every checked edge's

@@ -1,6 +1,7 @@
 """An SAE's latent site in a program request: sent as data, checked and rebuilt by the server.
 
-A :class:`~pipatch._features._site.LatentSite` (or its :class:`~pipatch._features._site.ErrorSite`)
+A :class:`~pipatch._features._site.LatentSite` (or its :class:`~pipatch._features._site.ErrorSite`,
+or its latents and error side by side, :class:`~pipatch._features._site.NodeValues`: ``part``)
 has no name a server knows: the SAE is the client's. So it travels as its description (the
 architecture, ``k``, the two SAELens flags, the layer, kind and module it reads and writes, the
 dtype) and its tensors (``W_enc``, ``b_enc``, ``W_dec``, ``b_dec``, and ``threshold`` and ``W_skip``
@@ -27,16 +28,18 @@ import torch
 
 from .._features._hooks import ORDER, Hook, _literal_kind
 from .._features._sae import SAE
-from .._features._site import ErrorSite, LatentSite, latent_site
+from .._features._site import ErrorSite, LatentSite, NodeValues, latent_site
 from .._models import Adapter, PipatchError
 
 __all__ = ["encode_latent", "decode_latent", "LATENT_FIELDS"]
 
 #: The description's fields (each checked by :func:`decode_latent`).
-LATENT_FIELDS = ("error", "name", "sae_name", "activation", "k", "apply_b_dec_to_input", "rescale_by_decoder_norm",
+LATENT_FIELDS = ("part", "name", "sae_name", "activation", "k", "apply_b_dec_to_input", "rescale_by_decoder_norm",
                  "reads", "writes", "hook", "hook_out", "tensors")
 _TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")
 _ACTIVATIONS = ("relu", "jumprelu", "topk")
+#: Which of an SAE's sites a description names: its latents, its error, or both side by side.
+_PARTS = {"latents": "", "error": " error", "nodes": " nodes"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Rebuilt sites by content hash: a sweep's requests name the same SAE again and again.
 _BUILT: OrderedDict[str, LatentSite] = OrderedDict()
@@ -48,10 +51,10 @@ class _Refused(ValueError):
 
 
 def encode_latent(site: LatentSite) -> dict[str, Any]:
-    """The data of ``site`` (a latent or error site) for a request."""
+    """The data of ``site`` (a latent, error or node-values site) for a request."""
     sae = site.sae
-    name = site.name.removesuffix(" error") if isinstance(site, ErrorSite) else site.name
-    return {"error": isinstance(site, ErrorSite), "name": name, "sae_name": sae.name, "activation": sae.activation,
+    part = "error" if isinstance(site, ErrorSite) else "nodes" if isinstance(site, NodeValues) else "latents"
+    return {"part": part, "name": site.name.removesuffix(_PARTS[part]), "sae_name": sae.name, "activation": sae.activation,
             "k": sae.k, "apply_b_dec_to_input": sae.apply_b_dec_to_input,
             "rescale_by_decoder_norm": sae.rescale_by_decoder_norm,
             "reads": [site.reads.layer, site.reads.kind, site.reads.path, site.reads.reads_in],
@@ -76,7 +79,7 @@ def decode_latent(value: dict, adapter: Adapter, what: str) -> LatentSite:
         while len(_BUILT) > _KEEP:
             _BUILT.popitem(last=False)
     _BUILT.move_to_end(key)
-    return site.error_site if value["error"] else site
+    return {"latents": site, "error": site.error_site, "nodes": site.nodes_site}[value["part"]]
 
 
 def _text(value: Any, field: str, most: int = 200) -> str:
@@ -105,7 +108,9 @@ def _check(value: Any, adapter: Adapter) -> dict[str, Any]:
         raise _Refused(f"the SAE's description is not {{{', '.join(LATENT_FIELDS)}}}")
     if value["activation"] not in _ACTIVATIONS:
         raise _Refused(f"activation {str(value['activation'])[:20]!r} is not one of {', '.join(_ACTIVATIONS)}")
-    for flag in ("error", "apply_b_dec_to_input", "rescale_by_decoder_norm"):
+    if value["part"] not in _PARTS:
+        raise _Refused(f"part {str(value['part'])[:20]!r} is not one of {', '.join(_PARTS)}")
+    for flag in ("apply_b_dec_to_input", "rescale_by_decoder_norm"):
         if type(value[flag]) is not bool:
             raise _Refused(f"{flag} is not True or False")
     reads, writes = _hook(value["reads"], "reads", adapter), _hook(value["writes"], "writes", adapter)
@@ -153,7 +158,7 @@ def _check(value: Any, adapter: Adapter) -> dict[str, Any]:
 
 def _digest(value: dict) -> str:
     """The hash of a latent site's whole content: its description and its tensors' bytes."""
-    digest = hashlib.sha256(repr({k: v for k, v in value.items() if k not in ("tensors", "error")}).encode())
+    digest = hashlib.sha256(repr({k: v for k, v in value.items() if k not in ("tensors", "part")}).encode())
     for name in _TENSORS:
         tensor = value["tensors"][name]
         digest.update(name.encode())

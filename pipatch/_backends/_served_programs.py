@@ -59,7 +59,7 @@ __all__ = ["PROGRAM_FORMAT", "PROGRAMS", "BadRequest", "OverLimit", "Bounds", "P
 
 #: The version of this request format: a client and a server of one pipatch version share it;
 #: it changes whenever what a request carries does.
-PROGRAM_FORMAT = 1
+PROGRAM_FORMAT = 2
 
 #: Metric names a request may carry (:class:`~pipatch._cells.Metric`).
 _METRIC_NAMES = ("logit_diff", "prob", "logprob", "logprob_diff", "rank")

@@ -28,7 +28,7 @@ from .._sites import Site
 from ._hooks import Hook
 from ._sae import SAE
 
-__all__ = ["LatentSite", "ErrorSite", "InOut"]
+__all__ = ["LatentSite", "ErrorSite", "NodeValues", "InOut"]
 
 _LATENT = "latent"  # the holder of a latent site inside a block (a block output's is "block")
 
@@ -165,6 +165,13 @@ class LatentSite(Site):
                          about=f"what {self.sae.name} misses of the value it reads", sae=self.sae, reads=self.reads,
                          writes=self.writes)
 
+    @property
+    def nodes_site(self) -> NodeValues:
+        """This SAE's latents and error side by side as one site (:class:`NodeValues`)."""
+        return NodeValues(f"{self.name} nodes", order=self.order, holder=self.holder, sublayer=self.sublayer,
+                          about=f"{self.sae.name}'s latents and error side by side", sae=self.sae, reads=self.reads,
+                          writes=self.writes)
+
     def __repr__(self) -> str:
         return f"<latent site {self.name}: {self.sae!r}>"
 
@@ -194,6 +201,26 @@ class ErrorSite(LatentSite):
 
     def __repr__(self) -> str:
         return f"<error site {self.name}: {self.sae!r}>"
+
+
+@dataclass(frozen=True, repr=False)
+class NodeValues(LatentSite):
+    """An SAE's latents and its error side by side as one site value, ``[rows, T, d_sae +
+    d_out]``: a write of edited ``[f', e']`` adds ``decode(f') − decode(f) + e' − e``, so the
+    SAE's output becomes ``decode(f') + e'`` (a transcoder's skip stays live). Index ``j <
+    d_sae`` is latent ``j``; the rest is the error vector. A feature circuit's faithfulness
+    curve writes a whole SAE's nodes at a position at once through it
+    (:mod:`pipatch._protocols._feature_checks`)."""
+
+    def encode(self, raw: Any) -> torch.Tensor:
+        return torch.cat([super().encode(raw), self.error(raw)], dim=-1)
+
+    def decode(self, value: torch.Tensor) -> torch.Tensor:
+        d_sae = self.n_latents
+        return self.sae.decode(value[..., :d_sae]) + value[..., d_sae:]
+
+    def __repr__(self) -> str:
+        return f"<node values {self.name}: {self.sae!r}>"
 
 
 def latent_site(sae: SAE, reads: Hook, writes: Hook, name: str) -> LatentSite:

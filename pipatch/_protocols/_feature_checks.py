@@ -39,7 +39,7 @@ An ablated node's value (``ablation``): ``"corrupt"``, its value in the corrupt 
 et al.'s patch ablation); ``"mean"``, its mean over the corrupt prompts at that position
 (their default: on one pair, the corrupt run's value again); ``"zero"``, 0 (a latent off, an
 error removed). A whole SAE at a position is written at once: its latents and error side by
-side are one site value (:class:`NodeValues`), so the SAE's output there is
+side are one site value (:class:`~pipatch._features._site.NodeValues`), so the SAE's output there is
 ``decode(f') + e'`` exactly as Marks et al. rebuild it.
 """
 
@@ -54,38 +54,14 @@ from .._cells import Base, Cell, Metric, Op
 from .._engine import Sweep
 from .._features import LatentSite
 from .._features._circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, faithfulness_rows
+from .._features._site import NodeValues
 from .attribution import spearman
 
-__all__ = ["ABLATIONS", "NodeValues", "node_values", "edge_checks", "faithfulness_curve", "curve_entry", "curve_sweep",
-           "curve_sizes", "finish_checks"]
+__all__ = ["ABLATIONS", "edge_checks", "faithfulness_curve", "curve_entry", "curve_sweep", "curve_sizes",
+           "finish_checks"]
 
 #: What an ablated node's value is in the faithfulness curve (module docstring).
 ABLATIONS = ("corrupt", "mean", "zero")
-
-
-@dataclass(frozen=True, repr=False)
-class NodeValues(LatentSite):
-    """An SAE's latents and its error side by side as one site value, ``[rows, T, d_sae +
-    d_out]``: a write of edited ``[f', e']`` adds ``decode(f') − decode(f) + e' − e``, so the
-    SAE's output becomes ``decode(f') + e'`` (a transcoder's skip stays live). Index ``j <
-    d_sae`` is latent ``j``; the rest is the error vector."""
-
-    def encode(self, raw: Any) -> torch.Tensor:
-        return torch.cat([super().encode(raw), self.error(raw)], dim=-1)
-
-    def decode(self, value: torch.Tensor) -> torch.Tensor:
-        d_sae = self.n_latents
-        return self.sae.decode(value[..., :d_sae]) + value[..., d_sae:]
-
-    def __repr__(self) -> str:
-        return f"<node values {self.name}: {self.sae!r}>"
-
-
-def node_values(site: LatentSite) -> NodeValues:
-    """``site``'s latents and error as one site (:class:`NodeValues`)."""
-    return NodeValues(f"{site.name} nodes", order=site.order, holder=site.holder, sublayer=site.sublayer,
-                      about=f"{site.sae.name}'s latents and error side by side", sae=site.sae, reads=site.reads,
-                      writes=site.writes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +213,7 @@ def curve_sweep(sites: list[LatentSite], corrupt: dict[str, tuple[torch.Tensor, 
     ``n`` keeps the nodes of rank below ``n``; several may share one rank: a dataset's node
     at a named position is each of its tokens). The other arguments are
     :func:`faithfulness_curve`'s."""
-    whole = {s.name: node_values(s) for s in sites}
+    whole = {s.name: s.nodes_site for s in sites}
     values, rank, scored = {}, {}, {}
     for site in sites:
         latents, error = corrupt[site.name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import unicodedata
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,18 @@ from .._declare import Param, positive_int
 from .._declare import positions as parse_positions
 from .._errors import warn
 from .._models import PipatchError
-from .._result import recovery_undefined
+from .._result import load_result, recovery_undefined
+
+
+def scored_elsewhere(value: Any, experiment: str, result_type: type) -> Any:
+    """``scores=``: the result of ``pipatch.<experiment>`` computed on a model that takes
+    gradients (a result of ``result_type``, or the file it was saved to), for a backend that
+    takes none (vLLM, served, NDIF) to check by exact patches. Anything else is one line."""
+    found = load_result(value) if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(found, result_type) or found.kind != experiment:
+        raise PipatchError(f"scores={type(value).__name__}: give the result of pipatch.{experiment} (or the file it "
+                           "was saved to) computed on a model that takes gradients (backend='transformers')")
+    return found
 
 
 def _refuse_surrogates(text: str, what: str) -> None:

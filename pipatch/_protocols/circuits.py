@@ -73,7 +73,6 @@ table and its ``graph()`` the graph as JSON.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -99,11 +98,19 @@ from .._programs.circuit import (
     circuit_runs,
     edge_terms,
 )
-from .._result import load_result
 from .._sites import ATTN, EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV, projection
 from . import _circuit_code
 from ._circuit_budget import DEVICE_DEFAULTS, curve_points, estimate_line, gap_middles, grid_sizes
-from ._inputs import BATCH_SIZE, METRIC, PAIR_PARAMS, check_choice, model_meta, pair_title, undefined_recovery_warning
+from ._inputs import (
+    BATCH_SIZE,
+    METRIC,
+    PAIR_PARAMS,
+    check_choice,
+    model_meta,
+    pair_title,
+    scored_elsewhere,
+    undefined_recovery_warning,
+)
 from .attribution import spearman
 from .patching import pair_inputs
 
@@ -435,10 +442,7 @@ def _given_scores(value: Any, senders: Sequence[Node], receivers: Sequence[Node]
     file it was saved to), for a backend that takes no gradients (vLLM, a served model) to
     check and measure: ([receivers, senders], its meta). Its graph must be this model's, node
     for node."""
-    found = load_result(value) if isinstance(value, (str, os.PathLike)) else value
-    if not isinstance(found, CircuitResult):
-        raise PipatchError(f"scores={type(value).__name__}: give the result of pipatch.circuit (or the file it was "
-                           "saved to) computed on a model that takes gradients (backend='transformers')")
+    found = scored_elsewhere(value, "circuit", CircuitResult)
     theirs = (found.meta.get("senders"), found.meta.get("receivers"))
     if theirs != ([n.name for n in senders], [n.name for n in receivers]):
         raise PipatchError(f"scores=: its circuit has {len(theirs[0] or [])} senders and {len(theirs[1] or [])} "

@@ -56,15 +56,24 @@ checks). Both:
 The result is a :class:`~pipatch._features._circuit.FeatureCircuitResult`: ``nodes()`` and
 ``edges()`` are pandas tables, its grid the per-(SAE, position) sums of node scores.
 
-**Backends.** The scores need gradients: the transformers backend's. Only metrics read at
-the last prompt position (a one-token answer and foil, or target) are scored; the others are
-refused in one line, as are a target with a pair, an answer with one prompt, ``steps > 1``
-with one prompt, and ``positions=`` with a dataset.
+**Backends.** The scores need backward passes through the model's modules: the
+transformers backend computes them. vLLM, a served model and NDIF run the exact checks and
+the curve from scores computed there, as component circuits do: ``scores=`` takes a feature
+circuit's result (or the file it was saved to) of the same model family, prompts, answer,
+metric, SAEs and positions (one line names what differs), and its nodes, edges and pruning
+(``top_nodes``, the thresholds, ``top_edges``, ``steps``) stand; this call's ``verify``,
+``verify_edges``, ``curve`` and ``ablation`` say what is measured here, and
+``meta["scores_from"]`` where the scores come from. Without ``scores=`` those backends
+refuse in one line naming it; a dataset's circuit (no checks) takes no ``scores=``.
+Only metrics read at the last prompt position (a one-token answer and foil, or target) are
+scored; the others are refused in one line, as are a target with a pair, an answer with one
+prompt, ``steps > 1`` with one prompt, and ``positions=`` with a dataset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -96,6 +105,7 @@ from ._inputs import (
     POSITIONS,
     model_meta,
     pair_title,
+    scored_elsewhere,
     sweep_positions,
     undefined_recovery_warning,
 )
@@ -141,7 +151,7 @@ class _Scored:
     corrupt: torch.Tensor
     clean_error: torch.Tensor
     corrupt_error: torch.Tensor
-    holder_grad: torch.Tensor  # dM/dx at the written value, [1, T, d]
+    holder_grad: torch.Tensor | None  # dM/dx at the written value, [1, T, d]; None: scores given
 
     @property
     def latent_grad(self) -> torch.Tensor:
@@ -170,12 +180,16 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
                          target: str | None, saes: Any, metric: str | None, steps: int, verify: int, top_nodes: int,
                          node_threshold: float, top_edges: int, edge_threshold: float,
                          positions: Sequence[int] | None, batch_size: int | None, verify_edges: int, curve: int,
-                         ablation: str, labels: Any = None) -> Plan:
-    """Score every node and the edges between kept nodes; plan the exact checks of the top
-    ``verify`` nodes and (a pair) ``verify_edges`` edges and the faithfulness curve's ``curve``
-    points. The parameters are :func:`pipatch.feature_circuit`'s; lists of pairs are
-    a dataset (:func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
+                         ablation: str, labels: Any = None, scores: Any = None) -> Plan:
+    """Score every node and the edges between kept nodes (or take them from ``scores``, a
+    feature circuit computed elsewhere: :func:`_given_scores`); plan the exact checks of the
+    top ``verify`` nodes and (a pair) ``verify_edges`` edges and the faithfulness curve's
+    ``curve`` points. The parameters are :func:`pipatch.feature_circuit`'s; lists of pairs
+    are a dataset (:func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
     if isinstance(clean, (list, tuple)) or isinstance(prompt, (list, tuple)):
+        if scores is not None:
+            raise PipatchError("scores= checks one pair's (or one prompt's) feature circuit, not a dataset's: check "
+                               "each pair with that pair's scores, or run the dataset on transformers")
         return plan_pairs_dataset(backend, plan_feature_circuit, dict(
             clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil, target=target, saes=saes,
             metric=metric, steps=steps, verify=verify, top_nodes=top_nodes, node_threshold=node_threshold,
@@ -192,9 +206,12 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
     top_edges = whole_number(top_edges, "top_edges (edges the circuit keeps)", minimum=0)
     node_threshold, edge_threshold = _threshold(node_threshold, "node_threshold"), _threshold(edge_threshold,
                                                                                              "edge_threshold")
-    if not backend.capabilities.gradients:
-        raise PipatchError(f"feature_circuit scores by gradients, which the {backend.name} backend does not compute: "
-                           "run it on backend='transformers' (the default)")
+    # The scores' backward passes call the torch model's modules, as a circuit's runs do.
+    if scores is None and not (backend.capabilities.gradients and backend.capabilities.circuit_runs):
+        raise PipatchError(f"feature_circuit scores by backward passes through the model's modules, which the "
+                           f"{getattr(backend, 'backend_name', backend.name)} backend does not run: score it on "
+                           "backend='transformers' (the default) and check those here, "
+                           "pipatch.feature_circuit(..., scores=result)")
     sites = _sites(backend, saes)
     inputs = circuit_inputs(backend, clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil,
                             target=target, metric=metric, steps=steps)
@@ -210,39 +227,52 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
     # gradients are taken on and checks write into.
     clean_run, reference, base_run = inputs.runs(backend, [*sites, *errors])
     clean_value, corrupt_value = float(clean_run.metric[0]), float(reference.metric[0])
-    deltas = {s.name: _written_change(s, clean_run.sites[s.name][s.layer], reference.sites[s.name][s.layer],
-                                      clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer])
-              for s, e in zip(sites, errors)}
-    deltas[EMBEDDINGS.name] = (clean_run.embedded - reference.embedded).float()
-    grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(inputs.base_ids, scorer, [EMBEDDINGS, *sites], steps,
-                                                                deltas))
+    saes_meta = [{"name": s.name, "layer": s.layer, "sae": s.sae.name, "d_sae": s.n_latents} for s in sites]
+    given = None if scores is None else _given_scores(scores, backend, inputs, saes_meta, cols)
+    if given is None:
+        deltas = {s.name: _written_change(s, clean_run.sites[s.name][s.layer], reference.sites[s.name][s.layer],
+                                          clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer])
+                  for s, e in zip(sites, errors)}
+        deltas[EMBEDDINGS.name] = (clean_run.embedded - reference.embedded).float()
+        grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(inputs.base_ids, scorer, [EMBEDDINGS, *sites],
+                                                                    steps, deltas))
     scored = [_Scored(s, clean_run.sites[s.name][s.layer], reference.sites[s.name][s.layer],
-                      clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer], grads[s.name][None])
+                      clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer],
+                      None if given is not None else grads[s.name][None])
               for s, e in zip(sites, errors)]
     embedded = _Scored(EMBEDDINGS, clean_run.embedded, reference.embedded, clean_run.embedded, reference.embedded,
-                       grads[EMBEDDINGS.name][None])
+                       None if given is not None else grads[EMBEDDINGS.name][None])
+    metric_node = {"node": METRIC_NODE, "site": METRIC_NODE, "layer": backend.adapter.n_layers, "position": T - 1,
+                   "latent": METRIC_NODE, "score": clean_value - corrupt_value, "exact": clean_value - corrupt_value,
+                   "circuit": True}
 
-    nodes, grid = _nodes(scored, cols)
-    nodes += embedding_nodes(clean_run.embedded, reference.embedded, embedded.holder_grad, cols)
-    ranked = sorted((n for n in nodes if n["latent"] != METRIC_NODE), key=lambda n: -abs(n["score"]))
-    for node in [n for n in ranked if abs(n["score"]) >= node_threshold][:top_nodes]:
-        node["circuit"] = True
-    edges = _edges(backend, inputs.base_ids, [embedded, *scored], nodes, batch)
-    edges = [e for e in sorted(edges, key=lambda e: -abs(e["score"])) if abs(e["score"]) >= edge_threshold][:top_edges]
-    nodes.insert(0, {"node": METRIC_NODE, "site": METRIC_NODE, "layer": backend.adapter.n_layers, "position": T - 1,
-                     "latent": METRIC_NODE, "score": clean_value - corrupt_value, "exact": clean_value - corrupt_value,
-                     "circuit": True})
-    nodes[1:] = sorted(nodes[1:], key=lambda n: -abs(n["score"]))
+    if given is None:
+        nodes, grid = _nodes(scored, cols)
+        nodes += embedding_nodes(clean_run.embedded, reference.embedded, embedded.holder_grad, cols)
+        ranked = sorted((n for n in nodes if n["latent"] != METRIC_NODE), key=lambda n: -abs(n["score"]))
+        for node in [n for n in ranked if abs(n["score"]) >= node_threshold][:top_nodes]:
+            node["circuit"] = True
+        edges = _edges(backend, inputs.base_ids, [embedded, *scored], nodes, batch)
+        edges = [e for e in sorted(edges, key=lambda e: -abs(e["score"]))
+                 if abs(e["score"]) >= edge_threshold][:top_edges]
+        nodes = [metric_node, *sorted(nodes, key=lambda n: -abs(n["score"]))]
+        pruning = {"steps": steps, "method": "atp" if steps == 1 else "ig", "top_nodes": top_nodes,
+                   "node_threshold": node_threshold, "top_edges": top_edges, "edge_threshold": edge_threshold}
+    else:  # its nodes, edges and pruning; the metric node is this run's
+        nodes = [metric_node, *({**n, "exact": None} for n in given.meta["nodes"] if n["latent"] != METRIC_NODE)]
+        edges = [dict(e) for e in given.meta["edges"]]
+        grid = (given.raw[VIEW_NODES][0] - given.corrupt).float()
+        pruning = {k: given.meta[k] for k in ("steps", "method", "top_nodes", "node_threshold", "top_edges",
+                                              "edge_threshold")}
 
     meta = model_meta(backend)
     meta.update({
-        **inputs.meta, "col_axis": "token", "positions": cols, "steps": steps,
-        "method": "atp" if steps == 1 else "ig",
-        "saes": [{"name": s.name, "layer": s.layer, "sae": s.sae.name, "d_sae": s.n_latents} for s in sites],
-        "verify": verify, "top_nodes": top_nodes, "node_threshold": node_threshold, "top_edges": top_edges,
-        "edge_threshold": edge_threshold, "verify_edges": verify_edges, "nodes": nodes, "edges": edges,
+        **inputs.meta, "col_axis": "token", "positions": cols, **pruning, "saes": saes_meta, "verify": verify,
+        "verify_edges": verify_edges, "nodes": nodes, "edges": edges,
     })
     meta["labels"], meta["contexts"] = _notes(sites, _labels_of(sites, labels), nodes)
+    if given is not None:
+        meta["scores_from"] = {k: given.meta.get(k) for k in ("model", "backend", "dtype", "method", "steps")}
     result = FeatureCircuitResult(
         kind="feature_circuit", tokens=inputs.tokens, columns=[inputs.tokens[p] for p in cols],
         layers=[s.name for s in sites], metric=scorer.label, raw={VIEW_NODES: (corrupt_value + grid).unsqueeze(0)},
@@ -272,12 +302,39 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
             Base(inputs.clean_ids, clean_run), scorer, clean_value)
         sweeps.append(curve_run)
     planned = _CheckedPlan(backend, result, sweeps, batch, True)
-    planned.edges_between = lambda marked: _edges(backend, inputs.base_ids, [embedded, *scored], marked, batch)
+    if given is None:
+        planned.edges_between = lambda marked: _edges(backend, inputs.base_ids, [embedded, *scored], marked, batch)
     planned.node_op = lambda node: _ablation(node, by_name, inputs.zero)
     planned.curve_for = lambda ranked, sizes: curve_sweep(
         sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored}, ranked, cols, sizes, ablation,
         Base(inputs.clean_ids, clean_run), scorer)
     return planned
+
+
+#: What a feature circuit given as ``scores=`` must share with the run that checks it.
+_SAME = ("family", "form", "clean_tokens", "corrupt_tokens", "prompt_tokens", "answer_ids", "foil_ids", "metric",
+         "saes", "positions")
+
+
+def _given_scores(value: Any, backend: Any, inputs: Any, saes: list[dict[str, Any]],
+                  cols: list[int]) -> FeatureCircuitResult:
+    """``scores=``: a feature circuit computed elsewhere (its result, or the file it was saved
+    to), for a backend that takes no gradients (vLLM, a served model, NDIF) to check and
+    measure. It must be of this model family, these prompts and answer, metric, SAEs and
+    positions (:data:`_SAME`); one line names what differs."""
+    found = scored_elsewhere(value, "feature_circuit", FeatureCircuitResult)
+    if found.meta.get("dataset"):
+        raise PipatchError("scores=: it is a dataset's feature circuit; scores= takes one pair's (or one prompt's): "
+                           "score one pair and pass that result")
+    here = {**inputs.meta, "family": backend.adapter.family, "metric": inputs.metric.label, "saes": saes,
+            "positions": cols}
+    there = {**found.meta, "metric": found.metric}
+    differ = [k for k in _SAME if json.dumps(here.get(k)) != json.dumps(there.get(k))]
+    if differ:
+        raise PipatchError(f"scores=: its feature circuit differs from this run in its {', '.join(differ)}: score "
+                           "the same model, prompts, answer, SAEs and positions on backend='transformers' and pass "
+                           "that result")
+    return found
 
 
 def _written_change(site: LatentSite, clean: torch.Tensor, corrupt: torch.Tensor, clean_error: torch.Tensor,
@@ -474,6 +531,9 @@ DECLARATION = Experiment(
         replace(POSITIONS, single="positions= picks token positions of one pair: a dataset is averaged over named "
                                   "positions; leave positions out"),
         BATCH_SIZE,
+        Param("scores", None, "the nodes and edges of a feature circuit computed elsewhere (its result, or the file it "
+              "was saved to): a backend that takes no gradients (vLLM, served, NDIF) checks them by exact patches and "
+              "measures the curve", "Result | str | None", shown="computed here"),
     ),
     example='%%feature_circuit --saes saes/L3 --saes saes/L6 --answer " Paris" --foil " Rome" -o graph\n'
             "clean: The Eiffel Tower is in the city of\n"
@@ -508,5 +568,16 @@ DECLARATION = Experiment(
     One prompt, as attribution graphs explain it (the target's logit):
 
     >>> g = pipatch.feature_circuit(model, saes=saes, prompt="The Eiffel Tower is in the city of", target=" Paris")
+
+    Scored on transformers, checked on a backend without gradients (vLLM, served, NDIF): the
+    same SAE folders loaded onto that model, the same prompts, ``scores=`` the result above
+    (or its file); without ``scores=`` it is refused in one line naming it:
+
+    >>> vl = pipatch.load_model(backend="vllm")
+    >>> c = pipatch.feature_circuit(vl, saes=pipatch.load_saes(["saes/L3", "saes/L6"], vl),
+    ...                             clean="The Eiffel Tower is in the city of",
+    ...                             corrupt="The Colosseum is in the city of", answer=" Paris", foil=" Rome",
+    ...                             scores=r)
+    >>> c.nodes().dropna(subset="exact"), c.faithfulness()
     """,
 )

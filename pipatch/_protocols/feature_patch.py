@@ -33,7 +33,6 @@ written into; the grid stays normalized recovery, 1 the clean run's metric, 0 th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,7 +62,6 @@ from .._features._screen import (
 from .._features._site import ErrorSite
 from .._programs.capture import captures
 from .._programs.gradients import gradients
-from .._result import load_result
 from ._feature_code import feature_patch_code
 from ._inputs import (
     BATCH_SIZE,
@@ -73,6 +71,7 @@ from ._inputs import (
     check_choice,
     model_meta,
     pair_title,
+    scored_elsewhere,
     sweep_positions,
     undefined_recovery_warning,
 )
@@ -250,10 +249,7 @@ def _given_scores(value: Any, target: LatentSite, cols: list[int],
     file it was saved to), for a backend that takes no gradients (vLLM, a served model):
     its rows, estimates and checked cells, as :func:`screen` returns them. It must be of the
     same SAE at the same positions, in the same direction."""
-    found = load_result(value) if isinstance(value, (str, os.PathLike)) else value
-    if not isinstance(found, FeaturePatchResult) or isinstance(found, FeatureTraceResult):
-        raise PipatchError(f"scores={type(value).__name__}: give the result of pipatch.feature_patch (or the file it "
-                           "was saved to) computed on a model that takes gradients (backend='transformers')")
+    found = scored_elsewhere(value, "feature_patch", FeaturePatchResult)
     screened = (found.meta.get("sae"), found.meta.get("positions"), found.meta.get("direction", "denoise"))
     if screened != (target.sae.name, cols, direction):
         raise PipatchError(f"scores=: it screened SAE {screened[0]!r} at positions {screened[1]} ({screened[2]}), "

@@ -529,6 +529,36 @@ def test_bad_input_is_one_line(tmp_path):
         pipatch.feature_circuit(model, saes=sites, answer=ANSWER, progress=False)
 
 
+def test_scores_given_are_checked_here_and_bad_scores_are_one_line(tmp_path):
+    """``scores=`` (what vLLM, served and NDIF take) on the transformers backend: a pair's and
+    one prompt's circuit, checked again from their scores, keep the nodes and edges and
+    give the same exact values. Scores of another prompt, answer or set of SAEs, of
+    another experiment, or for a dataset are refused in one line."""
+    model, weights, sites = build(tmp_path, "gpt2")
+    kwargs = dict(saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL, progress=False, verify=3,
+                  verify_edges=2, curve=2, top_nodes=6)
+    one = dict(saes=sites, prompt=CLEAN, progress=False, verify=3, top_nodes=6)
+    for options in (kwargs, one):
+        scored = pipatch.feature_circuit(model, **options)
+        checked = pipatch.feature_circuit(model, **options, scores=scored)
+        assert checked.meta["scores_from"]["backend"] == "transformers"
+        for table in ("nodes", "edges"):
+            mine, theirs = getattr(checked, table)(), getattr(scored, table)()
+            assert mine.drop(columns="exact").equals(theirs.drop(columns="exact"))
+            assert torch.allclose(torch.tensor(mine["exact"].to_numpy()), torch.tensor(theirs["exact"].to_numpy()),
+                                  atol=1e-6, equal_nan=True)
+        assert int(checked.nodes()["exact"].notna().sum()) == 1 + 3
+    scored = pipatch.feature_circuit(model, **{**kwargs, "verify": 0, "verify_edges": 0, "curve": 0})
+    for bad, words in [({"corrupt": "The Louvre is in the city of"}, "differs from this run in its corrupt_tokens"),
+                       ({"foil": " Paris"}, "in its foil_ids"), ({"saes": sites[:2]}, "in its saes"),
+                       ({"positions": [-1]}, "in its positions"),
+                       ({"scores": 3}, "scores=int: give the result of pipatch.feature_circuit"),
+                       ({"clean": [CLEAN], "corrupt": [CORRUPT]}, "scores= checks one pair's (or one prompt's) feature circuit, not a dataset's")]:
+        with pytest.raises(pipatch.PipatchError) as error:
+            pipatch.feature_circuit(model, **{**kwargs, "scores": scored, **bad})
+        assert words in str(error.value) and "\n" not in str(error.value), error.value
+
+
 def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
     """One SAE (layer 6): its latents and errors as nodes, the embeddings below it (edges from
     them only); the top 20 nodes' estimates against their exact patches (the rank correlation

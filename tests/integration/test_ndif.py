@@ -27,7 +27,7 @@ from pipatch._known import remember
 from pipatch._models import PipatchError
 from pipatch._programs import gradients
 from pipatch._registry import EXPERIMENTS
-from tests._equal import assert_close
+from tests._equal import assert_close, assert_same_feature_circuit_checks
 from tests._experiments import EMBEDDED, TINY, python_result
 from tests._tiny import tiny_model
 from tests.conftest import EIFFEL
@@ -121,11 +121,23 @@ def test_a_circuit_is_scored_locally_and_checked_remotely():
     assert not [w for w in quiet.warnings if "faithfulness" in w]
 
 
-def test_a_feature_circuit_is_refused_remotely_in_one_line():
-    remote = tiny_model("qwen2")
+def test_a_feature_circuit_is_scored_locally_and_checked_remotely(tmp_path):
+    """A feature circuit's scores take local backward passes: refused remotely in one line
+    naming ``scores=``. Given the local circuit (or the file it was saved to), the remote runs
+    its exact node ablations, edge patches and faithfulness curve, each equal to the local
+    one's; scores of other positions are refused in one line."""
+    local, remote = tiny_model("qwen2"), tiny_model("qwen2")
     remember(remote, remote="local")
-    with pytest.raises(PipatchError, match="backend='transformers'") as caught:
-        pipatch.feature_circuit(remote, **TINY["feature_circuit"])
+    options = {**TINY["feature_circuit"], "verify": 3, "verify_edges": 2, "curve": 2}
+    scored, checked = assert_same_feature_circuit_checks(remote, local, options, "ndif", atol=1e-5)
+    scored.save(tmp_path / "scored.json")
+    from_file = pipatch.feature_circuit(remote, **options, scores=str(tmp_path / "scored.json"))
+    for table in ("nodes", "edges"):
+        assert_close(torch.tensor(getattr(from_file, table)()["exact"].to_numpy()),
+                     torch.tensor(getattr(checked, table)()["exact"].to_numpy()), 1e-6, rtol=0)
+    scored = pipatch.feature_circuit(local, **{**options, "positions": [-1]})
+    with pytest.raises(PipatchError, match=r"differs from this run in its positions: ") as caught:
+        pipatch.feature_circuit(remote, **options, scores=scored)
     assert "\n" not in str(caught.value)
 
 

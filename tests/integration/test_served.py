@@ -42,13 +42,16 @@ from pipatch._programs import PatchRequest, patch  # noqa: E402
 from pipatch._serve import GENERATE_PATH, SKIP_HEADER, Spawned  # noqa: E402
 from pipatch._sites import RESID  # noqa: E402
 from tests._equal import (  # noqa: E402
+    ATOL,
     assert_close,
     assert_same,
     assert_same_circuit_checks,
     assert_same_circuit_runs,
     assert_same_click,
+    assert_same_feature_circuit_checks,
     assert_same_multi_token,
 )
+from tests._experiments import EMBEDDED  # noqa: E402
 from tests._program_requests import BAD_REQUESTS, good_request  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL, MEAN_PROMPTS  # noqa: E402
 
@@ -221,6 +224,16 @@ def test_latents_read_and_patch_on_the_server_as_on_transformers(served, model, 
           f"{max(abs(mine[cell] - value) for cell, value in theirs.items()):.2g}")
     assert_close(torch.tensor([mine[c] for c in theirs]), torch.tensor(list(theirs.values())))
     assert max(abs(value - screened.corrupt) for value in theirs.values()) > 1e-3  # the patches move it
+
+
+def test_a_feature_circuit_scored_on_transformers_is_checked_through_the_server(served, model):
+    """A feature circuit's checks through the server: refused without ``scores=`` in one line
+    naming it; given the transformers circuit, its exact node ablations and edge patches (an
+    SAE's latents and error, by name and as data) equal the transformers ones within 1e-4,
+    and its faithfulness curve (each SAE's latents and error written as one site) within a
+    circuit's checks' 1e-3, as on vLLM in process."""
+    options = {**EMBEDDED["feature_circuit"]["kwargs"], "verify": 3, "verify_edges": 2, "curve": 2}
+    assert_same_feature_circuit_checks(served, model, options, "served", curve_atol=ATOL * 10)
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,14 +30,17 @@ from pipatch._backends import backend_for  # noqa: E402
 from pipatch._load import _SHARED, shared_model  # noqa: E402
 from pipatch._models import PipatchError  # noqa: E402
 from tests._equal import (  # noqa: E402
+    ATOL,
     assert_close,
     assert_same,
     assert_same_circuit_checks,
     assert_same_circuit_runs,
     assert_same_click,
+    assert_same_feature_circuit_checks,
     assert_same_multi_token,
     attention_both_ways,
 )
+from tests._experiments import EMBEDDED  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL, MEAN_PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -537,6 +540,16 @@ def test_latents_read_and_patch_on_vllm_as_on_transformers(vllm_model, model, tm
     theirs = {(e["layer"], e["col"]): e["actual"] for e in screened.meta["verified_values"]}
     assert mine.keys() == theirs.keys() and len(mine) == 4 + 3
     assert_close(torch.tensor([mine[c] for c in theirs]), torch.tensor(list(theirs.values())))
+
+
+def test_a_feature_circuit_scored_on_transformers_is_checked_on_vllm(vllm_model, model):
+    """A feature circuit (random SAEs after layers 5 and 6, each folder loaded onto each
+    model): refused on vLLM without ``scores=`` in one line naming it; given the transformers
+    circuit, vLLM's exact node ablations and edge patches equal its own within 1e-4, and its
+    faithfulness curve (whole SAEs ablated at once) within a circuit's checks' 1e-3."""
+    options = {**EMBEDDED["feature_circuit"]["kwargs"], "verify": 3, "verify_edges": 2, "curve": 2}
+    assert_same_feature_circuit_checks(vllm_model, model, options, "vllm", curve_atol=ATOL * 10)
+
 
 def test_bad_backend_choices_are_one_line():
     with pytest.raises(PipatchError, match="unknown backend 'vlm': use transformers or vllm"):

@@ -198,6 +198,24 @@ def test_a_latent_site_arrives_as_the_same_sae(kind):
     assert [s.name for s in captured.jobs[0][1][1]] == [site.name, "resid"]
 
 
+def test_an_saes_latents_and_error_side_by_side_arrive_as_one_site():
+    """A feature circuit's faithfulness curve writes an SAE's latents and error as one site
+    (:class:`~pipatch._features._site.NodeValues`): it travels as the SAE's description with
+    ``part`` ``"nodes"`` and is rebuilt as that site, with the same math."""
+    from pipatch._features._site import NodeValues
+
+    site = _latent_site()
+    nodes = site.nodes_site
+    op = Op(nodes, 2, nodes.cell(3, [1, 40]), torch.randn(1, 1, 2))
+    got = decode(encode(patch_request, [(IDS, (ADAPTER, METRIC, [op], False, None))], 0, ADAPTER), BOUNDS)
+    rebuilt = got.jobs[0][1][1][0].site
+    assert type(rebuilt) is NodeValues and (rebuilt.name, rebuilt.place_key) == (nodes.name, nodes.place_key)
+    x = torch.randn(2, 5, 32)
+    assert rebuilt.encode(x).shape[-1] == site.n_latents + 32
+    assert torch.equal(rebuilt.encode(x), nodes.encode(x))
+    assert torch.equal(rebuilt.decode(nodes.encode(x)), nodes.decode(nodes.encode(x)))
+
+
 def _sae_edit(change):
     """The request naming a latent site, with ``change`` applied to the site's description."""
     import io
@@ -213,6 +231,7 @@ def _sae_edit(change):
 
 BAD_SAES = {
     "a missing field": (lambda d: d.pop("k"), "the SAE's description is not"),
+    "an unknown part": (lambda d: d.update(part="weights"), "part 'weights' is not one of latents, error, nodes"),
     "an unknown activation": (lambda d: d.update(activation="gelu"), "activation 'gelu' is not one of"),
     "a layer the model lacks": (lambda d: d.update(reads=[9, *d["reads"][1:]]), "reads layer 9 is not in [0, 4)"),
     "a module path of its own": (lambda d: d.update(reads=[2, "resid_post", "mlp.__class__", False]),
