@@ -17,8 +17,10 @@ numbers. Then time and turns: requests held past 45 s are stopped (504) and a fi
 for one key is refused (429), while another key's requests go on; three clients at once (one
 SIGKILLed mid-sweep, whose requests the server drops; one sending bad requests between 200
 tiny sweeps, the server's memory flat; one running a study, equal to the transformers
-backend's); a short sweep started during a long one waits at most about one of its batches.
-Last: SIGTERM leaves none of the server's processes behind.
+backend's); a short sweep started during a long one (216 cells) waits at most about one of
+its batches. Then SIGTERM leaves none of the server's processes behind. Last, with that server
+gone (one engine's memory at a time): a server SIGKILLed mid-study and a new one started on its
+port, where the study run again resumes from its store.
 
 Run apart from the other vLLM suites, one pytest process each.
 """
