@@ -30,7 +30,8 @@ server is nnsight 0.8.1's FastAPI app around an async ``VLLM`` model, started th
   (:func:`_no_client_code`).
 * **One skip at a time, in turns.** A client's batch skips the blocks below its patches, and
   nnsight's batched skip has to cover every request of an engine step: requests enter the
-  engine together only where they skip as many blocks (by :data:`SKIP_HEADER`), and in turns
+  engine together only where they skip as many blocks (each says so in :data:`SKIP_HEADER`;
+  pipatch's route checks it against its program and waits once the program is built), and in turns
   by client, so a long sweep does not hold a short one behind it
   (:class:`~pipatch._serve_guard.Rooms`).
 * **The tree by name.** On pipatch's CPU workers, an invoke names the model's envoy tree
@@ -269,20 +270,21 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     info["limits"] = dataclasses.asdict(limits)
     server.app.add_api_route(INFO_PATH, describe, methods=["GET"])
     adapter = vllm_adapter(model, info["tensor_parallel_size"])
+    rooms, load = Rooms(), Load()
     _programs_by_name(server, adapter,
-                      Bounds.of(adapter, config.model_config.get_vocab_size(), info["max_model_len"], limits))
+                      Bounds.of(adapter, config.model_config.get_vocab_size(), info["max_model_len"], limits), rooms)
     if args.allow_client_code:
         print("pipatch serve: --allow-client-code: nnsight's routes run the Python code clients send, as this "
               "server's user, with its files and the engine's memory; give keys only to people you would give "
               "a shell here", flush=True)
     else:
         _no_client_code(server)
-    rooms, load = Rooms(), Load()
     _load_route(server, rooms, load)
     info["skip_rooms"] = True
     # Added last, so run first (Starlette's order): the key, then the time and the requests in
-    # flight, then the body's size, then the rooms (every generate, pipatch's and nnsight's).
-    server.app.add_middleware(RoomGate, rooms=rooms, paths=(GENERATE_PATH, CLIENT_CODE_PREFIX + "generate"))
+    # flight, then the body's size, then the rooms for nnsight's generate (pipatch's route
+    # enters them itself, once its request is checked and built).
+    server.app.add_middleware(RoomGate, rooms=rooms, paths=(CLIENT_CODE_PREFIX + "generate",))
     server.app.add_middleware(BodyLimit, limits=limits)
     server.app.add_middleware(RequestGuard, limits=limits, load=load)
     if args.keys:
@@ -312,7 +314,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return 0
 
 
-def _programs_by_name(server: Any, adapter: Any, bounds: Any) -> None:
+def _programs_by_name(server: Any, adapter: Any, bounds: Any, rooms: Rooms) -> None:
     """Add :data:`GENERATE_PATH`: a program by name, checked, built here and run.
 
     * The request names one of pipatch's programs and carries its jobs' data
@@ -320,10 +322,14 @@ def _programs_by_name(server: Any, adapter: Any, bounds: Any) -> None:
       model's vocabulary, layers, width, context and sites) before anything runs, and a
       malformed one is answered 400 with one line; one over the server's limits (invokes,
       prompt tokens: ``bounds.limits``), 413 naming the limit's flag. Its skip must be the one its
-      :data:`SKIP_HEADER` said (the rooms admitted it by that).
+      :data:`SKIP_HEADER` says.
     * The trace is built here from the server's own copy of the program, with the server's
       ``adapter``; a failure while it runs comes back in nnsight's answer, as the error of
       that request only.
+    * Checked and built, it waits for its turn in ``rooms`` (by its skip and its client:
+      :class:`~pipatch._serve_guard.Rooms`) and leaves them once its engine requests are
+      collected: the next request is checked and built while the engine runs this one, and
+      its answer is written while the engine runs the next.
     * Each invoke's saves come back under their own keys (``name@request-id``, in invoke
       order), where nnsight's route merges them by name (the last invoke's value only).
     * A request's invokes are collected in one call to the workers, where nnsight's route
@@ -359,14 +365,15 @@ def _programs_by_name(server: Any, adapter: Any, bounds: Any) -> None:
         ids = [str(uuid.uuid4()) for _ in prompts]
 
         collected: dict | None = None
-        try:
-            outputs = await _together(engine, ids, prompts, params, loras)
-            # Without the engine's RequestOutputs (nnsight would pickle them across to serve
-            # ``tracer.result``, which pipatch's invoke bodies never read: they save their values).
-            collected = merge_collected(await engine.collective_rpc("collect_nnsight", args=(ids, ids)))
-        finally:
-            if collected is None:  # cancelled (a shutdown): free what the workers hold for them
-                await asyncio.shield(engine.collective_rpc("collect_nnsight", args=(ids, ids)))
+        async with rooms.room(program.skip, client_of(request.scope)):
+            try:
+                outputs = await _together(engine, ids, prompts, params, loras)
+                # Without the engine's RequestOutputs (nnsight would pickle them across to serve
+                # ``tracer.result``, which pipatch's invoke bodies never read: they save their values).
+                collected = merge_collected(await engine.collective_rpc("collect_nnsight", args=(ids, ids)))
+            finally:
+                if collected is None:  # cancelled (a shutdown, a client gone): free what the workers hold
+                    await asyncio.shield(engine.collective_rpc("collect_nnsight", args=(ids, ids)))
         saves: dict[str, Any] = {}
         error = None
         for rid, out in zip(ids, outputs):

@@ -29,6 +29,7 @@ line, before anything is sent.
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 from collections.abc import Callable
@@ -110,6 +111,7 @@ def sites_of(adapter: Adapter) -> dict[str, Site]:
     return named
 
 
+@functools.cache  # read from the installed metadata once: every request carries it
 def pipatch_version() -> str:
     """This pipatch's installed version ("" where it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version

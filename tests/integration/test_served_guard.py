@@ -17,8 +17,10 @@ numbers. Then time and turns: requests held past 45 s are stopped (504) and a fi
 for one key is refused (429), while another key's requests go on; three clients at once (one
 SIGKILLed mid-sweep, whose requests the server drops; one sending bad requests between 200
 tiny sweeps, the server's memory flat; one running a study, equal to the transformers
-backend's); a short sweep started during a long one waits at most about one of its batches.
-Last: SIGTERM leaves none of the server's processes behind.
+backend's); a short sweep started during a long one (216 cells) waits at most about one of
+its batches. Then SIGTERM leaves none of the server's processes behind. Last, with that server
+gone (one engine's memory at a time): a server SIGKILLed mid-study and a new one started on its
+port, where the study run again resumes from its store.
 
 Run apart from the other vLLM suites, one pytest process each.
 """
@@ -405,10 +407,14 @@ def test_three_clients_one_killed_one_bad_one_studying(server, files, served, mo
         assert_same(found[i], unserved[i], backend="served")
 
 
+#: A prefix that makes the pair 12 positions or longer: the long sweep's 18 layers × 12 positions.
+LONG_PREFIX = "Tourists from many countries say that "
+
+
 def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_batches(server, files, served):
-    """Alice's sweep of 72 cells in batches of 18; Bob's one-batch sweep, started while it runs,
-    finishes before it and within the time of two of her batches (her sweep's time over its
-    batches)."""
+    """Alice's sweep of 216 cells (18 layers × 12 positions) in batches of 18; Bob's one-batch
+    sweep, started while it runs, finishes before it and within the time of two of her
+    batches (her sweep's time over its batches)."""
     bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
     pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)  # warm
     alice = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
@@ -418,8 +424,9 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
     def sweep():
         with alice.log.recording() as events:
             started = time.perf_counter()
-            long["result"] = pipatch.patch(alice, **PAIR, site="resid", positions=[-4, -3, -2, -1], batch_size=18,
-                                           progress=False)
+            long["result"] = pipatch.patch(alice, clean=LONG_PREFIX + EIFFEL, corrupt=LONG_PREFIX + COLOSSEUM,
+                                           answer=" Paris", foil=" Rome", site="resid", positions=list(range(-12, 0)),
+                                           batch_size=18, progress=False)
             long["seconds"], long["batches"] = time.perf_counter() - started, len(
                 [event for event in events if event["event"] == "requests"])
 
@@ -435,6 +442,7 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
     print(f"long: {long['batches']} batches in {long['seconds']:.1f} s ({batch:.2f} s each); short, during it: "
           f"{timing['short']:.2f} s")
     assert short.status == long["result"].status == "done" and overlapped
+    assert long["result"].grid.numel() >= 200 and long["batches"] >= 11
     assert timing["short"] <= 2 * batch
     alice.server.close()
 
@@ -445,3 +453,65 @@ def test_sigterm_stops_the_server_and_every_process_it_started(server):
     while server.alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert server.alive() == [], f"left running: {server.alive()}"
+
+
+# --------------------------------------------------------------------------------------------
+# A server restarted mid-study (after the module's server stopped: one server at a time)
+# --------------------------------------------------------------------------------------------
+
+
+def _finished(store) -> dict[int, tuple[str, float]]:
+    """``{fact index: (status, when it was stored)}`` of a study's store."""
+    import sqlite3
+
+    if not store.exists():
+        return {}
+    with sqlite3.connect(store) as db:
+        try:
+            rows = db.execute("SELECT idx, status, finished FROM facts").fetchall()
+        except sqlite3.OperationalError:  # the study is making it
+            return {}
+    return {idx: (status, finished) for idx, status, finished in rows}
+
+
+def test_a_server_killed_mid_study_and_restarted_lets_the_study_resume(model, tmp_path):
+    """A study on a served model, facts one by one; the server SIGKILLed (its whole process
+    tree) once the first fact is stored, while the second runs: the second is stored as an
+    error. A new server on the same port, the study run again with the same model and store:
+    the first fact is not run again (its row as it was), the second is, and both equal the
+    same study on the transformers backend."""
+    data = json.loads(pipatch.known_facts().read_text())
+    facts = [data[3], data[21]]  # facts the embedded model knows
+    cheap = {"sites": "resid", "seeds": 1, "scale": 3.0, "progress": False, "in_flight": 1}
+    store = tmp_path / "served.sqlite"
+    first = Spawned(env={"PIPATCH_API_KEY": ENV_KEY})
+    second = None
+    try:
+        served = pipatch.load_model(serve=first.url, api_key=ENV_KEY)
+        studied = {}
+        thread = threading.Thread(target=lambda: studied.update(found=pipatch.study(served, facts, store=store, **cheap)))
+        thread.start()
+        waited = _wait_for("the first fact stored", lambda: 0 in _finished(store), 300)
+        first.kill()
+        _wait_for("the killed server's processes gone", lambda: not first.alive(), 60)
+        thread.join(120)
+        before = _finished(store)
+        print(f"killed {waited:.1f} s into the study; the store then: {before}")
+        assert not thread.is_alive() and before[0][0] == "done" and before[1][0] == "error", before
+        assert studied["found"].counts()["done"] == 1, studied["found"].summary()
+
+        second = Spawned(port=first.port, env={"PIPATCH_API_KEY": ENV_KEY})
+        found = pipatch.study(served, facts, store=store, **cheap)
+        after = _finished(store)
+        print(f"second server ready in {second.start_s:.1f} s; the store after the rerun: {after}")
+        assert after[0] == before[0]  # stored before the kill: not run again
+        assert after[1][0] == "done" and after[1][1] > before[1][1]
+        assert found.counts()["done"] == 2, found.summary()
+    finally:
+        first.kill()
+        if second is not None:
+            second.stop()
+            second.kill()
+    unserved = pipatch.study(model, facts, store=tmp_path / "transformers.sqlite", **cheap)
+    for i in range(2):
+        assert_same(found[i], unserved[i], backend="served")
