@@ -87,6 +87,7 @@ class _EdgeChecks(Sweep):
     ups: list[Op] = field(default_factory=list)
     downs: list[tuple[LatentSite, tuple]] = field(default_factory=list)
     corrupt_value: float = 0.0
+    sign: float = 1.0
 
     @property
     def tracks_rows(self) -> bool:
@@ -101,15 +102,17 @@ class _EdgeChecks(Sweep):
         return Cell(row, col, seed, start=up.site.start_layer(up.layer), ops=[up, Op(site, layer, index)], then=then)
 
     def store(self, result: Any, cell: Cell, value: float) -> None:
-        result.meta["edges"][self.checked[cell.row]]["exact"] = value - self.corrupt_value
+        result.meta["edges"][self.checked[cell.row]]["exact"] = self.sign * (value - self.corrupt_value)
 
 
 def edge_checks(edges: list[dict[str, Any]], nodes: list[dict[str, Any]], sites: dict[str, LatentSite],
                 writes: dict[str, Op], verify_edges: int, base: Base, metric: Metric,
-                corrupt_value: float) -> _EdgeChecks:
+                corrupt_value: float, sign: float = 1.0) -> _EdgeChecks:
     """The exact checks of the ``verify_edges`` first of ``edges`` (largest ``|score|`` first);
-    ``writes[name]`` is node ``name``'s clean-value op (its exact node patch). Sets every
-    edge's ``exact`` to ``None``: not checked, or not yet."""
+    ``writes[name]`` is node ``name``'s exact node patch (a pair: its clean value; one prompt:
+    zero), ``corrupt_value`` the metric of ``base``, ``sign`` −1 where an edge's exact is
+    ``M(base) − M(patched)`` (one prompt's zero ablations, as its estimate). Sets every edge's
+    ``exact`` to ``None``: not checked, or not yet."""
     by_name = {n["node"]: n for n in nodes}
     for edge in edges:
         edge["exact"] = None
@@ -117,7 +120,8 @@ def edge_checks(edges: list[dict[str, Any]], nodes: list[dict[str, Any]], sites:
     downs = [_node_index(sites[by_name[edges[i]["downstream"]]["site"]], by_name[edges[i]["downstream"]])
              for i in checked]
     return _EdgeChecks(view=VIEW_NODES, base=base, metric=metric, n_rows=len(checked), n_cols=1, checked=checked,
-                       ups=[writes[edges[i]["upstream"]] for i in checked], downs=downs, corrupt_value=corrupt_value)
+                       ups=[writes[edges[i]["upstream"]] for i in checked], downs=downs, corrupt_value=corrupt_value,
+                       sign=sign)
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,10 +45,13 @@ clean/corrupt pair, with SAEs at one layer or several (:func:`pipatch.load_saes`
   (:mod:`pipatch._protocols._feature_checks`; ``result.faithfulness()``).
 
 The checks and the curve are sweeps of patched runs (live, batched): they need no gradients.
-Edge checks run on a pair; the curve on a pair and a dataset (one prompt has neither).
+Edge checks run on a pair and one prompt; the curve on all three forms.
 
 On **one prompt** (``prompt=``, ``target=``; attribution graphs' form) every score is
-relative to zero at the prompt's run and the checks zero-ablate; **lists of pairs** are a
+relative to zero at the prompt's run and the checks zero-ablate: a node's and an edge's
+``exact`` is ``M(prompt) − M(patched)`` (an edge's upstream node zeroed, its change reaching
+the downstream node alone), and the curve zero-ablates whatever ``ablation`` says (zero is
+one prompt's only counterfactual); **lists of pairs** are a
 dataset averaged over named positions (nodes, edges, node checks and the curve; no edge
 checks). Both:
 :mod:`pipatch._protocols._feature_circuit_inputs`.
@@ -292,15 +295,18 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
                         checked=checked, ops=[_ablation(nodes[i], by_name, inputs.zero) for i in checked],
                         corrupt_value=float(base_run.metric[0]), sign=-1.0 if inputs.zero else 1.0, scored=by_name)
     sweeps: list[Sweep] = [sweep]
-    if not inputs.zero:  # a pair: the edges' and the curve's counterfactual is the corrupt run
-        in_edges = {e[end] for e in edges for end in ("upstream", "downstream")}
-        writes = {n["node"]: _ablation(n, by_name, False) for n in nodes if n["node"] in in_edges}
-        sweeps.append(edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges,
-                                  Base(inputs.base_ids, base_run), scorer, corrupt_value))
-        curve_run, result.meta["curve"] = faithfulness_curve(
-            sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored}, nodes, cols, curve, ablation,
-            Base(inputs.clean_ids, clean_run), scorer, clean_value)
-        sweeps.append(curve_run)
+    # The edges' and the curve's counterfactual: the corrupt run (a pair), or zeros (one prompt:
+    # an edge's upstream node zeroed, the curve's ablated nodes zeroed, whatever ``ablation``).
+    ablation = "zero" if inputs.zero else ablation
+    in_edges = {e[end] for e in edges for end in ("upstream", "downstream")}
+    writes = {n["node"]: _ablation(n, by_name, inputs.zero) for n in nodes if n["node"] in in_edges}
+    sweeps.append(edge_checks(edges, nodes, {s.name: s for s in sites}, writes, verify_edges,
+                              Base(inputs.base_ids, base_run), scorer, float(base_run.metric[0]),
+                              sign=-1.0 if inputs.zero else 1.0))
+    curve_run, result.meta["curve"] = faithfulness_curve(
+        sites, {s.site.name: (s.corrupt, s.corrupt_error) for s in scored}, nodes, cols, curve, ablation,
+        Base(inputs.clean_ids, clean_run), scorer, clean_value)
+    sweeps.append(curve_run)
     planned = _CheckedPlan(backend, result, sweeps, batch, True)
     if given is None:
         planned.edges_between = lambda marked: _edges(backend, inputs.base_ids, [embedded, *scored], marked, batch)
@@ -521,7 +527,7 @@ DECLARATION = Experiment(
         Param("curve", 8, "circuit sizes the faithfulness and completeness curve measures (0: none)", "int",
               parse=count),
         Param("ablation", "corrupt", "what the curve sets ablated nodes to: corrupt, mean (over the corrupt "
-              "prompts) or zero", "str"),
+              "prompts) or zero (one prompt: always zero)", "str"),
         LABELS,
         Param("top_nodes", 30, "nodes the circuit keeps (largest |score| first); edges join kept nodes", "int",
               parse=positive_int),

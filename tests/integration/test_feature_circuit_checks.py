@@ -15,6 +15,8 @@ each value against a hand-written reference of plain torch forward hooks
   that node at every token of its named position over their count; each curve point, the
   mean over the pairs of the hand-ablated runs above, a pair's circuit every node of it that
   falls in a kept averaged node;
+* one prompt: the same with zeros for the corrupt values (an edge's upstream node zeroed in
+  the prompt's run, ``exact = M(prompt) − M(patched)``; the curve zero-ablates);
 * bad options are one line.
 """
 
@@ -37,6 +39,7 @@ from tests.integration.test_feature_circuit import (
     logit_diff,
     rebuild,
     run_with,
+    target_logit,
 )
 from tests.integration.test_features import CLEAN, CORRUPT, FAMILIES, hand_encode
 
@@ -47,14 +50,15 @@ def split(weights, kind, layer, x_in, out):
     return f, out - rebuild(weights[layer], x_in, f, 0)
 
 
-def metric(model, ids, edits):
+def metric(model, ids, edits, score=logit_diff):
     with torch.no_grad():
-        return float(logit_diff(model, run_with(model, ids, edits))[0])
+        return float(score(model, run_with(model, ids, edits))[0])
 
 
-def hand_edge(model, weights, kind, corrupt_ids, clean, up, down):
+def hand_edge(model, weights, kind, corrupt_ids, clean, up, down, score=logit_diff):
     """The exact edge patch of ``up`` → ``down`` (node dicts; ``up`` may be an embedding
-    node): the patched metric, by two hooked runs."""
+    node): the patched metric, by two hooked runs on ``corrupt_ids``, the upstream node set to
+    its value in ``clean`` (one prompt: zeros)."""
     seen = {}
 
     def set_up(x_in, out):
@@ -87,11 +91,11 @@ def hand_edge(model, weights, kind, corrupt_ids, clean, up, down):
         return out
 
     first = {"embed": set_embedding} if up["latent"] == "embed" else {up["layer"]: set_up}
-    metric(model, corrupt_ids, {**first, down["layer"]: read_down})
-    return metric(model, corrupt_ids, {down["layer"]: set_down})
+    metric(model, corrupt_ids, {**first, down["layer"]: read_down}, score)
+    return metric(model, corrupt_ids, {down["layer"]: set_down}, score)
 
 
-def hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement):
+def hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement, score=logit_diff):
     """The clean run's metric with, at every layer, each latent and error outside ``circuit``
     (``complement``: inside it) set to ``ablated[layer]``'s ``(f, e)``; ``circuit`` a set of
     ``(layer, position, latent or "error")``."""
@@ -112,13 +116,19 @@ def hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement):
             e = torch.where(keep_e[:, None], e[0], ablated[layer][1][0])[None]
             return rebuild(weights[layer], x_in, f, e)
         return put
-    return metric(model, clean_ids, {layer: edit(layer) for layer in range(N_LAYERS)})
+    return metric(model, clean_ids, {layer: edit(layer) for layer in range(N_LAYERS)}, score)
 
 
-def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
+def check_edges_and_curve(model, weights, kind, result, ablation="corrupt", prompt=False):
+    """``prompt``: one prompt (``CLEAN``, the target's logit): an edge's upstream node is zeroed
+    in the prompt's run and its exact is ``M(prompt) − M(patched)``; the curve zero-ablates."""
     clean_ids, corrupt_ids = ids_of(model, CLEAN), ids_of(model, CORRUPT)
     clean = hand_values(model, weights, kind, clean_ids)
     corrupt = hand_values(model, weights, kind, corrupt_ids)
+    score, sign = (target_logit, -1.0) if prompt else (logit_diff, 1.0)
+    if prompt:  # the edges' base is the prompt's run, the upstream node's value zero
+        corrupt_ids = clean_ids
+        clean = {k: (torch.zeros_like(f), None if e is None else torch.zeros_like(e)) for k, (f, e) in clean.items()}
     every = [n for n in result.meta["nodes"] if n["latent"] != "metric"]
     by_name = {n["node"]: n for n in every}
     nodes = [n for n in every if n["latent"] != "embed"]  # the curve's: the embeddings stay free
@@ -127,10 +137,10 @@ def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
     checked = [e for e in edges if e["exact"] is not None]
     assert len(checked) == min(result.meta["verify_edges"], len(edges)) > 0
     assert checked == edges[:len(checked)]  # the largest |score| first
-    base = metric(model, corrupt_ids, {})
+    base = metric(model, corrupt_ids, {}, score)
     for edge in checked:
-        want = hand_edge(model, weights, kind, corrupt_ids, clean, by_name[edge["upstream"]],
-                         by_name[edge["downstream"]]) - base
+        want = sign * (hand_edge(model, weights, kind, corrupt_ids, clean, by_name[edge["upstream"]],
+                                 by_name[edge["downstream"]], score) - base)
         assert abs(edge["exact"] - want) < 1e-5, (edge, want)
     assert max(abs(e["exact"]) for e in checked) > 1e-4  # the patches move the metric
     table = result.edges()
@@ -143,8 +153,8 @@ def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
         ablated = corrupt
     curve = result.meta["curve"]
     assert curve["ablation"] == ablation
-    full = metric(model, clean_ids, {})
-    empty = hand_ablated(model, weights, kind, clean_ids, ablated, set(), complement=False)
+    full = metric(model, clean_ids, {}, score)
+    empty = hand_ablated(model, weights, kind, clean_ids, ablated, set(), complement=False, score=score)
     assert abs(curve["full"] - full) < 1e-5 and abs(curve["empty"] - empty) < 1e-5
     rows = result.faithfulness()
     assert list(rows.columns) == ["n_nodes", "faithfulness", "completeness", "with", "without"]
@@ -152,8 +162,8 @@ def check_edges_and_curve(model, weights, kind, result, ablation="corrupt"):
     assert int(sum(n["circuit"] for n in nodes)) in set(rows["n_nodes"])
     for _, row in rows.iterrows():
         circuit = {(n["layer"], n["position"], n["latent"]) for n in nodes[:int(row["n_nodes"])]}
-        kept = hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement=False)
-        dropped = hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement=True)
+        kept = hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement=False, score=score)
+        dropped = hand_ablated(model, weights, kind, clean_ids, ablated, circuit, complement=True, score=score)
         assert abs(row["with"] - kept) < 1e-5 and abs(row["without"] - dropped) < 1e-5, (row, kept, dropped)
         assert row["faithfulness"] == pytest.approx((kept - empty) / (full - empty), abs=1e-4)
         assert row["completeness"] == pytest.approx((dropped - empty) / (full - empty), abs=1e-4)
@@ -181,6 +191,17 @@ def test_transcoders_and_zero_ablation_equal_the_hand_references(tmp_path):
                                      verify=0, top_nodes=8, top_edges=6, verify_edges=6, curve=4, ablation="zero",
                                      progress=False)
     check_edges_and_curve(model, weights, "transcoder", result, ablation="zero")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_prompts_exact_edges_and_curve_zero_ablate_as_the_hand_references(family, tmp_path):
+    """One prompt (attribution-graph form): an edge's upstream node zeroed, its change passed
+    through the downstream node alone; the curve zero-ablates (its only counterfactual), the
+    ``ablation`` asked for notwithstanding."""
+    model, weights, sites = build(tmp_path, family)
+    result = pipatch.feature_circuit(model, saes=sites, prompt=CLEAN, target=ANSWER, verify=0, top_nodes=10,
+                                     top_edges=12, verify_edges=6, curve=4, batch_size=4, progress=False)
+    check_edges_and_curve(model, weights, "jumprelu", result, ablation="zero", prompt=True)
 
 
 def hand_group_patch(model, weights, kind, corrupt_ids, clean, node, positions):
