@@ -252,9 +252,6 @@ def plan_pairs_dataset(backend: Any, planner: Callable[..., Plan], keywords: dic
                  "per_prompt_corrupt": corrupts.tolist(), "top_nodes": top, "node_threshold": threshold,
                  "top_edges": keywords["top_edges"], "edge_threshold": keywords["edge_threshold"]})
     meta.pop("agreement", None)
-    for notes in ("labels", "contexts"):  # every pair's, as a node of the average may come from any
-        meta[notes] = {site: {k: v for r in results for k, v in r.meta[notes].get(site, {}).items()}
-                       for site in results[0].layers}
     result = FeatureCircuitResult(
         kind="feature_circuit", tokens=list(names), columns=list(names), layers=results[0].layers,
         metric=results[0].metric, raw={VIEW_NODES: torch.cat(grids)}, clean=cleans, corrupt=corrupts, meta=meta,

@@ -186,18 +186,34 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
                          ablation: str, labels: Any = None, scores: Any = None) -> Plan:
     """Score every node and the edges between kept nodes (or take them from ``scores``, a
     feature circuit computed elsewhere: :func:`_given_scores`); plan the exact checks of the
-    top ``verify`` nodes and (a pair) ``verify_edges`` edges and the faithfulness curve's
-    ``curve`` points. The parameters are :func:`pipatch.feature_circuit`'s; lists of pairs
-    are a dataset (:func:`~._feature_circuit_inputs.plan_pairs_dataset`)."""
+    top ``verify`` nodes and ``verify_edges`` edges and the faithfulness curve's ``curve``
+    points; label the latents the view can draw (:func:`_notes`). The parameters are
+    :func:`pipatch.feature_circuit`'s; lists of pairs are a dataset
+    (:func:`~._feature_circuit_inputs.plan_pairs_dataset`), whose SAEs are loaded and labels
+    read once for all its pairs."""
+    sites = _sites(backend, saes)
+    named = _labels_of(sites, labels)
+    keywords = dict(clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil, target=target, saes=sites,
+                    metric=metric, steps=steps, verify=verify, top_nodes=top_nodes, node_threshold=node_threshold,
+                    top_edges=top_edges, edge_threshold=edge_threshold, positions=positions, batch_size=batch_size,
+                    verify_edges=verify_edges, curve=curve, ablation=ablation)
     if isinstance(clean, (list, tuple)) or isinstance(prompt, (list, tuple)):
         if scores is not None:
             raise PipatchError("scores= checks one pair's (or one prompt's) feature circuit, not a dataset's: check "
                                "each pair with that pair's scores, or run the dataset on transformers")
-        return plan_pairs_dataset(backend, plan_feature_circuit, dict(
-            clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil, target=target, saes=saes,
-            metric=metric, steps=steps, verify=verify, top_nodes=top_nodes, node_threshold=node_threshold,
-            top_edges=top_edges, edge_threshold=edge_threshold, positions=positions, batch_size=batch_size,
-            verify_edges=verify_edges, curve=curve, ablation=ablation, labels=labels))
+        plan = plan_pairs_dataset(backend, _plan_one, keywords)
+    else:
+        plan = _plan_one(backend, **keywords, scores=scores)
+    meta = plan.result.meta
+    meta["labels"], meta["contexts"] = _notes(sites, named, meta["nodes"])
+    return plan
+
+
+def _plan_one(backend: Any, *, clean: Any, corrupt: Any, prompt: Any, answer: Any, foil: Any, target: str | None,
+              saes: list[LatentSite], metric: str | None, steps: int, verify: int, top_nodes: int,
+              node_threshold: float, top_edges: int, edge_threshold: float, positions: Sequence[int] | None,
+              batch_size: int | None, verify_edges: int, curve: int, ablation: str, scores: Any = None) -> Plan:
+    """One pair's (or one prompt's) plan: :func:`plan_feature_circuit` without the labels."""
     steps = whole_number(steps, "steps (integrated-gradient points; 1: attribution patching)", minimum=1)
     verify = whole_number(verify, "verify (nodes patched exactly)", minimum=0)
     verify_edges = whole_number(verify_edges, "verify_edges (edges patched exactly)", minimum=0)
@@ -215,7 +231,7 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
                            f"{getattr(backend, 'backend_name', backend.name)} backend does not run: score it on "
                            "backend='transformers' (the default) and check those here, "
                            "pipatch.feature_circuit(..., scores=result)")
-    sites = _sites(backend, saes)
+    sites = list(saes)
     inputs = circuit_inputs(backend, clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil,
                             target=target, metric=metric, steps=steps)
     scorer = inputs.metric
@@ -273,7 +289,6 @@ def plan_feature_circuit(backend: Any, *, clean: Any, corrupt: Any, prompt: Any,
         **inputs.meta, "col_axis": "token", "positions": cols, **pruning, "saes": saes_meta, "verify": verify,
         "verify_edges": verify_edges, "nodes": nodes, "edges": edges,
     })
-    meta["labels"], meta["contexts"] = _notes(sites, _labels_of(sites, labels), nodes)
     if given is not None:
         meta["scores_from"] = {k: given.meta.get(k) for k in ("model", "backend", "dtype", "method", "steps")}
     result = FeatureCircuitResult(
