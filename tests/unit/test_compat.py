@@ -1,5 +1,5 @@
 """Third-party internals in one place per library, the version check, and no state on the
-user's objects (pipatch._compat, pipatch._known).
+user's objects (pipatch._compat, pipatch._base.known).
 
 No model is loaded but tiny random ones (tests/_tiny.py)."""
 
@@ -10,6 +10,7 @@ import importlib
 import io
 import pkgutil
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -83,6 +84,57 @@ def test_no_third_party_private_name_outside_the_compat_modules():
                 found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {library}'s {name}"
                           for line in _uses(path, library, name)]
     assert not found, "use the function of pipatch/_compat/<library>.py instead:\n" + "\n".join(found)
+
+
+def _private_imports(path: Path, public: dict[str, tuple[str, ...]]) -> list[str]:
+    """The imports in ``path`` of a third-party library's internals: for a library with a compat
+    module (``public``: its ``PUBLIC_MODULES``), any module but those; for any library, a module
+    path or a name with a leading underscore. Lazy imports inside functions count too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            pairs = [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            pairs = [(alias.name, None) for alias in node.names]
+        else:
+            continue
+        for module, name in pairs:
+            library = module.split(".")[0]
+            if library in ("pipatch", "__future__") or library in sys.stdlib_module_names:
+                continue
+            parts = module.split(".") + ([name] if name else [])
+            internal = library in public and module not in public[library]
+            if internal or any(part.startswith("_") for part in parts):
+                found.append(f"{node.lineno}: {module}" + (f" import {name}" if name else ""))
+    return found
+
+
+def test_no_third_party_internal_module_is_imported_outside_the_compat_modules():
+    """Every module of pipatch (the compat modules apart) imports a library with a compat module
+    from its public modules only (``PUBLIC_MODULES``: ``nnsight``, ``nnsight.modeling.vllm``,
+    ``vllm``, ...), and no library's private module or name; the rest goes through a function
+    of ``pipatch/_compat/<library>.py``, where the name check above sees it."""
+    public = {library: tuple(module.PUBLIC_MODULES) for library, module in _compat_modules().items()}
+    assert {"nnsight", "vllm", "transformers", "anyio", "ipykernel"} <= set(public)
+    paths = [path for path in sorted(PACKAGE.rglob("*.py")) if COMPAT not in path.parents]
+    assert len(paths) > 100  # every module, not a sample
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in paths for line in _private_imports(path, public)]
+    assert not found, "import these through a function of pipatch/_compat/<library>.py:\n" + "\n".join(found)
+
+
+def test_the_import_scan_sees_an_internal_module(tmp_path):
+    path = tmp_path / "sample.py"
+    path.write_text("import nnsight\n"
+                    "from nnsight.modeling.vllm import VLLM\n"
+                    "def f():\n"
+                    "    from nnsight.schema.request import RequestModel\n"
+                    "    import vllm.v1.worker.cpu.shm\n"
+                    "    from matplotlib.figure import Figure\n"
+                    "    from matplotlib import _api\n"
+                    "    from json import _default_decoder\n")
+    public = {"nnsight": ("nnsight", "nnsight.modeling.vllm"), "vllm": ("vllm",)}
+    assert _private_imports(path, public) == ["4: nnsight.schema.request import RequestModel",
+                                              "5: vllm.v1.worker.cpu.shm", "7: matplotlib import _api"]
 
 
 def test_the_scan_sees_a_private_name(tmp_path):
