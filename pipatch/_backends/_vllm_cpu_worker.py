@@ -31,11 +31,18 @@ there too.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipatch._compat.nnsight import name_worker_tree, vllm_worker_classes
 from pipatch._compat.vllm import adopt_runner_class, cpu_worker_classes, torch_accelerator_noop
 
 # vLLM's CPU classes first: its CPU shared-memory module must be imported before anything else
-# of the CPU worker (cpu_worker_classes does that), nnsight's worker and runner then.
+# of the CPU worker (cpu_worker_classes does that), nnsight's worker and runner then. Classes
+# from a function: Any to the type checker, which sees neither library.
+CPUWorker: Any
+CPUModelRunner: Any
+NNsightGPUWorker: Any
+NNsightGPUModelRunner: Any
 CPUWorker, CPUModelRunner = cpu_worker_classes()
 NNsightGPUWorker, NNsightGPUModelRunner = vllm_worker_classes()
 

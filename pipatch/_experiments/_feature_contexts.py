@@ -19,7 +19,7 @@ They are stored next to the SAE, in its folder (safetensors + JSON, no pickle):
 
 :func:`load_contexts` reads them back (:func:`pipatch.features` does so on its own). Contexts
 are tokenizer and corpus text: kept as text, never read as HTML. :func:`pipatch.feature_contexts`
-(:mod:`._corpus`) finds them.
+(:mod:`._feature_corpus`) finds them.
 """
 
 from __future__ import annotations

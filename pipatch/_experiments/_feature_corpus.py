@@ -1,5 +1,5 @@
 """Finding each latent's top contexts over a corpus: :func:`feature_contexts` (the files it
-writes and how they are read back: :mod:`._contexts`)."""
+writes and how they are read back: :mod:`._feature_contexts`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ where ``f`` are the SAE's latents. The backward pass stops at the value the SAE 
 (``x``, a block's output or a transcoder's MLP output): a latent reaches the metric only
 through ``decode``, so ``dM/df = dM/dx · d decode/df`` (:func:`latent_gradient`: the
 vector–Jacobian product of ``decode``, ``W_dec``'s rows for a linear decoder). The error node
-(:class:`~._site.ErrorSite`) decodes by the identity, so its score is ``dM/dx · (e_clean −
+(:class:`~.._model.features.site.ErrorSite`) decodes by the identity, so its score is ``dM/dx · (e_clean −
 e_corrupt)`` summed over the width: one number per position.
 
 The cells with the largest ``|score|`` (:func:`top_cells`) are then patched exactly, and the
@@ -51,7 +51,7 @@ def latent_gradient(site: Site, value: torch.Tensor, holder_grad: torch.Tensor) 
     Parameters
     ----------
     site
-        An encoding site (a :class:`~._site.LatentSite`, its :class:`~._site.ErrorSite`): a
+        An encoding site (a :class:`~.._model.features.site.LatentSite`, its :class:`~.._model.features.site.ErrorSite`): a
         write adds ``decode(edited) − decode(value)`` to its holder.
     value
         The site's value where the gradient was taken, ``[rows, T, width]``.
@@ -139,7 +139,7 @@ class FeaturePatchResult(Result, file_kind="feature_patch"):
 
     def to_state(self, *, live: bool = False) -> dict[str, Any]:
         """Any result's view state (:meth:`pipatch.Result.to_state`), its rows latents: each
-        row's note is its label and its top contexts, one per line (:func:`~._result.latent_note`)."""
+        row's note is its label and its top contexts, one per line (:func:`~.._results.features.latent_note`)."""
         notes = []
         for latent in self.latents:
             if latent == ERROR:

@@ -90,7 +90,7 @@ def _labels_of(sites: Sequence[LatentSite], labels: Any) -> dict[str, dict[int, 
 def latent_notes(site: LatentSite, labels: Mapping[int, str], shown: Any) -> tuple[dict[str, str], dict[str, list]]:
     """What a view shows beside latents ``shown`` of ``site``: ``({id: label}, {id: [[window,
     activation], ...]})``, the labels from ``labels`` (:func:`_labels_of`) and the top contexts
-    stored next to the SAE (:func:`~.._features._contexts.load_contexts`; none where it has
+    stored next to the SAE (:func:`~._feature_contexts.load_contexts`; none where it has
     none), keyed by the id as text (JSON's keys)."""
     named = {str(i): labels[i] for i in shown if i in labels}
     contexts = load_contexts(site.sae.folder)

@@ -180,6 +180,42 @@ def test_the_installed_versions_are_the_tested_ones():
     assert compat.check_versions() == []
 
 
+def _probes(bound: str) -> list[str]:
+    """Versions at and around a tested bound: the bound, the releases beside it, and the
+    neighbouring minor releases (``"5.19"`` → 5.19.0, 5.19.99, 5.18.99, 5.20.0, ...)."""
+    major, minor, *patch = (int(part) for part in bound.split("."))
+    out = [f"{major}.{minor}.0", f"{major}.{minor}.99", f"{major}.{minor - 1}.99" if minor else f"{major - 1}.99.99",
+           f"{major}.{minor + 1}.0", f"{major + 1}.0.0"]
+    if patch:
+        out += [f"{major}.{minor}.{patch[0] - 1}" if patch[0] else out[2], bound, f"{major}.{minor}.{patch[0] + 1}"]
+    return out
+
+
+def test_the_dependency_pins_are_the_tested_versions():
+    """``pyproject.toml`` lets pip install no version :data:`pipatch._compat.TESTED` would warn
+    about: the dependencies pin each tested library to its tested range (``_pin``), an extra
+    to that range or a part of it (vLLM's CPU build needs transformers < 5.20)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text("utf-8"))["project"]
+    core = {r.name: r for r in map(Requirement, project["dependencies"])}
+    assert {"nnsight", "transformers"} <= set(core)
+    for name in set(core) & set(compat.TESTED):
+        assert core[name].specifier == SpecifierSet(compat._pin(name).removeprefix(name)), (name, str(core[name]))
+    for extra, requirements in project["optional-dependencies"].items():
+        for requirement in map(Requirement, requirements):
+            if requirement.name not in compat.TESTED:
+                continue
+            probes = {v for bound in compat.TESTED[requirement.name] for v in _probes(bound)}
+            admitted = sorted(v for v in probes if requirement.specifier.contains(v))
+            assert admitted, f"[{extra}] {requirement} admits no tested version"
+            untested = [v for v in admitted if not compat._is_tested(requirement.name, v)]
+            assert not untested, f"[{extra}] {requirement} admits untested {requirement.name} {untested}"
+
+
 def test_the_worker_class_is_restored_after_the_build():
     nnsight_vllm = pytest.importorskip("nnsight.modeling.vllm", reason="needs vLLM")
     before = nnsight_vllm.VLLM._WORKER_CLS

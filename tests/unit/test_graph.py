@@ -1,7 +1,7 @@
 """A circuit's graph lives in one module (``pipatch/_model/graph.py``): its nodes are typed by site,
 its indices are the ones the hand formulas gave, and no other module compares node kinds.
 
-* **The grep test.** No module of ``pipatch/`` but ``_graph.py`` and ``_sites.py`` compares a
+* **The grep test.** No module of ``pipatch/`` but ``_model/graph.py`` and ``_model/sites.py`` compares a
   circuit node-kind string (``"emb"``, ``"head_out"``, ``"mlp_out"``, ``"qkv"``,
   ``"mlp_in"``, ``"logits"``): read with :mod:`ast`, so prose and the code templates of
   ``Result.code()`` (string literals) are never read as code. Flagged: such a literal (alone or
@@ -36,9 +36,9 @@ from pipatch._model.models import Adapter, PipatchError
 from pipatch._model.sites import EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipatch"
-ALLOWED = {PACKAGE / "_graph.py", PACKAGE / "_sites.py"}
+ALLOWED = {PACKAGE / "_model" / "graph.py", PACKAGE / "_model" / "sites.py"}
 
-#: The circuit node kinds of the string-typed graph that ``_graph.py`` replaced.
+#: The circuit node kinds of the string-typed graph that ``_model/graph.py`` replaced.
 KINDS = ("emb", "head_out", "mlp_out", "qkv", "mlp_in", "logits")
 _KEY_METHODS = ("get", "index", "count", "pop", "setdefault", "startswith", "endswith")
 #: Keys that are an adapter's field names before they are node kinds (``{**fields, "qkv": ...}``).
@@ -79,7 +79,7 @@ def kind_comparisons(source: str) -> list[tuple[int, str]]:
 
 def test_no_module_but_the_graph_and_the_sites_compares_a_node_kind():
     files = sorted(path for path in PACKAGE.rglob("*.py") if path not in ALLOWED)
-    assert PACKAGE / "_protocols" / "circuits.py" in files and PACKAGE / "_views" / "circuit.py" in files
+    assert PACKAGE / "_experiments" / "circuits.py" in files and PACKAGE / "_results" / "views" / "circuit.py" in files
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: a node kind {what}"
              for path in files for line, what in kind_comparisons(path.read_text(encoding="utf-8"))]
     assert not found, "node kinds are sites (node.site is HEAD), read from pipatch/_model/graph.py:\n" + "\n".join(found)

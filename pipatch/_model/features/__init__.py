@@ -2,7 +2,7 @@
 
 :func:`load_sae` reads an SAE (an SAELens ``SAE`` object, a folder in SAELens's or Gemma Scope
 2's format, or an SAELens release and id) and, given a model, maps where it reads through the
-model's adapter (:mod:`._hooks`) into a :class:`~._site.LatentSite`: a site like any other,
+model's adapter (:mod:`.hooks`) into a :class:`~.site.LatentSite`: a site like any other,
 whose value is the SAE's latents and whose writes keep the SAE's error in the stream.
 """
 

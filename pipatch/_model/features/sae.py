@@ -79,7 +79,7 @@ class SAE:
         What to call it (its SAELens id, its folder's name).
     folder
         The folder it was read from (``None``: an SAELens object or release), where its labels
-        and top contexts are kept (:mod:`pipatch._model.features.labels`, :mod:`._contexts`).
+        and top contexts are kept (:mod:`pipatch._model.features.labels`, :mod:`pipatch._experiments._feature_contexts`).
     """
 
     folder: Path | None = None

@@ -70,7 +70,7 @@ class LatentSite(Site):
     sae
         The :class:`~pipatch._model.features.sae.SAE` whose ``encode`` / ``decode`` it applies.
     reads, writes
-        Where it reads and (a transcoder) writes in this model (:class:`~._hooks.Hook`);
+        Where it reads and (a transcoder) writes in this model (:class:`~.hooks.Hook`);
         ``writes`` is ``reads`` for an SAE.
     """
 
