@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.unit.test_imports import module_files, strongly_connected
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pipatch"
@@ -58,22 +59,11 @@ class Import:
         return f"{self.path}:{self.line} → {self.target}"
 
 
-def modules(package: Path) -> dict[str, Path]:
-    """Every module of ``package`` by dotted name (a package by its own name)."""
-    out = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
 def imports(package: Path) -> list[Import]:
     """Every import of one of ``package``'s modules by another, anywhere in a file (a lazy one
     inside a function too): ``from .x import y`` names ``x`` (and ``x.y`` where that is a
     module), ``from . import y`` the package and its module ``y``."""
-    found = modules(package)
+    found = module_files(package)
     out = []
     for name, path in found.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
@@ -114,46 +104,10 @@ def up_imports(package: Path) -> list[Import]:
     return [i for i in imports(package) if layer_of(i.target) > layer_of(i.source)]
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one node (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out = []
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return out
-
-
 def package_cycles(package: Path) -> list[str]:
     """Cycles between ``package``'s packages (``pipatch._model`` and ``pipatch._model.features``
     are two), each with the imports that make it."""
-    paths = modules(package)
+    paths = module_files(package)
     graph: dict[str, set[str]] = defaultdict(set)
     why: dict[tuple[str, str], list[Import]] = defaultdict(list)
     for i in imports(package):
@@ -162,7 +116,7 @@ def package_cycles(package: Path) -> list[str]:
             graph[a].add(b)
             why[a, b].append(i)
     out = []
-    for component in cycles(graph):
+    for component in strongly_connected(graph):
         edges = [str(i) for a in component for b in component if (a, b) in why for i in why[a, b]]
         out.append(" ↔ ".join(component) + ":\n    " + "\n    ".join(edges))
     return out
@@ -239,7 +193,7 @@ def test_the_top_level_holds_the_public_api_and_the_front_ends_only():
 def test_no_js_module_imports_another_in_a_cycle():
     graph = ts_imports(JS)
     assert graph, "no .ts module found in js/"
-    found = cycles(graph)
+    found = strongly_connected(graph)
     lines = [f"js/{a} → js/{b}" for component in found for a in component for b in sorted(graph[a]) if b in component]
     assert not found, "import cycles in js/:\n" + "\n".join(lines)
 
@@ -266,12 +220,12 @@ def test_the_scan_sees_an_up_import_a_cycle_and_a_stray_module(tmp_path):
     (js / "a.ts").write_text("import type { B } from './b';\nexport const a = 1;\n")
     (js / "b.ts").write_text("import {\n  a,\n} from './a';\nexport type B = number;\n")
     (js / "c.ts").write_text("import { a } from './a';\n")
-    assert cycles(ts_imports(js)) == [["a.ts", "b.ts"]]
+    assert strongly_connected(ts_imports(js)) == [["a.ts", "b.ts"]]
 
 
 if __name__ == "__main__":
     by_layer: dict[int, list[str]] = defaultdict(list)
-    for name in modules(PACKAGE):
+    for name in module_files(PACKAGE):
         by_layer[layer_of(name)].append(name)
     everything = imports(PACKAGE)
     for layer in sorted(by_layer):
@@ -281,5 +235,5 @@ if __name__ == "__main__":
         print(f"{layer:2} {title:13} {len(by_layer[layer]):3} modules; imports from: {', '.join(uses) or '-'}")
     print(f"{len(everything)} imports between pipatch's modules; {len(up_imports(PACKAGE))} up a layer; "
           f"{len(package_cycles(PACKAGE))} package cycles; top level: {len(stray_top_level(PACKAGE))} strays")
-    js_cycles = cycles(ts_imports(JS))
+    js_cycles = strongly_connected(ts_imports(JS))
     print(f"js/: {len(ts_imports(JS))} modules, {len(js_cycles)} cycles {js_cycles or ''}")
