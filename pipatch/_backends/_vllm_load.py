@@ -1,6 +1,7 @@
 """Building nnsight's ``VLLM``: the one place pipatch starts a vLLM engine or a served
-model's weightless tree (moved out of :mod:`pipatch._model.models`, which names no backend:
-its CPU worker, :mod:`._vllm_cpu_worker`, is a backend's)."""
+model's weightless tree. Here, with the backends, rather than with the other loading code in
+:mod:`pipatch._model.models`: without CUDA it names pipatch's CPU worker
+(:mod:`._vllm_cpu_worker`), a backend's module, and the model layer imports no backend."""
 
 from __future__ import annotations
 
