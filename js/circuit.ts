@@ -1,6 +1,6 @@
 /**
  * A circuit's view: the graph of its edges instead of a heatmap, shared by the anywidget view
- * (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor`.
+ * (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor` (views.ts).
  *
  * The state's `circuit` part (`CIRCUIT_SCHEMA`, made by `pipatch/_views/circuit.py`) places the
  * nodes: the embeddings at the bottom, each layer's heads and its MLP in a row, the logits at
@@ -20,8 +20,8 @@
 import type { Circuit, GridState, Mode, Selection, UiState } from './data';
 import { selectMatrix } from './data';
 import { divergingColor, formatDuration, formatValue, safeFileName, symmetricMax, tooltipLabel } from './format';
-import { FeatureView, isFeatureGraph } from './features';
-import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS, type GridCallbacks } from './grid';
+import { downloadBlob, drawColorBar, ensureStyle, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS } from './dom';
+import { CodePanel, detailBody, type GridCallbacks, type StateView } from './view';
 
 /** Edges drawn at first when there is no faithful circuit (the static figure's default too: `TOP_EDGES` in render.py). */
 export const DEFAULT_TOP = 50;
@@ -204,22 +204,6 @@ export function faithfulnessScale(sizes: number[], values: number[], share: numb
 }
 
 const ROW_NAMES: Record<string, string> = { emb: 'embeddings', logits: 'logits' };
-
-/** What widget.ts and mime.ts draw a state with. */
-export interface StateView {
-  update(state: GridState, ui?: Partial<UiState>): void;
-  setErrors(errors: string[]): void;
-  destroy(): void;
-}
-
-/** The view for `state` in `el`: `current` when it is the right kind, else a new one (a feature
- * circuit's graph, a circuit's graph or the grid) in its place. */
-export function viewFor(current: StateView | null, state: GridState, el: HTMLElement, callbacks: GridCallbacks): StateView {
-  const wanted = isFeatureGraph(state) ? FeatureView : isCircuit(state) ? CircuitView : GridView;
-  if (current instanceof wanted) return current;
-  current?.destroy();
-  return new wanted(el, callbacks);
-}
 
 export class CircuitView implements StateView {
   readonly root: HTMLDivElement;

@@ -1,7 +1,7 @@
 /**
  * A feature circuit's view: its graph of SAE latents and error nodes, shared by the anywidget
  * view (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor`
- * (circuit.ts) when the state's `feature_graph` part (`FEATURE_GRAPH_SCHEMA`, made by
+ * (views.ts) when the state's `feature_graph` part (`FEATURE_GRAPH_SCHEMA`, made by
  * `FeatureCircuitResult.to_state` in `pipatch/_features/_circuit.py`) has nodes.
  *
  * Rows are the SAEs (the first at the bottom, the metric's node on top), columns the
@@ -20,10 +20,10 @@
  * set as text (`textContent`, attributes); no HTML is parsed.
  */
 
-import type { StateView } from './circuit';
 import type { FeatureEdge, FeatureGraph, FeatureNode, GridState, Group, UiState } from './data';
 import { divergingColor, formatValue, safeFileName, tooltipLabel } from './format';
-import { downloadBlob, ensureStyle, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS, type GridCallbacks } from './grid';
+import { downloadBlob, ensureStyle, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS } from './dom';
+import type { GridCallbacks, StateView } from './view';
 
 /** Nodes drawn at first (the largest |score|): the controls change it. */
 export const DEFAULT_NODES = 40;

@@ -12,11 +12,11 @@ import {
   sliderRange,
   strokeWidth,
   topEdges,
-  viewFor,
 } from '../circuit';
 import { normalizeState, type GridState } from '../data';
 import { divergingColor } from '../format';
 import { GridView } from '../grid';
+import { viewFor } from '../views';
 import { f32spec } from './helpers';
 
 /**

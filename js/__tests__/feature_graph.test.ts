@@ -1,8 +1,8 @@
 import { describe, expect, it } from 'vitest';
-import { viewFor } from '../circuit';
 import { normalizeState, type GridState } from '../data';
 import { edgeInfo, FeatureView, filterGraph, isFeatureGraph, layoutFeatures, nodeInfo, withGroup } from '../features';
 import { GridView } from '../grid';
+import { viewFor } from '../views';
 
 const HOSTILE = '<img src=x onerror="window.__pwned=1">';
 
