@@ -1,6 +1,6 @@
 /**
  * A circuit's view: the graph of its edges instead of a heatmap, shared by the anywidget view
- * (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor`.
+ * (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor` (views.ts).
  *
  * The state's `circuit` part (`CIRCUIT_SCHEMA`, made by `pipatch/_views/circuit.py`) places the
  * nodes: the embeddings at the bottom, each layer's heads and its MLP in a row, the logits at
@@ -17,11 +17,11 @@
  * attributes); no HTML is parsed.
  */
 
-import type { Circuit, GridState, Mode, Selection, UiState } from './data';
+import type { Circuit, GridState, Selection } from './data';
 import { selectMatrix } from './data';
-import { divergingColor, formatDuration, formatValue, safeFileName, symmetricMax, tooltipLabel } from './format';
-import { FeatureView, isFeatureGraph } from './features';
-import { CodePanel, detailBody, downloadBlob, drawColorBar, ensureStyle, GridView, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS, type GridCallbacks } from './grid';
+import { divergingColor, formatDuration, formatValue, symmetricMax, tooltipLabel } from './format';
+import { drawColorBar, h, rgb, standaloneSvg, svg, SVG_NS } from './dom';
+import { CodePanel, detailBody, StopButton, View, type GridCallbacks } from './view';
 
 /** Edges drawn at first when there is no faithful circuit (the static figure's default too: `TOP_EDGES` in render.py). */
 export const DEFAULT_TOP = 50;
@@ -205,48 +205,21 @@ export function faithfulnessScale(sizes: number[], values: number[], share: numb
 
 const ROW_NAMES: Record<string, string> = { emb: 'embeddings', logits: 'logits' };
 
-/** What widget.ts and mime.ts draw a state with. */
-export interface StateView {
-  update(state: GridState, ui?: Partial<UiState>): void;
-  setErrors(errors: string[]): void;
-  destroy(): void;
-}
-
-/** The view for `state` in `el`: `current` when it is the right kind, else a new one (a feature
- * circuit's graph, a circuit's graph or the grid) in its place. */
-export function viewFor(current: StateView | null, state: GridState, el: HTMLElement, callbacks: GridCallbacks): StateView {
-  const wanted = isFeatureGraph(state) ? FeatureView : isCircuit(state) ? CircuitView : GridView;
-  if (current instanceof wanted) return current;
-  current?.destroy();
-  return new wanted(el, callbacks);
-}
-
-export class CircuitView implements StateView {
-  readonly root: HTMLDivElement;
-  private cb: GridCallbacks;
-  private state: GridState | null = null;
-  private ui: UiState = { view: '', seed: -1, mode: 'recovery' as Mode, selected: {} };
+/** A circuit's edges as a graph of its nodes, the top n by |estimate|, beside its colour bar and
+ * faithfulness curve; a click on an edge asks the kernel for its exact patch. */
+export class CircuitView extends View {
   private edges: Edge[] = [];
   private rank = new Map<number, number>();
   private top = DEFAULT_TOP;
   private topTouched = false;
   private vmax = 1;
   private hover: Edge | null = null;
-  private lastWidth = 0;
-  private stopClicked = false;
-  private resizeObs: ResizeObserver | null = null;
 
-  private titleEl = h('div', 'pipatch-title');
-  private subtitleEl = h('div', 'pipatch-subtitle');
-  private toolbar = h('div', 'pipatch-toolbar');
   private slider = h('input', 'pipatch-top-n');
   private sliderLabel = h('span', 'pipatch-top-n-label');
   private svgBtn = h('button', 'pipatch-svg', 'SVG');
-  private stopBtn = h('button', 'pipatch-stop', 'Stop');
-  private code = new CodePanel('circuit');
-  private statusEl = h('div', 'pipatch-status');
-  private warningsEl = h('ul', 'pipatch-warnings');
-  private errorsEl = h('div', 'pipatch-errors');
+  private stop = new StopButton('stop the exact patches after the current chunk (keeps the estimates)', () => this.cb.onStop?.(), this.signal);
+  private code = new CodePanel('circuit', this.signal);
   private body = h('div', 'pipatch-circuit-body');
   private graph = svg('svg', { class: 'pipatch-graph' });
   private side = h('div', 'pipatch-circuit-side');
@@ -255,75 +228,41 @@ export class CircuitView implements StateView {
   private barMax = h('span', 'pipatch-bar-max');
   private barName = h('div', 'pipatch-bar-name');
   private faithful = h('div', 'pipatch-faithfulness');
-  private detailEl = h('div', 'pipatch-detail');
-  private tooltip = h('div', 'pipatch-tooltip');
 
   constructor(el: HTMLElement, callbacks: GridCallbacks = {}) {
-    this.cb = callbacks;
-    ensureStyle(el);
-    this.root = h('div', 'pipatch-grid pipatch-circuit');
-    this.root.setAttribute('data-status', 'loading');
-    const header = h('div', 'pipatch-header');
-    header.append(this.titleEl, this.subtitleEl);
+    super(el, callbacks, 'pipatch-circuit');
     this.slider.type = 'range';
     this.slider.min = '1';
     this.slider.title = 'how many edges to draw: the largest |estimate| first';
     // Arrow keys, Home and End move the slider, not the notebook's cell selection.
     this.slider.setAttribute('data-lm-suppress-shortcuts', 'true');
     this.svgBtn.title = 'download the graph as SVG';
-    this.stopBtn.title = 'stop the exact patches after the current chunk (keeps the estimates)';
-    for (const b of [this.svgBtn, this.stopBtn]) b.type = 'button';
+    this.svgBtn.type = 'button';
     const sliderBox = h('label', 'pipatch-top-n-box');
     sliderBox.append(h('span', undefined, 'edges '), this.slider, this.sliderLabel);
-    this.toolbar.append(sliderBox, this.svgBtn, this.code.button, this.stopBtn);
+    this.toolbar.append(sliderBox, this.svgBtn, this.code.button, this.stop.button);
     const bar = h('div', 'pipatch-bar-wrap');
     bar.append(this.barMin, this.barCanvas, this.barMax);
     this.side.append(this.barName, bar, this.faithful);
     this.body.append(this.graph, this.side);
-    this.root.append(header, this.toolbar, this.statusEl, this.warningsEl, this.errorsEl, this.code.panel, this.body, this.detailEl, this.tooltip);
-    this.tooltip.style.display = 'none';
-    el.appendChild(this.root);
+    this.mount(el, [this.code.panel, this.body]);
 
-    this.slider.addEventListener('input', () => {
+    this.listen(this.slider, 'input', () => {
       this.top = Number(this.slider.value);
       this.topTouched = true;
       this.render();
     });
-    this.svgBtn.addEventListener('click', () => this.downloadSvg());
-    this.stopBtn.addEventListener('click', () => {
-      this.stopClicked = true;
-      this.stopBtn.disabled = true;
-      this.stopBtn.textContent = 'Stopping…';
-      this.cb.onStop?.();
-    });
-    this.graph.addEventListener('mousemove', (e) => this.onMove(e));
-    this.graph.addEventListener('mouseleave', () => this.setHover(null));
-    this.graph.addEventListener('click', (e) => this.onClick(e));
-    if (typeof ResizeObserver !== 'undefined') {
-      this.resizeObs = new ResizeObserver(() => {
-        if (this.state && Math.abs(this.availWidth() - this.lastWidth) > 4) this.render();
-      });
-      this.resizeObs.observe(this.root);
-    }
+    this.listen(this.svgBtn, 'click', () => this.downloadSvg());
+    this.listen(this.graph, 'mousemove', (e) => this.onMove(e));
+    this.listen(this.graph, 'mouseleave', () => this.setHover(null));
+    this.listen(this.graph, 'click', (e) => this.onClick(e));
   }
 
-  destroy(): void {
-    this.resizeObs?.disconnect();
-    this.root.remove();
-  }
-
-  update(state: GridState, ui: Partial<UiState> = {}): void {
-    this.state = state;
-    this.ui = { ...this.ui, ...ui };
-    if (!state.views.includes(this.ui.view)) this.ui.view = state.views[0] ?? '';
+  /** The state's edges, ranked, and the colour scale's end. */
+  protected accept(state: GridState): void {
     this.edges = circuitEdges(state);
     this.rank = new Map(this.edges.map((e, i) => [e.row * state.col_labels.length + e.col, i]));
     this.vmax = symmetricMax(this.edges.map((e) => e.score));
-    this.render();
-  }
-
-  setErrors(errors: string[]): void {
-    this.errorsEl.replaceChildren(...errors.map((e) => h('div', 'pipatch-error', e)));
   }
 
   /** The edges drawn now. */
@@ -331,36 +270,21 @@ export class CircuitView implements StateView {
     return topEdges(this.edges, this.top);
   }
 
-  private availWidth(): number {
-    const w = this.root.clientWidth || (this.root.parentElement?.clientWidth ?? 0);
-    return Math.max(320, (w > 0 ? w : 900) - 300);
+  protected availWidth(): number {
+    return Math.max(320, this.rootWidth(900) - 300);
   }
 
-  private render(): void {
+  protected render(): void {
     const s = this.state;
     if (!s) return;
-    this.root.setAttribute('data-status', s.status);
-    this.titleEl.textContent = s.title || 'pipatch';
-    const base = Object.entries(s.baselines).map(([k, v]) => `${k} ${formatValue(v)}`).join(', ');
-    this.subtitleEl.textContent = [s.kind, s.model_name, s.metric ? `metric: ${s.metric}` : '', base].filter(Boolean).join(' · ');
+    this.renderFrame(s, circuitStatus(s, this.edges.length));
     const { max, value } = sliderRange(this.edges.length, defaultTop(s));
     if (!this.topTouched) this.top = value;
     this.top = Math.min(this.top, max);
     this.slider.max = String(max);
     this.slider.value = String(this.top);
     this.sliderLabel.textContent = `top ${this.top} of ${this.edges.length} by |estimate|`;
-    const showStop = s.stoppable && s.status === 'running';
-    this.stopBtn.style.display = showStop ? '' : 'none';
-    if (!showStop) {
-      this.stopClicked = false;
-      this.stopBtn.disabled = false;
-      this.stopBtn.textContent = 'Stop';
-    } else if (this.stopClicked) this.stopBtn.disabled = true;
-    this.statusEl.textContent = circuitStatus(s, this.edges.length);
-    this.statusEl.setAttribute('data-status', s.status);
-    const warnings = s.warnings.map((w) => h('li', 'pipatch-warning', `⚠ ${w}`));
-    this.warningsEl.replaceChildren(...warnings);
-    this.warningsEl.style.display = warnings.length ? '' : 'none';
+    this.stop.update(s);
     this.code.update(s.code);
     this.drawGraph(s);
     this.drawLegend(s);
@@ -370,9 +294,7 @@ export class CircuitView implements StateView {
 
   private drawGraph(s: GridState): void {
     const c = s.circuit ?? {};
-    const width = this.availWidth();
-    this.lastWidth = width;
-    const layout = layoutGraph(c, width);
+    const layout = layoutGraph(c, this.measure());
     const g = this.graph;
     g.setAttribute('width', String(layout.width));
     g.setAttribute('height', String(layout.height));
@@ -492,19 +414,19 @@ export class CircuitView implements StateView {
     this.graph.querySelector('.pipatch-edge-hover')?.classList.remove('pipatch-edge-hover');
     this.hover = e;
     if (!e) {
-      this.tooltip.style.display = 'none';
+      this.tip(null);
       return;
     }
     this.graph.querySelector(`.pipatch-edge[data-row="${e.row}"][data-col="${e.col}"]`)?.classList.add('pipatch-edge-hover');
     const rank = this.rank.get(e.row * this.state!.col_labels.length + e.col) ?? -1;
-    this.tooltip.replaceChildren(...edgeInfo(this.state!, e, rank, this.edges.length).map((l) => h('div', 'pipatch-tip-line', l)));
+    this.tip(edgeInfo(this.state!, e, rank, this.edges.length));
   }
 
   private onMove(ev: MouseEvent): void {
     const e = this.edgeAt(ev.target);
     this.setHover(e);
     if (!e) return;
-    showTooltip(this.tooltip, this.root, ev);
+    this.placeTip(ev);
   }
 
   private onClick(ev: MouseEvent): void {
@@ -540,6 +462,6 @@ export class CircuitView implements StateView {
 
   downloadSvg(): void {
     if (!this.state) return;
-    downloadBlob(this.root, new Blob([this.svgText()], { type: 'image/svg+xml' }), safeFileName(this.state.title, 'svg'));
+    this.save(new Blob([this.svgText()], { type: 'image/svg+xml' }), 'svg');
   }
 }

@@ -1,7 +1,7 @@
 /**
  * A feature circuit's view: its graph of SAE latents and error nodes, shared by the anywidget
  * view (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor`
- * (circuit.ts) when the state's `feature_graph` part (`FEATURE_GRAPH_SCHEMA`, made by
+ * (views.ts) when the state's `feature_graph` part (`FEATURE_GRAPH_SCHEMA`, made by
  * `FeatureCircuitResult.to_state` in `pipatch/_features/_circuit.py`) has nodes.
  *
  * Rows are the SAEs (the first at the bottom, the metric's node on top), columns the
@@ -20,10 +20,10 @@
  * set as text (`textContent`, attributes); no HTML is parsed.
  */
 
-import type { StateView } from './circuit';
-import type { FeatureEdge, FeatureGraph, FeatureNode, GridState, Group, UiState } from './data';
-import { divergingColor, formatValue, safeFileName, tooltipLabel } from './format';
-import { downloadBlob, ensureStyle, h, rgb, showTooltip, standaloneSvg, svg, SVG_NS, type GridCallbacks } from './grid';
+import type { FeatureEdge, FeatureGraph, FeatureNode, GridState, Group } from './data';
+import { divergingColor, formatValue, tooltipLabel } from './format';
+import { h, rgb, standaloneSvg, svg, SVG_NS } from './dom';
+import { View, type GridCallbacks } from './view';
 
 /** Nodes drawn at first (the largest |score|): the controls change it. */
 export const DEFAULT_NODES = 40;
@@ -152,10 +152,9 @@ export function withGroup(groups: Group[], name: string, members: string[]): Gro
 }
 
 
-export class FeatureView implements StateView {
-  readonly root: HTMLDivElement;
-  private cb: GridCallbacks;
-  private state: GridState | null = null;
+/** A feature circuit's nodes and edges as a graph, filtered here; a click on a node asks the
+ * kernel for its exact ablation, shift-clicked nodes are grouped as supernodes. */
+export class FeatureView extends View {
   private filter: Filter = { threshold: 0, top: DEFAULT_NODES };
   private selected = new Set<string>();
   private clicked = '';
@@ -164,9 +163,6 @@ export class FeatureView implements StateView {
   private layout: FeatureLayout | null = null;
   private groups: Group[] = [];
 
-  private titleEl = h('div', 'pipatch-title');
-  private subtitleEl = h('div', 'pipatch-subtitle');
-  private toolbar = h('div', 'pipatch-toolbar');
   private threshold = h('input', 'pipatch-threshold');
   private top = h('input', 'pipatch-top-n');
   private topLabel = h('span', 'pipatch-top-n-label');
@@ -175,21 +171,11 @@ export class FeatureView implements StateView {
   private svgBtn = h('button', 'pipatch-svg', 'SVG');
   private pngBtn = h('button', 'pipatch-png', 'PNG');
   private jsonBtn = h('button', 'pipatch-json', 'JSON');
-  private statusEl = h('div', 'pipatch-status');
-  private warningsEl = h('ul', 'pipatch-warnings');
-  private errorsEl = h('div', 'pipatch-errors');
   private graph = svg('svg', { class: 'pipatch-graph pipatch-feature-graph' });
   private groupsEl = h('div', 'pipatch-groups');
-  private detailEl = h('div', 'pipatch-detail');
-  private tooltip = h('div', 'pipatch-tooltip');
 
   constructor(el: HTMLElement, callbacks: GridCallbacks = {}) {
-    this.cb = callbacks;
-    ensureStyle(el);
-    this.root = h('div', 'pipatch-grid pipatch-features');
-    this.root.setAttribute('data-status', 'loading');
-    const header = h('div', 'pipatch-header');
-    header.append(this.titleEl, this.subtitleEl);
+    super(el, callbacks, 'pipatch-features');
     this.threshold.type = 'number';
     this.threshold.min = '0';
     this.threshold.step = 'any';
@@ -211,61 +197,47 @@ export class FeatureView implements StateView {
     const topBox = h('label', 'pipatch-top-n-box');
     topBox.append(h('span', undefined, 'nodes '), this.top, this.topLabel);
     this.toolbar.append(thresholdBox, topBox, this.groupName, this.groupBtn, this.svgBtn, this.pngBtn, this.jsonBtn);
-    this.root.append(header, this.toolbar, this.statusEl, this.warningsEl, this.errorsEl, this.graph, this.groupsEl, this.detailEl, this.tooltip);
-    this.tooltip.style.display = 'none';
-    el.appendChild(this.root);
+    this.mount(el, [this.graph, this.groupsEl]);
 
-    this.threshold.addEventListener('input', () => {
+    this.listen(this.threshold, 'input', () => {
       const v = Number(this.threshold.value);
       this.filter = { ...this.filter, threshold: Number.isFinite(v) && v > 0 ? v : 0 };
       this.render();
     });
-    this.top.addEventListener('input', () => {
+    this.listen(this.top, 'input', () => {
       this.filter = { ...this.filter, top: Number(this.top.value) };
       this.render();
     });
-    this.groupBtn.addEventListener('click', () => this.makeGroup());
-    this.svgBtn.addEventListener('click', () => this.downloadSvg());
-    this.pngBtn.addEventListener('click', () => void this.downloadPng());
-    this.jsonBtn.addEventListener('click', () => this.downloadJson());
-    this.graph.addEventListener('mousemove', (e) => this.onMove(e));
-    this.graph.addEventListener('mouseleave', () => this.setHover(''));
-    this.graph.addEventListener('click', (e) => this.onClick(e));
+    this.listen(this.groupBtn, 'click', () => this.makeGroup());
+    this.listen(this.svgBtn, 'click', () => this.downloadSvg());
+    this.listen(this.pngBtn, 'click', () => void this.downloadPng());
+    this.listen(this.jsonBtn, 'click', () => this.downloadJson());
+    this.listen(this.graph, 'mousemove', (e) => this.onMove(e));
+    this.listen(this.graph, 'mouseleave', () => this.setHover(''));
+    this.listen(this.graph, 'click', (e) => this.onClick(e));
   }
 
-  destroy(): void {
-    this.root.remove();
-  }
-
-  update(state: GridState, _ui: Partial<UiState> = {}): void {
+  /** The kernel's answer ends the wait for an exact ablation (its `exact`, or an error); the
+   * state's supernodes replace the view's. */
+  protected accept(state: GridState): void {
     const g = state.feature_graph ?? {};
     if (this.waiting) {
       const n = (g.nodes ?? []).find((x) => x.name === this.waiting);
       if (n && Number.isFinite(n.exact)) this.waiting = '';
     }
     if (state.detail?.error) this.waiting = '';
-    this.state = state;
     this.groups = g.groups ?? [];
-    this.render();
-  }
-
-  setErrors(errors: string[]): void {
-    this.errorsEl.replaceChildren(...errors.map((e) => h('div', 'pipatch-error', e)));
   }
 
   private graphPart(): FeatureGraph {
     return this.state?.feature_graph ?? {};
   }
 
-  private render(): void {
+  protected render(): void {
     const s = this.state;
     if (!s) return;
     const g = this.graphPart();
     const nodes = g.nodes ?? [];
-    this.root.setAttribute('data-status', s.status);
-    this.titleEl.textContent = s.title || 'pipatch';
-    const base = Object.entries(s.baselines).map(([k, v]) => `${k} ${formatValue(v)}`).join(', ');
-    this.subtitleEl.textContent = [s.kind, s.model_name, s.metric ? `metric: ${s.metric}` : '', base].filter(Boolean).join(' · ');
     const others = nodes.filter((n) => n.kind !== 'metric').length;
     this.top.max = String(Math.max(1, others));
     this.filter.top = Math.min(this.filter.top, Math.max(1, others));
@@ -274,26 +246,21 @@ export class FeatureView implements StateView {
     this.topLabel.textContent = `top ${kept.length - (nodes.length - others)} of ${others}${g.total && g.total > nodes.length ? ` drawn (${g.total} in all)` : ''}`;
     const checked = nodes.filter((n) => n.kind !== 'metric' && Number.isFinite(n.exact)).length;
     const parts = [s.message ? `${s.status}: ${s.message}` : s.status || 'done', `${kept.length} nodes, ${edges.length} edges drawn`, `${checked} checked by exact patches`];
-    this.statusEl.textContent = parts.join(' · ');
+    this.renderFrame(s, parts.join(' · '));
     this.root.setAttribute('data-checked', String(checked));
-    this.statusEl.setAttribute('data-status', s.status);
-    const warnings = s.warnings.map((w) => h('li', 'pipatch-warning', `⚠ ${w}`));
-    this.warningsEl.replaceChildren(...warnings);
-    this.warningsEl.style.display = warnings.length ? '' : 'none';
     this.groupBtn.disabled = this.selected.size === 0;
     this.drawGraph(g, kept, edges);
     this.drawGroups();
     this.renderDetail(s);
   }
 
-  private availWidth(): number {
-    const w = this.root.clientWidth || (this.root.parentElement?.clientWidth ?? 0);
-    return Math.max(320, (w > 0 ? w : 900) - 20);
+  protected availWidth(): number {
+    return Math.max(320, this.rootWidth(900) - 20);
   }
 
   private drawGraph(g: FeatureGraph, kept: number[], edges: FeatureEdge[]): void {
     const nodes = g.nodes ?? [];
-    const layout = layoutFeatures(g, kept, this.availWidth());
+    const layout = layoutFeatures(g, kept, this.measure());
     this.layout = layout;
     const el = this.graph;
     el.setAttribute('width', String(layout.width));
@@ -382,6 +349,7 @@ export class FeatureView implements StateView {
       const remove = h('button', 'pipatch-ungroup', '×');
       remove.type = 'button';
       remove.title = 'remove this supernode';
+      // Made again on every draw: a plain listener, gone with the button (not held until destroy).
       remove.addEventListener('click', () => this.sendGroup(g.name, []));
       row.append(h('span', 'pipatch-group-label', `${tooltipLabel(g.name, 40)}: ${g.nodes.map((n) => tooltipLabel(n, 40)).join(', ')}`), remove);
       return row;
@@ -410,17 +378,13 @@ export class FeatureView implements StateView {
     const node = key.startsWith('n:') ? g.nodes?.[i] : undefined;
     const edge = key.startsWith('e:') ? g.edges?.[i] : undefined;
     const lines = node ? nodeInfo(node, metric) : edge ? edgeInfo(edge, g.nodes ?? [], metric) : null;
-    if (!lines) {
-      this.tooltip.style.display = 'none';
-      return;
-    }
-    this.tooltip.replaceChildren(...lines.map((l) => h('div', 'pipatch-tip-line', l)));
+    this.tip(lines);
   }
 
   private onMove(ev: MouseEvent): void {
     const key = this.hoverAt(ev.target);
     this.setHover(key);
-    if (key) showTooltip(this.tooltip, this.root, ev);
+    if (key) this.placeTip(ev);
   }
 
   private onClick(ev: MouseEvent): void {
@@ -491,11 +455,11 @@ export class FeatureView implements StateView {
   }
 
   downloadSvg(): void {
-    if (this.state) downloadBlob(this.root, new Blob([this.svgText()], { type: 'image/svg+xml' }), safeFileName(this.state.title, 'svg'));
+    if (this.state) this.save(new Blob([this.svgText()], { type: 'image/svg+xml' }), 'svg');
   }
 
   downloadJson(): void {
-    if (this.state) downloadBlob(this.root, new Blob([this.jsonText()], { type: 'application/json' }), safeFileName(this.state.title, 'json'));
+    if (this.state) this.save(new Blob([this.jsonText()], { type: 'application/json' }), 'json');
   }
 
   async downloadPng(): Promise<void> {
@@ -517,7 +481,7 @@ export class FeatureView implements StateView {
       ctx.scale(2, 2);
       ctx.drawImage(img, 0, 0, width, height);
       const blob = await new Promise<Blob | null>((resolve) => canvas.toBlob(resolve, 'image/png'));
-      if (blob) downloadBlob(this.root, blob, safeFileName(this.state.title, 'png'));
+      if (blob) this.save(blob, 'png');
     } finally {
       URL.revokeObjectURL(url);
     }

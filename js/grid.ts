@@ -1,6 +1,7 @@
 /**
- * Framework-free canvas heatmap shared by the anywidget view (widget.ts) and the
- * JupyterLab MIME renderer (mime.ts).
+ * The grid: a framework-free canvas heatmap of a state's matrices, on the lifecycle of the
+ * one view base (view.ts), drawn by the anywidget view (widget.ts) and the JupyterLab MIME
+ * renderer (mime.ts) alike.
  *
  * Every string that comes from a tokenizer, a user or the kernel is set with
  * `textContent` / `setAttribute` / canvas `fillText`; no HTML is ever parsed.
@@ -18,241 +19,34 @@ import {
   computeLayout,
   doneSpan,
   formatValue,
-  safeFileName,
   scaleColor,
   scaleKind,
   scaleRange,
   shortLabel,
   statusText,
   tooltipLabel,
-  tooltipPlace,
   type Layout,
   type ScaleKind,
 } from './format';
-import { GRID_CSS } from './style';
-
-export interface GridCallbacks {
-  /** The user changed view / seed / mode. */
-  onUiChange?(partial: Partial<UiState>): void;
-  /** The user clicked a cell. */
-  onSelect?(sel: Selection): void;
-  /** The user pressed Stop. */
-  onStop?(): void;
-  /** Whether a kernel can answer cell clicks (top-5 predictions). */
-  live?: boolean;
-  /** A feature circuit: ask the kernel for a node's exact ablation (features.ts). */
-  onAblate?(node: string): void;
-  /** A feature circuit: the user named a group of nodes, a supernode (`nodes` empty: removed it). */
-  onGroup?(name: string, nodes: string[]): void;
-}
+import { ctx2d, cssVar, drawColorBar, h } from './dom';
+import { CodePanel, detailBody, StopButton, View, type GridCallbacks } from './view';
 
 const ROW_LABEL_WIDTH = 96;
 /** The subject's marks (as `SUBJECT_RGB` in `pipatch/_views/render.py`). */
 const SUBJECT_RGB = '#b2182b';
 
-export function h<K extends keyof HTMLElementTagNameMap>(tag: K, cls?: string, text?: string): HTMLElementTagNameMap[K] {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-/**
- * Show `tip` (a child of `box`, absolutely placed) beside the pointer of `ev`, inside `box`
- * (`tooltipPlace`): measured at the box's top left first, where its width does not depend on
- * where it was last.
- */
-export function showTooltip(tip: HTMLElement, box: HTMLElement, ev: MouseEvent): void {
-  tip.style.left = '0px';
-  tip.style.top = '0px';
-  tip.style.display = 'block';
-  const rect = box.getBoundingClientRect();
-  const place = tooltipPlace(ev.clientX - rect.left, ev.clientY - rect.top, tip.offsetWidth || 240, tip.offsetHeight, rect.width, rect.height);
-  tip.style.left = `${place.left}px`;
-  tip.style.top = `${place.top}px`;
-}
-
-let styleInstalled = false;
-export function ensureStyle(el: HTMLElement): void {
-  // One stylesheet per document; the CSS is a constant, set as text.
-  const doc = el.ownerDocument || document;
-  if (styleInstalled && doc.getElementById('pipatch-grid-style')) return;
-  if (!doc.getElementById('pipatch-grid-style')) {
-    const st = doc.createElement('style');
-    st.id = 'pipatch-grid-style';
-    st.textContent = GRID_CSS;
-    (doc.head || doc.documentElement).appendChild(st);
-  }
-  styleInstalled = true;
-}
-
-export function cssVar(el: Element, name: string, fallback: string): string {
-  try {
-    const v = getComputedStyle(el).getPropertyValue(name).trim();
-    return v || fallback;
-  } catch {
-    return fallback;
-  }
-}
-
-export function ctx2d(c: HTMLCanvasElement): CanvasRenderingContext2D | null {
-  try {
-    return c.getContext('2d');
-  } catch {
-    return null;
-  }
-}
-
-export const SVG_NS = 'http://www.w3.org/2000/svg';
-
-/** An SVG element with attributes (and text, set as text). */
-export function svg<K extends keyof SVGElementTagNameMap>(tag: K, attrs: Record<string, string | number> = {}, text?: string): SVGElementTagNameMap[K] {
-  const e = document.createElementNS(SVG_NS, tag);
-  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-/** A colour triple as CSS. */
-export const rgb = (c: [number, number, number]) => `rgb(${c[0]},${c[1]},${c[2]})`;
-
-/** A drawn graph as a standalone SVG document on white (what the SVG and PNG buttons save),
- * less its elements of class `drop` (hit areas that only take the pointer). */
-export function standaloneSvg(graph: SVGSVGElement, drop = ''): string {
-  const copy = graph.cloneNode(true) as SVGSVGElement;
-  if (drop) copy.querySelectorAll(`.${drop}`).forEach((p) => p.remove());
-  copy.insertBefore(svg('rect', { width: '100%', height: '100%', fill: '#ffffff' }), copy.firstChild);
-  return new XMLSerializer().serializeToString(copy);
-}
-
-/** Save `blob` as file `name` (a click on a hidden link inside `root`). */
-export function downloadBlob(root: HTMLElement, blob: Blob, name: string): void {
-  const url = URL.createObjectURL(blob);
-  const a = document.createElement('a');
-  a.href = url;
-  a.download = name;
-  a.style.display = 'none';
-  root.appendChild(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 10000);
-}
-
-/** The 160 × 10 colour bar of the scale `kind` from lo (left) to hi (right). */
-export function drawColorBar(canvas: HTMLCanvasElement, kind: ScaleKind, lo: number, hi: number): void {
-  const W = 160;
-  const H = 10;
-  if (canvas.width !== W) canvas.width = W;
-  if (canvas.height !== H) canvas.height = H;
-  const ctx = ctx2d(canvas);
-  if (!ctx) return;
-  for (let x = 0; x < W; x++) {
-    const [r, g, b] = barColor(kind, (x + 0.5) / W);
-    ctx.fillStyle = `rgb(${r},${g},${b})`;
-    ctx.fillRect(x, 0, 1, H);
-  }
-  canvas.title =
-    kind === 'diverging'
-      ? `colour scale symmetric around 0: ${formatValue(lo)} … ${formatValue(hi)}`
-      : kind === 'rank'
-        ? `rank ${formatValue(lo)} (darkest: the top token) … ${formatValue(hi)}, on a log scale`
-        : `colour scale from ${formatValue(lo)} (palest) to ${formatValue(hi)} (darkest)`;
-}
-
-/**
- * The detail pane's answer for a clicked cell `sel`: the kernel's error, or its top-5 table
- * when `s.detail` answers that cell; otherwise a line saying it is being asked (`live`) or
- * needs a live kernel. Everything as text.
- */
-export function detailBody(s: GridState, sel: Selection, live: boolean): HTMLElement[] {
-  const d = s.detail || {};
-  const matches = d.row === sel.row && d.col === sel.col && (d.view === undefined || d.view === sel.view) && (d.seed === undefined || d.seed === sel.seed);
-  if (matches && d.error) return [h('div', 'pipatch-detail-error', tooltipLabel(d.error))];
-  if (matches && Array.isArray(d.top)) {
-    const table = h('table', 'pipatch-top');
-    const head = h('tr');
-    head.append(h('th', undefined, 'next token'), h('th', undefined, 'probability'));
-    table.append(head);
-    for (const t of d.top.slice(0, 5)) {
-      const tr = h('tr');
-      tr.append(h('td', 'pipatch-top-token', tooltipLabel(t?.token ?? '', 60)), h('td', 'pipatch-top-prob', formatValue(Number(t?.prob), 4)));
-      table.append(tr);
-    }
-    return [table];
-  }
-  if (live) return [h('div', 'pipatch-detail-hint', 'asking the kernel for the top-5 next tokens…')];
-  return [h('div', 'pipatch-detail-hint', 'Top-5 next tokens need a live kernel (re-run the cell).')];
-}
-
-/** `Result.code()`: a Code button that shows a <pre> whose text is the script (never parsed
- * as HTML), with a Copy button; hidden when the state has no script. */
-export class CodePanel {
-  readonly button = h('button', 'pipatch-code-toggle', 'Code');
-  readonly panel = h('div', 'pipatch-code');
-  private copyBtn = h('button', 'pipatch-code-copy', 'Copy');
-  private text = h('pre', 'pipatch-code-text');
-
-  constructor(what: string) {
-    this.button.title = `show a plain nnsight script that recomputes this ${what}`;
-    this.copyBtn.title = 'copy the script to the clipboard';
-    this.button.type = 'button';
-    this.copyBtn.type = 'button';
-    this.panel.append(this.copyBtn, this.text);
-    this.panel.style.display = 'none';
-    this.button.addEventListener('click', () => {
-      this.panel.style.display = this.panel.style.display === 'none' ? '' : 'none';
-    });
-    this.copyBtn.addEventListener('click', () => this.copy());
-  }
-
-  update(code: string): void {
-    this.button.style.display = code ? '' : 'none';
-    if (!code) this.panel.style.display = 'none';
-    if (this.text.textContent !== code) this.text.textContent = code;
-  }
-
-  /** Copy the script as text: the clipboard API where the page may use it, else select it for Ctrl-C. */
-  copy(): void {
-    const text = this.text.textContent ?? '';
-    const done = () => {
-      this.copyBtn.textContent = 'Copied';
-      setTimeout(() => (this.copyBtn.textContent = 'Copy'), 1500);
-    };
-    const doc = this.panel.ownerDocument;
-    const select = () => {
-      const sel = doc.getSelection?.();
-      if (!sel) return;
-      const range = doc.createRange();
-      range.selectNodeContents(this.text);
-      sel.removeAllRanges();
-      sel.addRange(range);
-    };
-    const clip = typeof navigator !== 'undefined' ? navigator.clipboard : undefined;
-    if (clip?.writeText) clip.writeText(text).then(done, select);
-    else select();
-  }
-}
-
-export class GridView {
-  readonly root: HTMLDivElement;
-  private cb: GridCallbacks;
-  private state: GridState | null = null;
-  private ui: UiState = { view: '', seed: -1, mode: 'recovery', selected: {} };
-
-  private titleEl = h('div', 'pipatch-title');
-  private subtitleEl = h('div', 'pipatch-subtitle');
+/** A state's matrices as a heatmap, one view / seed / mode at a time; a click on a cell asks
+ * the kernel for that patched run's top-5. */
+export class GridView extends View {
   private sidesEl = h('div', 'pipatch-sides');
-  private toolbar = h('div', 'pipatch-toolbar');
   private viewSel = h('select', 'pipatch-view');
   private seedSel = h('select', 'pipatch-seed');
   private modeSel = h('select', 'pipatch-mode');
   private pngBtn = h('button', 'pipatch-png', 'PNG');
   private csvBtn = h('button', 'pipatch-csv', 'CSV');
-  private stopBtn = h('button', 'pipatch-stop', 'Stop');
+  private stop = new StopButton('stop the sweep after the current chunk (keeps the partial grid)', () => this.cb.onStop?.(), this.signal);
   /** Result.code(): a <pre> whose text is the script (never parsed as HTML), and a Copy button. */
-  private code = new CodePanel('grid');
-  private statusEl = h('div', 'pipatch-status');
-  private warningsEl = h('ul', 'pipatch-warnings');
+  private code = new CodePanel('grid', this.signal);
   private body = h('div', 'pipatch-body');
   private rowLabels = h('div', 'pipatch-rowlabels');
   private scroll = h('div', 'pipatch-scroll');
@@ -265,9 +59,6 @@ export class GridView {
   private barMin = h('span', 'pipatch-bar-min');
   private barMax = h('span', 'pipatch-bar-max');
   private barName = h('span', 'pipatch-bar-name');
-  private detailEl = h('div', 'pipatch-detail');
-  private tooltip = h('div', 'pipatch-tooltip');
-  private errorsEl = h('div', 'pipatch-errors');
 
   private layout: Layout | null = null;
   private labelKey = '';
@@ -278,26 +69,14 @@ export class GridView {
   private subject: number[] = [];
   private range: [number, number] = [-1, 1];
   private hover: { row: number; col: number } | null = null;
-  private stopClicked = false;
-  private resizeObs: ResizeObserver | null = null;
-  private lastWidth = 0;
   private offscreen: HTMLCanvasElement | null = null;
-  private rafPending = false;
 
   constructor(el: HTMLElement, callbacks: GridCallbacks = {}) {
-    this.cb = callbacks;
-    ensureStyle(el);
-    this.root = h('div', 'pipatch-grid');
-    this.root.setAttribute('data-status', 'loading');
-
-    const header = h('div', 'pipatch-header');
-    header.append(this.titleEl, this.subtitleEl, this.sidesEl);
-
+    super(el, callbacks);
     this.pngBtn.title = 'download the heatmap as PNG';
     this.csvBtn.title = 'download the values as CSV';
-    this.stopBtn.title = 'stop the sweep after the current chunk (keeps the partial grid)';
-    for (const b of [this.pngBtn, this.csvBtn, this.stopBtn]) b.type = 'button';
-    this.toolbar.append(this.viewSel, this.seedSel, this.modeSel, this.pngBtn, this.csvBtn, this.code.button, this.stopBtn);
+    for (const b of [this.pngBtn, this.csvBtn]) b.type = 'button';
+    this.toolbar.append(this.viewSel, this.seedSel, this.modeSel, this.pngBtn, this.csvBtn, this.code.button, this.stop.button);
 
     this.plot.append(this.canvas, this.overlay, this.colLabels);
     this.scroll.append(this.plot);
@@ -313,63 +92,27 @@ export class GridView {
     this.legend.append(this.barName, barWrap, legendLabel, nanSw, nanLbl, pendSw, pendLbl);
     legendLabel.remove(); // the bar shows its ends; keep the DOM minimal
 
-    this.root.append(
-      header,
-      this.toolbar,
-      this.statusEl,
-      this.warningsEl,
-      this.errorsEl,
-      this.code.panel,
-      this.body,
-      this.legend,
-      this.detailEl,
-      this.tooltip,
-    );
-    this.tooltip.style.display = 'none';
-    el.appendChild(this.root);
+    this.mount(el, [this.code.panel, this.body, this.legend], [this.sidesEl]);
 
-    this.viewSel.addEventListener('change', () => this.changeUi({ view: this.viewSel.value, selected: {} }));
-    this.seedSel.addEventListener('change', () => this.changeUi({ seed: Number(this.seedSel.value) }));
-    this.modeSel.addEventListener('change', () => this.changeUi({ mode: this.modeSel.value as Mode }));
-    this.pngBtn.addEventListener('click', () => this.downloadPng());
-    this.csvBtn.addEventListener('click', () => this.downloadCsv());
-    this.stopBtn.addEventListener('click', () => {
-      this.stopClicked = true;
-      this.stopBtn.disabled = true;
-      this.stopBtn.textContent = 'Stopping…';
-      this.cb.onStop?.();
-    });
-    this.overlay.addEventListener('mousemove', (e) => this.onMove(e));
-    this.overlay.addEventListener('mouseleave', () => {
+    this.listen(this.viewSel, 'change', () => this.changeUi({ view: this.viewSel.value, selected: {} }));
+    this.listen(this.seedSel, 'change', () => this.changeUi({ seed: Number(this.seedSel.value) }));
+    this.listen(this.modeSel, 'change', () => this.changeUi({ mode: this.modeSel.value as Mode }));
+    this.listen(this.pngBtn, 'click', () => this.downloadPng());
+    this.listen(this.csvBtn, 'click', () => this.downloadCsv());
+    this.listen(this.overlay, 'mousemove', (e) => this.onMove(e));
+    this.listen(this.overlay, 'mouseleave', () => {
       this.hover = null;
-      this.tooltip.style.display = 'none';
+      this.tip(null);
       this.drawOverlay();
     });
-    this.overlay.addEventListener('click', (e) => this.onClick(e));
-
-    if (typeof ResizeObserver !== 'undefined') {
-      this.resizeObs = new ResizeObserver(() => {
-        const w = this.availWidth();
-        if (Math.abs(w - this.lastWidth) > 4 && this.state) this.scheduleRender();
-      });
-      this.resizeObs.observe(this.root);
-    }
+    this.listen(this.overlay, 'click', (e) => this.onClick(e));
   }
 
-  destroy(): void {
-    this.resizeObs?.disconnect();
-    this.root.remove();
-  }
-
-  /** Draw `state` with the UI choices `ui`; cheap enough to call on every update. */
-  update(state: GridState, ui: Partial<UiState> = {}): void {
-    this.state = state;
-    this.ui = { ...this.ui, ...ui };
-    if (!state.views.includes(this.ui.view)) this.ui.view = state.views[0] ?? '';
+  /** A seed or mode the new state lacks falls back to the mean, the first mode. */
+  protected accept(state: GridState): void {
     if (this.ui.seed >= state.n_seeds) this.ui.seed = -1;
     const modes = modeChoices(state);
     if (!modes.some(([m]) => m === this.ui.mode)) this.ui.mode = modes[0][0];
-    this.render();
   }
 
   getUi(): UiState {
@@ -389,37 +132,16 @@ export class GridView {
     this.render();
   }
 
-  private scheduleRender(): void {
-    if (this.rafPending) return;
-    this.rafPending = true;
-    const raf = typeof requestAnimationFrame === 'function' ? requestAnimationFrame : (f: () => void) => setTimeout(f, 16);
-    raf(() => {
-      this.rafPending = false;
-      this.render();
-    });
+  protected availWidth(): number {
+    return this.rootWidth(800) - ROW_LABEL_WIDTH - 16;
   }
 
-  private availWidth(): number {
-    const w = this.root.clientWidth || (this.root.parentElement?.clientWidth ?? 0);
-    return (w > 0 ? w : 800) - ROW_LABEL_WIDTH - 16;
-  }
-
-  private render(): void {
+  protected render(): void {
     const s = this.state;
     if (!s) return;
-    this.root.setAttribute('data-status', s.status);
-    this.titleEl.textContent = s.title || 'pipatch';
-    const sub = [s.kind, s.model_name, s.metric ? `metric: ${s.metric}` : ''].filter(Boolean);
-    const bl = Object.entries(s.baselines)
-      .map(([k, v]) => `${k} ${formatValue(v)}`)
-      .join(', ');
-    if (bl) sub.push(bl);
-    this.subtitleEl.textContent = sub.join(' · ');
+    this.renderFrame(s, statusText(s));
     this.sidesEl.replaceChildren(...s.sides.map((side) => h('div', 'pipatch-side', tooltipLabel(side))));
     this.renderControls(s);
-    this.statusEl.textContent = statusText(s);
-    this.statusEl.setAttribute('data-status', s.status);
-    this.renderWarnings(s);
     this.code.update(s.code);
     this.renderGrid(s);
     this.renderDetail(s);
@@ -444,26 +166,12 @@ export class GridView {
     this.viewSel.value = this.ui.view;
     this.seedSel.value = String(this.ui.seed);
     this.modeSel.value = this.ui.mode;
-    const showStop = s.stoppable && s.status === 'running';
-    this.stopBtn.style.display = showStop ? '' : 'none';
-    if (!showStop) {
-      this.stopClicked = false;
-      this.stopBtn.disabled = false;
-      this.stopBtn.textContent = 'Stop';
-    } else if (this.stopClicked) {
-      this.stopBtn.disabled = true;
-    }
+    this.stop.update(s);
   }
 
   /** Copy the script as text (see `CodePanel.copy`). */
   copyCode(): void {
     this.code.copy();
-  }
-
-  private renderWarnings(s: GridState): void {
-    const items = s.warnings.map((w) => h('li', 'pipatch-warning', `⚠ ${w}`));
-    this.warningsEl.replaceChildren(...items);
-    this.warningsEl.style.display = items.length ? '' : 'none';
   }
 
   private matrix() {
@@ -483,8 +191,7 @@ export class GridView {
   private renderGrid(s: GridState): void {
     const m = this.matrix();
     const { rows, cols } = m;
-    const avail = this.availWidth();
-    this.lastWidth = avail;
+    const avail = this.measure();
     const maxChars = Math.min(14, s.col_labels.reduce((a, l) => Math.max(a, Math.min(l.length, 14)), 1));
     const layout = computeLayout(rows, cols, avail, { maxLabelChars: maxChars });
     this.layout = layout;
@@ -692,7 +399,7 @@ export class GridView {
     const cell = this.eventCell(e);
     if (!cell) {
       this.hover = null;
-      this.tooltip.style.display = 'none';
+      this.tip(null);
       this.drawOverlay();
       return;
     }
@@ -701,7 +408,7 @@ export class GridView {
       this.fillTooltip(cell.row, cell.col);
       this.drawOverlay();
     }
-    showTooltip(this.tooltip, this.root, e);
+    this.placeTip(e);
   }
 
   /** Tooltip lines for one cell (also used by tests); `notes`: the row's note lines too (the
@@ -746,7 +453,7 @@ export class GridView {
   }
 
   private fillTooltip(row: number, col: number): void {
-    this.tooltip.replaceChildren(...this.cellInfo(row, col).map((l) => h('div', 'pipatch-tip-line', l)));
+    this.tip(this.cellInfo(row, col));
   }
 
   private onClick(e: MouseEvent): void {
@@ -838,15 +545,11 @@ export class GridView {
     return c;
   }
 
-  private download(blob: Blob, name: string): void {
-    downloadBlob(this.root, blob, name);
-  }
-
   downloadPng(): void {
     const c = this.composeCanvas();
     if (!c) return;
     c.toBlob((blob) => {
-      if (blob) this.download(blob, safeFileName(this.state?.title ?? '', 'png'));
+      if (blob) this.save(blob, 'png');
     }, 'image/png');
   }
 
@@ -854,13 +557,9 @@ export class GridView {
     const s = this.state;
     if (!s) return;
     const csv = buildCsv(s, this.ui.view, this.ui.seed);
-    this.download(new Blob([csv], { type: 'text/csv' }), safeFileName(`${s.title}_${this.ui.view}`, 'csv'));
-  }
-
-  /** Show a decoding problem without breaking the rest of the grid. */
-  setErrors(errors: string[]): void {
-    this.errorsEl.replaceChildren(...errors.map((e) => h('div', 'pipatch-error', e)));
+    this.save(new Blob([csv], { type: 'text/csv' }), 'csv', `${s.title}_${this.ui.view}`);
   }
 }
 
 export { gridShape };
+

@@ -11,12 +11,12 @@
 import type { IRenderMime } from '@jupyterlab/rendermime-interfaces';
 import type { ReadonlyPartialJSONObject } from '@lumino/coreutils';
 import { Widget } from '@lumino/widgets';
-import { viewFor, type StateView } from './circuit';
 import { normalizeState, type Group, type UiState } from './data';
-import { GridView } from './grid';
 import { withGroup } from './features';
+import { GridView } from './grid';
 import { hideDeadWidgetBefore, isLive, markCopy, onGroups, onLiveChange, setShown } from './liveness';
 import { MIME_TYPE, SCHEMA_VERSION } from './schema';
+import { viewFor, type StateView } from './views';
 
 export { MIME_TYPE };
 

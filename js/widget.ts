@@ -6,9 +6,8 @@
  * `hold_sync()` delivers many `change:<trait>` events at once); UI choices are written back
  * with `model.set(...)` + `model.save_changes()`.
  */
-import { viewFor, type StateView } from './circuit';
 import { normalizeState, type UiState } from './data';
-import type { GridCallbacks } from './grid';
+import { viewFor, type GridCallbacks, type StateView } from './views';
 import { hasCopy, markLive, publishGroups, setShown } from './liveness';
 
 /** How long a view waits for its kernel before deferring to its saved copy (ms). */

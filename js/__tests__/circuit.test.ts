@@ -12,89 +12,12 @@ import {
   sliderRange,
   strokeWidth,
   topEdges,
-  viewFor,
 } from '../circuit';
 import { normalizeState, type GridState } from '../data';
 import { divergingColor } from '../format';
 import { GridView } from '../grid';
-import { f32spec } from './helpers';
-
-/**
- * A circuit's state as the kernel makes it (pipatch/_views/circuit.py): `layers` layers of
- * `heads` heads, each head's q/k/v a receiver, each MLP a receiver and a sender, the logits.
- * Scores: edge i (row-major) is `score(i)`, NaN where a receiver reads nothing of the sender.
- */
-function circuitState(layers = 2, heads = 2, score = (i: number) => ((i * 37) % 23) / 23 - 0.5, extra: Record<string, unknown> = {}): GridState {
-  const nodes: { name: string; kind: string; layer: number; x: number; y: number }[] = [{ name: 'emb', kind: 'emb', layer: -1, x: 0.5, y: 0 }];
-  const senders = ['emb'];
-  const senderLayer = [-1];
-  const receivers: string[] = [];
-  const receiverNode: number[] = [];
-  const receiverLayer: number[] = [];
-  const ports: number[] = [];
-  const senderNode = [0];
-  for (let l = 0; l < layers; l++) {
-    for (let hd = 0; hd < heads; hd++) {
-      nodes.push({ name: `${l}.${hd}`, kind: 'head', layer: l, x: (hd + 0.5) / (heads + 1), y: l + 1 });
-      senders.push(`${l}.${hd}`);
-      senderLayer.push(l);
-      senderNode.push(nodes.length - 1);
-      ['q', 'k', 'v'].forEach((w, k) => {
-        receivers.push(`${l}.${hd}.${w}`);
-        receiverNode.push(nodes.length - 1);
-        receiverLayer.push(l);
-        ports.push((k / 2 - 0.5) * 0.5 / (heads + 1));
-      });
-    }
-    nodes.push({ name: `mlp${l}`, kind: 'mlp', layer: l, x: (heads + 0.5) / (heads + 1), y: l + 1.4 });
-    senders.push(`mlp${l}`);
-    senderLayer.push(l + 0.5);
-    senderNode.push(nodes.length - 1);
-    receivers.push(`mlp${l}`);
-    receiverNode.push(nodes.length - 1);
-    receiverLayer.push(l + 0.75);
-    ports.push(0);
-  }
-  nodes.push({ name: 'logits', kind: 'logits', layer: layers, x: 0.5, y: layers + 1 });
-  receivers.push('logits');
-  receiverNode.push(nodes.length - 1);
-  receiverLayer.push(layers + 1);
-  ports.push(0);
-  const R = receivers.length;
-  const S = senders.length;
-  const corrupt = 0.25;
-  const raw: number[] = [];
-  const rec: number[] = [];
-  for (let r = 0; r < R; r++) {
-    for (let s = 0; s < S; s++) {
-      const ok = senderLayer[s] < receiverLayer[r] && !(Number.isInteger(receiverLayer[r]) && senderLayer[s] === receiverLayer[r]);
-      const v = ok ? score(r * S + s) : NaN;
-      raw.push(corrupt + v);
-      rec.push(v / 2);
-    }
-  }
-  return normalizeState({
-    title: 'Circuit <b>x</b>',
-    kind: 'circuit',
-    metric: 'logit_diff',
-    views: ['edges'],
-    row_labels: receivers,
-    col_labels: senders,
-    col_axis: 'sender',
-    baselines: { clean: 2.25, corrupt },
-    status: 'done',
-    arrays: { 'edges/mean': f32spec(rec, [R, S]), 'edges/raw_mean': f32spec(raw, [R, S]) },
-    circuit: {
-      nodes,
-      senders: senderNode,
-      receivers: receiverNode,
-      ports,
-      checked: [{ row: R - 1, col: 0, estimate: 0.1, exact: 0.09 }],
-      agreement: { spearman: 0.9, n: 1 },
-      ...extra,
-    },
-  });
-}
+import { viewFor } from '../views';
+import { circuitState, f32spec } from './helpers';
 
 function mount(state: GridState, callbacks = {}) {
   const el = document.createElement('div');

@@ -1,30 +1,9 @@
 import { describe, expect, it } from 'vitest';
-import { viewFor } from '../circuit';
-import { normalizeState, type GridState } from '../data';
+import { normalizeState } from '../data';
 import { edgeInfo, FeatureView, filterGraph, isFeatureGraph, layoutFeatures, nodeInfo, withGroup } from '../features';
 import { GridView } from '../grid';
-
-const HOSTILE = '<img src=x onerror="window.__pwned=1">';
-
-/** A feature circuit's state as `FeatureCircuitResult.to_state` makes it: two SAEs, the metric. */
-function featureState(extra: Record<string, unknown> = {}): GridState {
-  const nodes = [
-    { name: 'metric', row: 2, position: 2, latent: null, kind: 'metric', score: 0.5, exact: 0.5, circuit: true, note: '' },
-    { name: 'L0 #7 @1', row: 0, position: 1, latent: 7, kind: 'latent', score: 0.3, exact: 0.25, circuit: true, note: `${HOSTILE}\nthe <b>Eiffel</b>  (2.5)` },
-    { name: 'L0 error @1', row: 0, position: 1, latent: null, kind: 'error', score: -0.2, exact: null, circuit: true, note: '' },
-    { name: 'L1 #3 @2', row: 1, position: 2, latent: 3, kind: 'latent', score: 0.1, exact: null, circuit: true, note: '' },
-    { name: 'L1 #9 @0', row: 1, position: 0, latent: 9, kind: 'latent', score: 0.01, exact: null, circuit: false, note: '' },
-  ];
-  return normalizeState({
-    title: 'Feature circuit', kind: 'feature_circuit', metric: 'logit_diff', col_labels: ['The', ' Eiffel', ' Tower'],
-    row_labels: ['L0', 'L1'], status: 'done',
-    feature_graph: {
-      sites: ['L0', 'L1'], positions: [0, 1, 2], nodes, total: 5,
-      edges: [{ up: 1, down: 3, score: 0.05, exact: 0.04 }, { up: 2, down: 3, score: -0.01, exact: null }, { up: 4, down: 3, score: 0.001 }],
-      groups: [], ...extra,
-    },
-  });
-}
+import { viewFor } from '../views';
+import { featureState, HOSTILE } from './helpers';
 
 describe('feature circuit graph', () => {
   it('is told apart from other states and drawn by its own view', () => {

@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { normalizeState } from '../data';
-import { GridView, showTooltip } from '../grid';
+import { showTooltip } from '../dom';
+import { GridView } from '../grid';
 import { documentToState } from '../mime';
 import { f32bytes, f32spec, toBase64 } from './helpers';
 

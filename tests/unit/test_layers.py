@@ -18,8 +18,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from tests.unit.test_imports import module_files, strongly_connected
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,8 +186,6 @@ def test_the_top_level_holds_the_public_api_and_the_front_ends_only():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="js/circuit.ts ↔ js/features.ts: removed on branch h-js (one view base); "
-                                       "drop this mark when h-js is merged")
 def test_no_js_module_imports_another_in_a_cycle():
     graph = ts_imports(JS)
     assert graph, "no .ts module found in js/"
