@@ -292,8 +292,8 @@ def remote_backend(model: Any, remote: bool | str) -> Any:
 
 
 def pull_ndif_env() -> None:
-    """Read NDIF's environment (its host, key, versions) into nnsight's config, as a remote
-    trace does before it sends. Internal module: ``nnsight.ndif.pull_env``."""
+    """Register this process's local (not installed) modules for pickling by value, once, as
+    a remote trace does before it sends. Internal module: ``nnsight.ndif.pull_env``."""
     from nnsight.ndif import pull_env
 
     pull_env()
@@ -316,8 +316,8 @@ def remote_error() -> type[Exception]:
 
 
 def raise_deferred(error: Any) -> None:
-    """Raise the error an ``nnsight-serve`` answer carries (nothing if ``None``), as nnsight's
-    own client does. Internal module: ``nnsight.intervention.errors.raise_deferred``."""
+    """Raise the error an ``nnsight-serve`` answer carries, as nnsight's own client does
+    (``None``, or a stop: nothing). Internal module: ``nnsight.intervention.errors.raise_deferred``."""
     from nnsight.intervention.errors import raise_deferred as raise_it
 
     raise_it(error)
@@ -332,8 +332,8 @@ def capture_exception(exception: BaseException) -> Any:
 
 
 def merge_collected(collected: Any) -> Any:
-    """The saves of an async engine's workers (``collect_nnsight``, one entry per worker)
-    merged into one mapping, as nnsight's async engine merges them. Internal module:
+    """What each rank of an async engine returned from ``collect_nnsight``, merged into one
+    mapping, as nnsight's async engine merges it. Internal module:
     ``nnsight.modeling.vllm.engines.engine.merge_collected``."""
     from nnsight.modeling.vllm.engines.engine import merge_collected as merge
 
