@@ -39,7 +39,7 @@ $(VSTAMP): $(STAMP)
 	# pip pulls torchvision/torchaudio/torchcodec built for CUDA; with them `import vllm` fails
 	# ("operator torchvision::nms does not exist"). Text models need none of them.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VPY) -c "import vllm, nnsight.modeling.vllm, pipatch._vllm_cpu_worker"
+	$(VPY) -c "import vllm, nnsight.modeling.vllm, pipatch._backends._vllm_cpu_worker"
 	touch $@
 
 js:

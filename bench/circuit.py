@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 import pipatch
-from pipatch._api import planner
-from pipatch._known import known
+from pipatch._base.known import known
+from pipatch._experiments._api import planner
 
 plan_circuit = planner("circuit")
 

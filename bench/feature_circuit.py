@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
 from bench.run import CLEAN, CORRUPT, Peak, write_report  # noqa: E402
-from pipatch._protocols.attribution import spearman  # noqa: E402
+from pipatch._experiments.attribution import spearman  # noqa: E402
 
 REPEAT = 2
 TOP = 20

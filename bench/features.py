@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
 from bench.run import CLEAN, CORRUPT, best, write_report  # noqa: E402
-from pipatch._api import plan  # noqa: E402
-from pipatch._protocols.attribution import spearman  # noqa: E402
+from pipatch._experiments._api import plan  # noqa: E402
+from pipatch._experiments.attribution import spearman  # noqa: E402
 
 REPEAT = 3
 #: How many screened cells the exact checks patch (the issue's "top 50").

@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipatch  # noqa: E402
 from bench.flops import Sizes, matmul_peak, sweep_flops  # noqa: E402
-from pipatch._api import plan_patch, plan_trace  # noqa: E402
-from pipatch._protocols.tracing import noise_draws  # noqa: E402
+from pipatch._experiments._api import plan_patch, plan_trace  # noqa: E402
+from pipatch._experiments.tracing import noise_draws  # noqa: E402
 
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"

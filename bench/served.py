@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipatch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._backends.served import ServedBackend, Server  # noqa: E402
-from pipatch._serve import Spawned  # noqa: E402
+from pipatch._serving.serve import Spawned  # noqa: E402
 
 KEY = "bench"
 PAIRS = [
@@ -125,7 +125,7 @@ def main() -> int:
         server.kill()
 
     # The same grid on the same engine in this process, once the server's memory is back.
-    from pipatch._load import shared_model
+    from pipatch._backends._load import shared_model
 
     engine = shared_model(device="cpu", backend="vllm")
     pipatch.patch(engine, **PAIRS[0])  # warm-up

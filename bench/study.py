@@ -63,9 +63,9 @@ def main(argv=None) -> int:
 
 
 def _known(model, data: list[dict], n: int) -> list[dict]:
-    """The first ``n`` facts of ``data`` the model knows (ROME's rule, :func:`pipatch._study.known_fact`:
+    """The first ``n`` facts of ``data`` the model knows (ROME's rule, :func:`pipatch._studies.known_fact`:
     one forward each, not timed)."""
-    from pipatch._study import known_fact
+    from pipatch._studies import known_fact
 
     backend = pipatch._backends.backend_for(model)
     out = []
@@ -83,7 +83,7 @@ def _model(backend: str):
     if backend != "served":
         yield pipatch.load_model(backend=backend)
         return
-    from pipatch._serve import Spawned
+    from pipatch._serving.serve import Spawned
 
     server = Spawned(env={"PIPATCH_API_KEY": "bench"})
     try:

@@ -2,14 +2,14 @@
  * A circuit's view: the graph of its edges instead of a heatmap, shared by the anywidget view
  * (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor` (views.ts).
  *
- * The state's `circuit` part (`CIRCUIT_SCHEMA`, made by `pipatch/_views/circuit.py`) places the
+ * The state's `circuit` part (`CIRCUIT_SCHEMA`, made by `pipatch/_results/views/circuit.py`) places the
  * nodes: the embeddings at the bottom, each layer's heads and its MLP in a row, the logits at
  * the top; a receiver's q/k/v inputs are ports on its head node's lower side. The scores are
  * the grid's `edges/raw_mean` less the corrupt baseline (the estimated change of the metric);
  * `circuitEdges` ranks them as `circuit_edges` does in Python (checked by the parity test) and
  * the slider keeps the top n. An edge is a cubic from its sender's top to its receiver's port,
  * control points 45 % of the rise from each end (as `draw_circuit` in
- * `pipatch/_views/render.py`), coloured on the one diverging map (`divergingColor`).
+ * `pipatch/_results/views/render.py`), coloured on the one diverging map (`divergingColor`).
  *
  * Hover shows an edge's estimate and, where it was checked, the exact patch's change; a click
  * sends the same selection a grid cell does (row = receiver, col = sender), which the kernel
@@ -46,7 +46,7 @@ export function isCircuit(s: GridState): boolean {
 
 /**
  * Every finite edge, largest |score| first (ties: row-major order). As `circuit_edges` in
- * `pipatch/_views/circuit.py`: score = `edges/raw_mean` − the corrupt baseline, in doubles.
+ * `pipatch/_results/views/circuit.py`: score = `edges/raw_mean` − the corrupt baseline, in doubles.
  */
 export function circuitEdges(s: GridState): Edge[] {
   const view = s.views[0] ?? '';

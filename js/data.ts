@@ -27,7 +27,7 @@ import {
 /**
  * What a view's cells show: for one result normalized recovery or the raw metric; for a
  * comparison (`sides` set) a − b ('diff') or one side ('a', 'b'). As `select_matrix` in
- * `pipatch/_views/schema.py`.
+ * `pipatch/_results/views/schema.py`.
  */
 export type Mode = 'recovery' | 'raw' | 'diff' | 'a' | 'b';
 export type Status = 'running' | 'done' | 'stopped' | 'interrupted' | 'failed' | string;

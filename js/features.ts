@@ -2,7 +2,7 @@
  * A feature circuit's view: its graph of SAE latents and error nodes, shared by the anywidget
  * view (widget.ts) and the JupyterLab MIME renderer (mime.ts), which pick it by `viewFor`
  * (views.ts) when the state's `feature_graph` part (`FEATURE_GRAPH_SCHEMA`, made by
- * `FeatureCircuitResult.to_state` in `pipatch/_features/_circuit.py`) has nodes.
+ * `FeatureCircuitResult.to_state` in `pipatch/_results/feature_circuit.py`) has nodes.
  *
  * Rows are the SAEs (the first at the bottom, the metric's node on top), columns the
  * positions; nodes sharing a place sit side by side in it. A node's area follows its |score|

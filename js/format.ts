@@ -4,7 +4,7 @@ import type { GridState, Mode } from './data';
 import { gridShape, isComparison, matrixFor, selectMatrix, type Matrix } from './data';
 
 /**
- * The escaping rule (the same as `pipatch/_views/strings.py`, checked on every code point by
+ * The escaping rule (the same as `pipatch/_results/views/strings.py`, checked on every code point by
  * `__tests__/parity.test.ts`): a code point is drawn as `⟨U+XXXX⟩` when its General_Category
  * is Cc (control), Cf (format: zero-width, bidi controls, BOM, soft hyphen, interlinear
  * annotation, tags), Cs (surrogate: only a lone one can be in a string), Co (private use),
@@ -76,7 +76,7 @@ export function tooltipPlace(x: number, y: number, tipW: number, tipH: number, b
 export type RGB = [number, number, number];
 
 /**
- * The one colour map (the same stops as `pipatch/_views/colors.py`): ColorBrewer's 11-class
+ * The one colour map (the same stops as `pipatch/_results/views/colors.py`): ColorBrewer's 11-class
  * RdBu reversed, i.e. matplotlib's RdBu_r — blue below 0, near white at 0, red above.
  */
 export const DIVERGING_STOPS = [
@@ -92,7 +92,7 @@ export const SEQUENTIAL_STOPS = [
 export const SEQUENTIAL_METRICS = ['prob', 'logprob'] as const;
 
 /**
- * The colour scales (`pipatch/_views/colors.py`): 'diverging' for signed values (0 white),
+ * The colour scales (`pipatch/_results/views/colors.py`): 'diverging' for signed values (0 white),
  * 'sequential' for a probability or log-probability drawn as itself, 'rank' for the lens's
  * rank (rank 0 the darkest, paling on a log scale).
  */
@@ -120,7 +120,7 @@ export function symmetricMax(data: ArrayLike<number> | null): number {
 /**
  * The scale of a state's cells drawn in `mode`: 'rank' for the metric rank drawn as itself,
  * 'sequential' for prob / logprob drawn as themselves (the logit lens; mode 'raw'),
- * 'diverging' for everything else. As `scale_kind` in `pipatch/_views/colors.py`.
+ * 'diverging' for everything else. As `scale_kind` in `pipatch/_results/views/colors.py`.
  */
 export function scaleKind(state: GridState, mode: Mode): ScaleKind {
   if (isComparison(state) || (state.circuit?.nodes?.length ?? 0) > 0) return 'diverging';
@@ -162,7 +162,7 @@ export function valueRange(kind: ScaleKind, data: ArrayLike<number> | null): [nu
  * The colour scale's range `[lo, hi]` for matrix `m` of `view` drawn in `mode` (`valueRange`
  * of its `scaleKind`) over the finished rows (`span`, from `doneSpan`); for one side of a
  * comparison over both sides, so switching a ↔ b keeps the colours comparable. As
- * `scale_range` in `pipatch/_views/render.py`.
+ * `scale_range` in `pipatch/_results/views/render.py`.
  */
 export function scaleRange(state: GridState, view: string, mode: Mode, m: Matrix, span: Span): [number, number] {
   const [from, to] = [span[0] * m.cols, span[1] * m.cols];
@@ -184,7 +184,7 @@ export type Span = [number, number];
 
 /**
  * The finished (drawn) rows of `view`; the rest are pending. As `done_span` in
- * `pipatch/_views/schema.py`: `rows_done[view]` rows from the top, or from the bottom when
+ * `pipatch/_results/views/schema.py`: `rows_done[view]` rows from the top, or from the bottom when
  * `row_order[view]` is -1; a view missing from `rows_done` is finished unless the grid is running.
  */
 export function doneSpan(state: GridState, view: string, rows: number): Span {

@@ -32,7 +32,7 @@ import { ctx2d, cssVar, drawColorBar, h } from './dom';
 import { CodePanel, detailBody, StopButton, View, type GridCallbacks } from './view';
 
 const ROW_LABEL_WIDTH = 96;
-/** The subject's marks (as `SUBJECT_RGB` in `pipatch/_views/render.py`). */
+/** The subject's marks (as `SUBJECT_RGB` in `pipatch/_results/views/render.py`). */
 const SUBJECT_RGB = '#b2182b';
 
 /** A state's matrices as a heatmap, one view / seed / mode at a time; a click on a cell asks

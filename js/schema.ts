@@ -1,5 +1,5 @@
 /**
- * The one view state, as the browser reads it: the same schema as `pipatch/_views/schema.py`
+ * The one view state, as the browser reads it: the same schema as `pipatch/_results/views/schema.py`
  * (checked by `js/__tests__/parity.test.ts` against a state the kernel really makes).
  * `normalizeState` (data.ts) reads every state through `STATE_SCHEMA`, and the anywidget entry
  * listens to exactly its keys: a new field is one line here and one in the Python schema.

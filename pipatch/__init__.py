@@ -18,19 +18,20 @@ top ones by exact edge patches and measures the faithfulness curve; ``result.edg
 
 The experiment functions (``trace``, ``patch``, ``attribute``, ``path_patch``, ``lens``, ``circuit``, and any
 an installed package registers) are derived from their declarations
-(:mod:`pipatch._declare`): one per registered experiment of :mod:`pipatch._registry`.
+(:mod:`pipatch._model.declare`): one per registered experiment of :mod:`pipatch._experiments._registry`.
 """
 
-from . import _api, tasks
-from ._compare import compare
-from ._features import embedded_sae, load_sae, load_saes
-from ._features._corpus import feature_contexts
-from ._features._labels import load_labels
-from ._load import load_model
-from ._models import PipatchError
-from ._plot import plot
-from ._result import Result, load_result
-from ._study import Study, known_facts, load_study, study
+from . import tasks
+from ._backends._load import load_model
+from ._experiments import _api
+from ._experiments._feature_corpus import feature_contexts
+from ._model.features import embedded_sae, load_sae, load_saes
+from ._model.features.labels import load_labels
+from ._model.models import PipatchError
+from ._results.compare import compare
+from ._results.plot import plot
+from ._results.result import Result, load_result
+from ._studies import Study, known_facts, load_study, study
 
 __version__ = "0.1.0"
 
@@ -45,7 +46,7 @@ __all__ = [
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext pipatch``: register one cell magic per experiment of :mod:`pipatch._registry`
+    """``%load_ext pipatch``: register one cell magic per experiment of :mod:`pipatch._experiments._registry`
     (``%%trace``, ``%%patch``, ``%%attribute``, ``%%path_patch``, ``%%lens``, ...) and ``%%compare``."""
     from ._magics import load_ipython_extension as register
 
@@ -55,7 +56,7 @@ def load_ipython_extension(ipython) -> None:
 def __getattr__(name: str):
     # The widget pulls in anywidget/ipywidgets: imported on first use, not by ``import pipatch``.
     if name == "PatchGrid":
-        from ._live import PatchGrid
+        from ._notebook.live import PatchGrid
 
         return PatchGrid
     if name in _api.functions():  # an experiment registered after import

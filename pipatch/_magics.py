@@ -1,7 +1,7 @@
 """``%%trace``, ``%%patch``, ``%%attribute``, ``%%path_patch``: every experiment from a notebook cell.
 
 Registered by ``%load_ext pipatch`` only (never as a side effect of ``import pipatch``), one
-cell magic per entry of :data:`pipatch._registry.EXPERIMENTS`, named like its Python
+cell magic per entry of :data:`pipatch._experiments._registry.EXPERIMENTS`, named like its Python
 function and taking the same options (``%%trace?`` lists them)::
 
     %%trace --subject "Eiffel Tower" --answer " Paris" -o eiffel
@@ -20,11 +20,11 @@ The body of ``%%trace`` is the prompt; several ``prompt: ...`` lines are a datas
 ``clean: ...`` / ``corrupt: ...`` lines; several pairs (in order) are a dataset.
 
 Each magic plans the sweep (its baselines run first, under a "loading…" line), shows a live
-:class:`~pipatch._live.PatchGrid` that fills in row by row (Stop button; a click shows the
+:class:`~pipatch._notebook.live.PatchGrid` that fills in row by row (Stop button; a click shows the
 patched run's top-5 next tokens), and binds the :class:`~pipatch.Result` to ``-o NAME``
 (default ``_trace``, ``_patch``, ``_attribute``, ``_path_patch``) in the user namespace. When
 the run ends the grid stays live and its saved copy (pipatch MIME + PNG + text) is added below
-it, which a saved notebook shows without a kernel (see :mod:`pipatch._widget`); the magic
+it, which a saved notebook shows without a kernel (see :mod:`pipatch._notebook.widget`); the magic
 itself returns ``None`` so the grid is not shown twice. ``PatchGrid(NAME)`` shows a clickable
 grid again later.
 
@@ -65,15 +65,15 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
-from ._api import plan as plan_experiment
 from ._backends import backend_for
-from ._compare import VALUES, compare
+from ._backends._load import shared_model
 from ._engine import EngineError
-from ._live import run_live
-from ._load import shared_model
-from ._models import BACKENDS, PipatchError, no_progress_bar
-from ._registry import EXPERIMENTS, Experiment, add_options, given_options
-from ._result import Result
+from ._experiments._api import plan as plan_experiment
+from ._experiments._registry import EXPERIMENTS, Experiment, add_options, given_options
+from ._model.models import BACKENDS, PipatchError, no_progress_bar
+from ._notebook.live import run_live
+from ._results.compare import VALUES, compare
+from ._results.result import Result
 
 __all__ = ["load_ipython_extension", "make_compare_magic", "make_magic", "magic_parser"]
 
@@ -295,8 +295,8 @@ def _result_named(shell: Any, name: str) -> Result | str:
 
 def study_magic_parser(entry: Experiment) -> argparse.ArgumentParser:
     """The parser of ``%study`` / ``%%study`` for ``entry`` (``--experiment``): the study's
-    flags (:mod:`pipatch._study._front`), ``--model`` / ``--backend`` and ``-o``."""
-    from ._study._front import add_study_arguments
+    flags (:mod:`pipatch._studies._front`), ``--model`` / ``--backend`` and ``-o``."""
+    from ._studies._front import add_study_arguments
 
     parser = _MagicParser(
         prog="%study", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -316,9 +316,9 @@ def study_magic_parser(entry: Experiment) -> argparse.ArgumentParser:
 def make_study_magic(shell: Any) -> Callable[..., None]:
     """``%study FILE --store PATH ... -o NAME`` and ``%%study --store PATH -o NAME`` (the body:
     a path, or JSON lines): run :func:`pipatch.study` and bind the :class:`~pipatch.Study`."""
-    from ._study import study
-    from ._study._facts import records_from_text
-    from ._study._front import probe_experiment, study_keywords
+    from ._studies import study
+    from ._studies._facts import records_from_text
+    from ._studies._front import probe_experiment, study_keywords
 
     def magic(line: str, cell: str | None = None) -> None:
         try:

@@ -1,6 +1,6 @@
 """The ``pipatch`` command: every experiment from a shell.
 
-One subcommand per entry of :data:`pipatch._registry.EXPERIMENTS`, with the same options as
+One subcommand per entry of :data:`pipatch._experiments._registry.EXPERIMENTS`, with the same options as
 its Python function::
 
     pipatch trace "The Eiffel Tower is in the city of" --subject "Eiffel Tower" --answer " Paris"
@@ -19,7 +19,7 @@ layers), shows progress on stderr, and writes ``--json`` (``{"kind", "model", "t
 ``compare A B`` reads two such files (``--json`` or ``--save``) and does the same for
 ``a − b`` (:func:`pipatch.compare`). Bad input prints one line on stderr, naming the command,
 and exits with status 2. ``--serve URL`` runs any experiment on a server started with
-``pipatch serve [MODEL]`` (see :mod:`pipatch._serve`).
+``pipatch serve [MODEL]`` (see :mod:`pipatch._serving.serve`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._api import plan as plan_experiment
-from ._compare import VALUES, compare
+from ._base.progress import run_with_progress
 from ._engine import EngineError
-from ._models import BACKENDS, PipatchError
-from ._progress import run_with_progress
-from ._registry import EXPERIMENTS, Experiment, add_options, given_options
-from ._result import result_file
+from ._experiments._api import plan as plan_experiment
+from ._experiments._registry import EXPERIMENTS, Experiment, add_options, given_options
+from ._model.models import BACKENDS, PipatchError
+from ._results.compare import VALUES, compare
+from ._results.result import result_file
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from ._serve import main as serve
+        from ._serving.serve import main as serve
 
         return serve(argv[1:])
     if argv[:1] == ["study"]:
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ._load import shared_model
+    from ._backends._load import shared_model
 
     entry: Experiment = args.experiment
     # Everything that can be checked without the model is checked before loading it.
@@ -209,7 +209,7 @@ def _write(result: Any, args: argparse.Namespace) -> None:
         result.to_json(args.json)
         print(f"wrote {args.json}")
     if args.png:
-        from ._views import png
+        from ._results.views import png
 
         with open(args.png, "wb") as handle:
             handle.write(png(result.to_state(live=True), dpi=110))
@@ -232,7 +232,7 @@ def _write(result: Any, args: argparse.Namespace) -> None:
 def study_parser(entry: Experiment) -> argparse.ArgumentParser:
     """``pipatch study FILE --store PATH [--experiment NAME] ...``: the study's own flags, then
     ``entry``'s options (its per-prompt ones optional: each fact gives its own)."""
-    from ._study._front import add_study_arguments
+    from ._studies._front import add_study_arguments
 
     parser = _Parser(prog="pipatch study", parents=[_common(_Parser(add_help=False), code=False)],
                      description="Run an experiment over many facts (ROME's known_1000.json, .jsonl, .csv) into a "
@@ -247,10 +247,10 @@ def study_main(argv: Sequence[str]) -> int:
     """``pipatch study``: prints a progress bar (one step per fact) and the summary line. 0 when
     every fact is stored, 130 when interrupted (the store keeps the finished facts: run it again
     to resume), 2 for bad input (one line)."""
-    from ._load import shared_model
-    from ._study import study
-    from ._study._facts import facts_file
-    from ._study._front import probe_experiment, study_keywords
+    from ._backends._load import shared_model
+    from ._studies import study
+    from ._studies._facts import facts_file
+    from ._studies._front import probe_experiment, study_keywords
 
     prog = "pipatch study"
     try:

@@ -36,8 +36,8 @@ import random
 from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from typing import Any
 
-from ._checks import whole_number
-from ._models import PipatchError
+from ._base.checks import whole_number
+from ._model.models import PipatchError
 
 __all__ = ["TaskSet", "greater_than", "ioi"]
 

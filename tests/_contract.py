@@ -32,7 +32,7 @@ def example_result(flip: bool = False):
     (``flip``: the same with its columns reversed, to compare it with)."""
     import torch
 
-    from pipatch._result import Result
+    from pipatch._results.result import Result
 
     raw = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4) / 24
     raw[:, 0, 0] = float("nan")
@@ -54,8 +54,8 @@ def example_circuit():
 
     import torch
 
-    from pipatch._circuit_result import CircuitResult
-    from pipatch._graph import graph
+    from pipatch._model.graph import graph
+    from pipatch._results.circuit import CircuitResult
 
     edge_graph = graph(SimpleNamespace(n_layers=2, n_heads=2, parallel=False))
     senders, receivers, valid = edge_graph.senders, edge_graph.receivers, edge_graph.valid
@@ -83,7 +83,7 @@ def example_lens(metric: str):
     ranks from 0 to a large vocabulary's, or probabilities."""
     import torch
 
-    from pipatch._result import Result
+    from pipatch._results.result import Result
 
     ranks = torch.tensor([[[5000.0, 40.0, 3.0], [12.0, 0.0, 1.0]]])
     raw = ranks if metric == "rank" else 1 / (1 + ranks)
@@ -96,10 +96,10 @@ def example_lens(metric: str):
 
 def contract() -> dict[str, Any]:
     from pipatch import compare
-    from pipatch._live import PatchGrid, answer_selection
-    from pipatch._views import TOP_EDGES, circuit_edges, colors, schema, strings
-    from pipatch._views.render import color_scale, default_top
-    from pipatch._views.schema import arrays_to_base64
+    from pipatch._notebook.live import PatchGrid, answer_selection
+    from pipatch._results.views import TOP_EDGES, circuit_edges, colors, schema, strings
+    from pipatch._results.views.render import color_scale, default_top
+    from pipatch._results.views.schema import arrays_to_base64
 
     result = example_result()
     circuit = example_circuit()

@@ -39,7 +39,7 @@ def assert_same_click(got_model, want_model, pair: dict) -> None:
     """A click (resid at " is", layer 6) shows the same top-5 tokens and probabilities (1e-5)."""
     import pytest
 
-    from pipatch._api import plan_patch
+    from pipatch._experiments._api import plan_patch
 
     got = plan_patch(got_model, **pair, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
     want = plan_patch(want_model, **pair, site="resid", positions=[4]).predictor()("resid", 6, 0, k=5)
@@ -54,7 +54,7 @@ def assert_same_multi_token(got_model, want_model, backend: str, everything: boo
     ``everything=False`` (a backend that runs the same invoke bodies as one already checked in
     full, over another transport): the two-input patch, a one-seed trace and the click."""
     import pipatch
-    from pipatch._api import plan_patch
+    from pipatch._experiments._api import plan_patch
 
     pair = {"clean": "The Statue of Liberty is in the city of", "corrupt": "The Golden Gate Bridge is in the city of",
             "answer": " New York", "foil": " San Francisco"}
@@ -86,7 +86,7 @@ def assert_same_feature_circuit_checks(other, model, options: dict, backend: str
     import pytest
 
     import pipatch
-    from pipatch._models import PipatchError
+    from pipatch._model.models import PipatchError
 
     with pytest.raises(PipatchError, match=r"scores=result\)$") as error:
         pipatch.feature_circuit(other, **options)
@@ -126,7 +126,7 @@ def assert_same_circuit_checks(other, model, pair: dict, backend: str = "vllm") 
     import pytest
 
     import pipatch
-    from pipatch._models import PipatchError
+    from pipatch._model.models import PipatchError
 
     with pytest.raises(PipatchError) as error:
         pipatch.circuit(other, **pair, verify=0, curve=0)
@@ -167,9 +167,9 @@ def assert_same_circuit_runs(other, model, pair: dict, prompts: list[str]) -> No
     graph's edges, every edge; each against the corrupt run's values and against the mean over
     ``prompts`` (mean ablation; equal token counts)."""
     from pipatch._backends import backend_for
-    from pipatch._graph import graph
+    from pipatch._experiments.patching import pair_inputs
+    from pipatch._model.graph import graph
     from pipatch._programs import CircuitRunRequest, circuit_runs
-    from pipatch._protocols.patching import pair_inputs
 
     mine, theirs = backend_for(other), backend_for(model)
     valid = graph(theirs.adapter).valid
@@ -197,8 +197,8 @@ def attention_both_ways(view, model, adapter) -> list:
     (:meth:`~pipatch._programs.circuit.CircuitView.attention`) fed each query head's query and
     its group's key and value (every query head of a group the same input), and the layer's own
     output of its heads (``z``), each ``[1, T, H·head_dim]`` float32 on the CPU."""
-    from pipatch._models import _get, first
-    from pipatch._sites import QKV
+    from pipatch._model.models import _get, first
+    from pipatch._model.sites import QKV
 
     out = []
     for layer in range(adapter.n_layers):

@@ -15,9 +15,9 @@ import torch
 
 from pipatch._backends._served_programs import encode
 from pipatch._backends._vllm_worker import patch_request
-from pipatch._cells import Metric, Op
-from pipatch._models import Adapter
-from pipatch._sites import RESID
+from pipatch._model.cells import Metric, Op
+from pipatch._model.models import Adapter
+from pipatch._model.sites import RESID
 
 
 def good_request(adapter: Adapter, ids: list[int], answer: int, foil: int) -> bytes:

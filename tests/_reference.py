@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pipatch._models import _get, adapter_for
+from pipatch._model.models import _get, adapter_for
 
 
 def first(x):

@@ -295,7 +295,7 @@ def tiny_model(family: str, seed: int = 0):
 
     hf = tiny_hf_model(family, seed)
     tokenizer = tiny_tokenizer(add_bos=family in _ADDS_BOS)
-    from pipatch._known import remember
+    from pipatch._base.known import remember
 
     return remember(TransformersModel(hf, tokenizer=tokenizer), name=f"tiny-{family}")
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pipatch import _declare
+from pipatch._model import declare as _declare
 
 #: A toy experiment: zero-ablate the residual stream at each (layer, position) of one prompt.
 TOY = '''
@@ -21,13 +21,13 @@ TOY = '''
 
 import torch
 
-from pipatch._cells import Base, Metric
-from pipatch._declare import PROMPT, Experiment, Param
+from pipatch._model.cells import Base, Metric
+from pipatch._model.declare import PROMPT, Experiment, Param
 from pipatch._programs import capture
 from pipatch._engine import Plan, SiteSweep, check_batch_size
-from pipatch._protocols._inputs import answer_ids, encode, layer_labels, model_meta
-from pipatch._result import Result
-from pipatch._sites import RESID
+from pipatch._experiments._inputs import answer_ids, encode, layer_labels, model_meta
+from pipatch._results.result import Result
+from pipatch._model.sites import RESID
 
 
 def plan_ablate(backend, prompt, *, answer, batch_size):

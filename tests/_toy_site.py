@@ -12,7 +12,7 @@ from pathlib import Path
 
 SOURCE = textwrap.dedent('''
     """A toy site: the residual stream times two, written back halved."""
-    from pipatch._sites import Site
+    from pipatch._model.sites import Site
 
 
     class Doubled(Site):

@@ -34,7 +34,7 @@ TWO_PAIRS = {"clean": [EIFFEL, "The Louvre is in the city of"], "corrupt": [COLO
 @pytest.fixture(scope="session")
 def model():
     """The embedded default (Gemma 3 270M, float32, CPU even where there is a GPU) as an nnsight model."""
-    from pipatch._load import shared_model
+    from pipatch._backends._load import shared_model
 
     torch.set_grad_enabled(False)
     return shared_model(device="cpu")

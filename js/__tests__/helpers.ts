@@ -17,7 +17,7 @@ export function toBase64(bytes: Uint8Array): string {
 }
 
 /**
- * A circuit's state as the kernel makes it (pipatch/_views/circuit.py): `layers` layers of
+ * A circuit's state as the kernel makes it (pipatch/_results/views/circuit.py): `layers` layers of
  * `heads` heads, each head's q/k/v a receiver, each MLP a receiver and a sender, the logits.
  * Scores: edge i (row-major) is `score(i)`, NaN where a receiver reads nothing of the sender.
  */

@@ -12,7 +12,7 @@ Every backend offers the core (:class:`~._contract.Backend`, a ``typing.Protocol
 =====================================  ======================================================
 core member                            what it is
 =====================================  ======================================================
-``adapter``                            the family's :class:`~pipatch._models.Adapter`
+``adapter``                            the family's :class:`~pipatch._model.models.Adapter`
 ``tokenizer``                          the model's tokenizer
 ``device``                             where inputs, noise and donors go
 ``dtype``                              the model's dtype
@@ -53,7 +53,7 @@ capability                             what it means
 
 A new way of running models (a server, say) is one module here with those members, and a
 line in :func:`backend_for`. Today: :mod:`.transformers` (the default), :mod:`.vllm`
-(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._vllm_cpu_worker`),
+(nnsight's ``VLLM``, an in-process vLLM engine; on the CPU through :mod:`pipatch._backends._vllm_cpu_worker`),
 :mod:`.served` (the vLLM backend's invokes sent to a ``pipatch serve`` server) and :mod:`.ndif`
 (requests through nnsight's remote path: NDIF, or its offline simulation).
 """
@@ -73,14 +73,14 @@ def backend_for(model: Any) -> Any:
     any other nnsight model (built by pipatch or by the caller, lazily dispatched or not) or a
     plain transformers model → the transformers backend.
 
-    Which one is read from what pipatch knows about the model (:func:`pipatch._known.known`:
+    Which one is read from what pipatch knows about the model (:func:`pipatch._base.known.known`:
     the server or remote it was loaded for) and its type, never from attributes on it. Every
     call shares one backend while something holds it (a running sweep, a result's clicks, the
-    caller); it is held beside the model, weakly (:attr:`~pipatch._known.Known.backend`)."""
+    caller); it is held beside the model, weakly (:attr:`~pipatch._base.known.Known.backend`)."""
     if hasattr(model, "capabilities") and hasattr(model, "run") and hasattr(model, "adapter"):
         return model
+    from .._base.known import known
     from .._compat import warn_untested
-    from .._known import known
 
     warn_untested()
     facts = known(model)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # types only: the seam imports no model code
     import torch
 
-    from .._cells import Base, Metric
-    from .._models import Adapter
+    from .._model.cells import Base, Metric
+    from .._model.models import Adapter
 
 __all__ = ["Backend", "Capabilities", "CORE", "CAPABILITIES", "refuse"]
 
@@ -98,12 +98,12 @@ class Capabilities:
 class Backend(Protocol):
     """What every backend offers: the engine, the programs and the protocols call nothing else.
 
-    Shapes are :mod:`pipatch._cells`': token ids ``[1, T]``, site values ``[batch, T, width]``.
+    Shapes are :mod:`pipatch._model.cells`': token ids ``[1, T]``, site values ``[batch, T, width]``.
     """
 
     @property
     def adapter(self) -> Adapter:
-        """The family's :class:`~pipatch._models.Adapter`: where each site lives."""
+        """The family's :class:`~pipatch._model.models.Adapter`: where each site lives."""
 
     @property
     def tokenizer(self) -> Any:
@@ -149,7 +149,7 @@ class Backend(Protocol):
 
 def refuse(backend: Any, program: Any, why: str = "") -> Exception:
     """The one line a backend raises for a program it cannot run: which, and what to do."""
-    from .._models import PipatchError
+    from .._model.models import PipatchError
 
     need = f" (it needs {program.needs})" if program.needs else ""
     return PipatchError(why or f"the {getattr(backend, 'backend_name', type(backend).__name__)} backend cannot run "

@@ -11,8 +11,8 @@ NDIF): :class:`~pipatch._programs._program.View`\\ s over its batch.
   of ``k`` run inputs: their values read live, the modules called through their envoys
   (nnsight's ad-hoc call), the attention ungrouped.
 
-A site's holder value is the nnsight value :meth:`pipatch._sites.Site.value` names, as a
-:class:`~pipatch._sites.TensorPlace`; a block's state is its raw output, cloned, in its own
+A site's holder value is the nnsight value :meth:`pipatch._model.sites.Site.value` names, as a
+:class:`~pipatch._model.sites.TensorPlace`; a block's state is its raw output, cloned, in its own
 structure (a tensor, or a tuple around one), as a later run skips the block with.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from .._compat.nnsight import torch_module
-from .._models import Adapter, _get, first
+from .._model.models import Adapter, _get, first
+from .._model.sites import Place, Site, TensorPlace
 from .._programs._program import View
 from .._programs.circuit import CircuitView, Ungrouped, returning, widened
-from .._sites import Place, Site, TensorPlace
 from ._packing import Packed
 from ._unembedding import Unembedding, unembedding_input
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .._cells import Base, Cell, Metric
 from .._compat import transformers as transformers_compat
-from .._models import first
+from .._model.cells import Base, Cell, Metric
+from .._model.models import first
 
 __all__ = ["Packed", "PACK_TOKENS", "NO_BOUND", "ROW_TOKENS", "layout", "with_hidden"]
 

@@ -1,7 +1,7 @@
 """An SAE's latent site in a program request: sent as data, checked and rebuilt by the server.
 
-A :class:`~pipatch._features._site.LatentSite` (or its :class:`~pipatch._features._site.ErrorSite`,
-or its latents and error side by side, :class:`~pipatch._features._site.NodeValues`: ``part``)
+A :class:`~pipatch._model.features.site.LatentSite` (or its :class:`~pipatch._model.features.site.ErrorSite`,
+or its latents and error side by side, :class:`~pipatch._model.features.site.NodeValues`: ``part``)
 has no name a server knows: the SAE is the client's. So it travels as its description (the
 architecture, ``k``, the two SAELens flags, the layer, kind and module it reads and writes, the
 dtype) and its tensors (``W_enc``, ``b_enc``, ``W_dec``, ``b_dec``, and ``threshold`` and ``W_skip``
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from .._features._hooks import ORDER, Hook, _literal_kind
-from .._features._sae import SAE
-from .._features._site import ErrorSite, LatentSite, NodeValues, latent_site
-from .._models import Adapter, PipatchError
+from .._model.features.hooks import ORDER, Hook, _literal_kind
+from .._model.features.sae import SAE
+from .._model.features.site import ErrorSite, LatentSite, NodeValues, latent_site
+from .._model.models import Adapter, PipatchError
 
 __all__ = ["encode_latent", "decode_latent", "LATENT_FIELDS"]
 

@@ -15,8 +15,8 @@ strings, numbers, booleans, ``None``) and tensors, read by ``torch.load`` with `
 and no extra allowed classes, so loading a request builds no object the sender names. Sites
 travel by name (``"resid"``, ``"q_proj"``), an SAE's latent site as data (its description and
 tensors, checked against the model and rebuilt with pipatch's own classes: :mod:`._served_latents`);
-pipatch's own types (:class:`~pipatch._cells.Metric`,
-:class:`~pipatch._cells.Op`, :class:`~pipatch._programs.circuit.Baselines`) are rebuilt from
+pipatch's own types (:class:`~pipatch._model.cells.Metric`,
+:class:`~pipatch._model.cells.Op`, :class:`~pipatch._programs.circuit.Baselines`) are rebuilt from
 their fields on the server. The adapter (where the model keeps its modules) is the server's
 own: a request never names a module.
 
@@ -38,12 +38,11 @@ from typing import Any
 
 import torch
 
-from .._cells import Metric, Op
-from .._features._site import LatentSite
-from .._models import Adapter, PipatchError
+from .._model.cells import Metric, Op
+from .._model.features.site import LatentSite
+from .._model.models import Adapter, PipatchError
+from .._model.sites import EMBED, LOGITS, MLP_IN, SITES, Site, projection
 from .._programs.circuit import Baselines
-from .._serve_guard import Limits
-from .._sites import EMBED, LOGITS, MLP_IN, SITES, Site, projection
 from ._served_latents import decode_latent, encode_latent
 from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING
 from ._vllm_worker import (
@@ -54,6 +53,7 @@ from ._vllm_worker import (
     lens_request,
     patch_request,
 )
+from ._wire import Limits
 
 __all__ = ["PROGRAM_FORMAT", "PROGRAMS", "BadRequest", "OverLimit", "Bounds", "ProgramRequest", "encode", "decode", "build",
            "check_versions", "pipatch_version", "sites_of"]
@@ -62,7 +62,7 @@ __all__ = ["PROGRAM_FORMAT", "PROGRAMS", "BadRequest", "OverLimit", "Bounds", "P
 #: it changes whenever what a request carries does.
 PROGRAM_FORMAT = 2
 
-#: Metric names a request may carry (:class:`~pipatch._cells.Metric`).
+#: Metric names a request may carry (:class:`~pipatch._model.cells.Metric`).
 _METRIC_NAMES = ("logit_diff", "prob", "logprob", "logprob_diff", "rank")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

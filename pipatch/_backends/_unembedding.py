@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._cells import Metric
+from .._model.cells import Metric
 
 __all__ = ["Unembedding", "unembedding_input"]
 
@@ -62,7 +62,7 @@ class Unembedding:
         logit's share of the softmax, but not the logits themselves: the read tokens' logits
         and the log-sum-exp of all of them (:meth:`logsumexp`) — one pass over the
         unembedding, never the whole vocabulary's logits in memory at once. A rank
-        (:attr:`~pipatch._cells.Metric.needs_vocab`) does need them.
+        (:attr:`~pipatch._model.cells.Metric.needs_vocab`) does need them.
         """
         if metric.token_ids is not None:
             return metric.score(self.logits(hidden, metric.token_ids), subset=True)

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from .._base.known import known
 from .._compat import vllm as vllm_compat
 from .._compat.nnsight import persistent_id
-from .._known import known
-from .._models import TREE_ID, Adapter, adapter_for
+from .._model.models import TREE_ID, Adapter, adapter_for
 from ._vllm_worker import register_tree
 
 __all__ = ["LocalEngine", "INVOKES_PER_REQUEST", "SAMPLING", "is_vllm_model", "tree_by_reference", "vllm_adapter",
@@ -42,7 +42,7 @@ SAMPLING = {"temperature": 0.0, "max_tokens": 1, "detokenize": False}
 #: Invokes per request to a server, and per trace where a trace's requests must share an
 #: engine step (a circuit's masks): a batch of cells is one request as a rule (a grid's
 #: batches hold up to a few dozen), which the server starts in one engine step
-#: (:func:`pipatch._serve._together`); a batch split over requests that arrive apart runs as
+#: (:func:`pipatch._serving.serve._together`); a batch split over requests that arrive apart runs as
 #: more steps (``bench/served.py`` compares it with the in-process engine).
 INVOKES_PER_REQUEST = 64
 

@@ -16,7 +16,7 @@ means the same as on the transformers backend. Where vLLM differs from transform
   zeros into ``hidden`` at the written positions, so the sum is the written value exactly.
 * **Embeddings.** Some vLLM models scale the embedding *after* the embedding module (Gemma:
   ``× √d``), where transformers scales inside it. The embedding site
-  (:data:`~pipatch._sites.EMBED`) is the embedding output as transformers defines it, so here
+  (:data:`~pipatch._model.sites.EMBED`) is the embedding output as transformers defines it, so here
   it is block 0's input (:func:`_block_input`).
 * **Logits.** vLLM computes logits at the last position only; for more (a multi-token answer,
   read teacher-forced) the final norm's output at those positions goes through the model's
@@ -29,9 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._cells import Metric, Op
 from .._compat.nnsight import name_worker_tree, torch_module
-from .._models import TREE_ID, Adapter, _get, first
+from .._model.cells import Metric, Op
+from .._model.models import TREE_ID, Adapter, _get, first
+from .._model.sites import Place, Site, TensorPlace
 from .._programs._program import View
 from .._programs.capture import capture_body
 from .._programs.circuit import (
@@ -45,7 +46,6 @@ from .._programs.circuit import (
 )
 from .._programs.lens import LensOut, lens_body
 from .._programs.patch import patch_body
-from .._sites import Place, Site, TensorPlace
 
 __all__ = ["RequestView", "RequestCircuitView", "PairPlace", "CaptureOut", "PatchOut", "ANSWERS", "capture_request",
            "patch_request", "head_request", "lens_request", "EngineHead", "circuit_baselines_request", "circuit_request", "register_tree", "TREE_ID"]
@@ -118,7 +118,7 @@ class RequestView(View):
 
     def block_state(self, layer: int) -> Any:
         """The stream out of block ``layer`` at the prompt's positions, ``[1, T, d]``, on the CPU."""
-        from .._sites import RESID
+        from .._model.sites import RESID
 
         return self.place(RESID, layer).read(slice(None))[:, : self.prompt].clone().cpu()
 

@@ -40,15 +40,15 @@ from typing import Any
 
 import torch
 
-from .._cells import Base, Capture, Cell, Metric, Op
 from .._compat import nnsight as nnsight_compat
-from .._models import Adapter, PipatchError, adapter_for, first
+from .._model.cells import Base, Capture, Cell, Metric, Op
+from .._model.models import Adapter, PipatchError, adapter_for, first
+from .._model.sites import RESID, Site
 from .._programs.capture import CAPTURE, capture_body
 from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS
 from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
 from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import PATCH, PatchRequest, patch_body
-from .._sites import RESID, Site
 from ._contract import Capabilities
 from ._hf_views import RowsView
 from ._unembedding import Unembedding, unembedding_input
@@ -198,11 +198,10 @@ class _Counted:
         self.inner, self.backend = inner, backend
 
     def __call__(self, tracer: Any) -> Any:
-        from nnsight.ndif import pull_env
-        from nnsight.schema.request import RequestModel
+        from .._compat.nnsight import pull_ndif_env, request_bytes
 
-        pull_env()
-        self.backend.bytes_sent += len(RequestModel.serialize(tracer, compress=False))
+        pull_ndif_env()
+        self.backend.bytes_sent += request_bytes(tracer)
         return self.inner(tracer)
 
 
@@ -211,7 +210,9 @@ def _remote_errors() -> Iterator[None]:
     """Failures of a request as one :class:`PipatchError` line: the service's own error, an
     unreachable service, a request the simulation could not rebuild without this machine's
     modules (what NDIF would fail)."""
-    from nnsight.intervention.backends.remote import RemoteError
+    from .._compat.nnsight import remote_error
+
+    RemoteError = remote_error()
 
     try:
         yield

@@ -2,7 +2,7 @@
 
 ``pipatch.load_model(name, serve="http://host:6677", api_key=...)`` connects here. This
 process holds nnsight's ``VLLM`` *without* an engine (the module tree on the meta device, no
-weights, no GPU) and the server (:mod:`pipatch._serve`: nnsight's own ``nnsight-serve`` app)
+weights, no GPU) and the server (:mod:`pipatch._serving.serve`: nnsight's own ``nnsight-serve`` app)
 holds the engine. Everything an experiment does is what the vLLM backend does — the same
 invoke bodies (:func:`~pipatch._backends.vllm._capture_run`,
 :func:`~pipatch._backends.vllm._patched_run`), so the same numbers — and only the transport
@@ -12,11 +12,11 @@ differs, in :meth:`ServedBackend._invokes`:
   :data:`INVOKES_PER_REQUEST` invokes each (a cell's invokes, as in process: as a rule one
   request a batch), sent together on a pool of connections; the server adds a request's
   invokes to its engine with the scheduler held, so they start in one step, as an in-process
-  trace's do, and keeps each invoke's saves apart (:data:`~pipatch._serve.GENERATE_PATH`).
+  trace's do, and keeps each invoke's saves apart (:data:`~pipatch._serving.serve.GENERATE_PATH`).
   A batch of cells returns when its last request does, so the live grid fills in batch by
   batch.
 * **Blocks below a patch are skipped**, as in process: each request says how many blocks its
-  invokes skip (:data:`~pipatch._serve.SKIP_HEADER`), and the server lets requests into its
+  invokes skip (:data:`~pipatch._serving.serve.SKIP_HEADER`), and the server lets requests into its
   engine together only where they skip as many (nnsight's batched skip has to cover every
   request of a step; ``pipatch serve``'s rooms, first come first served).
 * **What travels: programs by name, no code.** A request names the invoke body (one of the
@@ -62,13 +62,14 @@ from typing import Any
 
 import torch
 
-from .._known import known, remember
-from .._models import EMBEDDED_NAME, PipatchError, _resolve_dtype, build_vllm
-from .._serve_guard import CLIENT_HEADER, GENERATE_PATH, INFO_PATH, KEY_ENV, SKIP_HEADER
+from .._base.known import known, remember
+from .._model.models import EMBEDDED_NAME, PipatchError, _resolve_dtype
 from ._contract import Capabilities
 from ._served_programs import check_versions, encode
 from ._vllm_engine import INVOKES_PER_REQUEST, vllm_adapter
+from ._vllm_load import build_vllm
 from ._vllm_worker import ANSWERS
+from ._wire import CLIENT_HEADER, GENERATE_PATH, INFO_PATH, KEY_ENV, SKIP_HEADER
 from .vllm import VLLMBackend
 
 __all__ = ["ServedBackend", "connect", "Server"]
@@ -101,9 +102,9 @@ class Server:
         self.info: dict[str, Any] = {}
 
     def _headers(self) -> dict[str, str]:
-        from nnsight.modeling.vllm.serve import http
+        from .._compat.nnsight import client_headers
 
-        return {**http.headers(self.api_key), CLIENT_HEADER: self._id}
+        return {**client_headers(self.api_key), CLIENT_HEADER: self._id}
 
     def _call(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
         """One HTTP call; every transport failure becomes one line naming the fix."""
@@ -141,9 +142,9 @@ class Server:
     def generate(self, blob: bytes, skip: int = 0) -> dict[str, Any]:
         """Send one program request (:func:`~._served_programs.encode`) whose invokes skip
         ``skip`` blocks; its saved values, each
-        invoke's apart (``name@request``, in invoke order: :data:`~pipatch._serve.GENERATE_PATH`);
+        invoke's apart (``name@request``, in invoke order: :data:`~pipatch._serving.serve.GENERATE_PATH`);
         a failure in it: one line."""
-        from nnsight.intervention.errors import raise_deferred
+        from .._compat.nnsight import raise_deferred
 
         with self._slots:  # no more in flight than the server lets one key have
             response = self._call("POST", GENERATE_PATH, content=blob, headers={SKIP_HEADER: str(skip)})

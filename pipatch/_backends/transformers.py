@@ -37,7 +37,7 @@ Four exact shortcuts, used when the engine asks for ``fast=True`` (tests compare
 This module runs the traces; :mod:`._packing` lays packed traces out (rows, masks, caches)
 and :mod:`._unembedding` holds the arithmetic after them. The engine reads the shortcuts
 through :class:`TransformersHints`. Base ops (causal tracing's noise at
-:data:`~pipatch._sites.EMBED`) are applied as cells' writes are, in the same op loop.
+:data:`~pipatch._model.sites.EMBED`) are applied as cells' writes are, in the same op loop.
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ from typing import Any
 
 import torch
 
-from .._cells import Base, Capture, Cell, Metric, Op
+from .._base.known import known
 from .._compat import nnsight as nnsight_compat
 from .._compat import transformers as transformers_compat
-from .._known import known
-from .._models import Adapter, _get, adapter_for, dispatched, first
+from .._model.cells import Base, Capture, Cell, Metric, Op
+from .._model.models import Adapter, _get, adapter_for, dispatched, first
+from .._model.sites import RESID, Site
 from .._programs._edges import check_circuit_family
 from .._programs._program import Program
 from .._programs.capture import CAPTURE, CaptureRequest, capture_body
@@ -73,7 +74,6 @@ from .._programs.feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, edge_pullb
 from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
 from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import METRICS, PATCH, PatchRequest, patch_body
-from .._sites import RESID, Site
 from ._contract import Capabilities, refuse
 from ._described import Described
 from ._hf_views import CircuitTraceView, PackedView, RowsView

@@ -46,18 +46,18 @@ from typing import Any
 
 import torch
 
-from .._cells import Base, Capture, Cell, Metric, Op
+from .._base.known import known
 from .._compat import vllm as vllm_compat
 from .._compat.nnsight import torch_module
-from .._known import known
-from .._models import Adapter, PipatchError, dispatched
+from .._model.cells import Base, Capture, Cell, Metric, Op
+from .._model.models import Adapter, PipatchError, dispatched
+from .._model.sites import RESID, Site, TensorPlace
 from .._programs._edges import check_circuit_family
 from .._programs.capture import CAPTURE, CaptureRequest
 from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS, Baselines, CircuitRunRequest
 from .._programs.gradients import GRADIENTS
 from .._programs.lens import LENS, LensOut, LensRequest
 from .._programs.patch import PATCH, PatchRequest
-from .._sites import RESID, Site, TensorPlace
 from ._contract import Capabilities, refuse
 from ._described import Described
 from ._vllm_engine import LocalEngine, vllm_adapter

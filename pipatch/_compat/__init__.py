@@ -13,10 +13,11 @@ argument), and ``tests/unit/test_compat.py`` fails on one found in pipatch's cod
 Two guards keep a new library version from failing deep inside a sweep:
 
 * **At load.** :func:`check_versions` compares the installed versions with :data:`TESTED`;
-  :func:`warn_untested` warns each line once per process (a :class:`~pipatch._errors.PipatchWarning`),
-  when a model is loaded or a backend made. ``pyproject.toml`` pins nnsight to the same range.
+  :func:`warn_untested` warns each line once per process (a :class:`~pipatch._base.errors.PipatchWarning`),
+  when a model is loaded or a backend made. ``pyproject.toml`` pins the same versions (its
+  ``vllm`` extra a part of them: vLLM's CPU build needs transformers < 5.20).
 * **At use.** A function here that finds its private name missing raises
-  :class:`~pipatch._errors.PipatchError` in one line naming the name, the installed version
+  :class:`~pipatch._base.errors.PipatchError` in one line naming the name, the installed version
   and the tested one (:func:`missing`); the backends and the server ask for theirs when they
   are made, not when a sweep reaches them.
 
@@ -33,7 +34,7 @@ import importlib.metadata
 import re
 from collections.abc import Mapping
 
-from .._errors import PipatchError, warn
+from .._base.errors import PipatchError, warn
 
 __all__ = ["TESTED", "check_versions", "warn_untested", "missing", "installed_version"]
 

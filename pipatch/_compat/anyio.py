@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from . import missing
 
-__all__ = ["PRIVATE_NAMES", "import_before_nnsight"]
+__all__ = ["PRIVATE_NAMES", "PUBLIC_MODULES", "import_before_nnsight"]
 
 #: anyio's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = ("_asyncio",)
+#: The modules of anyio pipatch imports outside this file (``tests/unit/test_compat.py``).
+PUBLIC_MODULES = ("anyio",)
 
 
 def import_before_nnsight() -> None:

@@ -1,6 +1,6 @@
 """ipykernel's internals that pipatch uses, behind one function.
 
-Checked on ipykernel 7.4.0. Imports nothing (the widget module, :mod:`pipatch._widget`,
+Checked on ipykernel 7.4.0. Imports nothing (the widget module, :mod:`pipatch._notebook.widget`,
 which calls it, imports no pipatch module but the views and this one).
 """
 
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRIVATE_NAMES", "answer_on_the_front_ends_subshell"]
+__all__ = ["PRIVATE_NAMES", "PUBLIC_MODULES", "answer_on_the_front_ends_subshell"]
 
 #: ipykernel's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = ("_reply_subshell_for",)
+#: The modules of ipykernel pipatch imports outside this file (``tests/unit/test_compat.py``).
+PUBLIC_MODULES = ("ipykernel",)
 
 
 def answer_on_the_front_ends_subshell(comm: Any) -> None:

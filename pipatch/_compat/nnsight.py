@@ -11,9 +11,14 @@ What pipatch needs of nnsight beyond its public API, and why:
   :func:`served_model`, :func:`prepare_request`, :func:`clear_invoke_scope`, :func:`answer`,
   :func:`vllm_engine_args`);
 * the worker class a ``VLLM`` model's engine runs (:func:`worker_class`);
-* NDIF's status and nnsight's remote backend itself (:func:`ndif_status`, :func:`remote_backend`).
+* NDIF's status and nnsight's remote backend itself (:func:`ndif_status`, :func:`remote_backend`);
+* nnsight's internal modules (no private name, but no public path either): NDIF's environment
+  and a request's size (:func:`pull_ndif_env`, :func:`request_bytes`, :func:`remote_error`),
+  a served answer's error (:func:`raise_deferred`, :func:`capture_exception`), the
+  ``nnsight-serve`` server and client (:func:`serve_server`, :func:`client_headers`,
+  :func:`merge_collected`), and the vLLM worker classes (:func:`vllm_worker_classes`).
 
-Every function raises :class:`~pipatch._errors.PipatchError` in one line where its name is
+Every function raises :class:`~pipatch._base.errors.PipatchError` in one line where its name is
 missing (:func:`pipatch._compat.missing`).
 """
 
@@ -27,7 +32,9 @@ from . import missing
 
 __all__ = ["PRIVATE_NAMES", "torch_module", "persistent_id", "name_worker_tree", "serve_tree_by_reference",
            "fresh_sources_per_request", "check_server", "served_model", "prepare_request", "clear_invoke_scope", "answer",
-           "vllm_engine_args", "worker_class", "ndif_status", "remote_backend"]
+           "vllm_engine_args", "worker_class", "ndif_status", "remote_backend", "PUBLIC_MODULES", "pull_ndif_env",
+           "request_bytes", "remote_error", "raise_deferred", "capture_exception", "merge_collected", "serve_server",
+           "client_headers", "vllm_worker_classes"]
 
 #: nnsight's private names used here and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = (
@@ -35,6 +42,11 @@ PRIVATE_NAMES = (
     "SOURCES", "BLOCKS", "clear_shared_locals", "_ready", "_attach_mediators", "_payload",
     "_parse_vllm_args", "_WORKER_CLS", "_remote_backend", "_get",
 )
+
+#: The modules of nnsight pipatch imports outside this file; any other (an internal module
+#: such as ``nnsight.schema.request``) is reached through a function here
+#: (``tests/unit/test_compat.py``).
+PUBLIC_MODULES = ("nnsight", "nnsight.modeling.vllm")
 
 
 def _need(owner: Any, name: str, where: str) -> Any:
@@ -247,7 +259,7 @@ def worker_class(vllm_cls: Any, name: str | None) -> Iterator[None]:
 
     Private name: ``VLLM._WORKER_CLS``, the class attribute nnsight hands vLLM as
     ``worker_cls``. On a machine without CUDA pipatch names its CPU worker there
-    (:mod:`pipatch._vllm_cpu_worker`) for the one model it builds."""
+    (:mod:`pipatch._backends._vllm_cpu_worker`) for the one model it builds."""
     before = _need(vllm_cls, "_WORKER_CLS", "VLLM")
     if name is not None:
         vllm_cls._WORKER_CLS = name
@@ -271,3 +283,85 @@ def remote_backend(model: Any, remote: bool | str) -> Any:
     builds it. Private name: ``RemoteableMixin._remote_backend``; pipatch wraps it to count
     a request's serialized bytes (the NDIF bench)."""
     return _need(model, "_remote_backend", "RemoteableMixin")(remote, True, None, False)
+
+
+# --------------------------------------------------------------------------------------------
+# nnsight's internal modules: no private name, but below its public API (``nnsight``,
+# ``nnsight.modeling.vllm``), where a release may move them
+# --------------------------------------------------------------------------------------------
+
+
+def pull_ndif_env() -> None:
+    """Register this process's local (not installed) modules for pickling by value, once, as
+    a remote trace does before it sends. Internal module: ``nnsight.ndif.pull_env``."""
+    from nnsight.ndif import pull_env
+
+    pull_env()
+
+
+def request_bytes(tracer: Any) -> int:
+    """How many bytes nnsight's remote backend sends for ``tracer``'s request, uncompressed
+    (the NDIF bench counts them). Internal module: ``nnsight.schema.request.RequestModel``."""
+    from nnsight.schema.request import RequestModel
+
+    return len(RequestModel.serialize(tracer, compress=False))
+
+
+def remote_error() -> type[Exception]:
+    """The exception nnsight's remote backend raises for a request the service (or its
+    offline simulation) failed. Internal module: ``nnsight.intervention.backends.remote``."""
+    from nnsight.intervention.backends.remote import RemoteError
+
+    return RemoteError
+
+
+def raise_deferred(error: Any) -> None:
+    """Raise the error an ``nnsight-serve`` answer carries, as nnsight's own client does
+    (``None``, or a stop: nothing). Internal module: ``nnsight.intervention.errors.raise_deferred``."""
+    from nnsight.intervention.errors import raise_deferred as raise_it
+
+    raise_it(error)
+
+
+def capture_exception(exception: BaseException) -> Any:
+    """``exception`` as an ``nnsight-serve`` answer carries it (what :func:`raise_deferred`
+    raises on the client). Internal module: ``nnsight.intervention.errors.capture_exception``."""
+    from nnsight.intervention.errors import capture_exception as capture
+
+    return capture(exception)
+
+
+def merge_collected(collected: Any) -> Any:
+    """What each rank of an async engine returned from ``collect_nnsight``, merged into one
+    mapping, as nnsight's async engine merges it. Internal module:
+    ``nnsight.modeling.vllm.engines.engine.merge_collected``."""
+    from nnsight.modeling.vllm.engines.engine import merge_collected as merge
+
+    return merge(collected)
+
+
+def serve_server() -> Any:
+    """The module of ``nnsight-serve``'s server (its FastAPI ``app``, ``set_model``), which
+    ``pipatch serve`` extends. Internal module: ``nnsight.modeling.vllm.serve.server``."""
+    from nnsight.modeling.vllm.serve import server
+
+    return server
+
+
+def client_headers(api_key: str | None) -> dict[str, str]:
+    """The headers an ``nnsight-serve`` client sends (its key among them). Internal module:
+    ``nnsight.modeling.vllm.serve.http.headers``."""
+    from nnsight.modeling.vllm.serve import http
+
+    return dict(http.headers(api_key))
+
+
+def vllm_worker_classes() -> tuple[Any, Any]:
+    """nnsight's vLLM worker and model runner, ``(NNsightGPUWorker, NNsightGPUModelRunner)``,
+    which pipatch's CPU worker (:mod:`pipatch._backends._vllm_cpu_worker`) mixes over vLLM's
+    CPU ones. Internal modules: ``nnsight.modeling.vllm.workers.GPUWorker``,
+    ``nnsight.modeling.vllm.model_runners.GPUModelRunner``."""
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+    from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+
+    return NNsightGPUWorker, NNsightGPUModelRunner

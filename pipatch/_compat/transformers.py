@@ -18,11 +18,13 @@ from typing import Any
 
 from . import missing
 
-__all__ = ["PRIVATE_NAMES", "set_post_processor", "attention_implementation", "filled_cache"]
+__all__ = ["PRIVATE_NAMES", "PUBLIC_MODULES", "set_post_processor", "attention_implementation", "filled_cache"]
 
 #: transformers' private names (and internal keyword arguments, ending in ``=``) used here
 #: and nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = ("_tokenizer", "_attn_implementation", "_name_or_path", "ddp_cache_data=")
+#: The modules of transformers pipatch imports outside this file (``tests/unit/test_compat.py``).
+PUBLIC_MODULES = ("transformers",)
 
 
 def set_post_processor(tokenizer: Any, processor: Any) -> None:
@@ -32,7 +34,7 @@ def set_post_processor(tokenizer: Any, processor: Any) -> None:
     Private name: ``PreTrainedTokenizerFast._tokenizer`` (the ``tokenizers.Tokenizer`` it
     wraps, whose ``post_processor`` is the template). transformers before 5.2x built a GGUF
     tokenizer's post-processor without the BOS its GGUF asks for, and Gemma without its BOS
-    is another model (:func:`pipatch._models._with_bos`)."""
+    is another model (:func:`pipatch._model.models._with_bos`)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None:
         raise missing("transformers", "PreTrainedTokenizerFast._tokenizer")

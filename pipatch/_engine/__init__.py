@@ -1,8 +1,8 @@
 """The engine: run any experiment's cells as batched invokes on a backend, streaming rows.
 
-Data flows one way: a protocol (:mod:`pipatch._protocols`) checks the researcher's question,
-runs the baselines and builds a :class:`Plan` — the :class:`~pipatch._result.Result` to fill
-and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipatch._cells`):
+Data flows one way: a protocol (:mod:`pipatch._experiments`) checks the researcher's question,
+runs the baselines and builds a :class:`Plan` — the :class:`~pipatch._results.result.Result` to fill
+and the :class:`Sweep`\\ s that fill it. A sweep is a grid of cells (:mod:`pipatch._model.cells`):
 ``sweep.cell(row, col, seed)`` is one patched run. The engine
 
 * asks each sweep for one row's cells at a time (a head sweep over a long prompt never

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import warn
+from .._base.errors import warn
 from ._schedule import RUN_FLOPS
 from ._sweeps import Work
 
@@ -97,7 +97,7 @@ def duration(seconds: float) -> str:
 
 def warn_if_long(backend: Any, flops: float, what: str, work: str, narrow: str,
                  threshold: float | None = None) -> float:
-    """Warn in one line (a :class:`~pipatch._errors.PipatchWarning`) when ``flops`` take longer than
+    """Warn in one line (a :class:`~pipatch._base.errors.PipatchWarning`) when ``flops`` take longer than
     ``threshold`` seconds (:data:`LONG_SECONDS` by default) on ``backend``: how long, what the
     work is (``work``) and how to narrow it (``narrow``). Returns the estimate in seconds."""
     seconds = seconds_for(backend, flops)

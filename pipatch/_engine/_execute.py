@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from .._cells import Cell
-from .._models import PipatchError
+from .._base.threads import warn_if_oversubscribed
+from .._model.cells import Cell
+from .._model.models import PipatchError
 from .._programs.patch import PatchRequest, metrics, patch
-from .._threads import warn_if_oversubscribed
 from ._cost import sweep_flops, warn_if_long
 from ._schedule import _pack_tokens, _packed_traces, _row_groups, _RowGroup, _two_stage, _WorkRow, batches
 from ._sweeps import Sweep, Work
@@ -359,7 +359,7 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
 
     ``on_row(result, view, row)`` is called after each finished row. ``on_progress(stage,
     done, total)`` as each named stage of the plan begins (``done`` 0) and after each of its
-    rows (:meth:`~._plans.Plan.stages`; a progress bar, :mod:`pipatch._progress`). ``stop``
+    rows (:meth:`~._plans.Plan.stages`; a progress bar, :mod:`pipatch._base.progress`). ``stop``
     (an Event or a function) is checked between batches: the run ends ``"stopped"``. Ctrl-C /
     a kernel interrupt ends it ``"interrupted"`` at the next batch boundary
     (:func:`_interrupt_flag`). Either way the finished rows are kept; a failing batch raises
@@ -372,7 +372,7 @@ def execute(plan: Any, *, on_row: Callable[[Any, str, int], None] | None = None,
 
     Before the first row, where the backend computes on this process's CPU threads, a
     machine whose free cores are fewer than torch's threads is named in one warning, once
-    per process (:func:`pipatch._threads.warn_if_oversubscribed`).
+    per process (:func:`pipatch._base.threads.warn_if_oversubscribed`).
     """
     should_stop = stop_check(stop)
     result = plan.result

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._cells import Cell
-from .._models import PipatchError
+from .._model.cells import Cell
+from .._model.models import PipatchError
 from ._execute import _run_batch, execute
 from ._schedule import RUN_FLOPS
 from ._sweeps import Sweep
@@ -44,13 +44,13 @@ class Plan:
         #: row group finishes as it runs, so its rows show at once (every plan but a :class:`Chain`).
         self.pool_positions = 0
         #: Seconds it took to make this plan (its baselines run), which ``meta["elapsed"]``
-        #: includes: :func:`pipatch._api.plan` sets it.
+        #: includes: :func:`pipatch._experiments._api.plan` sets it.
         self.planning = 0.0
         #: How a caller narrows this plan's run, for the line that announces a long one
         #: (:func:`~._cost.warn_if_long`); ``""``: no line.
         self.narrow = "positions="
         #: One line that says, before the run, about how long it takes (a circuit's, timed on its
-        #: own captures: :func:`~pipatch._protocols._circuit_budget.estimate_line`); whoever shows
+        #: own captures: :func:`~pipatch._experiments._circuit_budget.estimate_line`); whoever shows
         #: the run's progress prints it first. ``""``: none.
         self.estimate = ""
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._cells import Cell
+from .._model.cells import Cell
 from ._sweeps import Sweep, Work, _is_noop, _is_unread
 
 __all__ = ["batches", "TRACE_COST", "JOIN_COST", "RUN_FLOPS", "SHARE_POSITIONS", "SHARE_ROWS"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._backends._sizing import auto_batch_size
-from .._checks import whole_number
+from .._base.checks import whole_number
 
 __all__ = ["check_batch_size"]
 

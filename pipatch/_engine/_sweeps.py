@@ -2,7 +2,7 @@
 and work whose rows are program requests.
 
 A :class:`Sweep` is what a protocol hands the engine: ``sweep.cell(row, col, seed)`` is one
-patched run (:class:`~pipatch._cells.Cell`), and ``sweep.store`` puts its value into the
+patched run (:class:`~pipatch._model.cells.Cell`), and ``sweep.store`` puts its value into the
 result. :class:`SiteSweep` is the common one: write a donor's value of one site at each
 (layer, column). :func:`_is_noop` and :func:`_is_unread` say when a cell's value is the base
 run's own metric, so the engine fills it without a forward pass. A :class:`Work`'s rows are
@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._cells import Base, Cell, Metric, Op
-from .._models import Adapter
-from .._sites import Site
+from .._model.cells import Base, Cell, Metric, Op
+from .._model.models import Adapter
+from .._model.sites import Site
 
 __all__ = ["Sweep", "SiteSweep", "Work"]
 

@@ -13,14 +13,14 @@ where ``w_s`` is what the sender adds to the residual stream (:func:`sender_writ
 ``x_r`` is the residual stream *as receiver r alone reads it* (:func:`receiver_gradients`):
 a copy of the residual that only ``r`` sees. The dot product runs over the prompt's
 positions and the model width. This module computes the two factors; the protocol
-(:mod:`pipatch._protocols.circuits`) multiplies them.
+(:mod:`pipatch._experiments.circuits`) multiplies them.
 
 **What a sender writes.** The embeddings: the embedding output (Gemma's ``× √d`` included).
 A head: the attention sublayer's write with only that head's ``z`` swapped for the clean one,
 minus the corrupt write — ``W_O[:, h] (z_clean − z_corrupt)`` in most families, and Gemma's
 ``post_attention_layernorm`` of the whole output recomputed where it normalizes the
 attention's output before adding it (exactly the contribution path patching swaps:
-:mod:`pipatch._protocols.paths`). An MLP: its output (after Gemma's post-norm), clean minus
+:mod:`pipatch._experiments.paths`). An MLP: its output (after Gemma's post-norm), clean minus
 corrupt.
 
 **What a receiver reads, and its gradient.** One forward and one backward on the corrupt
@@ -52,9 +52,9 @@ from typing import Any
 
 import torch
 
-from .._cells import Capture, Metric
-from .._models import Adapter, PipatchError, _get, first
-from .._sites import HEAD, MLP, QKV
+from .._model.cells import Capture, Metric
+from .._model.models import Adapter, PipatchError, _get, first
+from .._model.sites import HEAD, MLP, QKV
 
 __all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family",
            "head_writes"]
@@ -90,7 +90,7 @@ def check_circuit_family(adapter: Adapter) -> None:
     HEAD.check(adapter)
     if adapter.qkv_layout is None or adapter.attn_norm is None or adapter.final_norm is None:
         raise PipatchError(f"circuits are not supported for {adapter.family}: pipatch does not know its q/k/v layout "
-                           "or its norms (pipatch/_models.py); use path_patch or attribute")
+                           "or its norms (pipatch/_model/models.py); use path_patch or attribute")
     if adapter.mlp_norm is None:
         raise PipatchError(f"circuits are not supported for {adapter.family}: its MLP reads the attention's own normed "
                            "input, so an MLP's input cannot be told from the heads'; use path_patch or attribute")
@@ -103,7 +103,7 @@ def _module(hf: Any, adapter: Adapter, layer: int, path: str | None) -> Any:
 
 def sender_writes(hf: Any, adapter: Adapter, clean: Capture, corrupt: Capture) -> SenderWrites:
     """Each sender's write, clean minus corrupt (module docstring), from two captures of
-    :data:`~pipatch._sites.HEAD` and :data:`~pipatch._sites.MLP`; ``hf`` is the torch model."""
+    :data:`~pipatch._model.sites.HEAD` and :data:`~pipatch._model.sites.MLP`; ``hf`` is the torch model."""
     H, L = adapter.n_heads, adapter.n_layers
     heads, mlps = [], []
     with torch.no_grad():

@@ -9,8 +9,8 @@ and handing the body a view of that trace. The body never knows which it is.
 A :class:`View` is the backend's side of that meeting. It gives the body
 
 * **places** (:meth:`View.place`): a site's holder value at a layer, as a
-  :class:`~pipatch._sites.Place` over all the trace's rows, which the site reads and writes
-  through (:meth:`pipatch._sites.Site.apply`);
+  :class:`~pipatch._model.sites.Place` over all the trace's rows, which the site reads and writes
+  through (:meth:`pipatch._model.sites.Site.apply`);
 * **where a job is** (:meth:`View.rows`, :meth:`View.index`): one job's rows of a place (and
   in a packed trace its span of positions), and an op's index shifted to where the job's run
   starts;
@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._models import Adapter
-from .._sites import Place, Site
+from .._model.models import Adapter
+from .._model.sites import Place, Site
 
 __all__ = ["Program", "View", "PROGRAMS", "register_program", "in_forward_order"]
 
@@ -105,7 +105,7 @@ class View:
         return self._places[key]
 
     def holder(self, site: Site, layer: int) -> Place:
-        """A new :class:`~pipatch._sites.Place` over ``site``'s holder at ``layer``."""
+        """A new :class:`~pipatch._model.sites.Place` over ``site``'s holder at ``layer``."""
         raise NotImplementedError
 
     def rows(self, job: int, site: Site) -> Any:

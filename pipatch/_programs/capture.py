@@ -4,7 +4,7 @@ Every protocol starts with captures: the clean and corrupt runs of a pair, the n
 a causal trace (one per seed, each under its own noise at the embedding), a dataset's prompts.
 A capture keeps, at the prompt's positions, the embedding output, each block's state (what a
 later run skips the block with, :meth:`~._program.View.block_state`) and the values of the
-sites asked for, and the metric of each run (:class:`~pipatch._cells.Capture`).
+sites asked for, and the metric of each run (:class:`~pipatch._model.cells.Capture`).
 
 :func:`capture_body` runs inside the trace on every backend; :class:`CaptureRequest` is what a
 protocol asks for, and :func:`capture` / :func:`captures` run it.
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .._cells import Capture, Metric, Op
-from .._sites import EMBED, RESID, Site
+from .._model.cells import Capture, Metric, Op
+from .._model.sites import EMBED, RESID, Site
 from ._program import Program, View, in_forward_order, register_program
 
 __all__ = ["CAPTURE", "CaptureRequest", "capture", "captures", "capture_body", "kept_sites"]
@@ -109,7 +109,7 @@ class CaptureRequest:
 def capture(backend: Any, input_ids: torch.Tensor, metric: Metric, sites: Sequence[Site] = (), *,
             ops: Sequence[Sequence[Op]] | None = None) -> Capture:
     """Run ``input_ids`` ([1, T]) once per list of ``ops`` (one clean run for ``None``),
-    keeping every block's state and the named sites: one :class:`~pipatch._cells.Capture`
+    keeping every block's state and the named sites: one :class:`~pipatch._model.cells.Capture`
     whose batch rows are the runs."""
     return backend.run(CAPTURE, CaptureRequest([input_ids], metric, sites, ops))[0]
 

@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._cells import Capture, Metric
-from .._graph import graph
-from .._models import Adapter, PipatchError
-from .._sites import QKV
+from .._model.cells import Capture, Metric
+from .._model.graph import graph
+from .._model.models import Adapter, PipatchError
+from .._model.sites import QKV
 from ._edges import ReceiverGradients, SenderWrites, head_writes, receiver_gradients, sender_writes
 from ._program import Program, register_program
 
@@ -271,8 +271,8 @@ def baselines_body(view: CircuitView) -> Baselines:
 def circuit_run_body(view: CircuitView, metric: Metric, keep: torch.Tensor, embedded: torch.Tensor,
                      means: Baselines | None = None) -> torch.Tensor:
     """The clean prompt run as each circuit of ``keep`` ([P, receivers, senders], bool, in
-    :func:`pipatch._graph.graph` order), on the view's ``k`` run inputs: the metric's pieces
-    (:meth:`~pipatch._cells.Metric.pieces`), ``[P·k, n_read, n_sequences]``, row ``p·k + i``
+    :func:`pipatch._model.graph.graph` order), on the view's ``k`` run inputs: the metric's pieces
+    (:meth:`~pipatch._model.cells.Metric.pieces`), ``[P·k, n_read, n_sequences]``, row ``p·k + i``
     mask ``p`` on input ``i``.
 
     Each receiver reads its baseline value at its place plus what each kept edge's sender
@@ -333,7 +333,7 @@ def _queries_keys_values(view: CircuitView, layer: int,
                          normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each query head's query, key and value, ``[B, T, H·head_dim]`` each, from its receivers'
     normed inputs (``normed`` [B, 3H, T, d], head by head, each its q, k, v): receiver ``(h, w)``
-    through the columns :meth:`~pipatch._models.Adapter.qkv_columns` gives (a key or value:
+    through the columns :meth:`~pipatch._model.models.Adapter.qkv_columns` gives (a key or value:
     those of key/value head ``h // group``), one call per projection module."""
     adapter = view.adapter
     H, hd = adapter.n_heads, adapter.head_dim

@@ -1,6 +1,6 @@
 """A feature circuit's gradient passes: the metric's gradient at every SAE, and edge pull-backs.
 
-A feature circuit (:mod:`pipatch._protocols.feature_circuit`) scores nodes (an SAE's latent,
+A feature circuit (:mod:`pipatch._experiments.feature_circuit`) scores nodes (an SAE's latent,
 or its error, at one position) and edges between the nodes of consecutive SAEs from two kinds
 of backward pass over the corrupt prompt, both written here against the torch model under the
 nnsight wrapper (forward hooks, removed on the way out; no parameter gradient is taken):
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .._cells import Metric
-from .._features._site import InOut
-from .._models import _get, first
+from .._model.cells import Metric
+from .._model.features.site import InOut
+from .._model.models import _get, first
 from ._program import Program, register_program
 
 __all__ = ["NODE_GRADIENTS", "EDGE_PULLBACKS", "EMBEDDINGS", "NodeGradientsRequest", "EdgePullbacksRequest", "node_gradients",

@@ -1,13 +1,13 @@
 """The gradient pass: one forward with gradient tracking and one backward, on one prompt.
 
-Attribution patching (:mod:`pipatch._protocols.attribution`) estimates a whole patching grid
+Attribution patching (:mod:`pipatch._experiments.attribution`) estimates a whole patching grid
 from ``d metric / d site`` at every layer of the corrupt run. :func:`gradients_body` runs
 inside the backend's trace (an nnsight model in this process, or a request to NDIF): the
 embedding output is swapped for a detached leaf and the backward is restricted to it
 (``inputs=[leaf]``), so autograd walks every activation between the embedding and the metric
 but never computes a parameter gradient: no ``.grad`` is left on the model, and a frozen model
 (``requires_grad=False``) works too. A base run's ops at the embedding (causal tracing's noise,
-:func:`pipatch._protocols.tracing.noise_ops`) are added to the leaf first, so the gradient is
+:func:`pipatch._experiments.tracing.noise_ops`) are added to the leaf first, so the gradient is
 the noised run's. A backend without the capability ``gradients`` (vLLM
 runs inference only) refuses it in one line.
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .._cells import Metric, Op
-from .._sites import Site
+from .._model.cells import Metric, Op
+from .._model.sites import Site
 from ._program import Program, View, register_program
 
 __all__ = ["GRADIENTS", "GradientRequest", "gradients", "gradients_body"]
@@ -38,7 +38,7 @@ def gradients_body(view: View, site: Site, metric: Metric, prompt: int,
     For a plain site the holder's value is the site's. An encoding site's value is
     ``encode`` of its holder's (an SAE's latents) and its gradient is still the holder's,
     where its writes land: the chain rule through ``decode`` is the caller's
-    (:func:`pipatch._features._screen.latent_gradient`)."""
+    (:func:`pipatch._experiments._feature_screen.latent_gradient`)."""
     model, adapter, m = view.model, view.adapter, metric.n_read
     embedding = adapter.embedding(model)
     leaf = embedding.output.detach().clone()

@@ -13,7 +13,7 @@ A multi-token answer (" New York") is read teacher-forced, as everywhere in pipa
 first token through the lens at ``(l, p)``, its later tokens at the model's own output after
 the prompt and the answer's earlier tokens (the unembedding's input there,
 :meth:`~._program.View.read_out`). The run's input is then the prompt and those tokens
-(:meth:`~pipatch._cells.Metric.inputs`).
+(:meth:`~pipatch._model.cells.Metric.inputs`).
 
 :class:`LensRequest` is what a protocol asks for, :func:`lens` runs it, :class:`LensOut` is
 what comes back.
@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._cells import Metric
-from .._sites import RESID
+from .._model.cells import Metric
+from .._model.sites import RESID
 from ._program import Program, View, register_program
 
 __all__ = ["LENS", "LensRequest", "LensOut", "lens", "lens_body", "head_values", "CHUNK"]

@@ -1,6 +1,6 @@
 """The patched run: a batch of cells, each its ops applied in forward order.
 
-Every sweep of every experiment ends here: a cell (:class:`~pipatch._cells.Cell`) is one run of
+Every sweep of every experiment ends here: a cell (:class:`~pipatch._model.cells.Cell`) is one run of
 its base prompt with its ops — write a donor's value at a site, add noise, record what is
 there — and its value is the metric read at the end. :func:`patch_body` is the code that
 runs inside the trace, on every backend; :class:`PatchRequest` is what the engine asks for
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from .._cells import Base, Cell, Metric, Op
-from .._models import PipatchError
+from .._model.cells import Base, Cell, Metric, Op
+from .._model.models import PipatchError
 from ._program import Program, View, in_forward_order, register_program
 
 __all__ = ["PATCH", "METRICS", "PatchRequest", "patch", "metrics", "patch_body", "OUTS"]

@@ -44,7 +44,7 @@ CELLS = [
     "            corrupt='When Mary and John went to the store, Mary gave a book to', answer=' Mary', foil=' John')",
     "first = pipatch.circuit(model, **PAIR, verify=0, curve=0)\nPatchGrid(first)",
     "circ = PatchGrid.run(model, 'circuit', **PAIR, verify=10)",
-    "from pipatch._live import _predictor\n"
+    "from pipatch._notebook.live import _predictor\n"
     "top = circ.graph(top=1)['edges'][0]\n"
     "row, col = circ.layers.index(top['receiver']), circ.columns.index(top['sender'])\n"
     "tokens = [t for t, _ in _predictor(circ)('edges', row, col, 0, 5)]\n"

@@ -22,8 +22,8 @@ B = [[0.5, 0.3, 0.5, 0.0], [0.6, -0.1, 0.7, 0.2], [0.3, 0.1, 0.4, 0.3]]
 SOURCE = f"""
 import torch
 import pipatch
-from pipatch._live import PatchGrid
-from pipatch._result import Result
+from pipatch._notebook.live import PatchGrid
+from pipatch._results.result import Result
 
 def side(values, model):
     raw = torch.tensor(values).unsqueeze(0)  # one seed; clean 1, corrupt 0: recovery = raw
@@ -36,7 +36,7 @@ c = pipatch.compare(side({A}, "m-a"), side({B}, "m-b"))
 
 
 def _expected(mode: str) -> np.ndarray:
-    from pipatch._views import diverging_rgb
+    from pipatch._results.views import diverging_rgb
 
     a, b = np.array(A, dtype=np.float32), np.array(B, dtype=np.float32)
     values = {"diff": a - b, "a": a, "b": b}[mode]

@@ -215,7 +215,7 @@ def test_mime_renderer_without_kernel(page, lab_server):
     import tempfile
     from pathlib import Path
 
-    from pipatch._views import mime_bundle
+    from pipatch._results.views import mime_bundle
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "fs.py"
@@ -235,8 +235,8 @@ def test_mime_renderer_without_kernel(page, lab_server):
 
 SHORT_SRC = """
 import torch
-from pipatch._live import PatchGrid
-from pipatch._result import Result
+from pipatch._notebook.live import PatchGrid
+from pipatch._results.result import Result
 
 r = Result(kind="trace", tokens=["The", " Eiffel", " Tower", " is", " in"], columns=["The", " Eiffel", " Tower", " is", " in"],
            layers=["0", "1", "2"], metric="prob", raw={"resid": torch.rand(2, 3, 5)}, clean=1.0,

@@ -43,7 +43,7 @@ STATE_SRC = r'''
 import numpy as np
 from IPython.display import display
 from pipatch import PatchGrid
-from pipatch._views import mime_bundle
+from pipatch._results.views import mime_bundle
 
 def checksum32(a):
     h = 0x811C9DC5

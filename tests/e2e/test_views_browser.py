@@ -22,8 +22,8 @@ pytestmark = pytest.mark.e2e
 HOT, COLD = (0, 1), (3, 4)
 RESULT_SRC = f"""
 import torch
-from pipatch._live import PatchGrid
-from pipatch._result import Result
+from pipatch._notebook.live import PatchGrid
+from pipatch._results.result import Result
 
 raw = torch.zeros(2, 4, 5)
 raw[:, {HOT[0]}, {HOT[1]}] = 1.0
@@ -55,8 +55,8 @@ def _expected():
     import matplotlib.image
     import torch
 
-    from pipatch._result import Result
-    from pipatch._views import decode_array, diverging_rgb, figure, png
+    from pipatch._results.result import Result
+    from pipatch._results.views import decode_array, diverging_rgb, figure, png
     from tests.unit.test_views import _cell_pixels
 
     raw = torch.zeros(2, 4, 5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._protocols.attribution import spearman
+from pipatch._experiments.attribution import spearman
 from tests.conftest import COLOSSEUM, EIFFEL
 
 # Lower bounds on the all-cell Spearman correlation, a little under what was measured.

@@ -1,4 +1,4 @@
-"""The one whole-number / yes-no validator (pipatch._checks) and the parameters that use it."""
+"""The one whole-number / yes-no validator (pipatch._base.checks) and the parameters that use it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pytest
 
 import pipatch
-from pipatch._models import PipatchError
+from pipatch._model.models import PipatchError
 
 # --------------------------------------------------------------------------------------------
 # The parameters that use them (a tiny random model: the checks run before any forward)
@@ -59,7 +59,7 @@ def test_text_numbers_are_taken_where_ints_are(tiny):
 
 
 def test_a_malformed_click_is_answered_with_an_error(tiny):
-    from pipatch._live import answer_selection
+    from pipatch._notebook.live import answer_selection
 
     result = pipatch.patch(tiny, **PAIR, positions=[-1])
     detail = answer_selection(None, result, {"view": "resid", "seed": -1, "row": "x", "col": 0})

@@ -14,10 +14,10 @@ import torch
 import pipatch
 from pipatch import PipatchError
 from pipatch._backends import backend_for
-from pipatch._graph import graph
-from pipatch._models import adapter_for
+from pipatch._experiments.patching import pair_inputs
+from pipatch._model.graph import graph
+from pipatch._model.models import adapter_for
 from pipatch._programs import CircuitRunRequest, captures, circuit_runs
-from pipatch._protocols.patching import pair_inputs
 from tests._reference import (
     reference_circuit_path,
     reference_edge_patch,
@@ -257,8 +257,8 @@ def test_a_mean_ablated_curve_starts_at_the_means_recovery():
 def test_a_click_on_an_edge_runs_its_exact_patch_over_every_pair():
     """What the view's click asks the kernel (answer_selection): the edge's exact change, the
     mean over the pairs, equal to the same edge's check; an unchecked edge is measured too."""
-    from pipatch._api import plan
-    from pipatch._live import answer_selection
+    from pipatch._experiments._api import plan
+    from pipatch._notebook.live import answer_selection
 
     dataset = {key: [PAIR[key], PAIR2[key]] for key in PAIR}
     circuit = plan("circuit", tiny_model("llama"), **dataset, verify=3, curve=0)
@@ -304,7 +304,7 @@ def test_other_families_score_against_the_reference(name):
 def test_the_curve_fills_row_by_row_and_stop_keeps_what_it_has():
     import threading
 
-    from pipatch._api import plan
+    from pipatch._experiments._api import plan
 
     seen, stop = [], threading.Event()
 
@@ -347,8 +347,8 @@ def test_the_ungrouped_attention_is_the_models_own_when_a_group_reads_one_input(
 def test_the_curve_halves_its_masks_on_out_of_memory_and_names_a_failing_point():
     """The curve runs as the engine's work: a point's masks that run out of memory are run in
     halves, to the same numbers; a point that fails is named, the curve before it kept."""
-    from pipatch._api import plan
     from pipatch._engine import EngineError
+    from pipatch._experiments._api import plan
 
     model = tiny_model("llama")
     whole = pipatch.circuit(model, **PAIR, verify=0, curve=8)

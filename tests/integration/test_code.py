@@ -23,7 +23,7 @@ import torch
 
 import pipatch
 from pipatch import cli, load_result
-from pipatch._models import PipatchError
+from pipatch._model.models import PipatchError
 from tests._experiments import TINY
 from tests._tiny import save_tiny
 from tests.conftest import COLOSSEUM, EIFFEL
@@ -194,7 +194,7 @@ def test_the_script_loads_the_model_the_result_records(results):
     code = result.code()
     assert f"MODEL = {result.meta['model_path']!r}" in code
     assert "dtype=torch.float32" in code
-    assert result.meta["model_path"].startswith(str(pipatch._models.default_cache_dir()))
+    assert result.meta["model_path"].startswith(str(pipatch._model.models.default_cache_dir()))
 
 
 HOSTILE = 'He said "no\\" \'\'\' """\nthen {x} $y %s \\n \\\\ Paris is in'
@@ -227,7 +227,7 @@ def test_what_cannot_be_expressed_says_so_in_one_line(results):
 
 
 def test_the_widget_state_carries_the_script(results):
-    from pipatch._widget import GridWidget
+    from pipatch._notebook.widget import GridWidget
 
     result = results("attribute resid")
     assert result.to_state()["code"] == result.code()

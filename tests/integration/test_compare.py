@@ -20,9 +20,9 @@ from IPython.core.error import UsageError
 
 import pipatch
 from pipatch import cli
-from pipatch._compare import Comparison
-from pipatch._result import MIME_TYPE
-from pipatch._views import decode_array, png
+from pipatch._results.compare import Comparison
+from pipatch._results.result import MIME_TYPE
+from pipatch._results.views import decode_array, png
 from tests.conftest import COLOSSEUM, EIFFEL
 
 #: The other prompt pair of the same token length: the Eiffel one, turned around.
@@ -200,7 +200,7 @@ def test_a_comparison_renders_like_any_result(prompts):
 
 
 def test_the_widget_shows_a_comparison_and_says_why_clicks_have_no_top5(prompts):
-    from pipatch._live import PatchGrid, answer_selection
+    from pipatch._notebook.live import PatchGrid, answer_selection
 
     grid = PatchGrid(prompts)
     assert grid.sides == prompts.meta["sides"] and grid.compared == "recovery"

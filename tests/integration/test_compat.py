@@ -1,5 +1,5 @@
 """Third-party internals in one place per library, the version check, and no state on the
-user's objects (pipatch._compat, pipatch._known).
+user's objects (pipatch._compat, pipatch._base.known).
 
 No model is loaded but tiny random ones (tests/_tiny.py)."""
 
@@ -13,8 +13,8 @@ import pytest
 import pipatch
 import pipatch._compat as compat
 from pipatch._backends import backend_for
+from pipatch._base.errors import PipatchError, PipatchWarning
 from pipatch._compat import nnsight as nnsight_compat
-from pipatch._errors import PipatchError, PipatchWarning
 from tests._tiny import tiny_model
 
 TINY_CLEAN, TINY_CORRUPT = "The Colosseum is in the city of", "The Kremlin is in the city of"
@@ -93,7 +93,7 @@ def test_a_patch_sets_nothing_on_the_model_and_lets_it_go():
 
 
 def test_the_backend_is_shared_while_held_and_dispatch_reads_no_attribute():
-    from pipatch._known import known, remember
+    from pipatch._base.known import known, remember
 
     model = tiny_model("llama")
     backend = backend_for(model)

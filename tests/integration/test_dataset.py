@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._protocols.dataset import named_groups
-from pipatch._views import mime_bundle
+from pipatch._experiments.dataset import named_groups
+from pipatch._results.views import mime_bundle
 from tests.conftest import COLOSSEUM, EIFFEL
 from tests.unit.test_named_groups import NAMES
 
@@ -79,6 +79,6 @@ def test_a_positions_subset_is_grouped_by_the_positions_it_swept(model):
         assert torch.allclose(r.raw["resid"][row, :, 0], one.raw["resid"][0, :, 0], atol=1e-5)  # before = <bos>
         assert torch.allclose(r.raw["resid"][row, :, -1], one.raw["resid"][0, :, -1], atol=1e-5)  # last
     assert torch.isnan(r.raw["resid"][:, :, 1:-1]).all()  # the changed span was not swept
-    top = pipatch._api.plan_patch(model, clean=[EIFFEL, louvre], corrupt=[COLOSSEUM, vatican],
+    top = pipatch._experiments._api.plan_patch(model, clean=[EIFFEL, louvre], corrupt=[COLOSSEUM, vatican],
                                   **pair).predictor()("resid", 17, 6, 1, 3)
     assert top[0][0] == " Paris"

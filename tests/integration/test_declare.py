@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import pipatch
-from pipatch import _api
-from pipatch._models import PipatchError
+from pipatch._experiments import _api
+from pipatch._model.models import PipatchError
 from tests.conftest import EIFFEL
 
 #: Another process (CLI, kernel) runs its own CPU kernels, threads and batch picks: its numbers agree to
@@ -99,7 +99,7 @@ def test_a_real_kernel_runs_the_toy_as_a_magic(toy_dir, toy_result):
 
 
 def test_patchgrid_run_runs_the_toy(toy, toy_result, model):
-    from pipatch._live import PatchGrid
+    from pipatch._notebook.live import PatchGrid
 
     r = PatchGrid.run(model, "toy_ablate", prompt=EIFFEL, answer=" Paris")
     assert r.kind == "toy_ablation"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._protocols.tracing import noise_draws
+from pipatch._experiments.tracing import noise_draws
 from tests._reference import patch_grid, reference_path, trace_grid
 from tests._tiny import save_tiny, tiny_model, tiny_tokenizer
 
@@ -241,7 +241,7 @@ def test_windows_ablations_datasets_and_clicks_follow_the_device(folder, family)
     assert torch.allclose(got.raw["attn"], want.raw["attn"], atol=ATOL, rtol=0, equal_nan=True)
     assert got.n_seeds == 2 and not torch.isnan(got.raw["attn"][:, :, -1]).any()
     # A click on a cell: the patched run's top-5 next tokens, from full logits on the device.
-    from pipatch._api import plan_patch
+    from pipatch._experiments._api import plan_patch
 
     predictors = [plan_patch(m, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", foil=" Rome").predictor()
                   for m in (model, ref)]

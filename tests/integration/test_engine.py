@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._api import plan_patch, plan_trace
+from pipatch._base.known import known
 from pipatch._engine import RUN_FLOPS, SHARE_POSITIONS, SHARE_ROWS
-from pipatch._known import known
+from pipatch._experiments._api import plan_patch, plan_trace
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -124,7 +124,7 @@ def _streamed(plan):
 
 
 def test_a_dataset_streams_rows_one_layer_at_a_time_across_prompts(model):
-    from pipatch._api import plan_patch
+    from pipatch._experiments._api import plan_patch
 
     plan = plan_patch(model, clean=[EIFFEL, LOUVRE], corrupt=[COLOSSEUM, VATICAN], answer=" Paris", foil=" Rome",
                       positions=None)
@@ -140,7 +140,7 @@ def test_a_dataset_streams_rows_one_layer_at_a_time_across_prompts(model):
 
 
 def test_attribution_verification_and_path_sweeps_stream_rows(model):
-    from pipatch._api import plan_attribute, plan_path_patch
+    from pipatch._experiments._api import plan_attribute, plan_path_patch
 
     plan = plan_attribute(model, **PAIR, site="head", verify=4)
     assert plan.result.rows_done == {"head": 18}  # the estimate is complete before the run
@@ -156,7 +156,7 @@ def test_attribution_verification_and_path_sweeps_stream_rows(model):
 
 
 def test_a_click_reruns_the_cell_with_full_logits(model):
-    from pipatch._api import plan_patch, plan_path_patch
+    from pipatch._experiments._api import plan_patch, plan_path_patch
 
     # Restoring the clean residual at the last position of the last layer IS the clean run.
     predict = plan_patch(model, **PAIR, positions=[-1]).predictor()
@@ -174,7 +174,7 @@ def test_the_predictor_does_not_keep_the_result_alive(model):
     import gc
     import weakref
 
-    from pipatch._api import plan_patch
+    from pipatch._experiments._api import plan_patch
 
     plan = plan_patch(model, **PAIR, positions=[-1])
     predict = plan.predictor()

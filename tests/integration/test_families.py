@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from pipatch._backends import backend_for
-from pipatch._models import PipatchError, _get, adapter_for, first
-from pipatch._sites import SITES as SITE
+from pipatch._model.models import PipatchError, _get, adapter_for, first
+from pipatch._model.sites import SITES as SITE
 from tests._reference import hooked, logits_of, torch_patch
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, VOCAB_SIZE, tiny_model
 
@@ -179,7 +179,7 @@ def test_a_probability_from_the_unembedding_in_slices_equals_the_softmax(family)
     """A probability metric never holds the whole vocabulary's logits: the log-sum-exp is taken
     over slices of the unembedding's rows (333 of the 1,000 here, the last slice shorter) and
     combined; soft-capping included. Against float64 over the model's own logits."""
-    from pipatch._cells import Metric
+    from pipatch._model.cells import Metric
 
     model = model_for(family)
     a = adapter_for(model)
@@ -428,7 +428,7 @@ def _api(name: str):
 
     fn = getattr(pipatch, name, None)
     if fn is None:  # not exported yet
-        from pipatch._protocols import patching, tracing
+        from pipatch._experiments import patching, tracing
 
         fn = getattr(patching, name, None) or getattr(tracing, name)
     return fn

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._api import plan_patch
 from pipatch._engine import EngineError
+from pipatch._experiments._api import plan_patch
 from tests.conftest import COLOSSEUM, EIFFEL
 
 PAIR = dict(clean=EIFFEL, corrupt=COLOSSEUM, answer=" Paris", foil=" Rome")
@@ -129,8 +129,8 @@ def test_nan_in_one_fact_of_a_chain_stays_in_that_fact(model):
     """Facts run as one (a study's Chain) share packed traces: a NaN in one fact's cells
     reaches the others of its rows through attention, so those are rerun unpacked. The NaN
     rows and their warning are the poisoned fact's alone; the other fact equals its own run."""
-    from pipatch._api import plan_trace
     from pipatch._engine import Chain
+    from pipatch._experiments._api import plan_trace
 
     facts = [(EIFFEL, "Eiffel Tower", " Paris"), (COLOSSEUM, "Colosseum", " Rome")]
     options = {"sites": "resid", "seeds": 1, "scale": 3.0}
@@ -173,7 +173,7 @@ def test_prompt_longer_than_the_context_is_refused(model):
 def test_unknown_family_names_the_modules_it_looked_for():
     from transformers import MambaConfig, MambaForCausalLM
 
-    from pipatch._models import adapter_for
+    from pipatch._model.models import adapter_for
 
     hf = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4))
     with pytest.raises(pipatch.PipatchError, match=r"'mamba'.*looked for model\.embed_tokens.*model\.layers"):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._models import _get, adapter_for
-from pipatch._protocols.dataset import named_groups
+from pipatch._experiments.dataset import named_groups
+from pipatch._model.models import _get, adapter_for
 from tests._reference import first
 from tests._saes import random_weights, save_saelens
 from tests._tiny import tiny_model
@@ -417,7 +417,7 @@ def test_transcoders_at_every_mlp_equal_the_hand_references(family, tmp_path):
 def test_a_click_ablates_any_node_as_the_hook_reference_does(tmp_path):
     """The view's click (``answer_message`` with the plan's predictor) patches a node the checks
     left out, and a checked one again: each equals the hook reference within 1e-5."""
-    from pipatch._api import plan
+    from pipatch._experiments._api import plan
 
     model, weights, sites = build(tmp_path, "llama")
     planned = plan("feature_circuit", model, saes=sites, clean=CLEAN, corrupt=CORRUPT, answer=ANSWER, foil=FOIL,

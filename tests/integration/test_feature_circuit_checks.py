@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._protocols.dataset import named_groups
+from pipatch._experiments.dataset import named_groups
 from tests.integration.test_feature_circuit import (
     ANSWER,
     FOIL,

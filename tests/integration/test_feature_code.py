@@ -18,8 +18,8 @@ import dataclasses
 import pytest
 
 import pipatch
-from pipatch._features._sae import SAE
-from pipatch._models import PipatchError, adapter_for
+from pipatch._model.features.sae import SAE
+from pipatch._model.models import PipatchError, adapter_for
 from tests._saes import random_weights, save_gemma_scope, save_saelens
 from tests._tiny import save_tiny
 from tests.conftest import COLOSSEUM, EIFFEL

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._features._contexts import BEFORE, TENSORS_FILE, TEXT_FILE, load_contexts
-from pipatch._features._labels import LABELS_FILE
+from pipatch._experiments._feature_contexts import BEFORE, TENSORS_FILE, TEXT_FILE, load_contexts
+from pipatch._model.features.labels import LABELS_FILE
 from tests._saes import KINDS, sae_folder
 from tests.integration.test_features import FAMILIES, hand_latents, saelens_folder
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import pipatch
-from pipatch._models import _get, adapter_for
+from pipatch._model.models import _get, adapter_for
 from tests._reference import first, hooked, logits_of
 from tests._saes import D_SAE
 from tests.integration.test_feature_patch import ANSWER as PAIR_ANSWER

@@ -17,8 +17,8 @@ import torch
 
 import pipatch
 from pipatch._backends import backend_for
-from pipatch._cells import Base, Cell, Metric, Op
-from pipatch._models import _get, adapter_for
+from pipatch._model.cells import Base, Cell, Metric, Op
+from pipatch._model.models import _get, adapter_for
 from pipatch._programs import PatchRequest, capture, patch
 from tests._reference import first, hooked, logits_of
 from tests._saes import KINDS, TOP_K, random_weights, save_gemma_scope, save_saelens

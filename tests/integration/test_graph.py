@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipatch._models import PipatchError
-from pipatch._sites import LOGITS, SITES
+from pipatch._model.models import PipatchError
+from pipatch._model.sites import LOGITS, SITES
 
 
 def test_the_logits_are_a_kin_of_a_site_and_no_grids():
-    from pipatch._models import adapter_for
-    from pipatch._sites import site
+    from pipatch._model.models import adapter_for
+    from pipatch._model.sites import site
     from tests._tiny import tiny_hf_model
 
     assert LOGITS not in SITES.values() and LOGITS.reads_input

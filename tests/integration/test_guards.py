@@ -14,9 +14,9 @@ import warnings
 import pytest
 
 import pipatch
-from pipatch._api import plan
-from pipatch._errors import PipatchWarning
-from pipatch._protocols._circuit_budget import DEVICE_DEFAULTS
+from pipatch._base.errors import PipatchWarning
+from pipatch._experiments._api import plan
+from pipatch._experiments._circuit_budget import DEVICE_DEFAULTS
 from tests._tiny import tiny_model
 from tests.unit.test_facts import records
 

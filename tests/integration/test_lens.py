@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._models import _get, adapter_for
+from pipatch._model.models import _get, adapter_for
 from tests._reference import first, hooked
 from tests._tiny import tiny_model
 from tests.conftest import EIFFEL
@@ -131,7 +131,7 @@ def test_the_lens_saves_renders_exports_and_writes_its_code(model, tmp_path):
     assert state["values"] == "metric" and state["baselines"] == {"output": pytest.approx(r.meta["output"])}
     assert "Logit lens" in state["title"]
     assert r.text().splitlines()[-1].split()[-2] == "prob"  # the top cells name the metric, not "recovery"
-    from pipatch._views import png
+    from pipatch._results.views import png
 
     assert png(state)[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "lens.json").write_text(json.dumps(r.to_json()), encoding="utf-8")
@@ -165,7 +165,7 @@ def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("p
     positions), then each metric from it by pipatch's unembedding arithmetic, as the patched
     cells' was. The metrics share the patched runs (a metric reads, it does not change a run)."""
     from pipatch._backends._unembedding import Unembedding
-    from pipatch._cells import Metric
+    from pipatch._model.cells import Metric
 
     hf, adapter = model._module, adapter_for(model)
     tokenizer = model.tokenizer
@@ -240,7 +240,7 @@ def test_the_read_equals_the_patched_lens_in_float64():
     every metric (a multi-token answer, the harder path). The logits are float32 by design
     (:meth:`~pipatch._backends._unembedding.Unembedding.capped`), so a log-probability of
     magnitude ~20 is compared to its float32 resolution (``rtol``)."""
-    from pipatch._load import shared_model
+    from pipatch._backends._load import shared_model
 
     subject = shared_model(dtype=torch.float64, device="cpu")
     wanted = patched_lens(subject, EIFFEL, " New York", ("prob", "logprob", "rank"))
@@ -308,6 +308,6 @@ def test_positions_pick_the_lens_columns(model):
         with pytest.raises(pipatch.PipatchError, match=words):
             pipatch.lens(model, EIFFEL, answer=" Paris", positions=bad)
     # A click on a column read runs that state through the head, as the grid's cell did.
-    plan = pipatch._api.plan_lens(model, EIFFEL, answer=" Paris", positions=[2, -1])
+    plan = pipatch._experiments._api.plan_lens(model, EIFFEL, answer=" Paris", positions=[2, -1])
     (_, p), *_ = plan.predictor()("resid", 17, 1, k=1)
     assert abs(p - float(some.grid[17, 1])) < 1e-4

@@ -16,8 +16,8 @@ import weakref
 import pytest
 import torch
 
-from pipatch._api import plan_patch, plan_trace
-from pipatch._live import PatchGrid, _predictor, run_live
+from pipatch._experiments._api import plan_patch, plan_trace
+from pipatch._notebook.live import PatchGrid, _predictor, run_live
 from tests.conftest import COLOSSEUM, EIFFEL
 
 
@@ -151,7 +151,7 @@ def test_a_click_while_a_cell_runs_waits_for_the_cell_to_end(model, live_patch):
     refuses a second trace of a running model, so a click is answered when the cell ends."""
     from IPython.testing.globalipapp import get_ipython  # the one test shell of this process
 
-    from pipatch._live import _DISPATCHER
+    from pipatch._notebook.live import _DISPATCHER
 
     shell = get_ipython()
     grid = PatchGrid(live_patch["result"])  # hooks the shell's cell events

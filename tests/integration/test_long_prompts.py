@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._api import plan_lens, plan_trace
+from pipatch._base.errors import PipatchWarning
 from pipatch._engine import _cost
-from pipatch._errors import PipatchWarning
+from pipatch._experiments._api import plan_lens, plan_trace
 from tests._tiny import tiny_model
 from tests.conftest import EIFFEL
 

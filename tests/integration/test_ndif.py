@@ -23,10 +23,10 @@ import pipatch
 from pipatch import cli
 from pipatch._backends import backend_for
 from pipatch._backends.ndif import NDIFBackend
-from pipatch._known import remember
-from pipatch._models import PipatchError
+from pipatch._base.known import remember
+from pipatch._experiments._registry import EXPERIMENTS
+from pipatch._model.models import PipatchError
 from pipatch._programs import gradients
-from pipatch._registry import EXPERIMENTS
 from tests._equal import assert_close, assert_same_feature_circuit_checks
 from tests._experiments import EMBEDDED, TINY, python_result
 from tests._tiny import tiny_model
@@ -144,8 +144,8 @@ def test_a_feature_circuit_is_scored_locally_and_checked_remotely(tmp_path):
 def test_attribution_runs_its_gradients_as_a_request(simulated, model):
     backend = backend_for(simulated)
     ids = simulated.tokenizer(EIFFEL, return_tensors="pt").input_ids
-    from pipatch._cells import Metric
-    from pipatch._sites import site as site_named
+    from pipatch._model.cells import Metric
+    from pipatch._model.sites import site as site_named
 
     metric = Metric("logit_diff", simulated.tokenizer(" Paris").input_ids[-1:], simulated.tokenizer(" Rome").input_ids[-1:])
     before = backend.requests

@@ -25,6 +25,8 @@ def test_wheel_ships_the_widget_bundle_and_the_labextension(tmp_path):
     wheel = next(tmp_path.glob("pipatch-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "pipatch/static/widget.js" in names
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / "pipatch").rglob("*.py")}
+    assert modules <= set(names), sorted(modules - set(names))  # every layer's package, its modules
     assert {"pipatch/data/known_1000.json", "pipatch/data/known_1000.LICENSE"} <= set(names)  # ROME's facts, licensed
     shared = [n for n in names if "/data/share/jupyter/labextensions/pipatch/" in n]
     assert any(n.endswith("labextensions/pipatch/package.json") for n in shared)

@@ -100,8 +100,8 @@ def test_errors_are_one_line(tiny):
     # A family whose q/k/v layout the adapter does not know refuses q/k/v receivers in one line.
     import dataclasses
 
-    from pipatch._known import known as known_of
-    from pipatch._models import _ADAPTERS, adapter_for
+    from pipatch._base.known import known as known_of
+    from pipatch._model.models import _ADAPTERS, adapter_for
 
     hf = tiny._module
     known = adapter_for(tiny)

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._api import plan_patch, plan_trace
 from pipatch._backends.transformers import NO_BOUND, PACK_TOKENS, TransformersBackend, _layout
-from pipatch._cells import Base, Cell, Metric, Op
 from pipatch._engine import auto_batch_size, batches
 from pipatch._engine._sweeps import _is_unread
-from pipatch._models import _get
+from pipatch._experiments._api import plan_patch, plan_trace
+from pipatch._model.cells import Base, Cell, Metric, Op
+from pipatch._model.models import _get
+from pipatch._model.sites import SITES, projection
 from pipatch._programs import PatchRequest, capture, patch
-from pipatch._sites import SITES, projection
 from tests._tiny import FAMILIES, SUBLAYER_REFUSED, VARIANTS, tiny_model
 from tests.unit.test_schedule import cells_at
 

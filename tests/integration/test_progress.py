@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import pipatch
-from pipatch import _threads
-from pipatch._errors import PipatchWarning
-from pipatch._registry import EXPERIMENTS
+from pipatch._base import threads as _threads
+from pipatch._base.errors import PipatchWarning
+from pipatch._experiments._registry import EXPERIMENTS
 from tests._experiments import BIG_BEN, TINY
 from tests._tiny import tiny_model
 from tests.conftest import EIFFEL
@@ -145,7 +145,7 @@ def test_a_kernel_draws_the_bar_as_a_widget_and_a_live_grid_draws_none(tmp_path)
 
 
 def test_oversubscribed_threads_are_named_once_before_a_sweep(gpt2, monkeypatch):
-    """Every core busy elsewhere (the load as :func:`pipatch._threads.cpu_load` reads it,
+    """Every core busy elsewhere (the load as :func:`pipatch._base.threads.cpu_load` reads it,
     simulated): the first sweep says so in one line, with the fix; the next says nothing."""
     monkeypatch.setattr(_threads, "_warned", False)
     monkeypatch.setattr(_threads, "cpu_load", lambda: float(os.cpu_count() or 1))

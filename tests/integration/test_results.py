@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._result import MIME_TYPE
+from pipatch._results.result import MIME_TYPE
 
 
 def test_save_and_load_round_trip(tmp_path, eiffel_trace):

@@ -31,16 +31,16 @@ pytest.importorskip("vllm", reason="the served backend needs pip install 'pipatc
 psutil = pytest.importorskip("psutil")
 
 import pipatch  # noqa: E402
-from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
 from pipatch._backends._served_programs import PROGRAM_FORMAT  # noqa: E402
 from pipatch._backends.served import ServedBackend, Server  # noqa: E402
-from pipatch._cells import Cell, Op  # noqa: E402
 from pipatch._engine import EngineError  # noqa: E402
-from pipatch._models import PipatchError  # noqa: E402
+from pipatch._experiments._api import plan_patch  # noqa: E402
+from pipatch._model.cells import Cell, Op  # noqa: E402
+from pipatch._model.models import PipatchError  # noqa: E402
+from pipatch._model.sites import RESID  # noqa: E402
 from pipatch._programs import PatchRequest, patch  # noqa: E402
-from pipatch._serve import GENERATE_PATH, SKIP_HEADER, Spawned  # noqa: E402
-from pipatch._sites import RESID  # noqa: E402
+from pipatch._serving.serve import GENERATE_PATH, SKIP_HEADER, Spawned  # noqa: E402
 from tests._equal import (  # noqa: E402
     ATOL,
     assert_close,

@@ -51,8 +51,8 @@ from pipatch._backends import backend_for  # noqa: E402
 from pipatch._backends._served_programs import encode  # noqa: E402
 from pipatch._backends._vllm_worker import circuit_baselines_request  # noqa: E402
 from pipatch._backends.served import ServedBackend, Server  # noqa: E402
-from pipatch._models import PipatchError  # noqa: E402
-from pipatch._serve import GENERATE_PATH, LOAD_PATH, Spawned  # noqa: E402
+from pipatch._model.models import PipatchError  # noqa: E402
+from pipatch._serving.serve import GENERATE_PATH, LOAD_PATH, Spawned  # noqa: E402
 from tests._equal import assert_same  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL  # noqa: E402
 

@@ -20,7 +20,7 @@ pytest.importorskip("psutil")
 
 import pipatch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
-from pipatch._serve import Spawned  # noqa: E402
+from pipatch._serving.serve import Spawned  # noqa: E402
 from tests._equal import assert_same, assert_same_click  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL, TWO_PAIRS  # noqa: E402
 

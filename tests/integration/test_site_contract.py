@@ -1,4 +1,4 @@
-"""The site contract (``pipatch/_sites.py``): a site that encodes and decodes is one subclass,
+"""The site contract (``pipatch/_model/sites.py``): a site that encodes and decodes is one subclass,
 in a module of its own, and every experiment over sites takes it.
 
 The toy site (:mod:`tests._toy_site`) reads the residual stream times two and writes back
@@ -13,8 +13,8 @@ import torch
 
 import pipatch
 from pipatch._backends import backend_for
-from pipatch._cells import Base, Cell, Metric, Op
-from pipatch._models import adapter_for
+from pipatch._model.cells import Base, Cell, Metric, Op
+from pipatch._model.models import adapter_for
 from pipatch._programs import PatchRequest, capture, patch
 from tests._reference import patch_grid
 from tests._tiny import tiny_model

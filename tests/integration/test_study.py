@@ -246,7 +246,7 @@ def test_load_study_reads_a_half_finished_store_without_a_model(model, tmp_path)
 
 
 def test_the_known_filter_keeps_filtered_facts_with_the_models_top_token(model, tmp_path):
-    from pipatch._api import backend_of
+    from pipatch._experiments._api import backend_of
 
     facts = records(UNKNOWN + KNOWN[:1])
     found = pipatch.study(model, facts, store=tmp_path / "known.sqlite", **CHEAP)
@@ -463,7 +463,7 @@ def test_study_magics_bind_the_study(model, tmp_path):
 
 
 def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_path, monkeypatch):
-    from pipatch._study._view import AGGREGATE, StudyView
+    from pipatch._studies._view import AGGREGATE, StudyView
 
     tiny = tiny_model("gemma3")
     facts = tiny_facts()[:4]
@@ -515,7 +515,7 @@ def test_the_live_view_streams_the_aggregate_and_draws_one_fact_on_a_click(tmp_p
 
 def _grid_of(widget) -> torch.Tensor:
     """The mean grid a widget draws (its first view), NaN as -9: what ``selectMatrix`` reads."""
-    from pipatch._views.schema import select_matrix
+    from pipatch._results.views.schema import select_matrix
 
     matrix = select_matrix(widget.get_state_dict(), widget.views[0])
     assert matrix is not None

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._models import adapter_for
-from pipatch._protocols.tracing import AUTO_SCALES, COLLAPSE_FRACTION, noise_draws
+from pipatch._experiments.tracing import AUTO_SCALES, COLLAPSE_FRACTION, noise_draws
+from pipatch._model.models import adapter_for
 from tests.conftest import EIFFEL
 
 

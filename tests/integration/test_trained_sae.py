@@ -17,7 +17,7 @@ import torch
 
 import pipatch
 from pipatch._backends import backend_for
-from pipatch._cells import Base, Cell, Metric, Op
+from pipatch._model.cells import Base, Cell, Metric, Op
 from pipatch._programs import PatchRequest, capture, patch
 from tests._reference import record
 

@@ -2,7 +2,7 @@
 
 One vLLM engine for the whole module (in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 1 GiB KV cache, about 5 GB): it is the engine the magics and the CLI would load
-(:func:`pipatch._load.shared_model`), so the CLI test reuses it. The transformers model of
+(:func:`pipatch._backends._load.shared_model`), so the CLI test reuses it. The transformers model of
 ``conftest.py`` runs the same experiments; every vLLM number must equal its number within 1e-4
 (vLLM packs requests into one flat batch and uses its own kernels, so the last bits differ).
 
@@ -25,10 +25,10 @@ pytest.importorskip("vllm", reason="the vLLM backend needs pip install 'pipatch[
 
 import pipatch  # noqa: E402
 from pipatch import cli  # noqa: E402
-from pipatch._api import plan_patch  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
-from pipatch._load import _SHARED, shared_model  # noqa: E402
-from pipatch._models import PipatchError  # noqa: E402
+from pipatch._backends._load import _SHARED, shared_model  # noqa: E402
+from pipatch._experiments._api import plan_patch  # noqa: E402
+from pipatch._model.models import PipatchError  # noqa: E402
 from tests._equal import (  # noqa: E402
     ATOL,
     assert_close,
@@ -189,7 +189,8 @@ def test_the_tree_goes_by_reference_and_the_users_own_traces_are_nnsights(vllm_m
     """pipatch's invokes name the workers' own module tree (a persistent id) instead of
     pickling it; the tag is off again after each sweep, and a hand-written trace on the same
     model (the seed recipe's clean run) works as before."""
-    from pipatch import _models, _vllm_cpu_worker
+    from pipatch._backends import _vllm_cpu_worker
+    from pipatch._model import models as _models
 
     assert _vllm_cpu_worker.TREE_ID == _models.TREE_ID  # the CPU runner names it too (a server's)
     pipatch.patch(vllm_model, **PAIR, site="resid", positions=[-1])
@@ -433,7 +434,7 @@ def test_an_interrupt_keeps_the_rows_and_the_engine_keeps_working(vllm_model):
 
 def test_stop_keeps_the_rows_and_the_engine_runs_the_next_sweep(vllm_model):
     """The Stop button of a live grid (set from another thread, as a kernel subshell does)."""
-    from pipatch._live import PatchGrid, run_live
+    from pipatch._notebook.live import PatchGrid, run_live
 
     kwargs = {**PAIR, "site": "resid", "positions": [4, -1]}
     widget = PatchGrid()

@@ -111,7 +111,7 @@ def test_interrupting_a_vllm_sweep_in_a_kernel(kernel):
     # 1. The engine starts on the first cell and runs a small sweep.
     first = kernel.run(f"%%patch {FLAGS} --positions -1 -o small\n{PAIR_BODY}", timeout=900)
     assert first["error"] is None, first
-    check = kernel.run("import pipatch._load as m\n"
+    check = kernel.run("import pipatch._backends._load as m\n"
                        "engine = [v for k, v in m._SHARED.items() if k[-1] == 'vllm']\n"
                        "print(small.status, small.meta['backend'], len(engine))")
     assert check["stdout"].split() == ["done", "vllm", "1"], check
@@ -174,7 +174,7 @@ def test_a_split_engine_in_a_kernel_survives_an_interrupt_and_a_restart_leaves_n
         first = kernel.run(f"%%patch {flags} --positions -1 -o small\n{PAIR_BODY}", timeout=900)
         assert first["error"] is None, first
         ranks = kernel.run("from pipatch._backends import backend_for\n"
-                           "import pipatch._load as m\n"
+                           "import pipatch._backends._load as m\n"
                            "engine = [v for k, v in m._SHARED.items() if k[-1] == 'vllm'][0]\n"
                            "print(*[r['pid'] for r in backend_for(engine).rank_memory()])")
         workers = [int(pid) for pid in ranks["stdout"].split()]

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="the vLLM backend needs pip install 'pipatch[
 import pipatch  # noqa: E402
 from pipatch import cli  # noqa: E402
 from pipatch._backends import backend_for  # noqa: E402
-from pipatch._load import _SHARED, shared_model  # noqa: E402
+from pipatch._backends._load import _SHARED, shared_model  # noqa: E402
 from tests._equal import assert_close, assert_same, assert_same_click  # noqa: E402
 from tests.conftest import COLOSSEUM, EIFFEL, TWO_PAIRS  # noqa: E402
 

@@ -12,7 +12,7 @@ import re
 
 import pipatch._backends as backends_package
 from pipatch._backends._contract import CAPABILITIES, CORE, Backend
-from pipatch._registry import EXPERIMENTS
+from pipatch._experiments._registry import EXPERIMENTS
 
 
 def _tables(doc: str) -> list[list[str]]:

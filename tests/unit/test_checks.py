@@ -1,4 +1,4 @@
-"""The one whole-number / yes-no validator (pipatch._checks) and the parameters that use it."""
+"""The one whole-number / yes-no validator (pipatch._base.checks) and the parameters that use it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import pipatch
-from pipatch._checks import flag, whole_number
-from pipatch._models import PipatchError
+from pipatch._base.checks import flag, whole_number
+from pipatch._model.models import PipatchError
 
 # --------------------------------------------------------------------------------------------
 # whole_number
@@ -87,18 +87,18 @@ PACKAGE = pathlib.Path(pipatch.__file__).parent
 
 
 def test_the_checks_module_imports_only_the_error():
-    tree = ast.parse((PACKAGE / "_checks.py").read_text("utf-8"))
+    tree = ast.parse((PACKAGE / "_base" / "checks.py").read_text("utf-8"))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
-    assert imported == {"_models"}
+    assert imported == {"errors"}
 
 
 def test_no_module_checks_for_a_bool_by_hand():
-    """``isinstance(x, bool)`` guards (an int that is not a bool) belong in _checks alone.
+    """``isinstance(x, bool)`` guards (an int that is not a bool) belong in _base/checks.py alone.
 
     """
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "_checks.py":
+        if path == PACKAGE / "_base" / "checks.py":
             continue
         for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
             if "isinstance(" in line and "bool)" in line and ", int)" in line:
@@ -107,14 +107,14 @@ def test_no_module_checks_for_a_bool_by_hand():
 
 
 def test_serve_refuses_a_port_out_of_range(capsys):
-    from pipatch._serve import main
+    from pipatch._serving.serve import main
 
     assert main(["--port", "70000"]) == 2
     assert capsys.readouterr().err == "pipatch serve: error: --port 70000 is out of range: use 1..65535\n"
 
 
 def test_serve_hands_unknown_flags_and_their_values_to_the_engine():
-    from pipatch._serve import _split_engine_words, build_parser
+    from pipatch._serving.serve import _split_engine_words, build_parser
 
     parser = build_parser()
     ours, engine = _split_engine_words(parser, ["--api-key", "k", "--tensor-parallel-size", "2", "--port", "1"])
@@ -132,7 +132,7 @@ def test_serve_admits_one_skip_at_a_time_first_come_first_served():
     import asyncio
     import concurrent.futures
 
-    from pipatch._serve_guard import Rooms as _Rooms
+    from pipatch._serving.guard import Rooms as _Rooms
 
     async def scenario() -> list[list[str]]:
         rooms, entered, inside, seen = _Rooms(), [], {}, []

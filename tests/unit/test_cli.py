@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
-from pipatch import _api, _declare, _registry, cli
-from pipatch._models import PipatchError
-from pipatch._protocols import paths, tracing
-from pipatch._registry import EXPERIMENTS
+from pipatch import cli
+from pipatch._experiments import _api, _registry, paths, tracing
+from pipatch._experiments._registry import EXPERIMENTS
+from pipatch._model import declare as _declare
+from pipatch._model.models import PipatchError
 from tests.conftest import COLOSSEUM, EIFFEL
 
 # --------------------------------------------------------------------------------------------
@@ -111,9 +112,9 @@ def test_unknown_experiment_kind_lists_the_names():
 
 
 def test_the_progress_bar_counts_rows_and_closes_after_the_last(capsys):
-    """No model: rows as the engine reports them (:class:`pipatch._progress.StageBars`, the bar
+    """No model: rows as the engine reports them (:class:`pipatch._base.progress.StageBars`, the bar
     the CLI and the Python functions share); the engine never reports more than a stage holds."""
-    from pipatch._progress import StageBars
+    from pipatch._base.progress import StageBars
 
     bars = StageBars("attribute")
     for done in [0, 1, 2, 3]:

@@ -1,5 +1,5 @@
 """Third-party internals in one place per library, the version check, and no state on the
-user's objects (pipatch._compat, pipatch._known).
+user's objects (pipatch._compat, pipatch._base.known).
 
 No model is loaded but tiny random ones (tests/_tiny.py)."""
 
@@ -10,6 +10,7 @@ import importlib
 import io
 import pkgutil
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -85,6 +86,57 @@ def test_no_third_party_private_name_outside_the_compat_modules():
     assert not found, "use the function of pipatch/_compat/<library>.py instead:\n" + "\n".join(found)
 
 
+def _private_imports(path: Path, public: dict[str, tuple[str, ...]]) -> list[str]:
+    """The imports in ``path`` of a third-party library's internals: for a library with a compat
+    module (``public``: its ``PUBLIC_MODULES``), any module but those; for any library, a module
+    path or a name with a leading underscore. Lazy imports inside functions count too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            pairs = [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            pairs = [(alias.name, None) for alias in node.names]
+        else:
+            continue
+        for module, name in pairs:
+            library = module.split(".")[0]
+            if library in ("pipatch", "__future__") or library in sys.stdlib_module_names:
+                continue
+            parts = module.split(".") + ([name] if name else [])
+            internal = library in public and module not in public[library]
+            if internal or any(part.startswith("_") for part in parts):
+                found.append(f"{node.lineno}: {module}" + (f" import {name}" if name else ""))
+    return found
+
+
+def test_no_third_party_internal_module_is_imported_outside_the_compat_modules():
+    """Every module of pipatch (the compat modules apart) imports a library with a compat module
+    from its public modules only (``PUBLIC_MODULES``: ``nnsight``, ``nnsight.modeling.vllm``,
+    ``vllm``, ...), and no library's private module or name; the rest goes through a function
+    of ``pipatch/_compat/<library>.py``, where the name check above sees it."""
+    public = {library: tuple(module.PUBLIC_MODULES) for library, module in _compat_modules().items()}
+    assert {"nnsight", "vllm", "transformers", "anyio", "ipykernel"} <= set(public)
+    paths = [path for path in sorted(PACKAGE.rglob("*.py")) if COMPAT not in path.parents]
+    assert len(paths) > 100  # every module, not a sample
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in paths for line in _private_imports(path, public)]
+    assert not found, "import these through a function of pipatch/_compat/<library>.py:\n" + "\n".join(found)
+
+
+def test_the_import_scan_sees_an_internal_module(tmp_path):
+    path = tmp_path / "sample.py"
+    path.write_text("import nnsight\n"
+                    "from nnsight.modeling.vllm import VLLM\n"
+                    "def f():\n"
+                    "    from nnsight.schema.request import RequestModel\n"
+                    "    import vllm.v1.worker.cpu.shm\n"
+                    "    from matplotlib.figure import Figure\n"
+                    "    from matplotlib import _api\n"
+                    "    from json import _default_decoder\n")
+    public = {"nnsight": ("nnsight", "nnsight.modeling.vllm"), "vllm": ("vllm",)}
+    assert _private_imports(path, public) == ["4: nnsight.schema.request import RequestModel",
+                                              "5: vllm.v1.worker.cpu.shm", "7: matplotlib import _api"]
+
+
 def test_the_scan_sees_a_private_name(tmp_path):
     """The scanner above can fail: an attribute, a getattr string, an import and a keyword are found;
     a docstring or comment naming one is not a use."""
@@ -126,6 +178,42 @@ def test_a_range_is_tested_by_its_bounds():
 def test_the_installed_versions_are_the_tested_ones():
     """This environment is a tested one: loading a model here warns nothing."""
     assert compat.check_versions() == []
+
+
+def _probes(bound: str) -> list[str]:
+    """Versions at and around a tested bound: the bound, the releases beside it, and the
+    neighbouring minor releases (``"5.19"`` → 5.19.0, 5.19.99, 5.18.99, 5.20.0, ...)."""
+    major, minor, *patch = (int(part) for part in bound.split("."))
+    out = [f"{major}.{minor}.0", f"{major}.{minor}.99", f"{major}.{minor - 1}.99" if minor else f"{major - 1}.99.99",
+           f"{major}.{minor + 1}.0", f"{major + 1}.0.0"]
+    if patch:
+        out += [f"{major}.{minor}.{patch[0] - 1}" if patch[0] else out[2], bound, f"{major}.{minor}.{patch[0] + 1}"]
+    return out
+
+
+def test_the_dependency_pins_are_the_tested_versions():
+    """``pyproject.toml`` lets pip install no version :data:`pipatch._compat.TESTED` would warn
+    about: the dependencies pin each tested library to its tested range (``_pin``), an extra
+    to that range or a part of it (vLLM's CPU build needs transformers < 5.20)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text("utf-8"))["project"]
+    core = {r.name: r for r in map(Requirement, project["dependencies"])}
+    assert {"nnsight", "transformers"} <= set(core)
+    for name in set(core) & set(compat.TESTED):
+        assert core[name].specifier == SpecifierSet(compat._pin(name).removeprefix(name)), (name, str(core[name]))
+    for extra, requirements in project["optional-dependencies"].items():
+        for requirement in map(Requirement, requirements):
+            if requirement.name not in compat.TESTED:
+                continue
+            probes = {v for bound in compat.TESTED[requirement.name] for v in _probes(bound)}
+            admitted = sorted(v for v in probes if requirement.specifier.contains(v))
+            assert admitted, f"[{extra}] {requirement} admits no tested version"
+            untested = [v for v in admitted if not compat._is_tested(requirement.name, v)]
+            assert not untested, f"[{extra}] {requirement} admits untested {requirement.name} {untested}"
 
 
 def test_the_worker_class_is_restored_after_the_build():

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 
 import pipatch
-from pipatch import _declare
-from pipatch._models import PipatchError
+from pipatch._model import declare as _declare
+from pipatch._model.models import PipatchError
 
 
 def test_registering_refuses_a_taken_name_unless_replacing(toy):
@@ -35,7 +35,7 @@ def test_the_docstring_and_signature_teach_every_parameter():
 def test_a_pair_or_one_prompt_reaches_every_front_end():
     """feature_circuit takes a pair or one prompt (PromptForm.alternative): the signature, the
     CLI's flags, a magic's body and the keywords bound all offer either, one form at a time."""
-    from pipatch._registry import EXPERIMENTS
+    from pipatch._experiments._registry import EXPERIMENTS
     from pipatch.cli import build_parser
 
     entry = EXPERIMENTS["feature_circuit"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pipatch
 from pipatch import cli
-from pipatch._registry import EXPERIMENTS
+from pipatch._experiments._registry import EXPERIMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipatch._engine import auto_batch_size, batch_size_for_memory, check_batch_size
-from pipatch._models import PipatchError
+from pipatch._model.models import PipatchError
 
 GB = 10**9
 # Gemma 3 270M: 18 layers, d_model 640, 4 query heads, vocabulary 262144, float32.

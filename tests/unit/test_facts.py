@@ -15,8 +15,8 @@ import json
 import pytest
 
 import pipatch
-from pipatch._registry import experiment
-from pipatch._study._facts import read_facts
+from pipatch._experiments._registry import experiment
+from pipatch._studies._facts import read_facts
 
 KNOWN_1000 = pipatch.known_facts()
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pipatch._features._circuit import faithfulness_rows
-from pipatch._protocols._feature_checks import curve_sizes
+from pipatch._experiments._feature_checks import curve_sizes
+from pipatch._results.feature_circuit import faithfulness_rows
 
 
 def test_sizes_run_from_one_to_every_node_with_the_circuits_own():

@@ -1,4 +1,4 @@
-"""The pure parts of feature patching (:mod:`pipatch._features._screen`): the chain rule
+"""The pure parts of feature patching (:mod:`pipatch._experiments._feature_screen`): the chain rule
 through an SAE's decoder, the choice of cells to patch, and the check of latent ids. No model."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipatch import PipatchError
-from pipatch._features._hooks import Hook
-from pipatch._features._sae import SAE
-from pipatch._features._screen import cell_scores, check_latents, latent_gradient, rows_of, top_cells
-from pipatch._features._site import latent_site
+from pipatch._experiments._feature_screen import cell_scores, check_latents, latent_gradient, rows_of, top_cells
+from pipatch._model.features.hooks import Hook
+from pipatch._model.features.sae import SAE
+from pipatch._model.features.site import latent_site
 
 
 def toy_site():

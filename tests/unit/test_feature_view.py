@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._errors import PipatchError
-from pipatch._features._circuit import VIEW_NODES_MAX, FeatureCircuitResult
-from pipatch._views import conform_state
+from pipatch._base.errors import PipatchError
+from pipatch._results.feature_circuit import VIEW_NODES_MAX, FeatureCircuitResult
+from pipatch._results.views import conform_state
 
 SITES = ["L0 resid_post", "L1 resid_post"]
 

@@ -9,12 +9,12 @@ import json
 import torch
 
 import pipatch
-from pipatch._features._contexts import shown_tokens, window
-from pipatch._features._result import NOTE_CONTEXTS, LatentsResult
-from pipatch._features._screen import ERROR, FeaturePatchResult
-from pipatch._result import Result
-from pipatch._views import mime_document
-from pipatch._widget import GridWidget
+from pipatch._experiments._feature_contexts import shown_tokens, window
+from pipatch._experiments._feature_screen import ERROR, FeaturePatchResult
+from pipatch._notebook.widget import GridWidget
+from pipatch._results.features import NOTE_CONTEXTS, LatentsResult
+from pipatch._results.result import Result
+from pipatch._results.views import mime_document
 
 SITE = "L1 resid_post"
 HOSTILE = "<img src=x onerror=window.__pwned=1> lone\ud800"

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._result import Result
-from pipatch._views import MIME_TYPE, figure, mime_document, png
-from pipatch._views.colors import DIVERGING, RANK, SEQUENTIAL, SEQUENTIAL_STOPS, scale_kind, scale_rgb, strength
-from pipatch._views.render import SUBJECT_RGB, color_scale
+from pipatch._results.result import Result
+from pipatch._results.views import MIME_TYPE, figure, mime_document, png
+from pipatch._results.views.colors import DIVERGING, RANK, SEQUENTIAL, SEQUENTIAL_STOPS, scale_kind, scale_rgb, strength
+from pipatch._results.views.render import SUBJECT_RGB, color_scale
 
 torch.set_num_threads(1)
 

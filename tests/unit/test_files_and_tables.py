@@ -13,7 +13,7 @@ import torch
 
 import pipatch
 from pipatch import PipatchError
-from pipatch._result import Result, load_result
+from pipatch._results.result import Result, load_result
 from tests._contract import example_circuit, example_result
 from tests.unit.test_feature_views import feature_result
 
@@ -86,8 +86,8 @@ def test_to_json_returns_the_document_or_writes_it_to_a_path(tmp_path):
 
 
 def test_a_comparison_and_a_circuit_save_to_either_format_and_load_as_themselves(tmp_path):
-    from pipatch._circuit_result import CircuitResult
-    from pipatch._compare import Comparison
+    from pipatch._results.circuit import CircuitResult
+    from pipatch._results.compare import Comparison
 
     compared = pipatch.compare(example_result(), example_result(flip=True))
     circuit = example_circuit()
@@ -223,9 +223,9 @@ def test_the_repr_names_only_what_the_result_has():
 
 
 def _store(tmp_path):
-    from pipatch._registry import experiment
-    from pipatch._study._facts import read_facts
-    from pipatch._study._store import Store
+    from pipatch._experiments._registry import experiment
+    from pipatch._studies._facts import read_facts
+    from pipatch._studies._store import Store
 
     records = [{"prompt": "The Eiffel Tower is in", "subject": "Eiffel Tower", "attribute": "Paris",
                 "relation_id": "P36", "known_id": 7},
@@ -280,8 +280,8 @@ def test_a_fact_without_a_result_says_why_in_one_line(tmp_path):
 def test_limit_stops_once_that_many_facts_have_a_result(width, together):
     """``_each_fact`` with a run that knows every third fact: it reads facts until ``limit``
     have a result, runs no fact past that, and says how many records it read."""
-    from pipatch._study._facts import Fact
-    from pipatch._study._run import _each_fact
+    from pipatch._studies._facts import Fact
+    from pipatch._studies._run import _each_fact
 
     records = [Fact(index=i, id=None, relation=None) for i in range(20)]
     ran: list[int] = []

@@ -1,7 +1,7 @@
-"""A circuit's graph lives in one module (``pipatch/_graph.py``): its nodes are typed by site,
+"""A circuit's graph lives in one module (``pipatch/_model/graph.py``): its nodes are typed by site,
 its indices are the ones the hand formulas gave, and no other module compares node kinds.
 
-* **The grep test.** No module of ``pipatch/`` but ``_graph.py`` and ``_sites.py`` compares a
+* **The grep test.** No module of ``pipatch/`` but ``_model/graph.py`` and ``_model/sites.py`` compares a
   circuit node-kind string (``"emb"``, ``"head_out"``, ``"mlp_out"``, ``"qkv"``,
   ``"mlp_in"``, ``"logits"``): read with :mod:`ast`, so prose and the code templates of
   ``Result.code()`` (string literals) are never read as code. Flagged: such a literal (alone or
@@ -9,15 +9,15 @@ its indices are the ones the hand formulas gave, and no other module compares no
   after ``case``; as a key of a dict literal (a kind map); as a subscript (a lookup by kind);
   as the key of ``.get`` / ``.index`` / ``.count`` / ``.pop`` / ``.setdefault`` /
   ``.startswith`` / ``.endswith``. The one spelling shared with something else: ``qkv`` is an
-  :class:`~pipatch._models.Adapter` field too (the q/k/v projection modules), so a dict of
+  :class:`~pipatch._model.models.Adapter` field too (the q/k/v projection modules), so a dict of
   adapter fields may have it as a key.
-* **Indices.** Every index :class:`pipatch._graph.Graph` gives equals the formula the backends
+* **Indices.** Every index :class:`pipatch._model.graph.Graph` gives equals the formula the backends
   computed by hand before (``per_layer = 3 * H + 1``, ``sender = 1 + layer * (H + 1)``, ...),
   the valid-edge mask equals the old string-kind loop, and the stacked writes and gradients
   the old orderings.
-* **Names and files.** Node names are what they were; :func:`pipatch._graph.named` reads them
+* **Names and files.** Node names are what they were; :func:`pipatch._model.graph.named` reads them
   back; a circuit's file written as a plain result (as pipatch wrote them before
-  :class:`~pipatch._circuit_result.CircuitResult`) loads as one, drawn the same.
+  :class:`~pipatch._results.circuit.CircuitResult`) loads as one, drawn the same.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipatch._graph import LOGITS_NAME, Graph, Node, graph, named
-from pipatch._models import Adapter, PipatchError
-from pipatch._sites import EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV
+from pipatch._model.graph import LOGITS_NAME, Graph, Node, graph, named
+from pipatch._model.models import Adapter, PipatchError
+from pipatch._model.sites import EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipatch"
-ALLOWED = {PACKAGE / "_graph.py", PACKAGE / "_sites.py"}
+ALLOWED = {PACKAGE / "_model" / "graph.py", PACKAGE / "_model" / "sites.py"}
 
-#: The circuit node kinds of the string-typed graph that ``_graph.py`` replaced.
+#: The circuit node kinds of the string-typed graph that ``_model/graph.py`` replaced.
 KINDS = ("emb", "head_out", "mlp_out", "qkv", "mlp_in", "logits")
 _KEY_METHODS = ("get", "index", "count", "pop", "setdefault", "startswith", "endswith")
 #: Keys that are an adapter's field names before they are node kinds (``{**fields, "qkv": ...}``).
@@ -79,10 +79,10 @@ def kind_comparisons(source: str) -> list[tuple[int, str]]:
 
 def test_no_module_but_the_graph_and_the_sites_compares_a_node_kind():
     files = sorted(path for path in PACKAGE.rglob("*.py") if path not in ALLOWED)
-    assert PACKAGE / "_protocols" / "circuits.py" in files and PACKAGE / "_views" / "circuit.py" in files
+    assert PACKAGE / "_experiments" / "circuits.py" in files and PACKAGE / "_results" / "views" / "circuit.py" in files
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: a node kind {what}"
              for path in files for line, what in kind_comparisons(path.read_text(encoding="utf-8"))]
-    assert not found, "node kinds are sites (node.site is HEAD), read from pipatch/_graph.py:\n" + "\n".join(found)
+    assert not found, "node kinds are sites (node.site is HEAD), read from pipatch/_model/graph.py:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("source", [
@@ -121,7 +121,7 @@ SHAPES = [(1, 1, False), (2, 2, False), (3, 4, True), (5, 3, False), (18, 4, Fal
 
 
 def _old_graph(L: int, H: int, parallel: bool):
-    """``pipatch._protocols.circuits.graph`` as it was: names, string kinds, the double loop."""
+    """``pipatch._experiments.circuits.graph`` as it was: names, string kinds, the double loop."""
     senders = [("emb", "emb", -1, None, None)]
     receivers = []
     for layer in range(L):
@@ -233,8 +233,8 @@ def test_names_of_no_graph_are_refused_in_one_line(senders, receivers):
 def test_a_circuit_file_written_as_a_plain_result_loads_as_a_circuit_drawn_the_same(tmp_path):
     """Files from before :class:`CircuitResult` held a plain result of kind ``circuit``: the
     same header and tensors. Read back (safetensors and JSON), each is a circuit again."""
-    from pipatch._circuit_result import CircuitResult
-    from pipatch._result import Result, load_result
+    from pipatch._results.circuit import CircuitResult
+    from pipatch._results.result import Result, load_result
     from tests._contract import example_circuit
 
     circuit = example_circuit()

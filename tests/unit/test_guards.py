@@ -15,16 +15,16 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._circuit_result import LOW_AGREEMENT, low_agreement_advice
-from pipatch._errors import PipatchWarning
-from pipatch._protocols._circuit_budget import curve_points, estimate_line, grid_sizes
-from pipatch._protocols._inputs import answer_ids
-from pipatch._protocols.circuits import _Curve
-from pipatch._result import Result
-from pipatch._scales import mixed_scales
-from pipatch._study._facts import Fact
-from pipatch._study._read import Study
-from pipatch._study._store import Store
+from pipatch._base.errors import PipatchWarning
+from pipatch._base.scales import mixed_scales
+from pipatch._experiments._circuit_budget import curve_points, estimate_line, grid_sizes
+from pipatch._experiments._inputs import answer_ids
+from pipatch._experiments.circuits import _Curve
+from pipatch._results.circuit import LOW_AGREEMENT, low_agreement_advice
+from pipatch._results.result import Result
+from pipatch._studies._facts import Fact
+from pipatch._studies._read import Study
+from pipatch._studies._store import Store
 
 
 def _trace(scale: float, shift: float = 0.0) -> Result:
@@ -93,7 +93,7 @@ def test_a_studys_averages_warn_where_its_facts_mix_scales(tmp_path):
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from pipatch._models import _embedded_default_dir
+    from pipatch._model.models import _embedded_default_dir
 
     return types.SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(_embedded_default_dir())))
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipatch._result import Result
-from pipatch._views import MIME_TYPE, clean_text, escape_label, mime_bundle, mime_document
-from pipatch._widget import GridWidget
+from pipatch._notebook.widget import GridWidget
+from pipatch._results.result import Result
+from pipatch._results.views import MIME_TYPE, clean_text, escape_label, mime_bundle, mime_document
 
 torch.set_num_threads(1)
 
@@ -188,7 +188,7 @@ def test_save_of_a_hostile_result_round_trips(tmp_path, nan_clean: bool) -> None
     """``save`` goes through the one sanitiser: a lone surrogate anywhere (labels, message,
     warnings, meta, a meta key) used to raise UnicodeEncodeError inside safetensors."""
     from pipatch import load_result
-    from pipatch._views import json_safe
+    from pipatch._results.views import json_safe
 
     r = _result(HOSTILE, nan_clean=nan_clean)
     r.meta["notes"] = {"key\ud800": ["value\udfff", float("nan"), 1.5]}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import pipatch
-from pipatch._features._labels import LABELS_FILE, labels_next_to
+from pipatch._model.features.labels import LABELS_FILE, labels_next_to
 
 NEURONPEDIA = [
     {"modelId": "gemma-3-270m", "layer": "6-res-16k", "index": "12", "description": " the Eiffel Tower",

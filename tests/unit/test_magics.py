@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from pipatch._registry import EXPERIMENTS
+from pipatch._experiments._registry import EXPERIMENTS
 
 
 def test_import_alone_registers_no_magic():

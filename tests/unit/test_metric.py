@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipatch._cells import Metric
+from pipatch._model.cells import Metric
 
 # --------------------------------------------------------------------------------------------
 # The metric itself

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipatch._protocols.dataset import named_groups
+from pipatch._experiments.dataset import named_groups
 
 NAMES = ["before", "first subject", "middle subject", "last subject", "first after", "further", "last"]
 

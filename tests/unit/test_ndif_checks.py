@@ -15,7 +15,7 @@ import pytest
 
 import pipatch
 from pipatch._backends.ndif import version_drift
-from pipatch._models import PipatchError
+from pipatch._model.models import PipatchError
 
 
 def one_line(error: pytest.ExceptionInfo) -> str:

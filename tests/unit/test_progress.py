@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 
-from pipatch import _threads
-from pipatch._errors import PipatchWarning
-from pipatch._progress import StageBars
+from pipatch._base import threads as _threads
+from pipatch._base.errors import PipatchWarning
+from pipatch._base.progress import StageBars
 
 
 def _lines(err: str) -> list[str]:

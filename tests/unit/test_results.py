@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from pipatch._result import Result
+from pipatch._results.result import Result
 
 
 def _small(**overrides) -> Result:

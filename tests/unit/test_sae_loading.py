@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import pipatch
-from pipatch._features._hooks import Hook, locate
-from pipatch._features._sae import from_release, read_folder
-from pipatch._models import Adapter
+from pipatch._model.features.hooks import Hook, locate
+from pipatch._model.features.sae import from_release, read_folder
+from pipatch._model.models import Adapter
 from tests._saes import D_SAE, KINDS, random_weights, save_gemma_scope, save_saelens
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from pipatch._backends.transformers import ROW_TOKENS, _layout
-from pipatch._cells import Base, Cell, Op
 from pipatch._engine import TRACE_COST, batches
-from pipatch._sites import SITES
+from pipatch._model.cells import Base, Cell, Op
+from pipatch._model.sites import SITES
 
 
 def padding(starts, lengths):
@@ -51,8 +51,8 @@ def test_a_write_where_the_two_runs_agree_is_a_noop_to_the_last_bit_or_not():
     so its states there are the base run's (to rounding: runs batched differently differ in
     the last bits, which the exact check would call a change); a write only there is a no-op.
     A write reaching that position or past it is checked against the base run's value."""
-    from pipatch._cells import Capture
     from pipatch._engine._sweeps import _is_noop
+    from pipatch._model.cells import Capture
 
     state = torch.zeros(1, 6, 4)
     capture = Capture(blocks=[state], sites={"resid": [state]}, metric=torch.zeros(1), embedded=state,

@@ -15,9 +15,8 @@ import json
 
 import pytest
 
-from pipatch._errors import PipatchError
-from pipatch._serve import main as serve_main
-from pipatch._serve_guard import (
+from pipatch._base.errors import PipatchError
+from pipatch._serving.guard import (
     KEY_ENV,
     MAX_INVOKES,
     MAX_REQUEST_BYTES,
@@ -35,6 +34,7 @@ from pipatch._serve_guard import (
     read_keys,
     server_keys,
 )
+from pipatch._serving.serve import main as serve_main
 
 # --------------------------------------------------------------------------------------------
 # Key files and where keys come from

@@ -27,10 +27,10 @@ from pipatch._backends._vllm_worker import (
     lens_request,
     patch_request,
 )
-from pipatch._cells import Metric, Op
-from pipatch._models import Adapter, PipatchError
+from pipatch._model.cells import Metric, Op
+from pipatch._model.models import Adapter, PipatchError
+from pipatch._model.sites import EMBED, HEAD, MLP, RESID, Site, projection
 from pipatch._programs.circuit import Baselines
-from pipatch._sites import EMBED, HEAD, MLP, RESID, Site, projection
 from tests._program_requests import BAD_REQUESTS, good_request
 
 ADAPTER = Adapter(family="gemma3_text", embed="model.embed_tokens", blocks="model.layers", attn="self_attn", mlp="mlp",
@@ -154,9 +154,9 @@ def test_another_version_is_one_line_naming_both_at_connect():
 
 def _latent_site(kind: str = "jumprelu", n: int = 48):
     """A random SAE (or skip transcoder) of layer 2 of the hand-made model, bound to it."""
-    from pipatch._features._hooks import locate
-    from pipatch._features._sae import SAE
-    from pipatch._features._site import latent_site
+    from pipatch._model.features.hooks import locate
+    from pipatch._model.features.sae import SAE
+    from pipatch._model.features.site import latent_site
 
     d = ADAPTER.d_model
     transcoder = kind == "transcoder"
@@ -175,7 +175,7 @@ def test_a_latent_site_arrives_as_the_same_sae(kind):
     """An SAE's latent and error sites travel as data (description and tensors) and are rebuilt
     on the server with pipatch's classes: the same name, place and math; a second request
     naming the same SAE gets the site built for the first (kept by its content's hash)."""
-    from pipatch._features._site import ErrorSite, InOut, LatentSite
+    from pipatch._model.features.site import ErrorSite, InOut, LatentSite
 
     site = _latent_site(kind)
     ops = [Op(site, 2, site.cell(3, [1, 2]), torch.randn(1, 1, 2)),
@@ -200,9 +200,9 @@ def test_a_latent_site_arrives_as_the_same_sae(kind):
 
 def test_an_saes_latents_and_error_side_by_side_arrive_as_one_site():
     """A feature circuit's faithfulness curve writes an SAE's latents and error as one site
-    (:class:`~pipatch._features._site.NodeValues`): it travels as the SAE's description with
+    (:class:`~pipatch._model.features.site.NodeValues`): it travels as the SAE's description with
     ``part`` ``"nodes"`` and is rebuilt as that site, with the same math."""
-    from pipatch._features._site import NodeValues
+    from pipatch._model.features.site import NodeValues
 
     site = _latent_site()
     nodes = site.nodes_site
@@ -261,7 +261,7 @@ def test_a_request_over_the_servers_limits_names_the_flag():
     """Invokes and prompt tokens over the server's limits are refused (413: OverLimit) before
     the request's own checks, naming the flag; within them the request decodes."""
     from pipatch._backends._served_programs import OverLimit
-    from pipatch._serve_guard import Limits
+    from pipatch._serving.guard import Limits
 
     bounds = dataclasses.replace(BOUNDS, limits=Limits(request_bytes=10**6, invokes=2, prompt_tokens=5))
     job = (IDS[:5], (ADAPTER, METRIC, [], False, None))
@@ -277,7 +277,7 @@ def test_a_prompt_over_the_context_names_the_limit_only_where_the_limit_is_below
     """A prompt longer than the context: 413 naming --max-prompt-tokens where the server's limit
     is below the context (raising it helps up to the context), 400 where it is not."""
     from pipatch._backends._served_programs import OverLimit
-    from pipatch._serve_guard import Limits
+    from pipatch._serving.guard import Limits
 
     long_job = (list(range(1, 101)), (ADAPTER, METRIC, [], False, None))  # 100 tokens; the context is 64
     below = dataclasses.replace(BOUNDS, limits=Limits(request_bytes=10**6, invokes=2, prompt_tokens=5))

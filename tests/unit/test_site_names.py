@@ -1,7 +1,7 @@
-"""Sites own their semantics: no module but ``pipatch/_sites.py`` compares site names.
+"""Sites own their semantics: no module but ``pipatch/_model/sites.py`` compares site names.
 
 What a site *is* (its module, its column axis, where a run that writes it starts, how an index
-into it reads) lives on :class:`pipatch._sites.Site`. Code elsewhere that asks ``site ==
+into it reads) lives on :class:`pipatch._model.sites.Site`. Code elsewhere that asks ``site ==
 "head"`` or ``site.where == "block"`` re-decides it, and a new site (an attention pattern) then
 silently takes the wrong branch. This test greps every other module for such comparisons and
 fails listing ``file:line`` of each.
@@ -16,7 +16,7 @@ split over lines still does. What it flags:
   ``not in`` test (``site in ("resid", "mlp")``, ``"head" in kinds``);
 * ``.where`` / ``.holder`` (which module holds a site) compared to anything;
 * a site's ``.name`` compared to anything (``view == HEAD.name``, ``op.site.name != x``);
-* a lookup in the table of sites by hand (``name in SITES``) instead of :func:`pipatch._sites.site`.
+* a lookup in the table of sites by hand (``name in SITES``) instead of :func:`pipatch._model.sites.site`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def site_comparisons(source: str) -> list[tuple[int, str]]:
 
 
 def _scanned() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(ROOT).as_posix() != "pipatch/_sites.py")
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(ROOT).as_posix() != "pipatch/_model/sites.py")
 
 
 def _hits(paths: list[Path]) -> list[str]:
@@ -111,8 +111,8 @@ def _hits(paths: list[Path]) -> list[str]:
 
 def test_no_module_but_sites_compares_site_names():
     hits = _hits(_scanned())
-    assert not hits, ("site names compared outside pipatch/_sites.py; ask the Site instead "
-                      "(pipatch._sites: site(name), axis_of(name), Site.per_head, .start_layer, ...):\n"
+    assert not hits, ("site names compared outside pipatch/_model/sites.py; ask the Site instead "
+                      "(pipatch._model.sites: site(name), axis_of(name), Site.per_head, .start_layer, ...):\n"
                       + "\n".join(hits))
 
 
@@ -182,15 +182,15 @@ def test_the_grep_reports_the_line_of_the_comparison():
 #: grep must find there (each one this change removed).
 BEFORE = "e3448c8"
 BEFORE_HITS = {
-    "pipatch/_code.py": [480, 482],
-    "pipatch/_result.py": [207],
-    "pipatch/_protocols/paths.py": [120, 126, 186, 221, 224, 226, 230, 244],
-    "pipatch/_protocols/attribution.py": [93],
+    "pipatch/_results/code.py": [480, 482],
+    "pipatch/_results/result.py": [207],
+    "pipatch/_experiments/paths.py": [120, 126, 186, 221, 224, 226, 230, 244],
+    "pipatch/_experiments/attribution.py": [93],
     "pipatch/_engine.py": [148, 157],
     "pipatch/_backends/transformers.py": [440],
     "pipatch/_backends/vllm.py": [266, 269],
-    "pipatch/_models.py": [381],
-    "pipatch/_registry.py": [110],
+    "pipatch/_model/models.py": [381],
+    "pipatch/_experiments/_registry.py": [110],
 }
 
 

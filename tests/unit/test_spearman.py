@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipatch._protocols.attribution import spearman
+from pipatch._experiments.attribution import spearman
 
 
 def test_spearman_handles_ties():

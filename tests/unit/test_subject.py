@@ -1,12 +1,12 @@
 """Where the subject is: a subject whose text occurs twice is refused in one line naming both
-occurrences, and ``occurrence=`` picks one (pipatch._protocols._inputs.subject_positions)."""
+occurrences, and ``occurrence=`` picks one (pipatch._experiments._inputs.subject_positions)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipatch._models import PipatchError
-from pipatch._protocols._inputs import subject_positions
+from pipatch._experiments._inputs import subject_positions
+from pipatch._model.models import PipatchError
 
 PROMPT = "Paris is in France, and Paris is a city"
 WORDS = ["Paris", " is", " in", " France", ",", " and", " Paris", " is", " a", " city"]

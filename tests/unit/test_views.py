@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipatch._result import Result
-from pipatch._views import (
+from pipatch._results.result import Result
+from pipatch._results.views import (
     ARRAY_DTYPE,
     ARRAY_SCHEMA,
     DIVERGING_STOPS,
@@ -36,8 +36,8 @@ from pipatch._views import (
     png,
     text_grid,
 )
-from pipatch._views.schema import CIRCUIT_SCHEMA, DOCUMENT_SCHEMA, FEATURE_GRAPH_SCHEMA, UI_SCHEMA
-from pipatch._views.strings import is_escaped
+from pipatch._results.views.schema import CIRCUIT_SCHEMA, DOCUMENT_SCHEMA, FEATURE_GRAPH_SCHEMA, UI_SCHEMA
+from pipatch._results.views.strings import is_escaped
 
 REPO = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
@@ -120,7 +120,7 @@ def test_a_results_state_follows_the_schema():
 
 
 def test_widget_traits_are_the_schema_and_the_document_is_the_state():
-    from pipatch._widget import GridWidget
+    from pipatch._notebook.widget import GridWidget
 
     w = GridWidget(_hot_cold())
     synced = {name for name in w.trait_names(sync=True) if not name.startswith("_")}
@@ -295,7 +295,7 @@ def test_rows_that_run_from_the_last_layer_up_are_a_finished_band_at_the_bottom(
     assert lines[2].count("·") == 5 and lines[3].count("·") == 5 and "·" not in lines[4] + lines[5]
     assert "layer   0" not in text_grid(state)  # the top cells are finished cells only
     # Saved (safetensors, JSON) and read back, the order holds.
-    from pipatch._result import load_result
+    from pipatch._results.result import load_result
 
     (tmp_path / "r.json").write_text(json.dumps(r.to_json()))
     for again in (load_result(r.save(tmp_path / "r.safetensors")), load_result(tmp_path / "r.json")):
@@ -342,7 +342,7 @@ def _circuit():
 
 
 def test_a_circuits_state_carries_its_graph_and_any_other_result_none():
-    from pipatch._views import conform_state
+    from pipatch._results.views import conform_state
 
     r = _circuit()
     state = r.to_state()
@@ -386,7 +386,7 @@ def test_a_circuits_state_carries_its_graph_and_any_other_result_none():
 
 
 def test_a_circuits_graph_exports_as_json_ranked_as_its_edge_table():
-    from pipatch._models import PipatchError
+    from pipatch._model.models import PipatchError
 
     r = _circuit()
     graph = r.graph()
@@ -457,7 +457,7 @@ def test_a_circuit_is_drawn_as_its_graph_in_the_figure_the_png_and_the_bundle(tm
     assert len(_edge_patches(fig2)) == 3 and len([a for a in fig2.axes if a.get_lines()]) == 0
     plt.close(fig2)
     # Read back from its file, it is the same graph.
-    from pipatch._result import load_result
+    from pipatch._results.result import load_result
 
     again = load_result(r.save(tmp_path / "c.safetensors"))
     assert again.to_state()["circuit"] == state["circuit"] and again.graph() == r.graph()

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from ipywidgets.widgets.widget import _remove_buffers
 
-import pipatch._widget
-from pipatch._views import MIME_TYPE, STATE_KEYS, escape_label, mime_bundle, mime_document
-from pipatch._widget import GridWidget
+import pipatch._notebook.widget
+from pipatch._notebook.widget import GridWidget
+from pipatch._results.views import MIME_TYPE, STATE_KEYS, escape_label, mime_bundle, mime_document
 
 
 def fake_state(
@@ -239,7 +239,7 @@ def test_display_final_adds_the_saved_copy_and_keeps_the_widget():
 def test_display_final_without_keep_replaces_the_widget_output_and_closes_it():
     """What a headless run (nbclient: no view ever pinged) leaves: the copy in the widget's place."""
     w = GridWidget.from_state(fake_state())
-    assert not w.has_frontend() or pipatch._widget._FRONTEND_SEEN.is_set()
+    assert not w.has_frontend() or pipatch._notebook.widget._FRONTEND_SEEN.is_set()
     calls = []
 
     class Handle:
@@ -258,7 +258,7 @@ def test_a_view_that_pings_hears_back():
     sent = []
     w.send = sent.append  # record what would go to the browser
     other = GridWidget.from_state(fake_state())
-    pipatch._widget._FRONTEND_SEEN.clear()
+    pipatch._notebook.widget._FRONTEND_SEEN.clear()
     assert not w.has_frontend() and not other.has_frontend()
     w._on_custom_msg(w, {"type": "something else"}, [])
     w._on_custom_msg(w, "not a dict", [])
@@ -267,11 +267,11 @@ def test_a_view_that_pings_hears_back():
     assert sent == [{"type": "pong"}]
     # A front end draws grids in this kernel: later grids keep their live view too.
     assert w.has_frontend() and other.has_frontend()
-    pipatch._widget._FRONTEND_SEEN.clear()
+    pipatch._notebook.widget._FRONTEND_SEEN.clear()
 
 
 def test_run_grids_beyond_the_limit_are_closed_oldest_first(monkeypatch):
-    from pipatch import _live
+    from pipatch._notebook import live as _live
 
     monkeypatch.setattr(_live, "LIVE_GRIDS", 2)
     monkeypatch.setattr(_live, "_OPEN", _live.deque())
@@ -304,27 +304,27 @@ def test_escape_label_truncates():
 def test_the_widget_module_imports_no_pipatch_module_but_the_views():
     """The view imports nothing that imports it: no _live, _registry, _api, ... even inside functions.
     (Its one other import is ipykernel's compat module, which imports nothing of pipatch's.)"""
-    tree = ast.parse(pathlib.Path(pipatch._widget.__file__).read_text("utf-8"))
+    tree = ast.parse(pathlib.Path(pipatch._notebook.widget.__file__).read_text("utf-8"))
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("pipatch")):
             imported.add(node.module or "")
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names if a.name.startswith("pipatch"))
-    assert imported <= {"_views", "_compat.ipykernel"}, imported
+    assert imported <= {"_results.views", "_compat.ipykernel"}, imported
     # ``import pipatch`` itself loads the registry (its functions derive from it); the widget adds no
     # pipatch module beyond the views, and never the running side (_live, _magics).
-    code = ("import sys, pipatch; before = set(sys.modules); import pipatch._widget as w; w.GridWidget(); "
+    code = ("import sys, pipatch; before = set(sys.modules); import pipatch._notebook.widget as w; w.GridWidget(); "
             "added = {m for m in set(sys.modules) - before if m.startswith('pipatch.')}; "
-            "assert added <= {'pipatch._widget', 'pipatch._compat.ipykernel'} | "
-            "{m for m in added if m.startswith('pipatch._views')}, added; "
-            "assert not {'pipatch._live', 'pipatch._magics'} & set(sys.modules)")
+            "assert added <= {'pipatch._notebook', 'pipatch._notebook.widget', 'pipatch._compat.ipykernel'} | "
+            "{m for m in added if m.startswith('pipatch._results.views')}, added; "
+            "assert not {'pipatch._notebook.live', 'pipatch._magics'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_the_public_patchgrid_is_the_view_plus_running():
     import pipatch
-    from pipatch._live import PatchGrid
+    from pipatch._notebook.live import PatchGrid
 
     assert pipatch.PatchGrid is PatchGrid and issubclass(PatchGrid, GridWidget)
     assert not hasattr(GridWidget, "run") and callable(PatchGrid.run)
