@@ -18,6 +18,28 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(_SHARE)
     torch.set_num_threads(_SHARE)
 
+# PIPATCH_TEST_THREADS=n: torch on n threads in every test, with or without workers (another
+# float32 summation order: a cheap stand-in for another machine's rounding). It overrides the
+# share above and the modules that pick one thread when imported (test_views, test_hostile...);
+# a test that sets its own thread count still does (tests/integration/test_progress.py).
+_TEST_THREADS = int(os.environ.get("PIPATCH_TEST_THREADS") or 0)
+if _TEST_THREADS:
+    os.environ["OMP_NUM_THREADS"] = str(_TEST_THREADS)
+    torch.set_num_threads(_TEST_THREADS)
+
+
+def pytest_collection_finish(session):
+    """Under PIPATCH_TEST_THREADS, after every test module has been imported: that many threads."""
+    if _TEST_THREADS:
+        torch.set_num_threads(_TEST_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _test_threads():
+    """Under PIPATCH_TEST_THREADS, each test starts on that many torch threads."""
+    if _TEST_THREADS and torch.get_num_threads() != _TEST_THREADS:
+        torch.set_num_threads(_TEST_THREADS)
+
 # Under PIPATCH_REQUIRE_VLLM=1 (make test-vllm) a skip fails the run: see tests/_require.py.
 # The toy experiment's fixtures (toy_dir, toy) serve the unit and the integration tests alike.
 pytest_plugins = ["tests._require", "tests._toy_experiment"]

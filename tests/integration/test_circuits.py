@@ -240,11 +240,19 @@ def test_a_mean_ablated_curve_starts_at_the_means_recovery():
     nothing = [reference_mean_ablated(model, prompts=texts, clean=p["clean"], answer=p["answer"], foil=p["foil"],
                                       emb_edge=False) for p in (PAIR, PAIR2)]
     clean, corrupt = sum(result.meta["clean_runs"]) / 2, sum(result.meta["corrupt_runs"]) / 2
-    assert f["recovery"][0] == pytest.approx((sum(nothing) / 2 - corrupt) / (clean - corrupt), abs=1e-4)
-    assert f["recovery"][-1] == pytest.approx(1.0, abs=1e-3)
+    # Derived (tests/_tolerance.py): the baselines are the result's own; the runs' metrics are
+    # the hook reference's within 1e-4 (test_mean_ablation_reads_the_datasets_mean: no edge,
+    # and every edge the clean run), so recovery within 1e-4 / |clean − corrupt|; the corrupt
+    # ablation's no-edge run is the corrupt run within 1e-5 (test_a_circuits_run_keeps_exactly_its_edges).
+    from tests._tolerance import normalized_tolerance
+
+    assert f["recovery"][0] == pytest.approx((sum(nothing) / 2 - corrupt) / (clean - corrupt),
+                                             abs=normalized_tolerance(sum(nothing) / 2, corrupt, clean, 1e-4, True))
+    assert f["recovery"][-1] == pytest.approx(1.0, abs=normalized_tolerance(clean, corrupt, clean, 1e-4, True))
     corrupted = pipatch.circuit(model, **dataset, verify=0, curve=4)
     assert corrupted.meta["faithfulness"]["ablation"] == "corrupt"
-    assert corrupted.meta["faithfulness"]["recovery"][0] == pytest.approx(0.0, abs=1e-5)
+    assert corrupted.meta["faithfulness"]["recovery"][0] == pytest.approx(
+        0.0, abs=normalized_tolerance(corrupt, corrupt, clean, 1e-5, True))
     with pytest.raises(PipatchError) as error:
         pipatch.circuit(model, clean=[PAIR["clean"], "When Mary went out, Mary gave a book to"],
                         corrupt=[PAIR["corrupt"], "When Mary went out, John gave a book to"],
@@ -283,7 +291,14 @@ def test_the_faithfulness_curve():
     result = pipatch.circuit(tiny_model("llama"), **PAIR, verify=0, curve=8, share=0.8)
     f = result.meta["faithfulness"]
     assert f["sizes"][0] == 0 and f["sizes"][-1] == f["edges"] == len(result.edges())
-    assert f["recovery"][0] == pytest.approx(0.0, abs=1e-5) and f["recovery"][-1] == pytest.approx(1.0, abs=1e-3)
+    # Derived (tests/_tolerance.py): no edge is the corrupt run within 1e-5, every edge the
+    # clean run within 1e-4 (test_a_circuits_run_keeps_exactly_its_edges), the baselines the
+    # result's own: recovery 0 and 1 within those over |clean − corrupt|.
+    from tests._tolerance import normalized_tolerance
+
+    clean, corrupt = result.clean, result.corrupt
+    assert f["recovery"][0] == pytest.approx(0.0, abs=normalized_tolerance(corrupt, corrupt, clean, 1e-5, True))
+    assert f["recovery"][-1] == pytest.approx(1.0, abs=normalized_tolerance(clean, corrupt, clean, 1e-4, True))
     assert f["size"] is not None and dict(zip(f["sizes"], f["recovery"]))[f["size"]] >= 0.8
     assert all(b > a for a, b in zip(f["sizes"], f["sizes"][1:]))
     assert "faithfulness" not in pipatch.circuit(tiny_model("llama"), **PAIR, verify=0, curve=0).meta
@@ -368,8 +383,18 @@ def test_the_curve_halves_its_masks_on_out_of_memory_and_names_a_failing_point()
         handle.remove()
     assert halved.status == "done" and raised[:2] == [4, 2]
     mine, theirs = halved.meta["faithfulness"], whole.meta["faithfulness"]
+    # float32 rows, batched otherwise: each point's metric within the runs' 1e-5 (a run's
+    # metric against its rerun, test_mean_ablation_reads_the_datasets_mean), the baselines the
+    # same runs: each recovery within 1e-5 / |clean − corrupt| (tests/_tolerance.py). The sizes
+    # are choices made on those values (the bisection towards the share): alike where no point
+    # is within its bound of the share (asserted).
+    from tests._tolerance import normalized_tolerance
+
+    within = [normalized_tolerance(r * (whole.clean - whole.corrupt) + whole.corrupt, whole.corrupt, whole.clean,
+                                   1e-5, True) for r in theirs["recovery"]]
+    assert all(abs(r - theirs["share"]) > t for r, t in zip(theirs["recovery"], within))
     assert mine["sizes"] == theirs["sizes"] and mine["size"] == theirs["size"]
-    assert mine["recovery"] == pytest.approx(theirs["recovery"], abs=1e-5)  # float32 rows, batched otherwise
+    assert all(abs(a - b) <= t for a, b, t in zip(mine["recovery"], theirs["recovery"], within, strict=True))
 
     def fault(module, args, output):
         if args[0].shape[0] > 1:

@@ -26,6 +26,7 @@ from pipatch import cli, load_result
 from pipatch._model.models import PipatchError
 from tests._experiments import TINY
 from tests._tiny import save_tiny
+from tests._tolerance import assert_recovery_close, recovery_tolerance
 from tests.conftest import COLOSSEUM, EIFFEL
 
 LOUVRE, VATICAN = "The Louvre is in the city of", "The Vatican is in the city of"
@@ -148,38 +149,58 @@ def max_difference(got: list, want: torch.Tensor) -> float:
     return worst
 
 
-def tolerance(result: pipatch.Result) -> float:
-    """How far the script's recovery grid may be from pipatch's: 1e-4, plus what a 1e-6 change
-    of the metric itself moves a recovery by (1e-6 / |clean − corrupt|). The script runs each
-    cell alone, pipatch in batches, so their float32 rounding differs; a probability of 0.002
-    ("Paris is in" → " France", noised at 3σ) then differs by a few 1e-7 after 18 layers, which
-    a seed whose clean and corrupt probabilities are 6e-4 apart turns into 7e-4 of recovery."""
-    if result.metric == "rank":  # a count: a near-tie with the answer's logit may flip a place or few
-        return 8
-    if not result.normalized:  # the logit lens: the metric itself, no baselines to divide by
-        return 1e-4
-    spread = float((result.clean - result.corrupt_seeds.float()).abs().min())
-    return 1e-4 + 1e-6 / spread
+def tolerance(result: pipatch.Result, view: str) -> torch.Tensor:
+    """Per cell, how far the script's grid may be from pipatch's. The script runs each cell
+    alone, pipatch in batches, so their float32 rounding differs: each metric (the cell's and
+    the baselines') by at most 1e-6 + 1e-5·|value| (a probability of 0.002, "Paris is in" →
+    " France" noised at 3σ, differs by a few 1e-7 after 18 layers; log-probabilities of two
+    batchings by up to 3.6e-6·(1 + |value|), tests/integration/test_lens.py), and a recovery
+    by what those move it by (:func:`tests._tolerance.recovery_tolerance`: a seed whose clean
+    and corrupt probabilities are 6e-4 apart turns 1e-6 into ~7e-3). The logit lens is its
+    metric, within 1e-4 (an absolute value, as the lens's references allow); a rank is
+    compared with its band (:func:`test_the_script_recomputes_the_grid`)."""
+    if not result.normalized:
+        return torch.full_like(result.mean(view), 1e-4)
+    return recovery_tolerance(result, 1e-6, 1e-5, view)
+
+
+def as_grid(rows: list) -> torch.Tensor:
+    """A grid from the script's JSON (``null``: NaN)."""
+    return torch.tensor([[math.nan if v is None else v for v in row] for row in rows], dtype=torch.float32)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_script_recomputes_the_grid(name, results, tmp_path):
+def test_the_script_recomputes_the_grid(name, results, tmp_path, request):
     result = results(name)
     code = result.code()
     assert imports(code) == {"json", "sys", "torch", "nnsight", "transformers"}
     assert "trust_remote_code" not in code
     data, seconds = run_script(code, tmp_path)
     assert set(data["grids"]) == set(result.views)
+    if result.metric == "rank":
+        # A count among 262k logits: a near-tie with the answer's flips with the rounding. The
+        # script reads the states as the lens's hand reference does; both ranks lie in that
+        # reference's band for logits within the lens's log-probability tolerance (1e-5,
+        # 2e-5 relative: tests/integration/test_lens.py).
+        from tests.integration.test_lens import assert_ranks_in_band
+
+        model, (_, kwargs) = request.getfixturevalue("model"), CASES[name]
+        for grid in (as_grid(data["grid"]), result.grid):
+            assert_ranks_in_band(grid, model, kwargs["prompt"], kwargs["answer"], 1e-5, 2e-5)
+        print(f"{name}: max |Δ| {max_difference(data['grid'], result.grid):.0f} places, script {seconds:.0f}s")
+        return
     worst = max(max_difference(data["grids"][view], result.mean(view)) for view in result.views)
-    tol = tolerance(result)
-    assert max_difference(data["grid"], result.grid) <= tol
-    print(f"{name}: max |Δ| {worst:.2e} (tolerance {tol:.1e}), script {seconds:.0f}s")
-    assert worst <= tol
+    margin = max(float(((as_grid(data["grids"][view]) - result.mean(view)).abs() / tolerance(result, view)).nan_to_num().max())
+                 for view in result.views)
+    print(f"{name}: max |Δ| {worst:.2e}, at most {margin:.2f} of the derived tolerance, script {seconds:.0f}s")
+    assert_recovery_close(as_grid(data["grid"]), result.grid, tolerance(result, result.views[0]))
+    for view in result.views:
+        assert_recovery_close(as_grid(data["grids"][view]), result.mean(view), tolerance(result, view))
 
 
 @pytest.mark.parametrize("name", list(TINY_CASES))
-def test_the_script_recomputes_the_grid_on_tiny_models(name, tiny_results, tmp_path):
-    test_the_script_recomputes_the_grid(name, tiny_results, tmp_path)
+def test_the_script_recomputes_the_grid_on_tiny_models(name, tiny_results, tmp_path, request):
+    test_the_script_recomputes_the_grid(name, tiny_results, tmp_path, request)
 
 
 def test_a_result_read_back_from_its_file_gives_the_same_script(results, tmp_path):

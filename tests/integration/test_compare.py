@@ -100,7 +100,11 @@ def test_two_seed_sets_compare_their_means(model):
     assert (c.a.n_seeds, c.b.n_seeds, c.n_seeds) == (1, 2, 1)
     assert _same(c.grid, one.grid - two.grid)
     # Seed 0 is the same draw on both sides, so the mean difference is half of seed 0 − seed 1.
-    torch.testing.assert_close(c.grid, (two.per_seed[0] - two.per_seed[1]) / 2, atol=1e-4, rtol=0, equal_nan=True)
+    # Derived: seed 0's recovery on the two sides differs by its metric and baselines, each
+    # rerun within the metric's 1e-5: the ratio's bound (tests/_tolerance.py), cell by cell.
+    from tests._tolerance import assert_recovery_close, recovery_tolerance
+
+    assert_recovery_close(c.grid, (two.per_seed[0] - two.per_seed[1]) / 2, recovery_tolerance(one, 1e-5))
     assert "seeds 1" in c.meta["sides"][0] and "seeds 2" in c.meta["sides"][1]
 
 

@@ -54,9 +54,14 @@ def test_patch_over_pairs(model, tmp_path):
                                                                          "prompt 1: The Louvre is in the city of"]
     assert pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=2,
                          scale=3.0).to_state()["seed_labels"] == []
-    assert r.grid[-1, -1] == pytest.approx(1.0, abs=1e-4)
+    # The last layer's clean state is each pair's clean run: its logit difference within the
+    # metric's 1e-4 (tests/integration/test_patching.py), the baselines shared: recovery 1 within
+    # 1e-4 / |clean − corrupt|, averaged over the pairs (tests/_tolerance.py).
+    from tests._tolerance import recovery_tolerance
+
+    assert r.grid[-1, -1] == pytest.approx(1.0, abs=float(recovery_tolerance(r, 1e-4, baselines_shared=True)[-1, -1]))
     back = pipatch.load_result(r.save(tmp_path / "pairs.safetensors"))
-    assert torch.allclose(back.grid, r.grid, equal_nan=True)
+    assert torch.allclose(back.grid, r.grid, equal_nan=True)  # the same stored numbers and arithmetic: rounding
     assert torch.equal(back.clean_seeds, r.clean_seeds)
 
 

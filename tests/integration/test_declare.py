@@ -22,8 +22,20 @@ from pipatch._model.models import PipatchError
 from tests.conftest import EIFFEL
 
 #: Another process (CLI, kernel) runs its own CPU kernels, threads and batch picks: its numbers agree to
-#: float32 accumulation order (measured up to 7.6e-6 on a CI machine), not bit for bit.
+#: float32 accumulation order (measured up to 7.6e-6 on a CI machine), not bit for bit. Derived: the
+#: toy's grid is a recovery P / P(clean) (its corrupt baseline 0), each probability within the metric's
+#: 1e-5 in another process, so each cell within the ratio's bound (tests/_tolerance.py), which
+#: :func:`assert_across_processes` checks is at most this.
 ACROSS_PROCESSES = 1e-4
+
+
+def assert_across_processes(got: torch.Tensor, want) -> None:
+    """``got`` (another process's grid) equals ``want`` (the toy result)'s within
+    :data:`ACROSS_PROCESSES`, after checking that the ratio's bound stays below it."""
+    from tests._tolerance import recovery_tolerance
+
+    assert float(recovery_tolerance(want, 1e-5).nan_to_num().max()) <= ACROSS_PROCESSES
+    torch.testing.assert_close(got, want.grid, atol=ACROSS_PROCESSES, rtol=0)
 
 
 def _env(toy_dir) -> dict[str, str]:
@@ -59,7 +71,7 @@ def test_the_cli_runs_the_toy_with_json(toy_dir, toy_result, tmp_path):
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["kind"] == "toy_ablation"
-    torch.testing.assert_close(torch.tensor(data["grid"]), toy_result.grid, atol=ACROSS_PROCESSES, rtol=0)
+    assert_across_processes(torch.tensor(data["grid"]), toy_result)
     helped = subprocess.run([sys.executable, "-m", "pipatch.cli", "toy-ablate", "--help"], env=_env(toy_dir),
                             capture_output=True, text=True, timeout=300)
     assert "--answer ANSWER" in helped.stdout and "--batch-size BATCH_SIZE" in helped.stdout
@@ -92,7 +104,7 @@ def test_a_real_kernel_runs_the_toy_as_a_magic(toy_dir, toy_result):
                     break
         grid, kind = "".join(outputs).rsplit(" ", 1)
         assert kind.strip() == "toy_ablation"
-        torch.testing.assert_close(torch.tensor(json.loads(grid)), toy_result.grid, atol=ACROSS_PROCESSES, rtol=0)
+        assert_across_processes(torch.tensor(json.loads(grid)), toy_result)
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)

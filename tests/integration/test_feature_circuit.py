@@ -581,6 +581,14 @@ def test_the_embedded_model_and_its_sae_on_the_eiffel_tower_pair(model):
     # embeddings stay free: no node of the curve).
     curve, rows = result.meta["curve"], result.faithfulness()
     assert curve["empty"] == pytest.approx(result.corrupt_value, abs=1e-3)
+    # The full end likewise: every node kept is the clean run within 1e-3; the faithfulness,
+    # (m(C) − m(∅)) / (m(M) − m(∅)) of the same numbers, is then 1 within 1e-3 over the span
+    # (tests/_tolerance.py), which is below 1e-3 (|m(M) − m(∅)| > 1).
+    from tests._tolerance import ratio_tolerance
+
+    assert rows["with"].iloc[-1] == pytest.approx(curve["full"], abs=1e-3)
+    within = ratio_tolerance(0.0, curve["full"] - curve["empty"], 1e-3, 0.0)
+    assert within < 1e-3
     assert rows["n_nodes"].iloc[-1] == len(nodes) and rows["faithfulness"].iloc[-1] == pytest.approx(1, abs=1e-3)
     at = rows[rows["n_nodes"] == int(nodes["circuit"].sum())].iloc[0]
     print(f"faithfulness at the circuit's {int(at['n_nodes'])} nodes {at['faithfulness']:.3f} (completeness "

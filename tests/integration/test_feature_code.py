@@ -78,13 +78,18 @@ def assert_same_read(result, tmp_path) -> None:
 
 
 def assert_same_patch(result, tmp_path) -> None:
-    """A feature patch: every screened cell within :data:`TOLERANCE` of the metric (the grid is
-    recovery: its difference times |clean − corrupt|), every exact patch within
-    :data:`TOLERANCE` + :data:`RTOL` of the metric's size (its largest |value| here)."""
+    """A feature patch: every screened cell's metric and the baselines within :data:`TOLERANCE`,
+    so the grid (normalized recovery) within what those move it by, cell by cell
+    (:func:`tests._tolerance.recovery_tolerance`: ``2 TOLERANCE (1 + |recovery|) / (|clean −
+    corrupt| − 2 TOLERANCE)``); every exact patch within :data:`TOLERANCE` + :data:`RTOL` of
+    the metric's size (its largest |value| here)."""
+    from tests._tolerance import assert_recovery_close, recovery_tolerance
+    from tests.integration.test_code import as_grid
+
     data = script_of(result, tmp_path)
     span = abs(result.clean_value - result.corrupt_value)
     assert span > 1e-3
-    assert max_difference(data["grid"], result.grid) * span <= TOLERANCE
+    assert_recovery_close(as_grid(data["grid"]), result.grid, recovery_tolerance(result, TOLERANCE))
     want = {(e["layer"], e["col"]): e["actual"] for e in result.meta["verified_values"]}
     got = {(row, col): value for row, col, value in data["exact"]}
     assert got.keys() == want.keys() and len(got) > len(result.meta["positions"])  # latents and the error row

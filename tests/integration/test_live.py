@@ -122,6 +122,8 @@ def test_selection_during_run_is_answered_between_rows_with_a_real_top5(model, l
     assert len(top) == 5
     probs = [t["prob"] for t in top]
     assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+    # The grid's own cell and raw value, read back through the view's state: a float32 value
+    # sent as a float, 1e-6 (1e-5 for the raw logit difference) no more than its rounding.
     assert detail["value"] == pytest.approx(float(result.grid[17, 1]), abs=1e-6)
     assert detail["raw"] == pytest.approx(float(result.raw["resid"][0, 17, 1]), abs=1e-5)
     token, prob = _independent_top1(model, layer=17, position=-1)
@@ -141,7 +143,7 @@ def test_patchgrid_of_a_finished_result_answers_clicks_from_another_thread(model
     other = PatchGrid(result.__class__(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)}))
     other.selected = selection
     assert other.detail["top"] == [] and "top-5 needs the model" in other.detail["error"]
-    assert other.detail["value"] == pytest.approx(float(result.grid[17, 1]), abs=1e-6)
+    assert other.detail["value"] == pytest.approx(float(result.grid[17, 1]), abs=1e-6)  # as above
     other.close()
     grid.close()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 import pipatch
 from pipatch._base.errors import PipatchWarning
@@ -24,7 +23,12 @@ def test_positions_pick_the_traces_columns(eiffel_trace, model):
     T = len(eiffel_trace.tokens)
     assert r.meta["positions"] == [3, T - 1] and r.columns == [r.tokens[3], r.tokens[-1]]
     assert r.grid.shape == (18, 2) and r.per_seed.shape[-1] == 2
-    torch.testing.assert_close(r.per_seed, eiffel_trace.per_seed[..., [3, T - 1]], atol=2e-5, rtol=0)
+    # Derived: the same runs batched otherwise, each metric and baseline within the metric's
+    # 1e-5, so each seed's recovery within the ratio's bound (tests/_tolerance.py).
+    from tests._tolerance import assert_recovery_close, recovery_tolerance
+
+    within = recovery_tolerance(eiffel_trace, 1e-5, per_seed=True)[..., [3, T - 1]]
+    assert_recovery_close(r.per_seed, eiffel_trace.per_seed[..., [3, T - 1]], within)
     with pytest.raises(pipatch.PipatchError, match="out of range"):
         pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", positions=[T])
 

@@ -267,7 +267,11 @@ def test_the_magic_and_the_command_line_take_multi_token_answers(model, tmp_path
     assert code == 0
     data = json.loads(path.read_text())
     assert data["metric"] == "logprob_diff" and data["meta"]["answer_tokens"] == [" New", " York"]
-    assert torch.allclose(torch.tensor(data["grid"]), want.grid, atol=1e-6)
+    # The same runs in this process: raw and baselines within 1e-6 (the magic's, above), so the
+    # recovery within what those move it by (tests/_tolerance.py).
+    from tests._tolerance import assert_recovery_close, recovery_tolerance
+
+    assert_recovery_close(torch.tensor(data["grid"]), want.grid, recovery_tolerance(want, 1e-6))
 
 
 def test_code_is_refused_in_one_line_for_multi_token_answers(model):

@@ -18,6 +18,8 @@ def test_save_and_load_round_trip(tmp_path, eiffel_trace):
     back = pipatch.load_result(path)
     assert back.views == eiffel_trace.views and back.tokens == eiffel_trace.tokens
     assert torch.equal(back.raw["resid"], eiffel_trace.raw["resid"])
+    # The same stored raw metric and baselines through the same arithmetic: equal but for float
+    # rounding, inside allclose's default 1e-5 relative.
     assert torch.allclose(back.grid, eiffel_trace.grid, equal_nan=True)
     assert back.meta["scale"] == eiffel_trace.meta["scale"]
     assert back.meta["versions"]["nnsight"] == eiffel_trace.meta["versions"]["nnsight"]

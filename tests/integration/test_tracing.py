@@ -54,10 +54,20 @@ def test_result_keeps_per_seed_grids_and_their_spread(eiffel_trace):
     raw, corrupt = r.raw["resid"], r.corrupt_seeds.view(-1, 1, 1)
     by_hand = (raw - corrupt) / (r.clean - corrupt)
     assert not torch.isnan(raw).any() and torch.isfinite(by_hand).all()
+    # The same numbers through the same definition: only float32 rounding differs, a few ulps
+    # of a recovery (|recovery| < 2 here: ~1e-7), inside 1e-5.
+    assert float(by_hand.abs().max()) < 2
     assert torch.allclose(r.per_seed, by_hand, atol=1e-5)
     assert torch.allclose(r.grid, by_hand.mean(0), atol=1e-5)
     # Each seed's own corrupt run normalizes it: restoring the clean last state at the last
-    # layer gives 1 for every seed, though the seeds' corrupt baselines differ.
+    # layer gives 1 for every seed, though the seeds' corrupt baselines differ. Derived: that
+    # cell's probability is the clean run's within the metric's 1e-5, the baselines shared, so
+    # recovery 1 within 1e-5 / (clean − corrupt) per seed (tests/_tolerance.py): < 1e-4, as
+    # every seed's corrupt probability is at most a tenth of the clean one (the auto scale).
+    from tests._tolerance import normalized_tolerance
+
+    spans = [normalized_tolerance(r.clean, float(c), r.clean, 1e-5, baselines_shared=True) for c in r.corrupt_seeds]
+    assert max(spans) < 1e-4
     assert float((r.per_seed[:, -1, -1] - 1).abs().max()) < 1e-4
     assert float(r.corrupt_seeds.max() - r.corrupt_seeds.min()) > 0
     assert r.std().shape == (18, 9) and float(r.std()[:12, 2].max()) > 0  # seeds differ
@@ -109,6 +119,12 @@ def test_noise_is_fixed_per_seed_and_reproduces_the_corrupt_run(eiffel_trace, mo
 def test_control_restoring_the_corrupt_runs_own_states_changes_nothing(model):
     r = pipatch.trace(model, EIFFEL, subject="Eiffel Tower", answer=" Paris", seeds=2, control=True)
     assert r.meta["engine"]["noop_cells"] == 0  # every cell really ran
+    # Derived: every cell's probability is the corrupt run's within the metric's 1e-5 (a rerun
+    # batched otherwise), the baselines shared: recovery 0 within 1e-5 / (clean − corrupt) per
+    # seed (tests/_tolerance.py), which is below 1e-3 (clean − corrupt > 0.01).
+    from tests._tolerance import recovery_tolerance
+
+    assert float(recovery_tolerance(r, 1e-5, baselines_shared=True).max()) < 1e-3
     assert float(r.grid.abs().max()) < 1e-3
 
 

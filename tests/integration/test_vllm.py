@@ -278,7 +278,11 @@ def test_three_seed_trace_equals_transformers(vllm_model, model):
     assert got.meta["scale"] == want.meta["scale"]
     assert_close(torch.tensor(got.meta["corrupt_prob"]), torch.tensor(want.meta["corrupt_prob"]), 1e-5, rtol=0)
     assert_same(got, want)
-    assert_close(got.grid, want.grid)
+    # The grid is a recovery: within what its raw metric and baselines move it by (tests/_tolerance.py).
+    from tests._equal import RTOL
+    from tests._tolerance import assert_recovery_close, recovery_tolerance
+
+    assert_recovery_close(got.grid, want.grid, recovery_tolerance(want, ATOL, RTOL))
 
 
 def test_path_patching_equals_transformers(vllm_model, model):
@@ -321,11 +325,17 @@ def test_the_logit_lens_equals_the_hand_reference(vllm_model, model):
     assert_same(got, pipatch.lens(model, EIFFEL, answer=" Paris"))
     two = pipatch.lens(vllm_model, "The Statue of Liberty is in the city of", answer=" New York")
     assert_close(two.grid, reference_lens(model, "The Statue of Liberty is in the city of", " New York"), atol=1e-5, rtol=0)
-    from tests.integration.test_lens import assert_ranks_close
+    # A rank is a count: a near-tie with the answer's logit flips with the engine's rounding. It
+    # lies in the band of ranks of logits each within the backends' log-probability tolerance
+    # (tests/_equal.py ATOL + RTOL·|value|: the same lens's log-probabilities checked here).
+    from tests._equal import RTOL
+    from tests.integration.test_lens import assert_ranks_in_band
 
+    logprob = pipatch.lens(vllm_model, EIFFEL, answer=" Paris", metric="logprob")
+    assert_close(logprob.grid, reference_lens(model, EIFFEL, " Paris", "logprob"), ATOL, RTOL)
     rank = pipatch.lens(vllm_model, EIFFEL, answer=" Paris", metric="rank")
     assert rank.metric == "rank" and float(rank.grid[-1, -1]) == 0.0
-    assert_ranks_close(rank.grid, reference_lens(model, EIFFEL, " Paris", "rank"))
+    assert_ranks_in_band(rank.grid, model, EIFFEL, " Paris", ATOL, RTOL)
 
 
 def test_a_long_prompts_lens_is_one_request(vllm_model, model):
@@ -478,6 +488,9 @@ def test_the_cli_runs_on_the_shared_engine(vllm_model, tmp_path, capsys):
     data = json.loads(out.read_text())
     want = pipatch.patch(vllm_model, **PAIR, positions=[-1])
     assert data["model"] == "gemma-3-270m (embedded)"
+    # The same engine runs the same requests in the same batches: the same float32 recoveries
+    # (the JSON holds them exactly); 1e-6 is no more than a few ulps of a recovery below 10.
+    assert float(want.grid.nan_to_num().abs().max()) < 10
     assert torch.allclose(torch.tensor(data["grid"], dtype=torch.float32), want.grid, atol=1e-6)
 
 

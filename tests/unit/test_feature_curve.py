@@ -29,4 +29,5 @@ def test_rows_are_marks_et_al_ratios_and_nan_until_measured():
     flat = faithfulness_rows({**curve, "empty": 3.0})  # m(M) = m(∅): no ratio
     assert math.isnan(flat[0]["faithfulness"])
     assert faithfulness_rows({**curve, "points": []}) == []
+    # Exact inputs, float64 arithmetic on both sides: approx's default 1e-6 relative is rounding only.
     assert first["faithfulness"] == pytest.approx((1.0 + 1.0) / (3.0 + 1.0))

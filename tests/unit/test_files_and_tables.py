@@ -122,6 +122,8 @@ def test_a_comparisons_frame_adds_both_sides_and_a_circuits_frame_is_its_edges()
     want_a = torch.cat([a.mean(v).flatten() for v in a.views]).double()
     assert torch.equal(torch.tensor(table["a"].to_numpy()).nan_to_num(-9), want_a.nan_to_num(-9))
     difference = torch.tensor((table["a"] - table["b"]).to_numpy())
+    # The same recoveries subtracted in float64 (the frame) and float32 (the comparison's grid):
+    # allclose's default 1e-5 relative covers float32's rounding.
     assert torch.allclose(difference, torch.tensor(table["recovery"].to_numpy()), equal_nan=True)
     circuit = example_circuit()
     assert circuit.frame().equals(circuit.edges())

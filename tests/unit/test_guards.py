@@ -56,6 +56,7 @@ def test_compare_warns_when_its_sides_were_corrupted_at_different_scales():
     [line] = _pipatch_warnings(caught)
     assert "1σ: a" in line and "2σ: b" in line and "scale=2" in line and "\n" not in line
     assert line in d.warnings  # kept with the comparison (its files, its views)
+    # The same recoveries, subtracted: allclose's default 1e-5 relative is float32 rounding only.
     assert torch.allclose(d.grid, _trace(1.0).grid - _trace(2.0, shift=0.1).grid)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
