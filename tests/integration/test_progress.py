@@ -52,8 +52,12 @@ def test_every_experiment_shows_a_bar_and_times_the_whole_call(gpt2, case, capsy
     bars = _bars(capsys.readouterr().err)
     assert bars and all(bar.startswith(name) and " rows [" in bar for bar in bars), bars
     assert all(bar.split(": ", 1)[1].startswith("100%|") for bar in bars), bars
-    # The whole call, planning included, and split by stage.
-    assert result.status == "done" and result.meta["elapsed"] >= 0.95 * wall, (result.meta["elapsed"], wall)
+    # The whole call, planning included, and split by stage. What the timer cannot see (binding the
+    # arguments, building the result after it stops) is a few milliseconds, more on a loaded machine
+    # (13 ms of a 0.14 s call at a load of 14 on 2 cores): a fraction of the wall time alone would
+    # fail there, so the untimed part is bounded by 5 % of the call or 50 ms, whichever is larger.
+    untimed = wall - result.meta["elapsed"]
+    assert result.status == "done" and untimed <= max(0.05 * wall, 0.05), (result.meta["elapsed"], wall)
     stages = result.meta["elapsed_stages"]
     assert list(stages)[0] == "plan" and stages["plan"] > 0 and len(stages) >= 2
     assert sum(stages.values()) == pytest.approx(result.meta["elapsed"], abs=1e-9)
