@@ -179,18 +179,19 @@ def test_the_grep_reports_the_line_of_the_comparison():
 
 
 #: The commit before sites owned their semantics (#30), and the lines of the comparisons the
-#: grep must find there (each one this change removed).
+#: grep must find there (each one this change removed). The paths are the files' paths AT that
+#: commit, before the layers (#56) moved them: they name history, not the tree.
 BEFORE = "e3448c8"
 BEFORE_HITS = {
-    "pipatch/_results/code.py": [480, 482],
-    "pipatch/_results/result.py": [207],
-    "pipatch/_experiments/paths.py": [120, 126, 186, 221, 224, 226, 230, 244],
-    "pipatch/_experiments/attribution.py": [93],
+    "pipatch/_code.py": [480, 482],
+    "pipatch/_result.py": [207],
+    "pipatch/_protocols/paths.py": [120, 126, 186, 221, 224, 226, 230, 244],
+    "pipatch/_protocols/attribution.py": [93],
     "pipatch/_engine.py": [148, 157],
     "pipatch/_backends/transformers.py": [440],
     "pipatch/_backends/vllm.py": [266, 269],
-    "pipatch/_model/models.py": [381],
-    "pipatch/_experiments/_registry.py": [110],
+    "pipatch/_models.py": [381],
+    "pipatch/_registry.py": [110],
 }
 
 
