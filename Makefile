@@ -67,18 +67,18 @@ chromium:
 test: $(STAMP) chromium install-vllm
 	npm test
 	$(PY) -m mypy pipatch/_backends pipatch/_engine
-	$(PY) -m pytest -q -ra tests/unit
+	$(PY) -m pytest -q -ra --durations=15 tests/unit
 	$(MAKE) docs
 	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
 		--ignore=tests/integration/test_served_guard.py
-	$(PY) -m pytest -q -ra -m e2e tests/e2e
+	$(PY) -m pytest -q -ra --durations=15 -m e2e tests/e2e
 	$(MAKE) test-vllm
 
 # The unit layer alone: no model loaded (tests/unit/conftest.py fails a test that builds or runs one).
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -ra tests/unit
+	$(PY) -m pytest -q -ra --durations=15 tests/unit
 
 # One vLLM engine per pytest process (each holds ~5 GB and changes process-wide torch
 # settings): the backend's tests, then the Jupyter-kernel test, which starts its own, then
@@ -87,12 +87,12 @@ test-unit: $(STAMP)
 # fails to import, a missing psutil) or a run where nothing passed fails (tests/_require.py).
 test-vllm: export PIPATCH_REQUIRE_VLLM := 1
 test-vllm: install-vllm
-	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm.py
-	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm_kernel.py
-	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_vllm_tp.py
-	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served.py
-	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served_guard.py
-	$(VPY) -m pytest -q -ra -m vllm tests/integration/test_served_tp.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_kernel.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_tp.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_guard.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_tp.py
 
 test-py: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e and not vllm" tests/unit tests/integration --ignore=tests/integration/test_vllm.py \
@@ -104,7 +104,7 @@ test-js:
 	npm test
 
 test-e2e: $(STAMP) chromium
-	$(PY) -m pytest -q -ra -m e2e tests/e2e
+	$(PY) -m pytest -q -ra --durations=15 -m e2e tests/e2e
 
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py
