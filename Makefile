@@ -18,12 +18,22 @@ VSTAMP := $(VVENV)/.pipatch-vllm-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml package.json
+# Each venv in two steps: its base (torch, JupyterLab, the build tools; the main one's also
+# builds the JS, with its `jupyter`), then pipatch itself, editable, with its extras. The vLLM
+# venv's steps wait only on what they use (the built JS, which its build hook then skips), so
+# under make -j2 (make test) both venvs install at once.
+BASE   := $(VENV)/.pipatch-base
+VBASE  := $(VVENV)/.pipatch-vllm-base
+
+$(BASE): pyproject.toml package.json
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder editables
-	$(MAKE) js
+	$(MAKE) --no-print-directory js
+	touch $@
+
+$(STAMP): $(BASE)
 	# The build hook may rerun `npm run build`, which calls the venv's `jupyter`.
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pip install -q --no-build-isolation -e ".[test,docs]"
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
@@ -31,10 +41,13 @@ $(STAMP): pyproject.toml package.json
 
 install-vllm: $(VSTAMP)
 
-$(VSTAMP): $(STAMP)
+$(VBASE): pyproject.toml
 	test -x $(VPY) || python3 -m venv $(VVENV)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q "jupyterlab>=4.2,<5" hatchling hatch-jupyter-builder editables
+	touch $@
+
+$(VSTAMP): $(VBASE) $(BASE)
 	PATH=$(CURDIR)/$(VVENV)/bin:$$PATH $(VPY) -m pip install -q --no-build-isolation -e ".[test,vllm]"
 	# pip pulls torchvision/torchaudio/torchcodec built for CUDA; with them `import vllm` fails
 	# ("operator torchvision::nms does not exist"). Text models need none of them.
@@ -62,19 +75,27 @@ chromium:
 # The tests by layer (tests/unit loads no model; tests/integration runs real models, engines and
 # servers; tests/e2e drives JupyterLab in Chromium), each layer a pytest of its own. The vLLM and
 # served suites run only in .venv-vllm's python (make test-vllm): the main venv's run leaves them out.
-# The integration layer runs as two pytest-xdist workers of one torch thread each, a test file
-# per worker at a time (tests/conftest.py gives each worker its share of the cores).
-test: $(STAMP) chromium install-vllm
-	npm test
-	$(PY) -m mypy pipatch/_backends pipatch/_engine
-	$(PY) -m pytest -q -ra --durations=15 tests/unit
-	$(MAKE) docs
+# Two jobs at a time (docs/testing.md, "Two jobs at a time"): the two venvs install at once,
+# the light layers (JS, types, unit, docs: one core each) run beside the vLLM venv's install;
+# then integration, browser and vLLM in turn, each of which uses both cores. The integration
+# layer runs as two pytest-xdist workers of one torch thread each, a test file per worker at a
+# time (tests/conftest.py gives each worker its share of the cores). Where two jobs share the
+# terminal (-Oline), each command's output is printed whole when it ends; the integration and
+# browser layers, alone, print as they go.
+test: chromium
+	$(MAKE) --no-print-directory -j2 _test-all
+
+.PHONY: _test-all _test-light
+_test-all:
+	$(MAKE) --no-print-directory -Oline _test-light install-vllm
 	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
 		--ignore=tests/integration/test_served_guard.py
 	$(PY) -m pytest -q -ra --durations=15 -m e2e tests/e2e
-	$(MAKE) test-vllm
+	$(MAKE) --no-print-directory test-vllm
+
+_test-light: test-js typecheck test-unit docs
 
 # The unit layer alone: no model loaded (tests/unit/conftest.py fails a test that builds or runs one).
 test-unit: $(STAMP)
@@ -100,7 +121,7 @@ test-py: $(STAMP)
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
 		--ignore=tests/integration/test_served_guard.py
 
-test-js:
+test-js: $(STAMP)
 	npm test
 
 test-e2e: $(STAMP) chromium

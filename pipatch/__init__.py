@@ -18,10 +18,10 @@ top ones by exact edge patches and measures the faithfulness curve; ``result.edg
 
 The experiment functions (``trace``, ``patch``, ``attribute``, ``path_patch``, ``lens``, ``circuit``, and any
 an installed package registers) are derived from their declarations
-(:mod:`pipatch._model.declare`): one per registered experiment of :mod:`pipatch._experiments._registry`.
+(:mod:`pipatch.extend` declares them): one per registered experiment of :mod:`pipatch._experiments._registry`.
 """
 
-from . import tasks
+from . import extend, tasks
 from ._backends._load import load_model
 from ._experiments import _api
 from ._experiments._feature_corpus import feature_contexts

@@ -44,9 +44,15 @@ def _device(hf) -> torch.device:
     return next(hf.parameters()).device
 
 
-def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
+def logits_of(model, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """The Hugging Face model's own logits of ``input_ids``; ``keep=n``: the last ``n``
+    positions' alone (``[batch, n, vocab]``, the model's ``logits_to_keep``), for a reference
+    that reads nothing else: the unembedding of the other positions (262k rows each on Gemma)
+    was most of such a reference's arithmetic, and none of its result."""
     hf = model._module
     with torch.no_grad():
+        if keep:
+            return hf(input_ids.to(_device(hf)), logits_to_keep=keep).logits
         return hf(input_ids.to(_device(hf))).logits
 
 
@@ -75,12 +81,14 @@ def record(model, site: str, input_ids) -> dict[int, torch.Tensor]:
         else:
             hooks.append((site_module(model, site, layer), "post",
                           lambda m, args, out, i=layer: store.__setitem__(i, first(out).detach().clone())))
-    hooked(hooks, lambda: logits_of(model, input_ids))
+    hooked(hooks, lambda: logits_of(model, input_ids, keep=1))
     return store
 
 
-def patched_logits(model, site: str, layer: int, col: int, donor: torch.Tensor, base_ids, pos: int | None = None):
-    """Logits of the ``base_ids`` run with ``donor``'s value written at one cell.
+def patched_logits(model, site: str, layer: int, col: int, donor: torch.Tensor, base_ids, pos: int | None = None,
+                   keep: int = 0):
+    """Logits of the ``base_ids`` run with ``donor``'s value written at one cell (``keep``: the
+    last ``keep`` positions' alone, :func:`logits_of`).
 
     ``col`` is the position, or for ``site="head"`` the head (written at ``pos``, or at every
     position when ``pos`` is None).
@@ -95,13 +103,13 @@ def patched_logits(model, site: str, layer: int, col: int, donor: torch.Tensor, 
             z = args[0].clone()
             z[:, where, cols] = donor[:, where, cols]
             return (z,) + tuple(args[1:])
-        return hooked([(module, "pre", put_pre)], lambda: logits_of(model, base_ids))
+        return hooked([(module, "pre", put_pre)], lambda: logits_of(model, base_ids, keep))
 
     def put(m, args, output):
         hidden = first(output).clone()  # clone: Falcon adds into its MLP output in place
         hidden[:, col] = donor[:, col]
         return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
-    return hooked([(module, "post", put)], lambda: logits_of(model, base_ids))
+    return hooked([(module, "post", put)], lambda: logits_of(model, base_ids, keep))
 
 
 def torch_patch(model, site: str, layer: int, pos: int, head: int | None, clean_ids, corrupt_ids):
@@ -121,7 +129,7 @@ def patch_grid(model, site: str, clean_ids, corrupt_ids, answer: int, foil: int,
     grid = torch.zeros(a.n_layers, len(cols))
     for layer in range(a.n_layers):
         for j, col in enumerate(cols):
-            logits = patched_logits(model, site, layer, col, donor[layer], corrupt_ids, pos=head_pos)
+            logits = patched_logits(model, site, layer, col, donor[layer], corrupt_ids, pos=head_pos, keep=1)
             grid[layer, j] = float(logits[0, -1, answer] - logits[0, -1, foil])
     return grid
 
@@ -149,7 +157,7 @@ def trace_grid(model, input_ids, subject: list[int], noise: torch.Tensor, answer
                     hidden[:, pos] = clean[layer][:, pos]
                     return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
                 hooks = [(embed, "post", corrupt), (site_module(model, "resid", layer), "post", restore)]
-                logits = hooked(hooks, lambda: logits_of(model, input_ids))
+                logits = hooked(hooks, lambda: logits_of(model, input_ids, keep=1))
                 grid[seed, layer, pos] = float(logits[0, -1].float().log_softmax(-1)[answer])
     return grid
 

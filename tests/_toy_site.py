@@ -12,7 +12,7 @@ from pathlib import Path
 
 SOURCE = textwrap.dedent('''
     """A toy site: the residual stream times two, written back halved."""
-    from pipatch._model.sites import Site
+    from pipatch.extend import Site
 
 
     class Doubled(Site):
@@ -29,14 +29,18 @@ SOURCE = textwrap.dedent('''
 ''')
 
 
-def toy_site(folder: Path):
-    """Write the toy site's module into ``folder``, import it (kept in ``sys.modules``, so a
-    request pickling the site by reference finds it) and return its site."""
-    name = f"toy_site_{abs(hash(str(folder)))}"
+def import_source(folder: Path, name: str, source: str):
+    """Write ``source`` as module ``name`` into ``folder`` and import it (kept in
+    ``sys.modules``, so what pickles its objects by reference finds them); the module."""
     path = Path(folder) / f"{name}.py"
-    path.write_text(SOURCE)
+    path.write_text(source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module.DOUBLED
+    return module
+
+
+def toy_site(folder: Path):
+    """Write the toy site's module into ``folder``, import it and return its site."""
+    return import_source(folder, f"toy_site_{abs(hash(str(folder)))}", SOURCE).DOUBLED

@@ -47,6 +47,7 @@ capability                             what it means
 ``position_flops``                     bounds the work rows that share traces may hold
 ``plans_in_flight``                    a study runs that many facts at once, each on a thread
 ``plans_together``                     a study runs that many facts as one engine chain
+``generates``                          runs programs that generate tokens (none does yet)
 ``torch_threads``                      computes on this process's CPU threads: the engine
                                        warns when they outnumber the free cores
 =====================================  ======================================================

@@ -5,7 +5,8 @@ A backend says *where and how* a batch of intervention bodies runs — in this p
 vLLM engine, over HTTP to ``pipatch serve``, on NDIF — and names no experiment. What runs is
 a *program* (:mod:`pipatch._programs`): the capture, the patched run, the gradient pass, a
 circuit's runs, each written once. ``backend.run(program, request)`` runs one; a backend
-without the program's capability refuses it in one line.
+that cannot run a program refuses it in one line, read from what the program declares it
+needs (:func:`refusal`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # types only: the seam imports no model code
     from .._model.cells import Base, Metric
     from .._model.models import Adapter
 
-__all__ = ["Backend", "Capabilities", "CORE", "CAPABILITIES", "refuse"]
+__all__ = ["Backend", "Capabilities", "CORE", "CAPABILITIES", "refuse", "refusal"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Capabilities:
         batches what several send).
     plans_together
         A study runs this many facts as one engine chain, their metrics finished together.
+    generates
+        It runs programs that generate tokens after the prompt (none does yet).
     torch_threads
         Its forward passes run on this process's torch CPU threads (the transformers backend on
         a CPU): the engine warns when they outnumber the cores other work leaves free.
@@ -75,6 +78,7 @@ class Capabilities:
     position_flops: int = 0
     plans_in_flight: int = 1
     plans_together: int = 1
+    generates: bool = False
     torch_threads: bool = False
 
     # -- what they mean for one base run and metric (the engine and the backends ask alike) ----
@@ -147,13 +151,22 @@ class Backend(Protocol):
         this backend cannot run is refused in one :class:`~pipatch.PipatchError` line."""
 
 
+def refusal(backend: Any, program: Any, instead: str = "") -> str | None:
+    """The one line a backend refuses ``program`` with, or ``None``
+    (:meth:`~pipatch._programs._program.Program.refusal`: read from the program's declared needs
+    and the backend's :class:`Capabilities`)."""
+    return program.refusal(backend, instead)
+
+
 def refuse(backend: Any, program: Any, why: str = "") -> Exception:
-    """The one line a backend raises for a program it cannot run: which, and what to do."""
+    """The one line a backend raises for a program it cannot run: which, and what to do
+    (:func:`refusal`, else ``why``, else that it has no way to run it)."""
     from .._model.models import PipatchError
 
-    need = f" (it needs {program.needs})" if program.needs else ""
-    return PipatchError(why or f"the {getattr(backend, 'backend_name', type(backend).__name__)} backend cannot run "
-                        f"the {program.name} program{need}: load the model with backend='transformers' (the default)")
+    name = getattr(backend, "backend_name", type(backend).__name__)
+    return PipatchError(why or refusal(backend, program)
+                        or f"the {name} backend has no way to run the {program.name} program: load the model with "
+                           "backend='transformers' (the default)")
 
 
 def _members(cls: type) -> list[str]:

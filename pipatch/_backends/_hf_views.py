@@ -71,6 +71,12 @@ class RowsView(View):
     def unembedding(self) -> Unembedding:
         return Unembedding(self.adapter.unembedding(self.model), self.adapter.softcap)
 
+    def circuit_view(self, rows: int) -> CircuitTraceView:
+        """This trace as a circuit's bodies see it (:class:`CircuitTraceView`), its ``rows`` the
+        run inputs."""
+        dtype = next(torch_module(self.model).parameters()).dtype
+        return CircuitTraceView(self.adapter, self.model, dtype, rows)
+
 
 class PackedView(View):
     """Jobs packed into rows (see the module docstring): job ``j`` is ``pack.spans[j]``, its

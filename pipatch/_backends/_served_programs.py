@@ -1,24 +1,35 @@
 """Programs by name: what a served client sends ``pipatch serve``, and how the server checks it.
 
-A served client (:mod:`.served`) sends no code. A request names one of the vLLM backend's
-request bodies (:data:`PROGRAMS`: the functions of :mod:`._vllm_worker` every experiment
-runs as) and carries its jobs' *data*: per invoke, the token ids and the body's arguments
-(metrics, ops, sites, tensors, numbers), the blocks its invokes skip, and the pipatch
-version and :data:`PROGRAM_FORMAT` it was written with. The server holds the same bodies:
-it checks every field (:func:`decode`: the version, the program's name, each argument's
+A served client (:mod:`.served`) sends no code. A request names a program and carries its
+jobs' *data*: per invoke, the token ids and the program's inputs, the blocks its invokes skip,
+and the pipatch version and :data:`PROGRAM_FORMAT` it was written with.
+
+* **A program with declared inputs** (every program of :data:`pipatch._programs.PROGRAMS` that
+  has :attr:`~pipatch._programs.Program.inputs`, and those of the modules the server's
+  operator names, ``pipatch serve --programs MODULE``): the request names it and its version,
+  and each invoke carries one row of its request, every field encoded by its declared type
+  (:func:`encode_typed`) and decoded and checked by the server from its own copy of the
+  declaration (:func:`decode_typed`): there is no table of argument kinds to keep beside the
+  program. The server runs it as the vLLM backend does in process, through the one generic
+  request body (:func:`~._vllm_worker.program_request`).
+* **The vLLM backend's own request bodies** (:data:`PROGRAMS`: the capture, the patched run
+  and its head-only shortcut, which carry the engine's layout of a sweep — a skip's states, a
+  run's inputs apart): named by function, their arguments checked by kind (:data:`_KINDS`).
+
+The server checks every field (:func:`decode`: the version, the program's name, each field's
 type, token ids within the vocabulary, layers within the model, sites among the model's,
-tensor widths) before anything runs, and then builds the nnsight trace itself from its own
-copy of the body (:func:`build`), as the vLLM backend builds it in process.
+tensor widths) before anything runs, and then builds the nnsight trace itself (:func:`build`),
+as the vLLM backend builds it in process.
 
 The wire format is data only: ``torch.save`` of plain containers (dicts, lists, tuples,
 strings, numbers, booleans, ``None``) and tensors, read by ``torch.load`` with ``weights_only=True``
 and no extra allowed classes, so loading a request builds no object the sender names. Sites
 travel by name (``"resid"``, ``"q_proj"``), an SAE's latent site as data (its description and
 tensors, checked against the model and rebuilt with pipatch's own classes: :mod:`._served_latents`);
-pipatch's own types (:class:`~pipatch._model.cells.Metric`,
-:class:`~pipatch._model.cells.Op`, :class:`~pipatch._programs.circuit.Baselines`) are rebuilt from
-their fields on the server. The adapter (where the model keeps its modules) is the server's
-own: a request never names a module.
+pipatch's own types (:class:`~pipatch._model.cells.Metric`, :class:`~pipatch._model.cells.Op`, a declared
+named tuple or dataclass such as :class:`~pipatch._programs.circuit.Baselines`) are rebuilt
+from their fields on the server. The adapter (where the model keeps its modules) is the
+server's own: a request never names a module.
 
 Failures: a request the server cannot read or that fails a check raises :class:`BadRequest`,
 one line naming the field and the fix (``pipatch serve`` answers it as HTTP 400; over the
@@ -29,10 +40,14 @@ line, before anything is sent.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
+import math
 import re
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,16 +57,15 @@ from .._model.cells import Metric, Op
 from .._model.features.site import LatentSite
 from .._model.models import Adapter, PipatchError
 from .._model.sites import EMBED, LOGITS, MLP_IN, SITES, Site, projection
-from .._programs.circuit import Baselines
+from .._programs import PROGRAMS as PROGRAMS_BY_NAME
+from .._programs._inputs import Floats, _Layer, _Position, _TokenIds, declared
 from ._served_latents import decode_latent, encode_latent
 from ._vllm_engine import INVOKES_PER_REQUEST, SAMPLING
 from ._vllm_worker import (
     capture_request,
-    circuit_baselines_request,
-    circuit_request,
     head_request,
-    lens_request,
     patch_request,
+    program_request,
 )
 from ._wire import Limits
 
@@ -60,7 +74,7 @@ __all__ = ["PROGRAM_FORMAT", "PROGRAMS", "BadRequest", "OverLimit", "Bounds", "P
 
 #: The version of this request format: a client and a server of one pipatch version share it;
 #: it changes whenever what a request carries does.
-PROGRAM_FORMAT = 2
+PROGRAM_FORMAT = 3
 
 #: Metric names a request may carry (:class:`~pipatch._model.cells.Metric`).
 _METRIC_NAMES = ("logit_diff", "prob", "logprob", "logprob_diff", "rank")
@@ -299,16 +313,169 @@ def _decode_skip(value: Any, what: str, bounds: Bounds) -> tuple | None:
             _tensor(value["state"], f"{what}.state", bounds, dims=(2,), width=True), value["pairs"])
 
 
-def _encode_baselines(means: Baselines | None) -> dict | None:
-    return None if means is None else means._asdict()
+# --------------------------------------------------------------------------------------------
+# A program's declared inputs: each field encoded and checked by its declared type
+# --------------------------------------------------------------------------------------------
+
+#: Items a list of a request may hold (a batch's ops, a site list, a mask's rows...).
+_MOST_ITEMS = 4096
 
 
-def _decode_baselines(value: Any, what: str, bounds: Bounds) -> Baselines | None:
-    if value is None:
-        return None
-    if type(value) is not dict or set(value) != set(Baselines._fields):
-        raise _bad(what, value, f"baselines {{{', '.join(Baselines._fields)}}}")
-    return Baselines(**{name: _tensor(value[name], f"{what}.{name}", bounds, dims=(3, 4)) for name in Baselines._fields})
+def _unannotated(hint: Any) -> tuple[Any, tuple]:
+    """``hint`` without ``Annotated``, and its markers."""
+    if typing.get_origin(hint) is typing.Annotated:
+        base, *marks = typing.get_args(hint)
+        return base, tuple(marks)
+    return hint, ()
+
+
+def _optional(hint: Any) -> Any | None:
+    """``X`` for ``X | None`` (``Optional[X]``), else ``None``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(hint)) == 2:
+            return args[0]
+    return None
+
+
+def _fields_of(base: Any) -> dict[str, Any] | None:
+    """The declared fields of a dataclass or named tuple type, else ``None``."""
+    if isinstance(base, type) and (dataclasses.is_dataclass(base) or (issubclass(base, tuple) and hasattr(base, "_fields"))):
+        return declared(base)
+    return None
+
+
+def encode_typed(value: Any, hint: Any, sites: dict[str, Site]) -> Any:
+    """``value`` as plain data for the wire, by its declared type ``hint``
+    (:mod:`pipatch._programs._inputs`): pipatch's types as their fields, sites by name (an
+    SAE's latent site as its description), tensors on the CPU."""
+    base, _ = _unannotated(hint)
+    inner = _optional(base)
+    if inner is not None:
+        return None if value is None else encode_typed(value, inner, sites)
+    origin = typing.get_origin(base)
+    if base is torch.Tensor:
+        return value.detach().cpu()
+    if base in (int, float, bool, str):
+        return value
+    if base is Metric:
+        return _encode_metric(value)
+    if base is Op:
+        return _encode_ops([value], sites)[0]
+    if isinstance(base, type) and issubclass(base, Site):
+        return _encode_site(value, sites)
+    if origin in (list, Sequence):
+        (item,) = typing.get_args(base)
+        return [encode_typed(v, item, sites) for v in value]
+    if origin is tuple:
+        args = typing.get_args(base)
+        items = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        return tuple(encode_typed(v, h, sites) for v, h in zip(value, items, strict=True))
+    fields = _fields_of(base)
+    if fields is not None:
+        return {name: encode_typed(getattr(value, name), h, sites) for name, h in fields.items()}
+    raise PipatchError(f"a program's input of type {base!r} cannot travel to a server: declare its fields with "
+                       "tensors, numbers, strings, metrics, ops, sites, lists, tuples, named tuples or dataclasses")
+
+
+def decode_typed(value: Any, hint: Any, what: str, bounds: Bounds) -> Any:
+    """The value ``value`` (as sent) stands for, checked against its declared type ``hint`` and
+    the model's ``bounds``; :class:`BadRequest` (one line naming ``what``) where it does not fit."""
+    base, marks = _unannotated(hint)
+    inner = _optional(base)
+    if inner is not None:
+        return None if value is None else decode_typed(value, inner, what, bounds)
+    origin = typing.get_origin(base)
+    if base is torch.Tensor:
+        floats = next((m for m in marks if isinstance(m, Floats)), Floats())
+        if any(isinstance(m, _TokenIds) for m in marks):
+            return torch.tensor([_token_ids(row, f"{what}[{i}]", bounds, bounds.max_len)
+                                 for i, row in enumerate(_list(value, what, _MOST_ITEMS))])
+        dtypes = (torch.bool, *_FLOATS) if floats.masks else _FLOATS
+        return _tensor(value, what, bounds, dims=floats.dims or (1, 2, 3, 4, 5, 6), width=floats.width, dtypes=dtypes)
+    if base is bool:
+        return _bool(value, what)
+    if base is int:
+        if any(isinstance(m, _Layer) for m in marks):
+            return _int(value, what, 0, bounds.n_layers)
+        if any(isinstance(m, _Position) for m in marks):
+            return _int(value, what, -bounds.max_len, bounds.max_len)
+        return _int(value, what, -2**31, 2**31)
+    if base is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise _bad(what, value, "a finite number")
+        return float(value)
+    if base is str:
+        if type(value) is not str or re.fullmatch(r"[^\x00-\x1f\x7f-\x9f]{0,200}", value) is None:
+            raise _bad(what, value, "a line of at most 200 printable characters")
+        return value
+    if base is Metric:
+        return _decode_metric(value, what, bounds)
+    if base is Op:
+        return _decode_ops([value], what, bounds)[0]
+    if isinstance(base, type) and issubclass(base, Site):
+        return _decode_site(value, what, bounds)
+    if origin in (list, Sequence):
+        (item,) = typing.get_args(base)
+        return [decode_typed(v, item, f"{what}[{i}]", bounds) for i, v in enumerate(_list(value, what, _MOST_ITEMS))]
+    if origin is tuple:
+        args = typing.get_args(base)
+        if type(value) is not tuple:
+            raise _bad(what, value, "a tuple")
+        items = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(items) != len(value) or len(value) > _MOST_ITEMS:
+            raise _bad(what, value, f"a tuple of {len(items)}")
+        return tuple(decode_typed(v, h, f"{what}[{i}]", bounds) for i, (v, h) in enumerate(zip(value, items)))
+    fields = _fields_of(base)
+    if fields is not None:
+        if type(value) is not dict or set(value) != set(fields):
+            raise _bad(what, value, f"{base.__name__} {{{', '.join(fields)}}}")
+        return base(**{name: decode_typed(value[name], h, f"{what}.{name}", bounds) for name, h in fields.items()})
+    raise BadRequest(f"{what} is declared as {base!r}, which no request carries: this server's program differs from "
+                     "the client's; install the same pipatch and programs on both sides")
+
+
+def _encode_program(name: str, jobs: list[tuple[list[int], tuple]], sites: dict[str, Site]) -> tuple[int, list]:
+    """A program's jobs (``(ids, (adapter, name, request))``, one row each) on the wire: each
+    ``(ids, fields)``, its fields but ``ids`` encoded by their declared types; and the
+    program's version."""
+    program = PROGRAMS_BY_NAME.get(name)
+    if program is None or program.inputs is None:
+        raise PipatchError(f"{name} is no program with declared inputs: register it (pipatch._programs.register_program)")
+    hints = {n: h for n, h in declared(program.inputs).items() if n != "ids"}
+    wire = [(list(ids), {n: encode_typed(getattr(args[2], n), h, sites) for n, h in hints.items()}) for ids, args in jobs]
+    return program.version, wire
+
+
+def _decode_program(name: str, version: Any, jobs: Any, bounds: Bounds) -> list[tuple[list[int], tuple]]:
+    """The checked jobs of program ``name`` (a program this server runs: :data:`PROGRAMS_BY_NAME`,
+    the built-in ones and those of the modules its operator named), each ``(ids, (name,
+    request))``, its request rebuilt from the program's own declared inputs."""
+    program = PROGRAMS_BY_NAME[name]
+    inputs = program.inputs
+    assert inputs is not None  # served_programs() lists programs with declared inputs only
+    if version != program.version:
+        raise BadRequest(f"this server runs the {name} program version {program.version}, the request is for version "
+                         f"{str(version)[:10]}: install the same program on both sides")
+    hints = {n: h for n, h in declared(inputs).items() if n != "ids"}
+    decoded = []
+    for i, job in enumerate(_list(jobs, "jobs", INVOKES_PER_REQUEST)):
+        if type(job) is not tuple or len(job) != 2:
+            raise _bad(f"jobs[{i}]", job, "(token ids, fields)")
+        ids = _token_ids(job[0], f"jobs[{i}] token ids", bounds, bounds.max_len - 1)
+        fields = job[1]
+        if type(fields) is not dict or set(fields) != set(hints):
+            raise _bad(f"jobs[{i}] fields", fields, f"{name}'s fields {{{', '.join(hints)}}}")
+        request = inputs(ids=torch.tensor([ids]), **{n: decode_typed(fields[n], h, f"jobs[{i}] {n}", bounds)
+                                                     for n, h in hints.items()})
+        decoded.append((ids, (name, request)))
+    return decoded
+
+
+def served_programs() -> dict[str, int]:
+    """The programs this process runs by name with declared inputs, and their versions (a
+    server's info lists them: a client checks its program is there before sending it)."""
+    return {name: program.version for name, program in sorted(PROGRAMS_BY_NAME.items()) if program.inputs is not None}
 
 
 def _kind(encode: Callable[..., Any], decode: Callable[[Any, str, Bounds], Any]) -> tuple:
@@ -328,12 +495,6 @@ _KINDS: dict[str, tuple] = {
     "flag": _kind(_same, lambda v, what, b: _bool(v, what)),
     "skip": _kind(lambda s, _: _encode_skip(s), _decode_skip),
     "states": _kind(_same, lambda v, what, b: _tensor(v, what, b, dims=(3,), width=True)),
-    "positions": _kind(lambda p, _: [int(i) for i in p],
-                       lambda v, what, b: [_int(i, f"{what} item", -b.max_len, b.max_len)
-                                           for i in _list(v, what, b.max_len)]),
-    "mask": _kind(_same, lambda v, what, b: _tensor(v, what, b, dims=(3,), dtypes=(torch.bool, *_FLOATS))),
-    "embedded": _kind(_same, lambda v, what, b: _tensor(v, what, b, dims=(3,), width=True)),
-    "means": _kind(lambda m, _: _encode_baselines(m), _decode_baselines),
 }
 
 
@@ -343,14 +504,12 @@ class _Program:
     kinds: tuple[str, ...]  # its arguments after the model and the adapter
 
 
-#: The request bodies a client may name (:mod:`._vllm_worker`), with their arguments' kinds.
+#: The vLLM backend's own request bodies a client may name (:mod:`._vllm_worker`), with their
+#: arguments' kinds. (Every other program is named as itself, its inputs declared.)
 PROGRAMS: dict[str, _Program] = {body.__name__: _Program(body, kinds) for body, kinds in (
     (capture_request, ("metric", "sites", "ops", "prompt")),
     (patch_request, ("metric", "ops", "flag", "skip")),
     (head_request, ("metric", "states")),
-    (lens_request, ("metric", "positions")),
-    (circuit_baselines_request, ()),
-    (circuit_request, ("metric", "mask", "embedded", "means")),
 )}
 
 
@@ -363,17 +522,23 @@ def encode(body: Callable[..., Any], jobs: list[tuple[list[int], tuple]], skip: 
     """The request for ``body(model, *args)`` on each job ``(ids, args)`` (``args`` starting
     with ``adapter``, which stays here), whose invokes skip ``skip`` blocks. Raises
     :class:`~pipatch.PipatchError` for a body or a site no server knows by name."""
-    program = PROGRAMS.get(body.__name__)
-    if program is None or program.body is not body:
-        raise PipatchError(f"{body.__name__} is no program a pipatch server runs: run it on a model in this process")
     sites = sites_of(adapter)
-    wire = []
-    for ids, args in jobs:
-        rest = args[1:]  # the adapter: the server uses its own
-        wire.append((list(ids), [_KINDS[kind][0](arg, sites) for kind, arg in zip(program.kinds, rest, strict=True)]))
+    if body is program_request:  # a program with declared inputs: named, its fields by their types
+        name = jobs[0][1][1] if jobs else ""
+        if any(args[1] != name for _, args in jobs):
+            raise PipatchError("one request runs one program: send each program's jobs apart")
+        version, wire = _encode_program(name, jobs, sites)
+    else:
+        program = PROGRAMS.get(body.__name__)
+        if program is None or program.body is not body:
+            raise PipatchError(f"{body.__name__} is no program a pipatch server runs: run it on a model in this process")
+        name, version, wire = body.__name__, 1, []
+        for ids, args in jobs:
+            rest = args[1:]  # the adapter: the server uses its own
+            wire.append((list(ids), [_KINDS[kind][0](arg, sites) for kind, arg in zip(program.kinds, rest, strict=True)]))
     buffer = io.BytesIO()
-    torch.save({"pipatch": pipatch_version(), "format": PROGRAM_FORMAT, "program": body.__name__, "skip": skip,
-                "jobs": wire}, buffer)
+    torch.save({"pipatch": pipatch_version(), "format": PROGRAM_FORMAT, "program": name, "version": version,
+                "skip": skip, "jobs": wire}, buffer)
     return buffer.getvalue()
 
 
@@ -387,19 +552,30 @@ def decode(blob: bytes, bounds: Bounds) -> ProgramRequest:
         reason = (said.splitlines() or [type(error).__name__])[0].split(". ")[0][:120]
         raise BadRequest(f"the request is no pipatch program request ({reason}): send it from pipatch's served "
                          "backend (load_model(..., serve=URL))") from None
-    if type(sent) is not dict or set(sent) != {"pipatch", "format", "program", "skip", "jobs"}:
-        raise _bad("the request", sent, "a program request {pipatch, format, program, skip, jobs}")
+    if type(sent) is not dict or set(sent) != {"pipatch", "format", "program", "version", "skip", "jobs"}:
+        raise _bad("the request", sent, "a program request {pipatch, format, program, version, skip, jobs}")
     mine = (pipatch_version(), PROGRAM_FORMAT)
     if (sent["pipatch"], sent["format"]) != mine:
         raise BadRequest(f"this server runs pipatch {mine[0]} (program format {mine[1]}), the request comes from "
                          f"pipatch {str(sent['pipatch'])[:40]} (program format {str(sent['format'])[:10]}): "
                          "install the same pipatch version on both sides")
-    program = PROGRAMS.get(sent["program"]) if type(sent["program"]) is str else None
-    if program is None:
-        raise BadRequest(f"unknown program {str(sent['program'])[:60]!r}: this server runs {', '.join(PROGRAMS)}")
+    name = sent["program"] if type(sent["program"]) is str else None
+    program = PROGRAMS.get(name) if name is not None else None
+    if program is None and name not in served_programs():
+        raise BadRequest(f"unknown program {str(sent['program'])[:60]!r}: this server runs "
+                         f"{', '.join([*PROGRAMS, *served_programs()])} (pipatch serve --programs MODULE adds a module's)")
     skip = _int(sent["skip"], "skip", 0, bounds.n_layers + 1)
     if bounds.limits is not None:
         _check_limits(sent["jobs"], bounds)
+    if program is None:  # a program with declared inputs
+        assert name is not None  # served_programs() has it
+        if skip:
+            raise BadRequest(f"the request skips {skip} blocks but its invokes skip none: send requests from "
+                             "pipatch's served backend of this version")
+        jobs = _decode_program(name, sent["version"], sent["jobs"], bounds)
+        if not jobs:
+            raise BadRequest("the request has no jobs: send at least one invoke")
+        return ProgramRequest(name, program_request, 0, jobs)
     jobs = []
     for i, job in enumerate(_list(sent["jobs"], "jobs", INVOKES_PER_REQUEST)):
         if type(job) is not tuple or len(job) != 2:

@@ -33,22 +33,22 @@ from .._compat.nnsight import name_worker_tree, torch_module
 from .._model.cells import Metric, Op
 from .._model.models import TREE_ID, Adapter, _get, first
 from .._model.sites import Place, Site, TensorPlace
-from .._programs._program import View
+from .._programs._inputs import moved
+from .._programs._program import PROGRAMS, View
 from .._programs.capture import capture_body
 from .._programs.circuit import (
     Baselines,
     CircuitView,
     Ungrouped,
-    baselines_body,
-    circuit_run_body,
     returning,
     widened,
 )
-from .._programs.lens import LensOut, lens_body
+from .._programs.lens import LensOut
 from .._programs.patch import patch_body
 
 __all__ = ["RequestView", "RequestCircuitView", "PairPlace", "CaptureOut", "PatchOut", "ANSWERS", "capture_request",
-           "patch_request", "head_request", "lens_request", "EngineHead", "circuit_baselines_request", "circuit_request", "register_tree", "TREE_ID"]
+           "patch_request", "head_request", "EngineHead", "register_tree", "TREE_ID",
+           "program_request"]
 
 
 class PairPlace:
@@ -139,6 +139,11 @@ class RequestView(View):
     def unembedding(self) -> EngineHead:
         return EngineHead(torch_module(self.model))
 
+    def circuit_view(self, rows: int) -> RequestCircuitView:
+        """This request as a circuit's bodies see it (:class:`RequestCircuitView`): one run input."""
+        assert rows == 1, "a vLLM request is one sequence"
+        return RequestCircuitView(self.adapter, self.model)
+
 
 class EngineHead:
     """The engine module's own ``compute_logits`` (soft-capping included) as a lens read's
@@ -217,10 +222,28 @@ def patch_request(model: Any, adapter: Adapter, metric: Metric, ops: list[Op], f
     return PatchOut(out.cpu(), [read.cpu() for read in reads])
 
 
-def lens_request(model: Any, adapter: Adapter, metric: Metric, positions: list[int]) -> LensOut:
-    """One request of the lens read (:func:`~pipatch._programs.lens.lens_body`): the prompt's
-    run, every block's output at ``positions`` read through the engine's own head."""
-    return lens_body(RequestView(adapter, model), metric, positions)
+def program_request(model: Any, adapter: Adapter, name: str, request: Any) -> Any:
+    """One request of any program with declared inputs (:data:`~pipatch._programs.PROGRAMS`,
+    by ``name``: the worker's own registry): its body on this request's :class:`RequestView`,
+    the request's tensors on the engine's device; its output on the CPU."""
+    program = PROGRAMS.get(name)
+    if program is None or program.inputs is None:
+        raise RuntimeError(f"pipatch: this engine's worker has no program {name!r} with declared inputs")
+    device = next(torch_module(model).parameters()).device
+    return _on_cpu(program.body(RequestView(adapter, model, prompt=int(request.ids.shape[1])), moved(request, device)))
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value``'s tensors on the CPU, through lists, tuples (named too) and dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_on_cpu(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
 
 
 def _block_input(adapter: Adapter, model: Any) -> torch.Tensor:
@@ -309,6 +332,11 @@ class RequestCircuitView(CircuitView):
 
     def __init__(self, adapter: Adapter, model: Any):
         self.adapter, self.model = adapter, model
+
+    def carried(self, value: torch.Tensor) -> torch.Tensor:
+        """A request's tensor on the engine, in its dtype, then float32 (as the engine's own
+        values are read)."""
+        return _on_engine(torch_module(self.model), value).float()
 
     def _block(self, layer: int) -> Any:
         return self.adapter.block(self.model, layer)
@@ -432,21 +460,6 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, heads:
         seen &= at - to < window
     out = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
     return out.transpose(1, 2).reshape(rows * T, -1)
-
-
-def circuit_baselines_request(model: Any, adapter: Adapter) -> Baselines:
-    """One request of :data:`~pipatch._programs.circuit.CIRCUIT_BASELINES`: its run input's
-    baselines, ``[1, ...]`` each, on the CPU."""
-    return Baselines(*(value.cpu() for value in baselines_body(RequestCircuitView(adapter, model))))
-
-
-def circuit_request(model: Any, adapter: Adapter, metric: Metric, keep: torch.Tensor, embedded: torch.Tensor,
-                    means: Baselines | None) -> torch.Tensor:
-    """One request of :data:`~pipatch._programs.circuit.CIRCUIT_RUN`: every mask of ``keep``
-    ([P, receivers, senders]) on this request's run input, whose clean run's embedding output
-    is ``embedded`` ([1, T, d]); the metric's pieces ``[P, n_read, n_sequences]`` on the CPU."""
-    embedded = _on_engine(torch_module(model), embedded).float()
-    return circuit_run_body(RequestCircuitView(adapter, model), metric, keep, embedded, means).cpu()
 
 
 def _compute_logits(worker: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,21 +8,27 @@ NDIF, rebuilds it with every module but torch, numpy, transformers, accelerate, 
 einops, peft and nnsight hidden, and runs it on the weights in this process. A run that passes
 there is what NDIF would be sent, and what it could rebuild.
 
-What is shipped. A request is one trace whose body is a pipatch function of this module
-(:func:`_capture_remote`, :func:`_patch_remote`, :func:`_lens_remote`) called on the model and a cell batch's small data:
-its ops (a position's donor slice, a seed's noise draw), the family's adapter and the metric.
-NDIF has no pipatch installed, so pipatch registers itself with ``nnsight.register``: the
-functions and classes a body reaches travel by value (cloudpickle), with the request. What
+What is shipped. A request is one trace. For every program that declares its inputs (the
+lens, attribution's gradients, a circuit's edge terms and runs, a feature circuit's node
+gradients and edge pull-backs, a program of your own) it is the transformers backend's one
+trace for programs, sent as it is (:meth:`~.transformers.TransformersBackend._run_program`):
+the program's body on the model and the request's data, the program's module shipped by value
+too. The capture and the patched runs are pipatch functions of this module
+(:func:`_capture_remote`, :func:`_patch_remote`) called on the model and a cell batch's small
+data: its ops (a position's donor slice, a seed's noise draw), the family's adapter and the
+metric. NDIF has no pipatch installed, so pipatch registers itself with ``nnsight.register``:
+the functions and classes a body reaches travel by value (cloudpickle), with the request. What
 comes back is what the body returns: the metric per cell (computed on the server from the
-logits, so no 262k-wide logits travel), and the values recording ops read.
+logits, so no 262k-wide logits travel), the values recording ops read, a circuit's gradients.
 
 How a sweep runs. One :meth:`NDIFBackend.run` is one request of one batched invoke, the
 transformers backend's ``fast=False`` forward (every block, every position): the shortcuts of
 the local backend read the base run's cached states and key/value cache *between* traces, which a
 remote service does not keep, so the engine gets no hints (:class:`~._contract.Hints`'
 defaults). The live grid fills per request, and Stop and Kernel ▸ Interrupt land between
-requests. Attribution's forward and backward are one request too (remote gradients, with the
-embedding's leaf set to ``requires_grad`` explicitly, as NDIF asks).
+requests. A program's backward pass runs in its request (remote gradients, with the
+embedding's leaf set to ``requires_grad`` explicitly, as NDIF asks): attribution's is one
+request, a circuit's scores one per interpolation point, a feature circuit's one per pass.
 
 The checks before any request (:func:`check_service`), one line each: no API key
 (``NDIF_API_KEY`` or nnsight's config), the service unreachable, a model it does not host,
@@ -45,9 +51,6 @@ from .._model.cells import Base, Capture, Cell, Metric, Op
 from .._model.models import Adapter, PipatchError, adapter_for, first
 from .._model.sites import RESID, Site
 from .._programs.capture import CAPTURE, capture_body
-from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS
-from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
-from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import PATCH, PatchRequest, patch_body
 from ._contract import Capabilities
 from ._hf_views import RowsView
@@ -79,28 +82,14 @@ class NDIFBackend(TransformersBackend):
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:
-        """Gradients, and the work of a position through a block, so the engine sizes batches
-        as for the same model in this process: a sweep is as many requests as the
-        transformers backend's ``fast=False`` has traces, each the same batch."""
-        return Capabilities(gradients=True, position_flops=self.position_flops)
+        """Gradients and a circuit's runs (their bodies run in the request, the model's modules
+        called through its envoys there), and the work of a position through a block, so the
+        engine sizes batches as for the same model in this process: a sweep is as many
+        requests as the transformers backend's ``fast=False`` has traces, each the same batch."""
+        return Capabilities(gradients=True, circuit_runs=True, position_flops=self.position_flops)
 
     def _routines(self) -> dict[str, Any]:
-        return {CAPTURE.name: self._capture, PATCH.name: self._patch, GRADIENTS.name: self._gradients,
-                LENS.name: self._lens}
-
-    def _circuit_routines(self) -> dict[str, Any]:
-        return {}
-
-    def run(self, program: Any, request: Any) -> Any:
-        if program is EDGE_TERMS:
-            raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a "
-                               "remote model does not offer: score it on a local model (pipatch.load_model(name)) and "
-                               "check those here, pipatch.circuit(..., scores=result)")
-        if program in (CIRCUIT_RUN, CIRCUIT_BASELINES):
-            raise PipatchError("a circuit's runs feed each receiver its own input through local module calls, which a remote "
-                               "model does not offer: measure the curve on a local model (pipatch.load_model(name)), "
-                               "or pass curve=0")
-        return super().run(program, request)
+        return {CAPTURE.name: self._capture, PATCH.name: self._patch}
 
     @property
     def device(self) -> torch.device:
@@ -126,13 +115,6 @@ class NDIFBackend(TransformersBackend):
         values[RESID.name] = blocks
         return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k)
 
-    def _lens(self, request: LensRequest) -> LensOut:
-        """The lens read as one request (:func:`_lens_remote`): the service reads every
-        block's output and unembeds it; the metric per (layer, position) and the states come back."""
-        metric = request.metric
-        return self._request(metric.inputs(request.input_ids).cpu(), _lens_remote,
-                             (self.adapter, metric, list(request.positions)), metric.n_read)
-
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as one request of one batched invoke: every block at every position; with
         ``fast``, only the unembedding rows the metric reads. Returns what the transformers
@@ -149,17 +131,6 @@ class NDIFBackend(TransformersBackend):
                                   keyword=True)
         return out.float(), read
 
-    def _gradients(self, request: GradientRequest) -> tuple[list[Any], list[Any], Any]:
-        """The gradient pass as one request: the forward and the backward run on the service."""
-        import nnsight
-
-        model, adapter, metric = self.model, self.adapter, request.metric
-        ids = metric.inputs(request.input_ids).cpu()
-        with _remote_errors(), torch.enable_grad(), model.trace(ids, **self._sent(), **adapter.trace_kwargs(metric.n_read)):
-            out = nnsight.save(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1],
-                                                   [op.compact() for op in request.ops]))
-        return out
-
     # -- the requests -------------------------------------------------------------------------
     def _request(self, ids: torch.Tensor, body: Any, args: tuple, n_read: int, *, keyword: bool = False) -> Any:
         """``body(model, *args)`` in one request on the batch ``ids``; what it returned.
@@ -175,6 +146,17 @@ class NDIFBackend(TransformersBackend):
         with _remote_errors(), torch.no_grad(), model.trace(*inputs, **extra, **self._sent()):
             out = nnsight.save(body(model, *args))
         return out
+
+    def _ship(self, program: Any) -> None:
+        """NDIF has only what a request carries: the modules of the program's body and inputs
+        travel by value (``nnsight.register``; pipatch's own always do)."""
+        import nnsight
+
+        for module in {program.body.__module__, getattr(program.inputs, "__module__", "pipatch")}:
+            nnsight.register(module.split(".")[0])
+
+    def _transport_errors(self) -> Any:
+        return _remote_errors()
 
     def _sent(self) -> dict[str, Any]:
         """``model.trace``'s arguments that send the trace as a request (counted; with
@@ -334,11 +316,6 @@ def _capture_remote(model: Any, adapter: Adapter, metric: Metric, keep: list[Sit
         return blocks, values, _from_states(model, adapter, metric, n_runs), None, embedded
     logits = model.output.logits[:, -m:].float().reshape(n_runs, k, m, -1)
     return blocks, values, metric.score(logits), metric.answer_prob(logits), embedded
-
-
-def _lens_remote(model: Any, adapter: Adapter, metric: Metric, positions: list[int]) -> LensOut:
-    """The lens read (:func:`~pipatch._programs.lens.lens_body`) as a request's body."""
-    return lens_body(RowsView(adapter, model), metric, positions)
 
 
 def _patch_remote(model: Any, adapter: Adapter, metric: Metric, jobs: list[list[Op]], full_logits: bool,

@@ -19,15 +19,18 @@ differs, in :meth:`ServedBackend._invokes`:
   invokes skip (:data:`~pipatch._serving.serve.SKIP_HEADER`), and the server lets requests into its
   engine together only where they skip as many (nnsight's batched skip has to cover every
   request of a step; ``pipatch serve``'s rooms, first come first served).
-* **What travels: programs by name, no code.** A request names the invoke body (one of the
-  vLLM backend's request bodies, :data:`~._served_programs.PROGRAMS`) and carries its jobs'
-  data: token ids, the metric, the ops (sites by name, indices, values: a cell's donor slices
-  and noise draw, a few KB), the skipped blocks' states, the pipatch version and program
-  format (:mod:`._served_programs`; data only, ``torch.save`` of plain containers and
-  tensors). An SAE's latent site travels as data too: its description and tensors, which the
-  server checks against its model and rebuilds with pipatch's own classes. The server checks
-  every field and builds the trace from its own copy of the body, so a site it cannot name
-  (a site of your own) is refused here, in one line. The answer is nnsight's ``torch.save``
+* **What travels: programs by name, no code.** A request names a program and carries its
+  jobs' data: a program with declared inputs (the lens, a circuit's runs, a program of your
+  own whose module the server's operator named with ``--programs``) as its name, its version
+  and each row's fields encoded by their declared types; the vLLM backend's own capture and
+  patched-run bodies by name with their arguments (the metric, the ops — sites by name,
+  indices, values: a cell's donor slices and noise draw, a few KB — the skipped blocks'
+  states); the pipatch version and program format (:mod:`._served_programs`; data only,
+  ``torch.save`` of plain containers and tensors). An SAE's latent site travels as data too: its
+  description and tensors, which the server checks against its model and rebuilds with
+  pipatch's own classes. The server checks every field and builds the trace from its own copy
+  of the program, so a site it cannot name (a site of your own) is refused here, in one line,
+  and so is a program it does not run (its info lists those it does). The answer is nnsight's ``torch.save``
   of the saved values, read with ``weights_only=True``: connect only to servers you trust
   (the ``api_key`` says who may send requests; over ``https://`` the server's certificate is
   checked, against ``verify=``'s CA file where given).
@@ -64,6 +67,7 @@ import torch
 
 from .._base.known import known, remember
 from .._model.models import EMBEDDED_NAME, PipatchError, _resolve_dtype
+from .._programs import PROGRAMS
 from ._contract import Capabilities
 from ._served_programs import check_versions, encode
 from ._vllm_engine import INVOKES_PER_REQUEST, vllm_adapter
@@ -153,7 +157,8 @@ class Server:
         # answer with (ANSWERS); no other object the server names is ever built.
         # torch's safe_globals adds to one process-wide list and removes on exit: two threads'
         # loads (generate_all) would each remove the other's, so they take turns.
-        with _ALLOWING, torch.serialization.safe_globals(list(ANSWERS)):  # for this load only
+        allowed: list[Any] = [*ANSWERS, *(kind for program in PROGRAMS.values() for kind in program.answers)]
+        with _ALLOWING, torch.serialization.safe_globals(allowed):  # for this load only
             answer = torch.load(io.BytesIO(response.content), map_location="cpu", weights_only=True)
         try:
             raise_deferred(answer.get("error"))
@@ -248,6 +253,19 @@ class ServedBackend(VLLMBackend):
 
     def meta(self) -> dict[str, Any]:
         return {**super().meta(), "server": self.server.url}
+
+    def _run_program(self, program: Any, request: Any) -> Any:
+        """The vLLM backend's one path for any program (:meth:`VLLMBackend._run_program`), its
+        requests naming the program and carrying its declared inputs: first, one line where the
+        server does not run it (a program of your own runs on a server whose operator named
+        its module)."""
+        theirs = (self.server.info.get("programs") or {}).get(program.name)
+        if theirs != program.version:
+            runs = f"runs version {theirs} of" if theirs is not None else "does not run"
+            raise PipatchError(f"the server at {self.server.url} {runs} the {program.name} program (this client: version "
+                               f"{program.version}): start it with `pipatch serve --programs {program.body.__module__}` "
+                               "(the module on its PYTHONPATH), or run it on a model in this process")
+        return super()._run_program(program, request)
 
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:
         """The jobs as program requests of up to :data:`INVOKES_PER_REQUEST` invokes, all sent

@@ -34,7 +34,11 @@ Four exact shortcuts, used when the engine asks for ``fast=True`` (tests compare
   invoke reads the unembedding's *input* at those positions and skips the unembedding;
   :class:`~._unembedding.Unembedding` computes just the rows the metric reads.
 
-This module runs the traces; :mod:`._packing` lays packed traces out (rows, masks, caches)
+Every program that declares its inputs (the lens, gradients, a circuit's and a feature
+circuit's programs, one of your own) runs through one path, :meth:`TransformersBackend._run_program`:
+its body in one trace of its runs through a :class:`~._hf_views.RowsView`; the capture, the
+patched runs and their pooled metrics keep their routines here, where the shortcuts above
+live. This module runs the traces; :mod:`._packing` lays packed traces out (rows, masks, caches)
 and :mod:`._unembedding` holds the arithmetic after them. The engine reads the shortcuts
 through :class:`TransformersHints`. Base ops (causal tracing's noise at
 :data:`~pipatch._model.sites.EMBED`) are applied as cells' writes are, in the same op loop.
@@ -42,6 +46,7 @@ through :class:`TransformersHints`. Base ops (causal tracing's noise at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -56,27 +61,13 @@ from .._compat import transformers as transformers_compat
 from .._model.cells import Base, Capture, Cell, Metric, Op
 from .._model.models import Adapter, _get, adapter_for, dispatched, first
 from .._model.sites import RESID, Site
-from .._programs._edges import check_circuit_family
+from .._programs._inputs import moved
 from .._programs._program import Program
 from .._programs.capture import CAPTURE, CaptureRequest, capture_body
-from .._programs.circuit import (
-    CIRCUIT_BASELINES,
-    CIRCUIT_RUN,
-    EDGE_TERMS,
-    Baselines,
-    CircuitRunRequest,
-    EdgeTermsRequest,
-    baselines_body,
-    circuit_run_body,
-    edge_terms_body,
-)
-from .._programs.feature_terms import EDGE_PULLBACKS, NODE_GRADIENTS, edge_pullbacks_body, node_gradients_body
-from .._programs.gradients import GRADIENTS, GradientRequest, gradients_body
-from .._programs.lens import LENS, LensOut, LensRequest, lens_body
 from .._programs.patch import METRICS, PATCH, PatchRequest, patch_body
 from ._contract import Capabilities, refuse
 from ._described import Described
-from ._hf_views import CircuitTraceView, PackedView, RowsView
+from ._hf_views import PackedView, RowsView
 from ._packing import NO_BOUND, PACK_TOKENS, ROW_TOKENS, Packed, layout, with_hidden
 from ._unembedding import Unembedding, unembedding_input
 
@@ -181,19 +172,48 @@ class TransformersBackend(Described):
             position_flops=self.position_flops, plans_together=PLANS_TOGETHER, torch_threads=self.device.type == "cpu")
 
     def run(self, program: Program, request: Any) -> Any:
-        """Run ``program`` on ``request`` in this process (:meth:`_routines`)."""
+        """Run ``program`` on ``request`` in this process: through :meth:`_run_program` where it
+        declares its inputs, else its routine (:meth:`_routines`)."""
         routine = self._routines().get(program.name)
-        if routine is None:
+        if program.refusal(self) is not None or (routine is None and program.inputs is None):
             raise refuse(self, program)
         self.log.add("program", name=program.name)
-        return routine(request)
+        return routine(request) if routine is not None else self._run_program(program, request)
+
+    def _run_program(self, program: Program, request: Any) -> Any:
+        """Any program with declared inputs, the one path: its body in one trace of
+        ``request.ids`` (one run per batch row) through a :class:`~._hf_views.RowsView`,
+        with gradients where it needs a backward pass, the logits of the positions it reads
+        only. The NDIF backend sends this very trace (:meth:`_sent`)."""
+        import nnsight
+
+        model, adapter = self.model, self.adapter
+        request = moved(request, self.device)
+        grad = torch.enable_grad() if program.needs.backward else torch.no_grad()
+        # The logits of the last positions it reads: its needs', or its request's metric's.
+        metric = getattr(request, "metric", None)
+        kwargs = {**adapter.trace_kwargs(max(1, program.needs.logits, getattr(metric, "n_read", 0))), "use_cache": False}
+        self.log.add("forward", program=program.name, rows=int(request.ids.shape[0]), positions=int(request.ids.shape[1]))
+        self._ship(program)
+        with self._transport_errors(), grad, model.trace(request.ids, **kwargs, **self._sent()) as tracer:
+            out = nnsight.save(program.body(RowsView(adapter, model), request))
+            tracer.stop()  # the body has read all it reads: the forward need not go on
+        return out
+
+    # -- what a trace sends (nothing here: the NDIF backend sends it) ---------------------------
+    def _sent(self) -> dict[str, Any]:
+        """``model.trace``'s extra arguments: none in this process."""
+        return {}
+
+    def _ship(self, program: Program) -> None:
+        """Make ``program``'s code reach where its trace runs: here it is already."""
+
+    def _transport_errors(self) -> Any:
+        """Where a trace's failures are put in one line: here they are the trace's own."""
+        return contextlib.nullcontext()
 
     def _routines(self) -> dict[str, Any]:
-        return {CAPTURE.name: self._capture, PATCH.name: self._patch, METRICS.name: self._metrics,
-                GRADIENTS.name: self._gradients, LENS.name: self._lens, **self._circuit_routines(),
-                # A feature circuit's passes call the torch model's modules, as the edge terms do.
-                NODE_GRADIENTS.name: lambda request: node_gradients_body(self, request),
-                EDGE_PULLBACKS.name: lambda request: edge_pullbacks_body(self, request)}
+        return {CAPTURE.name: self._capture, PATCH.name: self._patch, METRICS.name: self._metrics}
 
     def _capture(self, request: CaptureRequest) -> list[Capture]:
         """The request's runs as one trace (:meth:`_captured`): one capture whose rows are the
@@ -243,19 +263,6 @@ class TransformersBackend(Described):
             score, prob = self.metric_from_hidden(metric, read), None
         return Capture(blocks=blocks, sites=values, metric=score, embedded=embedded, prob=prob, inputs=k, keys=keys,
                        top1=top1)
-
-    def _lens(self, request: LensRequest) -> LensOut:
-        """The lens read (:func:`~pipatch._programs.lens.lens_body`) as one trace of the prompt
-        (and a multi-token answer's earlier tokens), the unembedding module skipped: its
-        input at the read positions is all the body reads of it."""
-        model, adapter, metric = self.model, self.adapter, request.metric
-        run_ids = metric.inputs(request.input_ids)
-        self.log.add("forward", positions=run_ids.shape[1], reads=len(request.positions))
-        with torch.no_grad(), model.trace(**adapter.trace_kwargs(metric.n_read)) as tracer:
-            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
-            with tracer.invoke(run_ids):
-                saved.append(lens_body(RowsView(adapter, model), metric, request.positions))
-        return saved[0]
 
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as one trace (packed where :meth:`Capabilities.packed` says so, and
@@ -467,55 +474,6 @@ class TransformersBackend(Described):
     def logsumexp(self, hidden: torch.Tensor, budget: int = 1 << 20) -> torch.Tensor:
         """The log-sum-exp of every logit at each position, [..., d] → [...], in slices."""
         return self.unembedding.logsumexp(hidden, budget)
-
-    def _gradients(self, request: GradientRequest) -> tuple[list[Any], list[Any], Any]:
-        """The gradient pass (:func:`~pipatch._programs.gradients.gradients_body`) as one
-        trace of the run's input, with gradients enabled."""
-        model, adapter, metric = self.model, self.adapter, request.metric
-        with torch.enable_grad(), model.trace(**adapter.trace_kwargs(metric.n_read)) as tracer:
-            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
-            with tracer.invoke(metric.inputs(request.input_ids)):
-                saved.append(gradients_body(RowsView(adapter, model), request.site, metric, request.input_ids.shape[1],
-                                          request.ops))
-        return saved[0]
-
-    # -- a circuit's programs ------------------------------------------------------------------
-    @property
-    def torch_model(self) -> Any:
-        """The transformers model under the nnsight wrapper (the edge terms call its modules)."""
-        return self._hf
-
-    def _circuit_routines(self) -> dict[str, Any]:
-        return {EDGE_TERMS.name: self._edge_terms, CIRCUIT_BASELINES.name: self._circuit_baselines,
-                CIRCUIT_RUN.name: self._circuit_runs}
-
-    def _edge_terms(self, request: EdgeTermsRequest) -> Any:
-        check_circuit_family(self.adapter)
-        return edge_terms_body(self, request)
-
-    def _circuit_trace(self, run_ids: torch.Tensor, body: Any, *args: Any) -> Any:
-        """``body(view, *args)`` in one trace of the run inputs ``run_ids`` ([k, T]): one invoke,
-        no key/value cache, the unembedding run at the last position only."""
-        check_circuit_family(self.adapter)
-        model, adapter = self.model, self.adapter
-        with torch.no_grad(), model.trace(use_cache=False, **adapter.trace_kwargs(1)) as tracer:
-            saved = list().save()  # type: ignore[attr-defined]  # nnsight's
-            with tracer.invoke(run_ids.to(self.device)):
-                saved.append(body(CircuitTraceView(adapter, model, self.dtype, run_ids.shape[0]), *args))
-        return saved[0]
-
-    def _circuit_baselines(self, run_ids: torch.Tensor) -> Baselines:
-        """:data:`~pipatch._programs.circuit.CIRCUIT_BASELINES`: every row of ``run_ids`` in one trace."""
-        return self._circuit_trace(run_ids, baselines_body)
-
-    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
-        """:data:`~pipatch._programs.circuit.CIRCUIT_RUN`: every mask of the request in one
-        trace of its run inputs (:attr:`CircuitRunRequest.run_ids`), ``[P]``."""
-        metric, keep, embedded = request.metric, request.keep, request.embedded
-        assert embedded is not None  # circuit_runs computes it first
-        pieces = self._circuit_trace(request.run_ids, circuit_run_body, metric, keep, embedded.to(self.device),
-                                     request.means)
-        return metric.combine(pieces.reshape(keep.shape[0], -1, *pieces.shape[1:]).cpu())
 
 
 def _cat(parts: list[Any]) -> Any:

@@ -26,13 +26,16 @@ answers. What it adds:
   writes the last block's output) runs no block at all: with ``fast`` its states, the base run's with its
   writes, go through the model's own final norm and ``compute_logits`` in one request for the
   whole batch (:func:`~._vllm_worker.head_request`), instead of one forward each.
-* **The lens reads.** The logit lens is one request per prompt
-  (:func:`~._vllm_worker.lens_request`): the worker reads every block's output at the
-  positions asked for and unembeds them with the engine's own head, in that request.
-* **No gradients.** vLLM runs inference only: attribution and a circuit's scores are refused
-  in one line. A circuit's runs (its faithfulness curve: each receiver fed its own input) run
-  as one request per run input carrying every mask of a batch (:meth:`VLLMBackend._circuit_runs`),
-  grouped-query attention ungrouped in the request (:class:`~._vllm_worker.RequestCircuitView`).
+* **Any program, one path.** A program that declares its inputs (the lens, a circuit's
+  runs, a program of your own) runs as one request per row of its runs, each the program's
+  body on the worker's :class:`~._vllm_worker.RequestView` (:func:`~._vllm_worker.program_request`):
+  the lens reads every block's output and unembeds it with the engine's own head, in the
+  prompt's one request.
+* **No gradients.** vLLM runs inference only: a program that needs a backward pass
+  (attribution's, a circuit's scores) is refused in one line, from what it declares. A
+  circuit's runs (its faithfulness curve: each receiver fed its own input) go through the one
+  path, one request per run input carrying every mask of a batch, grouped-query attention
+  ungrouped in the request (:class:`~._vllm_worker.RequestCircuitView`).
 * **Interrupts.** Kernel ▸ Interrupt can land while the engine still holds this trace's
   requests; they are aborted before the ``KeyboardInterrupt`` propagates, so the engine is idle
   and the next sweep in the same kernel runs normally.
@@ -52,11 +55,8 @@ from .._compat.nnsight import torch_module
 from .._model.cells import Base, Capture, Cell, Metric, Op
 from .._model.models import Adapter, PipatchError, dispatched
 from .._model.sites import RESID, Site, TensorPlace
-from .._programs._edges import check_circuit_family
+from .._programs._inputs import rows_apart, rows_of
 from .._programs.capture import CAPTURE, CaptureRequest
-from .._programs.circuit import CIRCUIT_BASELINES, CIRCUIT_RUN, EDGE_TERMS, Baselines, CircuitRunRequest
-from .._programs.gradients import GRADIENTS
-from .._programs.lens import LENS, LensOut, LensRequest
 from .._programs.patch import PATCH, PatchRequest
 from ._contract import Capabilities, refuse
 from ._described import Described
@@ -68,11 +68,9 @@ from ._vllm_worker import (
     _compute_logits,
     _worker_memory,
     capture_request,
-    circuit_baselines_request,
-    circuit_request,
     head_request,
-    lens_request,
     patch_request,
+    program_request,
 )
 
 __all__ = ["VLLMBackend"]
@@ -140,21 +138,32 @@ class VLLMBackend(Described):
                             position_flops=self.position_flops if self.skips_blocks else 0)
 
     def run(self, program: Any, request: Any) -> Any:
-        """Run ``program`` as requests of this engine; gradients are refused in one line."""
-        if program is GRADIENTS:
-            raise PipatchError("attribution needs gradients, which vLLM does not compute: load the model with "
-                               "backend='transformers' (the default) for attribute")
-        if program is EDGE_TERMS:
-            raise PipatchError("a circuit's edge scores need gradients, which vLLM does not compute: score it on "
-                               "backend='transformers' (the default) and check those here, "
-                               "pipatch.circuit(..., scores=result)")
-        routines: dict[str, Callable[[Any], Any]] = {
-            CAPTURE.name: self._capture, PATCH.name: self._patch, CIRCUIT_BASELINES.name: self._circuit_baselines,
-            CIRCUIT_RUN.name: self._circuit_runs, LENS.name: self._lens}
-        routine = routines.get(program.name)
-        if routine is None:
+        """Run ``program`` as requests of this engine; one it cannot run (a backward pass:
+        vLLM runs inference only) is refused in one line, from what the program needs."""
+        if program.refusal(self) is not None:
             raise refuse(self, program)
-        return routine(request)
+        routines: dict[str, Callable[[Any], Any]] = {CAPTURE.name: self._capture, PATCH.name: self._patch}
+        routine = routines.get(program.name)
+        if routine is None and program.inputs is None:
+            raise refuse(self, program)
+        return routine(request) if routine is not None else self._run_program(program, request)
+
+    def _run_program(self, program: Any, request: Any) -> Any:
+        """Any program with declared inputs, the one path: one request per row of
+        ``request.ids`` (its rows apart, :func:`~pipatch._programs._inputs.rows_apart`), each
+        running the body in the engine's worker (:func:`~._vllm_worker.program_request`), all
+        in one trace; the rows' outputs joined. A program whose rows are one computation takes
+        one row here (a request is one sequence)."""
+        if program.needs.each_row:
+            parts = rows_apart(request)
+        elif rows_of(request) == 1:
+            parts = [request]
+        else:
+            raise PipatchError(f"the {self.backend_name} backend runs one sequence per request, and the "
+                               f"{program.name} program reads its {rows_of(request)} rows as one: send one row at a time")
+        outs = self._invokes(program_request, [([int(i) for i in part.ids[0].tolist()], (self.adapter, program.name, part))
+                                               for part in parts])
+        return [row for out in outs for row in out] if program.needs.each_row else outs[0]
 
     def _capture(self, request: CaptureRequest) -> list[Capture]:
         """The request's captures, all as requests of one trace: one engine step (one request
@@ -193,14 +202,6 @@ class VLLMBackend(Described):
                                     top1=torch.stack([r.top1 for r in heads if r.top1 is not None]),
                                     block_pairs=heads[0].pairs))
         return captures
-
-    def _lens(self, request: LensRequest) -> LensOut:
-        """The lens read as one request of the prompt (:func:`~._vllm_worker.lens_request`):
-        the engine's worker reads every block's output and unembeds it, and sends back the
-        metric per (layer, position) and the states."""
-        (ids,) = _inputs(request.metric, request.input_ids)
-        (out,) = self._invokes(lens_request, [(ids, (self.adapter, request.metric, list(request.positions)))])
-        return out
 
     def _patch(self, request: PatchRequest) -> tuple[list[torch.Tensor], list[list[list[torch.Tensor]]]]:
         """Each batch as requests of one trace (:meth:`_run`); no states (the metric is read
@@ -315,37 +316,6 @@ class VLLMBackend(Described):
         ``[{"rank": 0, "pid": ..., "rss_gb": ...}, ...]`` in rank order. On the CPU a rank holds
         its shard of the weights and its own KV cache (pipatch sets 1 GiB)."""
         return self.engine.collective_rpc(_worker_memory)
-
-    def _check_circuit(self) -> None:
-        """One line for a family pipatch cannot run circuits of, or an engine that splits the
-        layers' weights over ranks (a circuit's runs compute each receiver's input from the
-        whole weights)."""
-        check_circuit_family(self.adapter)
-        if self.adapter.tp_ranks > 1:
-            raise PipatchError(f"a circuit's runs compute each receiver's input from the layer's whole weights, which "
-                               f"this engine splits over {self.adapter.tp_ranks} ranks: measure the curve on one rank "
-                               "(tensor_parallel_size=1) or on backend='transformers', or pass curve=0")
-
-    def _circuit_baselines(self, run_ids: torch.Tensor) -> Baselines:
-        """:data:`~pipatch._programs.circuit.CIRCUIT_BASELINES`: one request per row of
-        ``run_ids`` ([n, T]), all in one trace."""
-        self._check_circuit()
-        outs = self._invokes(circuit_baselines_request, [(row.tolist(), (self.adapter,)) for row in run_ids])
-        return Baselines(*(torch.cat(values) for values in zip(*outs)))
-
-    def _circuit_runs(self, request: CircuitRunRequest) -> torch.Tensor:
-        """:data:`~pipatch._programs.circuit.CIRCUIT_RUN` as one request per run input (of
-        :attr:`~pipatch._programs.circuit.CircuitRunRequest.run_ids`), all in one trace: each
-        carries every mask of the request, the clean run's embedding output for its input and
-        (mean ablation) the means, and answers the metric's pieces of every mask. Nothing
-        passes between requests. Returns ``[P]``."""
-        self._check_circuit()
-        metric, keep = request.metric, request.keep
-        assert request.embedded is not None  # circuit_runs computes it first
-        jobs = [(ids, (self.adapter, metric, keep, request.embedded[i : i + 1].cpu(), request.means))
-                for i, ids in enumerate(_inputs(metric, request.run_ids))]
-        pieces = self._invokes(circuit_request, jobs)  # each [P, n_read, n_sequences]
-        return metric.combine(torch.stack(pieces, dim=1))
 
     # -- the engine ---------------------------------------------------------------------------
     def _invokes(self, body: Any, jobs: list[tuple[list[int], tuple]], skip: int = 0) -> list:

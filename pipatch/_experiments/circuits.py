@@ -90,6 +90,7 @@ from .._model.sites import ATTN, EMBED, HEAD, LOGITS, MLP, MLP_IN, QKV, projecti
 from .._programs._edges import check_circuit_family
 from .._programs.capture import captures
 from .._programs.circuit import (
+    EDGE_TERMS,
     Baselines,
     CircuitRunRequest,
     EdgeTermsRequest,
@@ -482,18 +483,10 @@ def _mean_prompts(pairs: list[Any]) -> list[torch.Tensor]:
 
 
 def _check_scoring(backend: Any) -> None:
-    """Refuse, in one line naming ``scores=``, a backend that cannot compute edge scores: they
-    need gradients, and each receiver's gradient taken through local module calls (the
-    capabilities ``gradients`` and ``circuit_runs``)."""
-    capabilities = backend.capabilities
-    if not capabilities.gradients:
-        raise PipatchError(f"a circuit's edge scores need gradients, which the {getattr(backend, 'backend_name', '')} "
-                           "backend does not compute: score it on backend='transformers' (the default) and check those "
-                           "here, pipatch.circuit(..., scores=result)")
-    if not capabilities.circuit_runs:
-        raise PipatchError("a circuit's edge scores need local backward passes through each receiver, which a remote "
-                           "model does not offer: score it on a local model (pipatch.load_model(name)) and check those "
-                           "here, pipatch.circuit(..., scores=result)")
+    """Refuse, in one line naming ``scores=``, a backend that cannot compute edge scores (from
+    what :data:`~pipatch._programs.circuit.EDGE_TERMS` needs: a backward pass), or a family whose
+    receivers pipatch cannot tell apart."""
+    EDGE_TERMS.check(backend)
     check_circuit_family(backend.adapter)
 
 

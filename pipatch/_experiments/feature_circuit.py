@@ -91,11 +91,12 @@ from .._model.declare import Experiment, Param, count, positive_int
 from .._model.features import LatentSite, distinct, load_sae
 from .._model.sites import EMBED
 from .._programs.feature_terms import (
-    EDGE_PULLBACKS,
     EMBEDDINGS,
     NODE_GRADIENTS,
     EdgePullbacksRequest,
     NodeGradientsRequest,
+    edge_pullbacks,
+    node_gradients,
 )
 from .._results.feature_circuit import EMBED_NODE, METRIC_NODE, VIEW_NODES, VIEW_NODES_MAX, FeatureCircuitResult
 from ._feature_checks import ABLATIONS, curve_sweep, edge_checks, faithfulness_curve, finish_checks
@@ -226,11 +227,8 @@ def _plan_one(backend: Any, *, clean: Any, corrupt: Any, prompt: Any, answer: An
     node_threshold, edge_threshold = _threshold(node_threshold, "node_threshold"), _threshold(edge_threshold,
                                                                                              "edge_threshold")
     # The scores' backward passes call the torch model's modules, as a circuit's runs do.
-    if scores is None and not (backend.capabilities.gradients and backend.capabilities.circuit_runs):
-        raise PipatchError(f"feature_circuit scores by backward passes through the model's modules, which the "
-                           f"{getattr(backend, 'backend_name', backend.name)} backend does not run: score it on "
-                           "backend='transformers' (the default) and check those here, "
-                           "pipatch.feature_circuit(..., scores=result)")
+    if scores is None:
+        NODE_GRADIENTS.check(backend)  # one line, from what the program needs
     sites = list(saes)
     inputs = circuit_inputs(backend, clean=clean, corrupt=corrupt, prompt=prompt, answer=answer, foil=foil,
                             target=target, metric=metric, steps=steps)
@@ -253,8 +251,8 @@ def _plan_one(backend: Any, *, clean: Any, corrupt: Any, prompt: Any, answer: An
                                           clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer])
                   for s, e in zip(sites, errors)}
         deltas[EMBEDDINGS.name] = (clean_run.embedded - reference.embedded).float()
-        grads, _ = backend.run(NODE_GRADIENTS, NodeGradientsRequest(inputs.base_ids, scorer, [EMBEDDINGS, *sites],
-                                                                    steps, deltas))
+        grads, _ = node_gradients(backend, NodeGradientsRequest(inputs.base_ids, scorer, [EMBEDDINGS, *sites],
+                                                                steps, deltas))
     scored = [_Scored(s, clean_run.sites[s.name][s.layer], reference.sites[s.name][s.layer],
                       clean_run.sites[e.name][s.layer], reference.sites[e.name][s.layer],
                       None if given is not None else grads[s.name][None])
@@ -413,8 +411,8 @@ def _edges(backend: Any, corrupt_ids: torch.Tensor, scored: list[_Scored], nodes
             chunk, chunk_weights = targets[start:start + batch], weights[start:start + batch]
             wanted = [(n["position"], None if n["latent"] == "error" else n["latent"]) for n in chunk]
             for up in ups:
-                pulled = backend.run(EDGE_PULLBACKS, EdgePullbacksRequest(corrupt_ids, up.site, down.site, wanted,
-                                                                          chunk_weights))
+                pulled = edge_pullbacks(backend, EdgePullbacksRequest(corrupt_ids, up.site, down.site, wanted,
+                                                                      chunk_weights))
                 edges.extend(_edge_rows(up, kept[up.site.name], chunk, pulled))
     return edges
 

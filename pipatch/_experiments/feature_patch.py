@@ -50,7 +50,7 @@ from .._model.features import LatentSite, load_sae
 from .._model.features.labels import labels_next_to, load_labels
 from .._model.features.site import ErrorSite
 from .._programs.capture import captures
-from .._programs.gradients import gradients
+from .._programs.gradients import GRADIENTS, gradients
 from .._results import code as _code
 from ._feature_code import feature_patch_code
 from ._feature_contexts import load_contexts
@@ -137,10 +137,9 @@ def plan_feature_patch(
     batch = check_batch_size(batch_size, T, backend)
     scorer = pair.metric
 
-    if scores is None and not backend.capabilities.gradients:
-        raise PipatchError(f"feature_patch screens by gradients, which the {backend.name} backend does not compute: "
-                           "screen on backend='transformers' (the default) and patch here, "
-                           "pipatch.feature_patch(..., scores=result)")
+    if scores is None:  # one line, from what the program needs
+        GRADIENTS.check(backend, "screen on backend='transformers' (the default) and patch here, "
+                                 "pipatch.feature_patch(..., scores=result)")
     means = mean_prompt_ids(backend, direction, mean_prompts, pair)
     clean_run, corrupt_run, *mean_runs = captures(backend, [pair.clean_ids, pair.corrupt_ids, *means], scorer,
                                                   [target, error])

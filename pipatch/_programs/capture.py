@@ -20,7 +20,7 @@ import torch
 
 from .._model.cells import Capture, Metric, Op
 from .._model.sites import EMBED, RESID, Site
-from ._program import Program, View, in_forward_order, register_program
+from ._program import Needs, Program, View, in_forward_order, register_program
 
 __all__ = ["CAPTURE", "CaptureRequest", "capture", "captures", "capture_body", "kept_sites"]
 
@@ -76,7 +76,7 @@ def capture_body(view: View, runs: Sequence[Sequence[Op]], keep: Sequence[Site],
     return embedded, blocks, values
 
 
-CAPTURE = register_program(Program("capture", 1, "", capture_body,
+CAPTURE = register_program(Program("capture", 1, Needs(writes=True), capture_body,
                                    "base runs: the embedding, every block's state and the named sites, and the metric"))
 
 

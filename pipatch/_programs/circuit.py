@@ -1,10 +1,11 @@
 """A circuit's programs: the edge scores' factors, the baselines an ablated edge carries, and
 the circuit runs.
 
-* **Edge terms** (:data:`EDGE_TERMS`, capability ``gradients``): each sender's write, clean
-  minus corrupt, and each receiver's gradient, averaged over ``steps`` points from the
-  corrupt input embeddings towards the clean ones (EAP-IG; ``steps=1``: EAP). The math is
-  :mod:`._edges`'.
+* **Edge terms** (:data:`EDGE_TERMS`, a backward pass): each sender's write, clean minus
+  corrupt, and each receiver's gradient, averaged over ``steps`` points from the corrupt input
+  embeddings towards the clean ones (EAP-IG; ``steps=1``: EAP), one trace per point
+  (:func:`edge_terms`). The math is :mod:`._edges`', run inside the trace through the model's
+  envoys: every backend with backward passes runs it through its one path (this process, NDIF).
 * **Baselines** (:data:`CIRCUIT_BASELINES`, capability ``circuit_runs``): what a run leaves
   that a circuit run reads (:class:`Baselines`): the clean run's embeddings, and mean
   ablation's means (:func:`circuit_means`, averaged in float64).
@@ -33,18 +34,28 @@ import inspect
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import torch
 
 from .._model.cells import Capture, Metric
 from .._model.graph import graph
-from .._model.models import Adapter, PipatchError
+from .._model.models import Adapter, PipatchError, first
 from .._model.sites import QKV
-from ._edges import ReceiverGradients, SenderWrites, head_writes, receiver_gradients, sender_writes
-from ._program import Program, register_program
+from ._edges import (
+    ReceiverGradients,
+    SenderValues,
+    SenderWrites,
+    check_circuit_family,
+    head_writes,
+    receiver_gradients,
+    sender_writes,
+)
+from ._inputs import Floats, TokenIds, per_row
+from ._program import Needs, Program, register_program
 
-__all__ = ["EDGE_TERMS", "CIRCUIT_BASELINES", "CIRCUIT_RUN", "EdgeTermsRequest", "CircuitRunRequest", "Baselines",
+__all__ = ["EDGE_TERMS", "CIRCUIT_BASELINES", "CIRCUIT_RUN", "EdgeTermsRequest", "EdgePoint", "CircuitRunRequest",
+           "BaselinesRequest", "MasksRequest", "check_circuit_runs", "Baselines",
            "CircuitView", "Ungrouped", "edge_terms", "circuit_baselines", "circuit_means", "circuit_runs",
            "baselines_body", "circuit_run_body", "widened", "returning", "GROUP_COUNTS"]
 
@@ -54,10 +65,16 @@ __all__ = ["EDGE_TERMS", "CIRCUIT_BASELINES", "CIRCUIT_RUN", "EdgeTermsRequest",
 # --------------------------------------------------------------------------------------------
 
 
+#: What to do where a backend cannot score a circuit: score it elsewhere, check it here.
+SCORE_ELSEWHERE = ("score it on backend='transformers' (the default) and check those here, "
+                   "pipatch.circuit(..., scores=result)")
+
+
 @dataclass
 class EdgeTermsRequest:
     """The two factors of every edge score of one pair: its run inputs, its captures (sites
-    ``head`` and ``mlp``) and the interpolation points of EAP-IG."""
+    ``head`` and ``mlp``) and the interpolation points of EAP-IG (:func:`edge_terms` runs
+    :data:`EDGE_TERMS` once per point)."""
 
     clean_ids: torch.Tensor
     corrupt_ids: torch.Tensor
@@ -67,22 +84,42 @@ class EdgeTermsRequest:
     steps: int
 
 
-def edge_terms_body(view: Any, request: EdgeTermsRequest) -> tuple[SenderWrites, ReceiverGradients]:
-    """Sender writes from the captures, receiver gradients from ``steps`` forward and backward
-    passes (:mod:`._edges`), on the view's model (an nnsight model) and its torch modules."""
-    adapter, hf, device = view.adapter, view.torch_model, view.device
-    embedding = adapter.embedding(hf)
-    metric, steps = request.metric, request.steps
+@dataclass
+class EdgePoint:
+    """:data:`EDGE_TERMS`' request: one point of EAP-IG on the line from the corrupt input
+    embeddings to the clean ones — the corrupt run inputs ``ids`` ([n_inputs, T']) run with
+    their embedding output moved ``alpha`` of the way to the clean inputs' (``clean_ids``); the
+    receivers' gradients at the first ``prompt`` positions, and (``senders`` given: the two
+    runs' writes) the senders' writes."""
+
+    ids: TokenIds
+    clean_ids: TokenIds
+    metric: Metric
+    alpha: float
+    prompt: int
+    senders: SenderValues | None = None
+
+
+def edge_terms_body(view: Any, request: EdgePoint) -> tuple[tuple, SenderWrites | None]:
+    """Inside a trace of the corrupt run inputs with gradients (:mod:`._edges`): the embedding
+    output set to the point (the clean inputs' embedding output from the embedding module,
+    called through its envoy), the receivers' gradients of that run, and the senders' writes
+    where the request carries what they wrote."""
+    model, adapter = view.model, view.adapter
+    embedding = adapter.embedding(model)
     with torch.no_grad():
-        e_clean = embedding(metric.inputs(request.clean_ids).to(device))
-        e_corrupt = embedding(metric.inputs(request.corrupt_ids).to(device))
-    points = [e_corrupt + (k / steps) * (e_clean - e_corrupt) for k in range(steps)]
-    return (sender_writes(hf, adapter, request.clean, request.corrupt),
-            receiver_gradients(view.model, hf, adapter, metric, points, request.corrupt_ids.to(device)))
+        e_clean = first(embedding(request.clean_ids))
+        e_corrupt = embedding.output
+        point = e_corrupt + request.alpha * (e_clean - e_corrupt)
+    gradients = receiver_gradients(model, adapter, request.metric, point, request.prompt)
+    writes = None if request.senders is None else sender_writes(model, adapter, request.senders)
+    return gradients, writes
 
 
-EDGE_TERMS = register_program(Program("edge_terms", 1, "gradients", edge_terms_body,
-                                      "a circuit's sender writes and receiver gradients (EAP / EAP-IG)"))
+EDGE_TERMS = register_program(Program("edge_terms", 2, Needs(writes=True, backward=True, each_row=False,
+                                                            instead=SCORE_ELSEWHERE), edge_terms_body,
+                                      "a circuit's receiver gradients at one point (EAP / EAP-IG) and sender writes",
+                                      inputs=EdgePoint))
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,6 +163,11 @@ class CircuitView:
     """
 
     adapter: Adapter
+
+    def carried(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a request's tensor: the clean run's embedding output) where and as the
+        view computes with it."""
+        return value
 
     # -- live values ------------------------------------------------------------------------
     def embedded(self) -> torch.Tensor:
@@ -347,10 +389,67 @@ def _queries_keys_values(view: CircuitView, layer: int,
     return out["q"], out["k"], out["v"]
 
 
-CIRCUIT_BASELINES = register_program(Program("circuit_baselines", 1, "circuit_runs", baselines_body,
-                                             "what a circuit run reads of its baseline runs"))
-CIRCUIT_RUN = register_program(Program("circuit_run", 2, "circuit_runs", circuit_run_body,
-                                       "the clean prompt run as circuits: each receiver fed its kept edges"))
+#: What to do where a backend cannot run a circuit's runs: measure the curve elsewhere.
+CURVE_ELSEWHERE = "measure the curve on a local model (pipatch.load_model(name)), or pass curve=0"
+
+
+@dataclass
+class BaselinesRequest:
+    """:data:`CIRCUIT_BASELINES`' request: the run inputs ``ids`` ([n, T]), one run per row."""
+
+    ids: TokenIds
+
+
+def baselines_program(view: Any, request: BaselinesRequest) -> list[Baselines]:
+    """:data:`CIRCUIT_BASELINES`' body: :func:`baselines_body` of the trace's rows, each row's
+    :class:`Baselines` apart (``[1, ...]``)."""
+    rows = int(request.ids.shape[0])
+    every = baselines_body(view.circuit_view(rows))
+    return [Baselines(*(value[i : i + 1] for value in every)) for i in range(rows)]
+
+
+@dataclass
+class MasksRequest:
+    """:data:`CIRCUIT_RUN`' request: the run inputs ``ids`` ([k, T]) run as each circuit of
+    ``keep`` ([P, receivers, senders]), each row's clean embedding output ``embedded`` (one per
+    row, ``[k, T, d]``), mean ablation's ``means`` (``None``: each row's own run is the
+    baseline)."""
+
+    ids: TokenIds
+    metric: Metric
+    keep: Annotated[torch.Tensor, Floats(dims=(3,), masks=True)]
+    embedded: Annotated[torch.Tensor, Floats(dims=(3,), width=True)] = per_row()
+    means: Baselines | None = None
+
+
+def circuit_run_program(view: Any, request: MasksRequest) -> list[torch.Tensor]:
+    """:data:`CIRCUIT_RUN`' body: :func:`circuit_run_body` on the trace's rows, each row's
+    metric pieces apart: ``[P, n_read, n_sequences]`` per row."""
+    rows, P = int(request.ids.shape[0]), request.keep.shape[0]
+    circuit = view.circuit_view(rows)
+    pieces = circuit_run_body(circuit, request.metric, request.keep, circuit.carried(request.embedded), request.means)
+    pieces = pieces.reshape(P, rows, *pieces.shape[1:])  # row p·k + i: mask p on input i
+    return [pieces[:, i] for i in range(rows)]
+
+
+CIRCUIT_BASELINES = register_program(Program("circuit_baselines", 2, Needs(module_calls=True, instead=CURVE_ELSEWHERE),
+                                             baselines_program, "what a circuit run reads of its baseline runs",
+                                             inputs=BaselinesRequest, answers=(Baselines,)))
+CIRCUIT_RUN = register_program(Program("circuit_run", 3, Needs(module_calls=True, instead=CURVE_ELSEWHERE),
+                                       circuit_run_program,
+                                       "the clean prompt run as circuits: each receiver fed its kept edges",
+                                       inputs=MasksRequest))
+
+
+def check_circuit_runs(adapter: Adapter) -> None:
+    """Refuse, in one line, a family pipatch cannot run circuits of, or an engine that splits
+    the layers' weights over ranks (a circuit's runs compute each receiver's input from the
+    whole weights)."""
+    check_circuit_family(adapter)
+    if adapter.tp_ranks > 1:
+        raise PipatchError(f"a circuit's runs compute each receiver's input from the layer's whole weights, which "
+                           f"this engine splits over {adapter.tp_ranks} ranks: measure the curve on one rank "
+                           "(tensor_parallel_size=1) or on backend='transformers', or pass curve=0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,13 +488,37 @@ class CircuitRunRequest:
 
 
 def edge_terms(backend: Any, request: EdgeTermsRequest) -> tuple[SenderWrites, ReceiverGradients]:
-    """Every edge score's two factors for one pair (:data:`EDGE_TERMS`)."""
-    return backend.run(EDGE_TERMS, request)
+    """Every edge score's two factors for one pair: :data:`EDGE_TERMS` at each of the
+    ``steps`` points (``k / steps``, ``k = 0 … steps − 1``: a left Riemann sum from the corrupt
+    end), the receivers' gradients averaged, the senders' writes taken in the first."""
+    check_circuit_family(backend.adapter)
+    metric, steps = request.metric, request.steps
+    corrupt, clean = metric.inputs(request.corrupt_ids), metric.inputs(request.clean_ids)
+    T, adapter = request.corrupt_ids.shape[1], backend.adapter
+    qkv = torch.zeros(adapter.n_layers, adapter.n_heads, 3, T, adapter.d_model)
+    mlps = torch.zeros(adapter.n_layers, T, adapter.d_model)
+    logits = torch.zeros(T, adapter.d_model)
+    values, writes = [], None
+    for k in range(steps):
+        senders = SenderValues.of(request.clean, request.corrupt) if k == 0 else None
+        (q, m, lg, value), wrote = backend.run(EDGE_TERMS, EdgePoint(corrupt, clean, metric, k / steps, T, senders))
+        qkv += q.cpu()
+        mlps += m.cpu()
+        logits += lg.cpu()
+        values.append(value)
+        writes = wrote if k == 0 else writes
+    assert writes is not None  # steps >= 1
+    writes = SenderWrites(*(t.cpu() for t in (writes.emb, writes.heads, writes.mlps)))
+    return writes, ReceiverGradients(qkv=qkv / steps, mlps=mlps / steps, logits=logits / steps, metric=values)
 
 
 def circuit_baselines(backend: Any, run_ids: torch.Tensor) -> Baselines:
-    """:class:`Baselines` of the run inputs ``run_ids`` ([n, T]), one row each (:data:`CIRCUIT_BASELINES`)."""
-    return backend.run(CIRCUIT_BASELINES, run_ids)
+    """:class:`Baselines` of the run inputs ``run_ids`` ([n, T]), one row each (:data:`CIRCUIT_BASELINES`),
+    on the CPU."""
+    CIRCUIT_BASELINES.check(backend)
+    check_circuit_runs(backend.adapter)
+    rows = backend.run(CIRCUIT_BASELINES, BaselinesRequest(run_ids.cpu()))
+    return Baselines(*(torch.cat([row[i].cpu() for row in rows]) for i in range(len(Baselines._fields))))
 
 
 def circuit_means(backend: Any, prompts: Sequence[torch.Tensor]) -> Baselines:
@@ -414,4 +537,9 @@ def circuit_runs(backend: Any, request: CircuitRunRequest) -> torch.Tensor:
         request = replace(request, embedded=circuit_baselines(backend, request.metric.inputs(request.clean_ids)).embedded)
     if request.mean_of is not None and request.means is None:
         request = replace(request, means=circuit_means(backend, request.mean_of))
-    return backend.run(CIRCUIT_RUN, request)
+    assert request.embedded is not None
+    CIRCUIT_RUN.check(backend)
+    check_circuit_runs(backend.adapter)
+    pieces = backend.run(CIRCUIT_RUN, MasksRequest(request.run_ids.cpu(), request.metric, request.keep.cpu(),
+                                                   request.embedded.cpu(), request.means))
+    return request.metric.combine(torch.stack([p.cpu() for p in pieces], dim=1))  # [P, k, n_read, n_sequences]

@@ -2,8 +2,10 @@
 
 A feature circuit (:mod:`pipatch._experiments.feature_circuit`) scores nodes (an SAE's latent,
 or its error, at one position) and edges between the nodes of consecutive SAEs from two kinds
-of backward pass over the corrupt prompt, both written here against the torch model under the
-nnsight wrapper (forward hooks, removed on the way out; no parameter gradient is taken):
+of backward pass over the corrupt prompt, both written here as programs whose bodies run inside
+one nnsight trace with gradients (the model's values read and replaced through its envoys, the
+backward ``torch.autograd.grad`` on them; no hook on the torch model, no parameter gradient),
+so every backend with backward passes runs them — in this process, or on NDIF:
 
 * **node gradients** (:func:`node_gradients`): ``dM/dx`` at the value each SAE writes (a
   block's output; a transcoder's MLP output; :data:`EMBEDDINGS`: the embedding module's
@@ -25,7 +27,6 @@ the protocol refuses the others in one line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,11 @@ import torch
 from .._model.cells import Metric
 from .._model.features.site import InOut
 from .._model.models import _get, first
-from ._program import Program, register_program
+from ._inputs import TokenIds
+from ._program import Needs, Program, register_program
 
-__all__ = ["NODE_GRADIENTS", "EDGE_PULLBACKS", "EMBEDDINGS", "NodeGradientsRequest", "EdgePullbacksRequest", "node_gradients",
-           "edge_pullbacks"]
+__all__ = ["NODE_GRADIENTS", "EDGE_PULLBACKS", "EMBEDDINGS", "NodeGradientsRequest", "EdgePullbacksRequest",
+           "NodeGradientsRun", "EdgePullbacksRun", "node_gradients", "edge_pullbacks"]
 
 
 class _Reached(Exception):
@@ -64,42 +66,40 @@ class _Embeddings:
 EMBEDDINGS = _Embeddings()
 
 
-def _module(hf: Any, adapter: Any, hook: Any) -> Any:
-    if isinstance(hook, _EmbeddingOutput):
-        return adapter.embedding(hf)
-    block = adapter.block(hf, hook.layer)
-    return _get(block, hook.path) if hook.path else block
+class _Values:
+    """The values of hooks (:class:`~pipatch._model.features.hooks.Hook`, or the embedding output) in
+    a trace of ``model``, read through their modules' envoys in forward order, each once (two
+    sites that read one value share it), and replaced there (:meth:`set`)."""
 
+    def __init__(self, model: Any, adapter: Any):
+        self.model, self.adapter, self.seen = model, adapter, {}
 
-def _tap(hf: Any, adapter: Any, hook: Any, seen: Callable[[torch.Tensor], torch.Tensor | None]) -> Any:
-    """A hook on the module holding ``hook``'s value: ``seen(value)`` reads it and may return
-    a replacement. Returns the handle."""
-    module = _module(hf, adapter, hook)
-    if hook.reads_in:
-        def before(mod, args):
-            new = seen(args[0])
-            return None if new is None else (new, *args[1:])
-        return module.register_forward_pre_hook(before)
+    def _envoy(self, hook: Any) -> Any:
+        if isinstance(hook, _EmbeddingOutput):
+            return self.adapter.embedding(self.model)
+        block = self.adapter.block(self.model, hook.layer)
+        return _get(block, hook.path) if hook.path else block
 
-    def after(mod, args, output):
-        new = seen(first(output))
-        if new is None:
-            return None
-        return (new, *output[1:]) if isinstance(output, tuple) else new
-    return module.register_forward_hook(after)
+    @staticmethod
+    def _key(hook: Any) -> tuple:
+        return ("embed",) if isinstance(hook, _EmbeddingOutput) else (hook.layer, hook.path, hook.reads_in)
 
+    def __getitem__(self, hook: Any) -> torch.Tensor:
+        key = self._key(hook)
+        if key not in self.seen:
+            envoy = self._envoy(hook)
+            self.seen[key] = envoy.input if hook.reads_in else first(envoy.output)
+        return self.seen[key]
 
-def _run(hf: Any, ids: torch.Tensor, taps: Sequence[tuple[Any, Callable]], adapter: Any, **kwargs: Any) -> Any:
-    """The model's output on ``ids`` with ``taps`` ((hook, seen) pairs) in place, or ``None``
-    where a tap ended the forward early."""
-    handles = [_tap(hf, adapter, hook, seen) for hook, seen in taps]
-    try:
-        return hf(ids, **kwargs)
-    except _Reached:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
+    def set(self, hook: Any, value: torch.Tensor) -> None:
+        """Replace the hook's value with ``value`` where the forward goes on from it."""
+        envoy = self._envoy(hook)
+        if hook.reads_in:
+            envoy.input = value
+        else:
+            out = envoy.output
+            envoy.output = (value, *out[1:]) if isinstance(out, tuple) else value
+        self.seen[self._key(hook)] = value
 
 
 def _score(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ def _score(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
 class NodeGradientsRequest:
     """The node gradients of the corrupt prompt ([1, T]) at ``sites`` (forward order), by
     integrated gradients over ``steps`` points along ``deltas`` (1: at the corrupt run;
-    :func:`node_gradients`)."""
+    :func:`node_gradients` runs :data:`NODE_GRADIENTS` for them)."""
 
     corrupt_ids: torch.Tensor
     metric: Metric
@@ -122,9 +122,23 @@ class NodeGradientsRequest:
 
 
 @dataclass
+class NodeGradientsRun:
+    """:data:`NODE_GRADIENTS`' request: one trace of the corrupt prompt, ``ids`` ([1, T]), for
+    ``dM/dx`` at each site's written value; or (``delta`` given: ``[1, T, d]``) of ``steps``
+    rows of it (``ids`` [steps, T]) for the integrated gradients at ``sites[0]`` alone, row
+    ``k``'s value there moved ``k / steps`` of ``delta``."""
+
+    ids: TokenIds
+    metric: Metric
+    sites: list[Any]
+    delta: torch.Tensor | None = None
+
+
+@dataclass
 class EdgePullbacksRequest:
     """One chunk of downstream nodes (``(position, latent or None for the error)``) of
-    ``downstream`` with their weights, pulled back to ``upstream``'s written value."""
+    ``downstream`` with their weights, pulled back to ``upstream``'s written value (the
+    corrupt prompt ``corrupt_ids`` [1, T]; :func:`edge_pullbacks` runs :data:`EDGE_PULLBACKS`)."""
 
     corrupt_ids: torch.Tensor
     upstream: Any
@@ -133,104 +147,109 @@ class EdgePullbacksRequest:
     weights: list[torch.Tensor]
 
 
-def node_gradients(hf: Any, adapter: Any, metric: Metric, corrupt_ids: torch.Tensor, sites: Sequence[Any],
-                   steps: int, deltas: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-    """``dM/dx`` at each site's written value, ``{name: [T, d]}`` (float32), and the corrupt
-    run's metric (module docstring). ``deltas[name]`` ([1, T, d]) is how far the site's
-    clean value moves what it writes: ``decode(f_clean) − decode(f_corrupt) + e_clean −
-    e_corrupt`` (a transcoder's skip stays live, as in an exact patch of its latents)."""
-    T, last = corrupt_ids.shape[1], adapter.trace_kwargs(metric.n_read)
-    if steps == 1:
-        held: dict[str, torch.Tensor] = {}
+@dataclass
+class EdgePullbacksRun:
+    """:data:`EDGE_PULLBACKS`' request: the corrupt prompt once per downstream node (``ids``
+    [nodes, T]), and the rest of :class:`EdgePullbacksRequest`."""
 
-        def hold(site):
-            def seen(value):
-                held[site.name] = value
-            return seen
-        with torch.enable_grad():
-            out = _run(hf, corrupt_ids, [(site.writes, hold(site)) for site in sites], adapter, **last)
-            score = _score(metric, out.logits)[0]
-            grads = torch.autograd.grad(score, [held[s.name] for s in sites])
+    ids: TokenIds
+    upstream: Any
+    downstream: Any
+    nodes: list[tuple[int, int | None]]
+    weights: list[torch.Tensor]
+
+
+def node_gradients_body(view: Any, request: NodeGradientsRun) -> tuple[dict[str, torch.Tensor], float]:
+    """Inside a trace of the corrupt prompt with gradients: ``dM/dx`` at each site's written
+    value, ``{name: [T, d]}`` (float32), and the corrupt run's metric (module docstring); with
+    ``delta``, the integrated gradients at ``sites[0]``, averaged over the trace's rows (the
+    other SAEs' values free). A transcoder's skip stays live, as in an exact patch of its
+    latents. The backward is ``torch.autograd.grad`` on the trace's own values."""
+    T, sites, metric = request.ids.shape[1], request.sites, request.metric
+    values = _Values(view.model, view.adapter)
+    if request.delta is None:
+        held = [values[site.writes] for site in sites]
+        score = _score(metric, view.model.output.logits)[0]
+        grads = torch.autograd.grad(score, held)
         return {s.name: g[0, :T].float() for s, g in zip(sites, grads)}, float(score.detach())
+    site, steps = sites[0], request.ids.shape[0]
+    live = values[site.writes]
     alphas = torch.arange(steps, dtype=torch.float32).view(-1, 1, 1) / steps
-    out_grads, value = {}, float("nan")
-    for site in sites:
-        points: list[torch.Tensor] = []
-
-        def step(live, delta=deltas[site.name]):
-            shift = torch.zeros_like(live)
-            shift[:, :T] = alphas.to(live.device, live.dtype) * delta.to(live.device, live.dtype)
-            points.append((live.detach() + shift).requires_grad_(True))
-            return points[0]
-        with torch.enable_grad():
-            out = _run(hf, corrupt_ids.expand(steps, -1), [(site.writes, step)], adapter, **last)
-            scores = _score(metric, out.logits)
-            (grad,) = torch.autograd.grad(scores.sum(), points)
-        out_grads[site.name] = grad[:, :T].float().mean(0)
-        value = float(scores[0].detach())
-    return out_grads, value
+    shift = torch.zeros_like(live)
+    shift[:, :T] = alphas.to(live.device, live.dtype) * request.delta.to(live.device, live.dtype)
+    point = (live.detach() + shift).requires_grad_(True)
+    values.set(site.writes, point)
+    scores = _score(metric, view.model.output.logits)
+    (grad,) = torch.autograd.grad(scores.sum(), [point])
+    return {site.name: grad[:, :T].float().mean(0)}, float(scores[0].detach())
 
 
-def edge_pullbacks(hf: Any, adapter: Any, corrupt_ids: torch.Tensor, upstream: Any, downstream: Any,
-                   nodes: Sequence[tuple[int, int | None]], weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Row ``r``: ``d (weights[r] · node_r) / dx`` at ``upstream``'s written value on the corrupt
-    run, ``[len(nodes), T, d]`` (float32), where ``node_r`` is ``downstream``'s latent
-    ``nodes[r][1]`` at position ``nodes[r][0]`` (its error there where the latent is ``None``)."""
-    B, T = len(nodes), corrupt_ids.shape[1]
-    held: dict[str, Any] = {}
-    same = downstream.reads == downstream.writes
-
-    def at_upstream(value):
-        held["up"] = value
-
-    def at_read(value):
-        held["read"] = value
-        if same:
-            raise _Reached
-
-    def at_write(value):
-        held["write"] = value
-        raise _Reached
-
-    taps = [(upstream.writes, at_upstream), (downstream.reads, at_read)]
-    if not same:
-        taps.append((downstream.writes, at_write))
+def edge_pullbacks_body(view: Any, request: EdgePullbacksRun) -> torch.Tensor:
+    """Inside a trace with gradients of the corrupt prompt once per downstream node: row ``r``,
+    ``d (weights[r] · node_r) / dx`` at ``upstream``'s written value, ``[nodes, T, d]``
+    (float32), where ``node_r`` is ``downstream``'s latent ``nodes[r][1]`` at position
+    ``nodes[r][0]`` (its error there where the latent is ``None``). The body reads no further
+    than the downstream SAE's values: the forward stops there (the backend ends a trace where its
+    body returns)."""
+    nodes, weights, downstream = request.nodes, request.weights, request.downstream
+    B, T = len(nodes), request.ids.shape[1]
+    values = _Values(view.model, view.adapter)
+    up = values[request.upstream.writes]
+    read = values[downstream.reads]
+    raw = read if downstream.reads == downstream.writes else InOut(read, values[downstream.writes])
     rows = torch.arange(B)
-    with torch.enable_grad():
-        _run(hf, corrupt_ids.expand(B, -1), taps, adapter)
-        read = held["read"]
-        raw = read if same else InOut(read, held["write"])
-        positions = torch.tensor([p for p, _ in nodes])
-        total = read.new_zeros((), dtype=torch.float32)
-        latent_rows = [r for r, (_, j) in enumerate(nodes) if j is not None]
-        error_rows = [r for r, (_, j) in enumerate(nodes) if j is None]
-        if latent_rows:
-            latents = downstream.encode(raw)
-            picked = latents[rows[latent_rows], positions[latent_rows], [nodes[r][1] for r in latent_rows]]
-            w = torch.stack([weights[r] for r in latent_rows]).to(picked.device, picked.dtype)
-            total = total + (picked * w).float().sum()
-        if error_rows:
-            error = downstream.error(raw)
-            picked = error[rows[error_rows], positions[error_rows]]
-            w = torch.stack([weights[r] for r in error_rows]).to(picked.device, picked.dtype)
-            total = total + (picked * w).float().sum()
-        (grad,) = torch.autograd.grad(total, [held["up"]])
+    positions = torch.tensor([p for p, _ in nodes])
+    total = read.new_zeros((), dtype=torch.float32)
+    latent_rows = [r for r, (_, j) in enumerate(nodes) if j is not None]
+    error_rows = [r for r, (_, j) in enumerate(nodes) if j is None]
+    if latent_rows:
+        latents = downstream.encode(raw)
+        picked = latents[rows[latent_rows], positions[latent_rows], [nodes[r][1] for r in latent_rows]]
+        w = torch.stack([weights[r] for r in latent_rows]).to(picked.device, picked.dtype)
+        total = total + (picked * w).float().sum()
+    if error_rows:
+        error = downstream.error(raw)
+        picked = error[rows[error_rows], positions[error_rows]]
+        w = torch.stack([weights[r] for r in error_rows]).to(picked.device, picked.dtype)
+        total = total + (picked * w).float().sum()
+    (grad,) = torch.autograd.grad(total, [up])
     return grad[:, :T].float()
 
 
-def node_gradients_body(view: Any, request: NodeGradientsRequest) -> tuple[dict[str, torch.Tensor], float]:
-    """:func:`node_gradients` on the view's torch model."""
-    return node_gradients(view.torch_model, view.adapter, request.metric, request.corrupt_ids.to(view.device),
-                          request.sites, request.steps, request.deltas)
+#: What to do where a backend cannot score a feature circuit: score it elsewhere, check it here.
+SCORE_ELSEWHERE = ("score it on backend='transformers' (the default) and check those here, "
+                   "pipatch.feature_circuit(..., scores=result)")
+#: A feature circuit's gradient passes: one backward each, on the trace's own values.
+_GRADIENT_PASSES = Needs(writes=True, backward=True, each_row=False, instead=SCORE_ELSEWHERE)
+
+NODE_GRADIENTS = register_program(Program("node_gradients", 2, _GRADIENT_PASSES, node_gradients_body,
+                                          "d metric / d x at each SAE's written value (a feature circuit's nodes)",
+                                          inputs=NodeGradientsRun))
+EDGE_PULLBACKS = register_program(Program("edge_pullbacks", 2, _GRADIENT_PASSES, edge_pullbacks_body,
+                                          "one backward per downstream SAE node, batched (a feature circuit's edges)",
+                                          inputs=EdgePullbacksRun))
 
 
-def edge_pullbacks_body(view: Any, request: EdgePullbacksRequest) -> torch.Tensor:
-    """:func:`edge_pullbacks` on the view's torch model."""
-    return edge_pullbacks(view.torch_model, view.adapter, request.corrupt_ids.to(view.device), request.upstream,
-                          request.downstream, request.nodes, request.weights)
+def node_gradients(backend: Any, request: NodeGradientsRequest) -> tuple[dict[str, torch.Tensor], float]:
+    """``dM/dx`` at each site's written value, ``{name: [T, d]}`` (float32, on the CPU), and the
+    corrupt run's metric (module docstring): one trace (``steps=1``), else one per site of
+    ``steps`` rows. ``deltas[name]`` ([1, T, d]) is how far the site's clean value moves what
+    it writes: ``decode(f_clean) − decode(f_corrupt) + e_clean − e_corrupt``."""
+    ids, metric, steps = request.corrupt_ids, request.metric, request.steps
+    if steps == 1:
+        grads, value = backend.run(NODE_GRADIENTS, NodeGradientsRun(ids, metric, list(request.sites)))
+        return {name: g.cpu() for name, g in grads.items()}, value
+    out, value = {}, float("nan")
+    for site in request.sites:
+        grads, value = backend.run(NODE_GRADIENTS, NodeGradientsRun(ids.expand(steps, -1), metric, [site],
+                                                                    request.deltas[site.name]))
+        out[site.name] = grads[site.name].cpu()
+    return out, value
 
 
-NODE_GRADIENTS = register_program(Program("node_gradients", 1, "gradients", node_gradients_body,
-                                          "d metric / d x at each SAE's written value (a feature circuit's nodes)"))
-EDGE_PULLBACKS = register_program(Program("edge_pullbacks", 1, "gradients", edge_pullbacks_body,
-                                          "one backward per downstream SAE node, batched (a feature circuit's edges)"))
+def edge_pullbacks(backend: Any, request: EdgePullbacksRequest) -> torch.Tensor:
+    """Row ``r``: ``d (weights[r] · node_r) / dx`` at ``upstream``'s written value on the corrupt
+    run, ``[len(nodes), T, d]`` (float32, on the CPU): :data:`EDGE_PULLBACKS` in one trace."""
+    ids = request.corrupt_ids.expand(len(request.nodes), -1)
+    return backend.run(EDGE_PULLBACKS, EdgePullbacksRun(ids, request.upstream, request.downstream, list(request.nodes),
+                                                        list(request.weights))).cpu()

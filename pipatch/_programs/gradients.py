@@ -15,16 +15,17 @@ runs inference only) refuses it in one line.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .._model.cells import Metric, Op
 from .._model.sites import Site
-from ._program import Program, View, register_program
+from ._inputs import TokenIds
+from ._program import Needs, Program, View, register_program
 
-__all__ = ["GRADIENTS", "GradientRequest", "gradients", "gradients_body"]
+__all__ = ["GRADIENTS", "GradientRequest", "gradients", "gradients_body", "gradients_program"]
 
 
 def gradients_body(view: View, site: Site, metric: Metric, prompt: int,
@@ -56,24 +57,34 @@ def gradients_body(view: View, site: Site, metric: Metric, prompt: int,
     return values, grads[::-1], score.detach()
 
 
-GRADIENTS = register_program(Program("gradients", 1, "gradients", gradients_body,
-                                     "d metric / d site at every layer: one forward, one backward"))
-
-
 @dataclass
 class GradientRequest:
-    """The gradient pass of ``input_ids`` ([1, T]) for ``metric`` at ``site``, under ``ops``
-    (writes at the embedding output: a noised run's)."""
+    """The gradient pass of the run inputs ``ids`` (the prompt, ``prompt`` positions long, and a
+    multi-token answer's continuations, :meth:`~pipatch._model.cells.Metric.inputs`) for ``metric``
+    at ``site``, under ``ops`` (writes at the embedding output: a noised run's)."""
 
-    input_ids: torch.Tensor
+    ids: TokenIds
     metric: Metric
     site: Site
-    ops: Sequence[Op] = ()
+    prompt: int
+    ops: list[Op] = field(default_factory=list)
+
+
+def gradients_program(view: View, request: GradientRequest) -> tuple[list[Any], list[Any], Any]:
+    """:data:`GRADIENTS`' body: :func:`gradients_body` of the request."""
+    return gradients_body(view, request.site, request.metric, request.prompt, request.ops)
+
+
+GRADIENTS = register_program(Program("gradients", 2, Needs(writes=True, backward=True, each_row=False),
+                                     gradients_program, "d metric / d site at every layer: one forward, one backward",
+                                     inputs=GradientRequest))
 
 
 def gradients(backend: Any, input_ids: torch.Tensor, metric: Metric, site: Site,
               ops: Sequence[Op] = ()) -> tuple[list[Any], list[Any], float]:
     """``(values, grads, metric)`` of ``site`` at every layer (:func:`gradients_body`), of the
-    run under ``ops`` (none: the plain run)."""
-    values, grads, value = backend.run(GRADIENTS, GradientRequest(input_ids, metric, site, list(ops)))
+    run under ``ops`` (none: the plain run), through the backend's one path for programs."""
+    request = GradientRequest(metric.inputs(input_ids), metric, site, int(input_ids.shape[1]),
+                              [op.compact() for op in ops])
+    values, grads, value = backend.run(GRADIENTS, request)
     return list(values), list(grads), float(value)

@@ -29,9 +29,10 @@ import torch
 
 from .._model.cells import Metric
 from .._model.sites import RESID
-from ._program import Program, View, register_program
+from ._inputs import Position, TokenIds
+from ._program import Needs, Program, View, register_program
 
-__all__ = ["LENS", "LensRequest", "LensOut", "lens", "lens_body", "head_values", "CHUNK"]
+__all__ = ["LENS", "LensRequest", "LensOut", "lens", "lens_body", "lens_program", "head_values", "CHUNK"]
 
 #: Lens readings unembedded at once: what one pass over the unembedding holds. A rank needs
 #: every logit of each reading (64 of Gemma 3's 262,144-token vocabulary: 64 MiB in float32),
@@ -81,21 +82,28 @@ def lens_body(view: View, metric: Metric, positions: Sequence[int]) -> LensOut:
     return LensOut(values.reshape(stacked.shape[:2]), stacked.cpu(), output, top1)
 
 
-LENS = register_program(Program("lens", 1, "", lens_body,
-                                "one run of a prompt: every block's output at given positions, read through the head"))
-
-
 @dataclass
 class LensRequest:
-    """A lens read: the prompt ``input_ids`` ([1, T]) run once, its blocks' outputs read at
-    ``positions`` (prompt positions, 0 … T − 1) and scored by ``metric``."""
+    """A lens read: the run's input ``ids`` (the prompt and a multi-token answer's earlier
+    tokens, :meth:`~pipatch._model.cells.Metric.inputs`, ``[1, T']``) run once, its blocks' outputs
+    read at ``positions`` (prompt positions) and scored by ``metric``."""
 
-    input_ids: torch.Tensor
+    ids: TokenIds
     metric: Metric
-    positions: Sequence[int]
+    positions: list[Position]
+
+
+def lens_program(view: View, request: LensRequest) -> LensOut:
+    """:data:`LENS`' body: :func:`lens_body` of the request."""
+    return lens_body(view, request.metric, request.positions)
+
+
+LENS = register_program(Program("lens", 2, Needs(each_row=False), lens_program,
+                                "one run of a prompt: every block's output at given positions, read through the head",
+                                inputs=LensRequest, answers=(LensOut,)))
 
 
 def lens(backend: Any, input_ids: torch.Tensor, metric: Metric, positions: Sequence[int]) -> LensOut:
     """Run the lens read of ``input_ids`` ([1, T]) at ``positions`` on ``backend``: one
-    forward (:class:`LensOut`)."""
-    return backend.run(LENS, LensRequest(input_ids, metric, list(positions)))
+    forward (:class:`LensOut`), through the backend's one path for programs."""
+    return backend.run(LENS, LensRequest(metric.inputs(input_ids), metric, [int(p) for p in positions]))

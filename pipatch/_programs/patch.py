@@ -34,7 +34,7 @@ import torch
 
 from .._model.cells import Base, Cell, Metric, Op
 from .._model.models import PipatchError
-from ._program import Program, View, in_forward_order, register_program
+from ._program import Needs, Program, View, in_forward_order, register_program
 
 __all__ = ["PATCH", "METRICS", "PatchRequest", "patch", "metrics", "patch_body", "OUTS"]
 
@@ -71,7 +71,7 @@ def _apply(view: View, op: Op, job: int, layer: int, reads: list[list[torch.Tens
         reads[job].append(got)
 
 
-PATCH = register_program(Program("patch", 1, "", patch_body, "a batch of cells: each run's ops in forward order, "
+PATCH = register_program(Program("patch", 1, Needs(writes=True), patch_body, "a batch of cells: each run's ops in forward order, "
                                  "then the metric (or the states it is read from, or the logits)"))
 
 
@@ -132,7 +132,7 @@ def metrics_body(view: View, items: Sequence[tuple[Metric, torch.Tensor]]) -> li
     return view.unembedding.metrics(items)
 
 
-METRICS = register_program(Program("metrics", 1, "pools_unembedding", metrics_body,
+METRICS = register_program(Program("metrics", 1, Needs(shortcut="pools_unembedding"), metrics_body,
                                    "metrics of many batches' states in one pass over the unembedding"))
 
 

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"most requests one key may have in flight (default {REQUESTS_IN_FLIGHT})")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when torch sees a GPU)")
+    parser.add_argument("--programs", action="append", default=[], metavar="MODULE",
+                        help="also run the programs this module registers (repeatable; importable here, "
+                             "e.g. on PYTHONPATH); installed packages' pipatch.programs entry points load too")
     parser.add_argument("--allow-client-code", action="store_true",
                         help="also run nnsight traces (Python code) that clients send, on nnsight's own routes "
                              "(default: off; pipatch clients send programs by name)")
@@ -225,16 +228,20 @@ def _engine_args(words: list[str]) -> dict[str, Any]:
 def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     import uvicorn
 
-    from .._backends._served_programs import PROGRAM_FORMAT, PROGRAMS, Bounds
+    from .._backends._served_programs import PROGRAM_FORMAT, Bounds, served_programs
     from .._backends._vllm_engine import vllm_adapter
     from .._backends._vllm_load import build_vllm
     from .._compat import nnsight as nnsight_compat
     from .._compat import vllm as vllm_compat
     from .._model.models import EMBEDDED_NAME, TREE_ID
+    from .._programs._program import load_programs
 
     server = nnsight_compat.serve_server()
     label = args.model or EMBEDDED_NAME
     nnsight_compat.check_server(server)  # before the engine's minute: one line if this nnsight differs
+    added = load_programs(args.programs)  # the operator's modules: a client never sends code
+    if added:
+        print(f"pipatch serve: programs of the modules named: {', '.join(added)}", flush=True)
     print(f"pipatch serve: starting {label} (the engine takes about a minute) ...", flush=True)
     model = build_vllm(args.model, dtype=args.dtype, device=args.device, engine_args=engine_args, mode="async")
     try:
@@ -253,7 +260,7 @@ def _serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         "max_model_len": int(config.model_config.max_model_len),
         "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
         "pipatch": _version("pipatch"), "nnsight": _version("nnsight"), "vllm": _version("vllm"),
-        "program_format": PROGRAM_FORMAT, "programs": sorted(PROGRAMS), "client_code": bool(args.allow_client_code),
+        "program_format": PROGRAM_FORMAT, "programs": served_programs(), "client_code": bool(args.allow_client_code),
     }
     # pipatch's CPU workers name their tree (pipatch._backends._vllm_cpu_worker); nnsight's CUDA worker
     # does not, and an engine in another process takes no function to run on its workers.

@@ -194,6 +194,7 @@ def test_two_processes_converting_the_embedded_model_at_once(tmp_path):
         assert 0.4 < float(out.strip().splitlines()[-1]) < 0.6
     folders = [f for f in tmp_path.iterdir() if not f.name.startswith(".")]
     assert len(folders) == 1 and (folders[0] / "model.safetensors").exists()
+    assert (tmp_path / f".{folders[0].name}.lock").is_file()  # they took turns: one converted, one waited
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".convert-")]  # no debris
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)

@@ -192,6 +192,14 @@ def test_a_list_of_prompts_needs_a_subject_to_name_positions(model):
 # --------------------------------------------------------------------------------------------
 
 
+class _Read(Exception):
+    """Raised by :func:`patched_lens`'s hook on the unembedding's input once it has read it.
+
+    The patched run's logits (every row, every position: most of the run's arithmetic on a
+    262k vocabulary) were never used, only the unembedding's input; the run stops there, so
+    what is read is the same forward's, bit for bit."""
+
+
 def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("prob",),
                  foil: str | None = None, rank_tolerance: float | None = None) -> dict[str, torch.Tensor]:
     """Per metric, [layers, positions]: the lens as pipatch computed it before it read (the old
@@ -238,8 +246,12 @@ def patched_lens(model, prompt: str, answer: str, metrics: tuple[str, ...] = ("p
 
         def keep(mod, args):
             read["hidden"] = args[0][:, T - 1 : T - 1 + m].detach().clone()
+            raise _Read  # the patched run's own logits are never used: stop before the unembedding
 
-        hooked([(blocks[-1], "post", write), (unembed, "pre", keep)], lambda: hf(run_ids.repeat(T, 1)))
+        try:
+            hooked([(blocks[-1], "post", write), (unembed, "pre", keep)], lambda: hf(run_ids.repeat(T, 1)))
+        except _Read:
+            pass
         for metric in metrics:
             grids[metric][layer] = head.metric(scorers[metric], read["hidden"][:, None])
         if "logit_diff" in metrics and foil_ids is not None:

@@ -46,9 +46,10 @@ def ids_of(model, text: str, special: bool = True) -> torch.Tensor:
 def seq_logprob(model, prompt_ids: torch.Tensor, tokens: list[int], hooks=()) -> float:
     """log P(tokens | prompt) teacher-forced: one forward of prompt + tokens[:-1] under ``hooks``."""
     run = torch.cat([prompt_ids, torch.tensor([tokens[:-1]], dtype=prompt_ids.dtype)], dim=1)
-    logp = hooked(list(hooks), lambda: logits_of(model, run))[0].double().log_softmax(-1)  # float64: the true value to 1e-12
-    T = prompt_ids.shape[1]
-    return sum(float(logp[T - 1 + j, t]) for j, t in enumerate(tokens))
+    # The last len(tokens) positions are the ones read (after the prompt and each earlier token).
+    logits = hooked(list(hooks), lambda: logits_of(model, run, keep=len(tokens)))[0]
+    logp = logits.double().log_softmax(-1)  # float64: the true value to 1e-12
+    return sum(float(logp[j, t]) for j, t in enumerate(tokens))
 
 
 def reference_metric(model, prompt_ids, name: str, answer: list[int], foil: list[int] | None, hooks=()) -> float:

@@ -69,8 +69,22 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
-    process = Spawned("--api-key", KEY)
+def toy_folder(tmp_path_factory):
+    """Where the toy program's module is written (:mod:`tests._toy_program`): the server's
+    operator names it (``--programs``), the client imports it."""
+    from tests._toy_program import toy_program
+
+    folder = tmp_path_factory.mktemp("programs")
+    toy_program(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(toy_folder):
+    from tests._toy_program import toy_module_name
+
+    path = os.pathsep.join(p for p in (str(toy_folder), os.environ.get("PYTHONPATH", "")) if p)
+    process = Spawned("--api-key", KEY, "--programs", toy_module_name(toy_folder), env={"PYTHONPATH": path})
     print(f"server ready in {process.start_s:.1f} s, {process.rss_gb():.1f} GB, {len(process.tree)} processes")
     yield process
     try:
@@ -540,6 +554,35 @@ def test_a_notebook_cell_fills_a_live_grid_from_the_server(server, tmp_path):
         kernel.close()
 
 
+def test_a_toy_program_runs_on_the_server_as_the_hook_reference(served, server, model, toy_folder):
+    """One way a program reaches a model: the toy program (``tests/_toy_program.py``, in a
+    module of its own that the server's operator names with ``--programs``) goes to the server
+    by name, its request encoded from its declared inputs (no code travels), one invoke per
+    row; equal to the plain-hook reference on the transformers model within the backends'
+    tolerance (``assert_close``: the residual stream's own values' rtol). A server that does
+    not run a program says so in one line, before anything is sent."""
+    import dataclasses
+
+    from pipatch._model.sites import site as site_named
+    from tests._toy_program import hook_norms, toy_program
+
+    toy = toy_program(toy_folder)
+    backend = backend_for(served)
+    assert backend.server.info["programs"]["site_norms"] == 1
+    rows = [model.tokenizer(text, return_tensors="pt").input_ids[0, :7] for text in (EIFFEL, COLOSSEUM)]
+    ids = torch.stack(rows)
+    for name in ("resid", "mlp"):
+        got = backend.run(toy.SITE_NORMS, toy.NormsRequest(ids, site_named(name)))
+        want = hook_norms(model, ids, name)
+        for mine, theirs in zip(got, want):
+            assert_close(mine, theirs)
+    newer = dataclasses.replace(toy.SITE_NORMS, version=2)
+    with pytest.raises(PipatchError) as error:
+        backend.run(newer, toy.NormsRequest(ids, site_named("resid")))
+    assert "\n" not in str(error.value) and "runs version 1 of the site_norms program" in str(error.value)
+    assert "pipatch serve --programs" in str(error.value)
+
+
 def test_sigterm_stops_the_server_and_every_process_it_started(server):
     assert len(server.tree) >= 3  # the web server, the engine core, its worker
     started = time.perf_counter()
@@ -550,3 +593,4 @@ def test_sigterm_stops_the_server_and_every_process_it_started(server):
     print(f"stopped in {time.perf_counter() - started:.1f} s")
     assert server.alive() == [], f"left running: {server.alive()}"
     assert "pipatch serve: stopped" in "".join(server.lines)
+

@@ -589,3 +589,28 @@ def test_a_site_that_encodes_patches_on_vllm_as_the_hook_reference(vllm_model, m
     want = patch_grid(model, "resid", ids[0], ids[1], answer, foil, positions=[2, 3, -1])
     assert_close(result.raw["doubled"][0], want)
     assert (want - result.corrupt).abs().max() > 1e-2
+
+
+def test_a_toy_program_runs_on_vllm_as_the_hook_reference(vllm_model, model, tmp_path):
+    """One way a program reaches a model: the toy program (``tests/_toy_program.py``: a site's
+    norm at every layer, in a module of its own, no pipatch file changed) runs in the engine's
+    worker through the generic request (one request per row, in one trace), equal to the
+    plain-hook reference on the transformers model within the backends' tolerance (a norm
+    sums 640 squares of states that differ by the engines' float32 rounding: ``assert_close``'s
+    rtol, as the residual stream's own values)."""
+    from pipatch._model.sites import site as site_named
+    from tests._toy_program import hook_norms, toy_program
+
+    toy = toy_program(tmp_path)
+    backend = backend_for(vllm_model)
+    rows = [model.tokenizer(text, return_tensors="pt").input_ids[0, :7] for text in (EIFFEL, COLOSSEUM)]
+    ids = torch.stack(rows)
+    for name in ("resid", "mlp"):
+        with backend.log.recording() as events:
+            got = backend.run(toy.SITE_NORMS, toy.NormsRequest(ids, site_named(name)))
+        assert [e["invokes"] for e in events if e["event"] == "requests"] == [2]  # a request per row, one trace
+        want = hook_norms(model, ids, name)
+        worst = max(float(((g - w).abs() / w.abs().clamp_min(1)).max()) for g, w in zip(got, want))
+        print(f"{name}: max relative |Δ| {worst:.2g}")
+        for mine, theirs in zip(got, want):
+            assert_close(mine, theirs)

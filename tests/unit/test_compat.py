@@ -6,6 +6,7 @@ No model is loaded but tiny random ones (tests/_tiny.py)."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import io
 import pkgutil
@@ -30,9 +31,11 @@ def _compat_modules() -> dict[str, object]:
             for info in pkgutil.iter_modules([str(COMPAT)])}
 
 
+@functools.cache
 def _code(path: Path) -> str:
     """``path``'s source without comments and docstrings (bare string statements): what it
-    does, not what it says."""
+    does, not what it says. Read once per file (every private name of every library is looked
+    for in it)."""
     source = path.read_text("utf-8")
     lines = source.splitlines(keepends=True)
     for node in ast.walk(ast.parse(source)):
@@ -56,10 +59,17 @@ def _uses(path: Path, library: str, name: str) -> list[int]:
     else:
         pattern = re.compile(rf"\.{re.escape(name)}\b|[\"']{re.escape(name)}[\"']")
     found = [i + 1 for i, line in enumerate(code.splitlines()) if pattern.search(line)]
-    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == library:
-            found += [node.lineno for alias in node.names if alias.name == name]
+    found += [line for module, imported, line in _imports_from(path)
+              if module.split(".")[0] == library and imported == name]
     return sorted(set(found))
+
+
+@functools.cache
+def _imports_from(path: Path) -> tuple[tuple[str, str, int], ...]:
+    """``path``'s absolute ``from MODULE import NAME`` imports, lazy ones included:
+    ``(MODULE, NAME, line)`` each."""
+    return tuple((node.module or "", alias.name, node.lineno) for node in ast.walk(ast.parse(path.read_text("utf-8")))
+                 if isinstance(node, ast.ImportFrom) and node.level == 0 for alias in node.names)
 
 
 def test_every_compat_module_lists_its_private_names_and_uses_them():

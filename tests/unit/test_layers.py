@@ -39,9 +39,9 @@ LAYERS = (
     "_studies",      # one experiment over many facts, stored
     "_serving",      # pipatch serve and its guard
 )
-#: The top level: the public API (``__init__``), the public ``tasks`` module and the two front
-#: ends (the CLI, the magics). Above every layer.
-TOP = ("__init__", "cli", "_magics", "tasks")
+#: The top level: the public API (``__init__``), the public ``tasks`` and ``extend`` modules and
+#: the two front ends (the CLI, the magics). Above every layer.
+TOP = ("__init__", "cli", "_magics", "tasks", "extend")
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,7 @@ from pipatch._backends._served_programs import (
     encode,
     pipatch_version,
 )
-from pipatch._backends._vllm_worker import (
-    capture_request,
-    circuit_baselines_request,
-    circuit_request,
-    head_request,
-    lens_request,
-    patch_request,
-)
+from pipatch._backends._vllm_worker import capture_request, head_request, patch_request, program_request
 from pipatch._model.cells import Metric, Op
 from pipatch._model.models import Adapter, PipatchError
 from pipatch._model.sites import EMBED, HEAD, MLP, RESID, Site, projection
@@ -78,12 +71,24 @@ def test_every_program_arrives_as_it_was_sent():
     round_trip(capture_request, [(IDS, (ADAPTER, METRIC, [MLP, RESID], ops[:1], 6)),
                                  (IDS, (ADAPTER, Metric("rank", (9,)), None, [], 6))])
     round_trip(head_request, [(IDS[:1], (ADAPTER, METRIC, torch.randn(3, 1, 32)))])
-    round_trip(lens_request, [(IDS, (ADAPTER, METRIC, [0, 3, -1]))])
-    round_trip(circuit_baselines_request, [(IDS, (ADAPTER,)), (IDS[:4], (ADAPTER,))])
-    round_trip(circuit_request, [(IDS, (ADAPTER, METRIC, torch.rand(5, 3, 4) > 0.5, torch.randn(1, 6, 32), means)),
-                                 (IDS, (ADAPTER, METRIC, torch.rand(5, 3, 4), torch.randn(1, 6, 32), None))])
-    assert set(PROGRAMS) == {"capture_request", "patch_request", "head_request", "lens_request",
-                             "circuit_baselines_request", "circuit_request"}
+    assert set(PROGRAMS) == {"capture_request", "patch_request", "head_request"}  # the vLLM backend's own bodies
+    # Every other program by name, its request from its declared inputs (one invoke per row).
+    from pipatch._programs import CIRCUIT_BASELINES, CIRCUIT_RUN, LENS
+    from pipatch._programs.circuit import BaselinesRequest, MasksRequest
+    from pipatch._programs.lens import LensRequest
+
+    ids = torch.tensor([IDS])
+    for program, request in [(LENS, LensRequest(ids, METRIC, [0, 3, -1])),
+                             (CIRCUIT_BASELINES, BaselinesRequest(torch.tensor([IDS, IDS[::-1]]))),
+                             (CIRCUIT_RUN, MasksRequest(ids, METRIC, torch.rand(5, 3, 4) > 0.5, torch.randn(1, 6, 32), means)),
+                             (CIRCUIT_RUN, MasksRequest(ids, METRIC, torch.rand(5, 3, 4), torch.randn(1, 6, 32), None))]:
+        parts = rows_apart(request)
+        got = decode(encode(program_request, [(p.ids[0].tolist(), (ADAPTER, program.name, p)) for p in parts], 0,
+                            ADAPTER), BOUNDS)
+        assert got.program == program.name and got.body is program_request and len(got.jobs) == len(parts)
+        for (_, (name, mine)), sent in zip(got.jobs, parts):
+            assert name == program.name and type(mine) is type(sent)
+            assert all(same(getattr(mine, f.name), getattr(sent, f.name)) for f in dataclasses.fields(sent)), program
 
 
 def test_the_server_uses_its_own_sites_and_adapter():
@@ -109,10 +114,13 @@ def test_values_that_do_not_fit_the_model_are_refused():
         (patch_request, [(IDS, (ADAPTER, METRIC, [], False, too_wide))], 2, "33 wide, not the model's 32"),
         (head_request, [(IDS[:1], (ADAPTER, METRIC, torch.randn(3, 32)))], 0, "of 3 dimensions"),
         (patch_request, [(IDS, (ADAPTER, Metric("prob", (1000,)), [], False, None))], 0, "token ids in [0, 1000)"),
-        (lens_request, [(IDS, (ADAPTER, METRIC, [64]))], 0, "item is 64"),
         (patch_request, [(IDS, (ADAPTER, METRIC, [], False, (5, torch.randn(6, 32), True)))], 4, "below is 5"),
         (patch_request, [(IDS, (ADAPTER, METRIC, [], False, (1, torch.randn(6, 32), True)))], 2, "skips 2 blocks"),
     ]
+    from pipatch._programs.lens import LensRequest
+
+    lens = LensRequest(torch.tensor([IDS]), METRIC, [64])
+    cases.append((program_request, [(IDS, (ADAPTER, "lens", lens))], 0, "positions[0] is 64, not a whole number in [-64, 64)"))
     for body, jobs, skip, words in cases:
         with pytest.raises(BadRequest) as error:
             decode(encode(body, jobs, skip, ADAPTER), BOUNDS)
@@ -287,3 +295,122 @@ def test_a_prompt_over_the_context_names_the_limit_only_where_the_limit_is_below
     with pytest.raises(BadRequest) as refused:
         decode(encode(patch_request, [long_job], 0, ADAPTER), at_context)
     assert not isinstance(refused.value, OverLimit) and "more than 63" in str(refused.value)
+
+
+# --------------------------------------------------------------------------------------------
+# A program with declared inputs: its request encoded and checked from its declaration
+# --------------------------------------------------------------------------------------------
+
+from dataclasses import dataclass as _dataclass  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+from pipatch._programs import PROGRAMS as _REGISTERED  # noqa: E402
+from pipatch._programs import Floats, Layer, Needs, Position, Program, TokenIds, per_row  # noqa: E402
+from pipatch._programs._inputs import rows_apart  # noqa: E402
+
+
+@_dataclass
+class _Everything:
+    """A request of every kind a declaration may say (the wire format comes from these hints)."""
+
+    ids: TokenIds
+    metric: Metric
+    site: Site
+    sites: list[Site]
+    ops: list[list[Op]] = per_row()
+    layer: Layer = 0
+    position: Position = -1
+    scale: float = 1.0
+    flag: bool = False
+    label: str = ""
+    state: Annotated[torch.Tensor, Floats(dims=(2,), width=True)] | None = None
+    means: Baselines | None = None
+    positions: tuple[int, ...] = ()
+
+
+def _program(name: str = "test_everything", version: int = 1) -> Program:
+    program = Program(name, version, Needs(), lambda view, request: [], "every kind of field", inputs=_Everything)
+    _REGISTERED[name] = program  # registered as a module's import would (kept: later tests read it)
+    return program
+
+
+def _jobs(request, name="test_everything"):
+    return [(part.ids[0].tolist(), (ADAPTER, name, part)) for part in rows_apart(request)]
+
+
+def _everything(rows: int = 2) -> _Everything:
+    ops = [[Op(HEAD, 2, (slice(None), slice(-1, None), slice(8, 16)), torch.randn(1, 1, 8))] for _ in range(rows)]
+    return _Everything(torch.tensor([IDS] * rows), METRIC, MLP, [RESID, HEAD], ops, 3, -2, 0.5, True, "a label",
+                       torch.randn(6, 32), Baselines(*(torch.randn(1, 4, 6, 32) for _ in Baselines._fields)), (0, -1))
+
+
+def test_a_declared_request_arrives_row_by_row_as_it_was_sent():
+    """Each row travels as one invoke: its token ids, its per-row fields cut to it, the other
+    fields as they are; the server rebuilds the request type from its own declaration."""
+    _program()
+    request = _everything()
+    got = decode(encode(program_request, _jobs(request), 0, ADAPTER), BOUNDS)
+    assert got.program == "test_everything" and got.body is program_request and got.skip == 0
+    for (ids, (name, part)), want in zip(got.jobs, rows_apart(request)):
+        assert ids == IDS and name == "test_everything" and type(part) is _Everything
+        for item in dataclasses.fields(_Everything):
+            assert same(getattr(part, item.name), getattr(want, item.name)), item.name
+    assert part.site is MLP and part.sites[0] is RESID  # the server's own sites, by name
+
+
+BAD_FIELDS = [
+    ("layer", 4, "layer is 4, not a whole number in [0, 4)"),
+    ("position", 64, "position is 64, not a whole number in [-64, 64)"),
+    ("scale", float("nan"), "scale is nan, not a finite number"),
+    ("flag", 1, "flag is 1, not True or False"),
+    ("label", "two\nlines", "label is 'two\\nlines', not a line"),
+    ("state", torch.randn(6, 33), "33 wide, not the model's 32"),
+    ("state", torch.randn(6), "of 2 dimensions"),
+    ("site", "embed_tokens.weight", "no site of this model"),
+    ("metric", {"name": "exec", "answer": [1], "foil": None}, "no metric"),
+    ("means", {"x": torch.zeros(1)}, "not Baselines {embedded, x, z, x_mid, mlp, x_final}"),
+    ("positions", [0, 1], "not a tuple"),
+]
+
+
+@pytest.mark.parametrize("field, value, words", BAD_FIELDS, ids=[f"{case[0]}={case[1]!r}"[:40] for case in BAD_FIELDS])
+def test_a_declared_field_that_does_not_fit_is_refused_in_one_line(field, value, words):
+    import io
+
+    program = _program()
+    blob = encode(program_request, _jobs(_everything(1)), 0, ADAPTER)
+    sent = torch.load(io.BytesIO(blob), weights_only=True)
+    sent["jobs"][0][1][field] = value
+    buffer = io.BytesIO()
+    torch.save(sent, buffer)
+    with pytest.raises(BadRequest) as error:
+        decode(buffer.getvalue(), BOUNDS)
+    message = str(error.value)
+    assert "\n" not in message and words in message and message.startswith(f"jobs[0] {field}"), message
+    assert program.name in _REGISTERED
+
+
+def test_a_program_the_server_lacks_or_runs_in_another_version_is_refused():
+    import io
+
+    _program()
+    blob = encode(program_request, _jobs(_everything(1)), 0, ADAPTER)
+    for change, words in ((dict(version=2), "runs the test_everything program version 1, the request is for version 2"),
+                          (dict(program="test_nothing"), "unknown program 'test_nothing'"),
+                          (dict(skip=2), "skips 2 blocks but its invokes skip none")):
+        sent = torch.load(io.BytesIO(blob), weights_only=True)
+        sent.update(change)
+        buffer = io.BytesIO()
+        torch.save(sent, buffer)
+        with pytest.raises(BadRequest) as error:
+            decode(buffer.getvalue(), BOUNDS)
+        assert "\n" not in str(error.value) and words in str(error.value), str(error.value)
+
+
+def test_a_request_type_without_runs_is_refused_when_the_program_is_made():
+    @_dataclass
+    class NoRuns:
+        site: Site
+
+    with pytest.raises(TypeError, match="needs a field ids: TokenIds"):
+        Program("no_runs", 1, Needs(), lambda view, request: [], "", inputs=NoRuns)
