@@ -88,7 +88,8 @@ test: chromium
 .PHONY: _test-all _test-light
 _test-all:
 	$(MAKE) --no-print-directory -Oline _test-light install-vllm
-	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m "not vllm" tests/integration --ignore=tests/integration/test_vllm.py \
+	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm" tests/integration \
+		--ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
 		--ignore=tests/integration/test_served_guard.py
@@ -106,14 +107,24 @@ test-unit: $(STAMP)
 # the served backend's, which start one `pipatch serve` (~7.4 GB) and stop it.
 # PIPATCH_REQUIRE_VLLM=1: in the venv built for them these suites must run; a skip (vllm that
 # fails to import, a missing psutil) or a run where nothing passed fails (tests/_require.py).
+# Two lanes of one torch thread each (the in-process engine's modules beside the served ones,
+# about 13 GB together), then the tensor-parallel modules, whose two ranks take both cores.
+# vLLM's CPU worker makes torch.set_num_threads a no-op, so the lanes' threads are set here,
+# before an engine starts.
 test-vllm: export PIPATCH_REQUIRE_VLLM := 1
 test-vllm: install-vllm
+	$(MAKE) --no-print-directory -j2 -Oline _vllm-engine _vllm-served
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_tp.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_tp.py
+
+.PHONY: _vllm-engine _vllm-served
+_vllm-engine _vllm-served: export OMP_NUM_THREADS := 1
+_vllm-engine:
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm.py
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_kernel.py
-	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_tp.py
+_vllm-served:
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served.py
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_guard.py
-	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_tp.py
 
 test-py: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e and not vllm" tests/unit tests/integration --ignore=tests/integration/test_vllm.py \

@@ -40,6 +40,25 @@ def _test_threads():
     if _TEST_THREADS and torch.get_num_threads() != _TEST_THREADS:
         torch.set_num_threads(_TEST_THREADS)
 
+#: The integration modules that take longest, longest first (their tests' seconds summed over a
+#: make test run: docs/testing.md, "Where the time goes"). pytest-xdist hands each worker one
+#: module at a time (--dist loadfile) in collection order (make test passes
+#: --no-loadscope-reorder: xdist's own order puts the modules with most tests first, which are
+#: not the longest), so starting the long ones first lets the two workers end together rather
+#: than one of them run the last long module alone. An order only: a module not named here runs
+#: after these, in the usual order (tests/unit/test_suite_guard.py checks each name exists).
+LONGEST_FIRST = ("test_code.py", "test_notebooks.py", "test_lens.py", "test_study.py", "test_ndif.py",
+                 "test_faults.py", "test_tracing.py", "test_multitoken.py", "test_patching.py",
+                 "test_feature_code.py", "test_feature_trace.py", "test_prefix.py", "test_magics.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of :data:`LONGEST_FIRST` first, in its order; each module's tests keep theirs."""
+    first = {name: rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)) if "integration" in item.path.parts
+               else len(first))
+
+
 # Under PIPATCH_REQUIRE_VLLM=1 (make test-vllm) a skip fails the run: see tests/_require.py.
 # The toy experiment's fixtures (toy_dir, toy) serve the unit and the integration tests alike.
 pytest_plugins = ["tests._require", "tests._toy_experiment"]

@@ -257,7 +257,7 @@ def test_a_feature_circuit_scored_on_transformers_is_checked_through_the_server(
     and its faithfulness curve (each SAE's latents and error written as one site) within a
     circuit's checks' 1e-3, as on vLLM in process."""
     options = {**EMBEDDED["feature_circuit"]["kwargs"], "verify": 3, "verify_edges": 2, "curve": 2}
-    assert_same_feature_circuit_checks(served, model, options, "served", curve_atol=ATOL * 10)
+    assert_same_feature_circuit_checks(served, model, options, "served", curve_atol="float32")
 
 
 # --------------------------------------------------------------------------------------------

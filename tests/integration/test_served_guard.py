@@ -248,7 +248,7 @@ def test_a_batch_over_the_byte_limit_goes_as_requests_that_fit(served, server, f
     backend = backend_for(served)
     small = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
     small.server.describe()
-    jobs = _baselines_jobs(backend.adapter, [list(range(1000 + 300 * i, 1200 + 300 * i)) for i in range(8)])  # 200 each
+    jobs = _baselines_jobs(backend.adapter, [list(range(1000 + 300 * i, 1064 + 300 * i)) for i in range(8)])  # 64 each
     whole, one = (len(encode(program_request, part, 0, backend.adapter)) for part in (jobs, jobs[:1]))
     limit = (whole + one) // 2  # half the jobs fit (a request is a fixed part and a part per invoke), all do not
     fitted = small._fitted(program_request, jobs, 0, limit)
@@ -262,7 +262,7 @@ def test_a_batch_over_the_byte_limit_goes_as_requests_that_fit(served, server, f
     assert len(got) == len(parts) == len(whole) == 8
     # Each invoke's baselines, against the same parts sent unlimited and against one request of
     # all 8: the engine schedules the sequences in flight together (the client's parts, sent
-    # one after another or at once, may share an engine step or not: 800 tokens or 1,600), and
+    # one after another or at once, may share an engine step or not: 256 tokens or 512), and
     # its float32 GEMMs block the sums by what they hold. Rounding of ε32 · √K (K ≤ 2,048) per
     # layer over 18 layers: ≈ 1e-4 of each tensor's largest |value|. (Bit for bit held on one
     # machine and not on the next: 0.021 on a block state.)

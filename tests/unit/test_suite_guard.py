@@ -146,3 +146,11 @@ def test_conftest_loads_the_plugin():
     import tests.conftest
 
     assert "tests._require" in tests.conftest.pytest_plugins
+
+
+def test_the_longest_first_order_names_integration_modules_that_exist():
+    from tests.conftest import LONGEST_FIRST
+
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    for name in LONGEST_FIRST:
+        assert (ROOT / "tests" / "integration" / name).is_file(), f"tests/conftest.py LONGEST_FIRST names {name}: gone"
