@@ -2,7 +2,8 @@
 
 A study traces every fact at one noise scale (the embedded model: two known facts whose own
 ``scale="auto"`` differ), an answer missing its leading space is warned about when a trace is
-planned (a tiny model's tokenizer), and a circuit on a CPU takes the CPU's defaults, says its
+planned (a tiny model's tokenizer) and when its ids are read (the embedded model's tokenizer,
+no forward: the tokenizer comes from the converted cache, so not a unit test), and a circuit on a CPU takes the CPU's defaults, says its
 estimate first and measures exactly ``curve`` points (a tiny model). Kept cheap: one seed, the
 residual kind, short prompts, tiny circuits.
 """
@@ -17,6 +18,7 @@ import pipatch
 from pipatch._base.errors import PipatchWarning
 from pipatch._experiments._api import plan
 from pipatch._experiments._circuit_budget import DEVICE_DEFAULTS
+from pipatch._experiments._inputs import answer_ids
 from tests._tiny import tiny_model
 from tests.unit.test_facts import records
 
@@ -76,3 +78,22 @@ def test_a_circuit_on_a_cpu_takes_the_cpu_defaults_says_its_estimate_first_and_m
     assert full.meta["steps"] == gpu["steps"] and len(full.meta["checked"]) == gpu["verify"]
     curve = full.meta["faithfulness"]
     assert len(curve["sizes"]) == gpu["curve"] and curve["size"] in curve["sizes"]
+
+
+def _warned(model, answer: str, prompt: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answer_ids(model, answer, "answer", prompt)
+    return [str(w.message) for w in caught if issubclass(w.category, PipatchWarning)]
+
+
+def test_an_answer_without_its_leading_space_is_warned_about_with_the_fix(model):
+    prompt = "The Eiffel Tower is in the city of"
+    [line] = _warned(model, "Paris", prompt)
+    assert "answer=' Paris'" in line and "\n" not in line
+    [line] = _warned(model, "New York", prompt)  # several tokens: the spaced ones are no more
+    assert "answer=' New York'" in line
+    assert _warned(model, " Paris", prompt) == []
+    assert _warned(model, "Paris", prompt + " ") == []  # the prompt gives the space
+    assert _warned(model, "1945", "The war ended in") == []  # " 1945" is more pieces: no usual word
+    assert _warned(model, ",", prompt) == []

@@ -1,14 +1,12 @@
 """Methodology guards (#45): each says in one line what would make a result mislead, and the fix.
 
 No model runs here: noise scales that mix (in :func:`pipatch.compare` and a study's averages,
-on results built by hand), an answer missing its leading space (the embedded model's own
-tokenizer, no forward), a circuit's low agreement with its exact patches, and how ``curve=N``
+on results built by hand), a circuit's low agreement with its exact patches, and how ``curve=N``
 spends its N points (the curve's own schedule, fed a made-up recovery).
 """
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import pytest
@@ -18,7 +16,6 @@ import pipatch
 from pipatch._base.errors import PipatchWarning
 from pipatch._base.scales import mixed_scales
 from pipatch._experiments._circuit_budget import curve_points, estimate_line, grid_sizes
-from pipatch._experiments._inputs import answer_ids
 from pipatch._experiments.circuits import _Curve
 from pipatch._results.circuit import LOW_AGREEMENT, low_agreement_advice
 from pipatch._results.result import Result
@@ -83,39 +80,6 @@ def test_a_studys_averages_warn_where_its_facts_mix_scales(tmp_path):
     store.set_info("noise_scale", 2.0)
     store.close()
     assert study.noise_scale == 2.0
-
-
-# --------------------------------------------------------------------------------------------
-# An answer missing its leading space
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def embedded_tokenizer():
-    from transformers import AutoTokenizer
-
-    from pipatch._model.models import _embedded_default_dir
-
-    return types.SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(_embedded_default_dir())))
-
-
-def _warned(backend, answer: str, prompt: str) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        answer_ids(backend, answer, "answer", prompt)
-    return _pipatch_warnings(caught)
-
-
-def test_an_answer_without_its_leading_space_is_warned_about_with_the_fix(embedded_tokenizer):
-    prompt = "The Eiffel Tower is in the city of"
-    [line] = _warned(embedded_tokenizer, "Paris", prompt)
-    assert "answer=' Paris'" in line and "\n" not in line
-    [line] = _warned(embedded_tokenizer, "New York", prompt)  # several tokens: the spaced ones are no more
-    assert "answer=' New York'" in line
-    assert _warned(embedded_tokenizer, " Paris", prompt) == []
-    assert _warned(embedded_tokenizer, "Paris", prompt + " ") == []  # the prompt gives the space
-    assert _warned(embedded_tokenizer, "1945", "The war ended in") == []  # " 1945" is more pieces: no usual word
-    assert _warned(embedded_tokenizer, ",", prompt) == []
 
 
 # --------------------------------------------------------------------------------------------
