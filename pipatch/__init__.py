@@ -21,7 +21,8 @@ an installed package registers) are derived from their declarations
 (:mod:`pipatch.extend` declares them): one per registered experiment of :mod:`pipatch._experiments._registry`.
 """
 
-from . import extend, tasks
+from . import extend as extend  # pipatch.extend: the public extension module
+from . import tasks
 from ._backends._load import load_model
 from ._experiments import _api
 from ._experiments._feature_corpus import feature_contexts
