@@ -33,7 +33,7 @@ from .._compat.nnsight import name_worker_tree, torch_module
 from .._model.cells import Metric, Op
 from .._model.models import TREE_ID, Adapter, _get, first
 from .._model.sites import Place, Site, TensorPlace
-from .._programs._inputs import moved
+from .._programs._inputs import moved, on_device
 from .._programs._program import PROGRAMS, View
 from .._programs.capture import capture_body
 from .._programs.circuit import (
@@ -230,20 +230,7 @@ def program_request(model: Any, adapter: Adapter, name: str, request: Any) -> An
     if program is None or program.inputs is None:
         raise RuntimeError(f"pipatch: this engine's worker has no program {name!r} with declared inputs")
     device = next(torch_module(model).parameters()).device
-    return _on_cpu(program.body(RequestView(adapter, model, prompt=int(request.ids.shape[1])), moved(request, device)))
-
-
-def _on_cpu(value: Any) -> Any:
-    """``value``'s tensors on the CPU, through lists, tuples (named too) and dicts."""
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_on_cpu(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    return value
+    return on_device(program.body(RequestView(adapter, model, prompt=int(request.ids.shape[1])), moved(request, device)), "cpu")
 
 
 def _block_input(adapter: Adapter, model: Any) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 import torch
 
 __all__ = ["TokenIds", "Layer", "Position", "Floats", "per_row", "is_per_row", "declared", "rows_of", "rows_apart",
-           "moved", "check_inputs"]
+           "moved", "on_device", "check_inputs"]
 
 
 @dataclass(frozen=True)
@@ -123,17 +123,22 @@ def rows_apart(request: Any) -> list[Any]:
             for i in range(rows_of(request))]
 
 
-def moved(request: Any, device: Any) -> Any:
-    """``request`` with every tensor among its fields (top-level, or in a list, tuple or named
-    tuple of them) on ``device``: where the trace that reads it runs."""
-    def to(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*(to(v) for v in value))
-        if isinstance(value, (list, tuple)):
-            return type(value)(to(v) for v in value)
-        return value
+def on_device(value: Any, device: Any) -> Any:
+    """``value``'s tensors on ``device``, through lists, tuples (named too) and dicts; the rest
+    as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(on_device(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    return value
 
-    return dataclasses.replace(request, **{item.name: to(getattr(request, item.name))
+
+def moved(request: Any, device: Any) -> Any:
+    """``request`` with every tensor among its fields (:func:`on_device`) on ``device``: where
+    the trace that reads it runs."""
+    return dataclasses.replace(request, **{item.name: on_device(getattr(request, item.name), device)
                                           for item in dataclasses.fields(request) if item.init})
