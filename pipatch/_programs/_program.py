@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._base.errors import PipatchError
 from .._model.models import Adapter
 from .._model.sites import Place, Site
 from ._inputs import check_inputs
@@ -166,8 +167,6 @@ class Program:
         cannot run this program: an experiment asks before its first run."""
         why = self.refusal(backend, instead)
         if why is not None:
-            from .._base.errors import PipatchError
-
             raise PipatchError(why)
 
 
@@ -187,8 +186,6 @@ def load_programs(modules: Sequence[str] = (), *, entry_points: bool = True) -> 
     does not import is one :class:`~pipatch.PipatchError` line."""
     import importlib
     import importlib.metadata
-
-    from .._base.errors import PipatchError
 
     before = set(PROGRAMS)
     named = list(modules)
