@@ -433,8 +433,10 @@ LONG_PREFIX = "Tourists from many countries say that "
 
 def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_batches(server, files, served):
     """Alice's sweep of 216 cells (18 layers × 12 positions) in batches of 18; Bob's one-batch
-    sweep, started while it runs, finishes before it and within the time of two of her
-    batches (her sweep's time over its batches)."""
+    sweep, started while it runs, finishes before it, while at most two of her batches start:
+    his request waits for the batch in flight (and may run beside her next), never for her
+    sweep. Counted in her batches, not seconds: the machine's load (the other lane of make
+    test's vLLM modules) slows both alike, so a duration's bound would measure the load."""
     bob = pipatch.load_model(serve=server.url, api_key=BOB, verify=files["cert"])
     pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)  # warm
     alice = ServedBackend(served, Server(server.url, ALICE, verify=files["cert"]))
@@ -443,6 +445,7 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
 
     def sweep():
         with alice.log.recording() as events:
+            long["events"] = events  # read live by the main thread: one "requests" per batch sent
             started = time.perf_counter()
             long["result"] = pipatch.patch(alice, clean=LONG_PREFIX + EIFFEL, corrupt=LONG_PREFIX + COLOSSEUM,
                                            answer=" Paris", foil=" Rome", site="resid", positions=list(range(-12, 0)),
@@ -453,17 +456,21 @@ def test_a_short_sweep_started_during_a_long_one_waits_at_most_about_one_of_its_
     thread = threading.Thread(target=sweep)
     thread.start()
     _wait_for("Alice's sweep on the server", lambda: _load(server, files, ALICE)["yours"] >= 1, 60)
-    started = time.perf_counter()
+
+    def batches_sent() -> int:
+        return sum(event["event"] == "requests" for event in list(long["events"]))
+
+    before, started = batches_sent(), time.perf_counter()
     short = pipatch.lens(bob, EIFFEL, answer=" Paris", positions=[-1], progress=False)
-    timing["short"] = time.perf_counter() - started
+    timing["short"], during = time.perf_counter() - started, batches_sent() - before
     overlapped = thread.is_alive()
     thread.join(300)
     batch = long["seconds"] / long["batches"]
     print(f"long: {long['batches']} batches in {long['seconds']:.1f} s ({batch:.2f} s each); short, during it: "
-          f"{timing['short']:.2f} s")
+          f"{timing['short']:.2f} s, while {during} of her batches were sent")
     assert short.status == long["result"].status == "done" and overlapped
     assert long["result"].grid.numel() >= 200 and long["batches"] >= 11
-    assert timing["short"] <= 2 * batch
+    assert during <= 2, (during, long["batches"])
     alice.server.close()
 
 
